@@ -1,0 +1,141 @@
+"""Exact dyadic rationals ``m * 2**e`` for sums that merge by exact addition (spec section 5.3).
+
+A value is kept canonical: ``m`` odd, or ``m == 0`` with ``e == 0``. Addition is exact integer arithmetic, so it
+is associative and commutative bit for bit; ``to_float`` rounds correctly (ties to even) for display.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import NamedTuple
+
+import numpy as np
+
+__all__ = ["Dyadic", "ZERO", "exact_sums"]
+
+
+class Dyadic(NamedTuple):
+    """The exact value ``m * 2**e``."""
+
+    m: int
+    e: int
+
+    @staticmethod
+    def make(m: int, e: int) -> "Dyadic":
+        """Canonical form of ``m * 2**e``."""
+        if m == 0:
+            return ZERO
+        tz = (m & -m).bit_length() - 1
+        return Dyadic(m >> tz, e + tz)
+
+    @staticmethod
+    def from_float(x: float) -> "Dyadic":
+        """The exact value of a finite float."""
+        if not math.isfinite(x):
+            raise ValueError(f"a dyadic needs a finite value, got {x!r}")
+        n, d = float(x).as_integer_ratio()
+        return Dyadic.make(n, -(d.bit_length() - 1))
+
+    def __add__(self, other: "Dyadic") -> "Dyadic":  # type: ignore[override]
+        if self.m == 0:
+            return other
+        if other.m == 0:
+            return self
+        e = min(self.e, other.e)
+        return Dyadic.make((self.m << (self.e - e)) + (other.m << (other.e - e)), e)
+
+    def to_float(self) -> float:
+        """Correctly rounded float64 (ties to even); +-inf when the magnitude exceeds the float64 range."""
+        try:
+            if self.e >= 0:
+                return float(self.m << self.e)
+            return self.m / (1 << -self.e)
+        except OverflowError:
+            return math.copysign(math.inf, self.m)
+
+    def is_float(self) -> bool:
+        """True when the value is exactly a finite float64 (so the f64 column alone stores it)."""
+        f = self.to_float()
+        return math.isfinite(f) and Dyadic.from_float(f) == self
+
+    def to_bytes(self) -> bytes:
+        """Encoding of spec 5.3: int32 LE exponent, then ``m`` as minimal-length two's complement LE bytes."""
+        mag = self.m if self.m >= 0 else ~self.m
+        n = mag.bit_length() // 8 + 1
+        return struct.pack("<i", self.e) + self.m.to_bytes(n, "little", signed=True)
+
+    @staticmethod
+    def from_bytes(b: bytes) -> "Dyadic":
+        """Inverse of :meth:`to_bytes`; raises ValueError on a non-canonical encoding."""
+        if len(b) < 5:
+            raise ValueError("a dyadic needs at least 5 bytes")
+        (e,) = struct.unpack_from("<i", b)
+        m = int.from_bytes(b[4:], "little", signed=True)
+        d = Dyadic(m, e)
+        if Dyadic.make(m, e) != d or d.to_bytes() != bytes(b):
+            raise ValueError("dyadic encoding is not canonical (mantissa must be odd and minimal-length)")
+        return d
+
+
+ZERO = Dyadic(0, 0)
+
+# Limb plans: (mantissa bits, limb bits, limbs, block elements) chosen so every float64 partial sum in
+# np.bincount stays an integer below 2**53 and is therefore exact.
+_PLAN = {np.dtype(np.float32): (12, 2, 1 << 22), np.dtype(np.float64): (14, 4, 1 << 20)}
+
+
+def _limbs(x: np.ndarray) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, int]:
+    """Split finite x into integer mantissa limbs, exponent (x = sign * sum(limb_k << kL) * 2**e) and sign."""
+    lb, nl, _ = _PLAN[x.dtype]
+    if x.dtype == np.float32:
+        bits = x.view(np.uint32).astype(np.int64)
+        neg = bits >> 31
+        exp = (bits >> 23) & 0xFF
+        m = bits & 0x7FFFFF
+        m = np.where(exp == 0, m, m | 0x800000)
+        e = np.where(exp == 0, 1, exp) - 127 - 23
+    else:
+        bits = x.view(np.uint64)
+        neg = (bits >> np.uint64(63)).astype(np.int64)
+        exp = ((bits >> np.uint64(52)) & np.uint64(0x7FF)).astype(np.int64)
+        m = (bits & np.uint64((1 << 52) - 1)).astype(np.int64)
+        m = np.where(exp == 0, m, m | (1 << 52))
+        e = np.where(exp == 0, 1, exp) - 1023 - 52
+    mask = (1 << lb) - 1
+    limbs = [(m >> (lb * k)) & mask for k in range(nl)]
+    return limbs, e, neg, lb
+
+
+def _combine(weights: dict[int, np.ndarray], base: int, shift_unit: int) -> Dyadic:
+    """Sum over limb position k and exponent slot j of weights[k][j] * 2**(k*shift_unit + j + base), exactly."""
+    total = 0
+    for k, w in weights.items():
+        nz = np.nonzero(w)[0]
+        for j in nz.tolist():
+            total += int(w[j]) << (k * shift_unit + j)
+    return Dyadic.make(total, base)
+
+
+def exact_sums(x: np.ndarray) -> tuple[Dyadic, Dyadic]:
+    """Exact sum and sum of squares of a flat float32 or float64 array of finite values."""
+    if x.size == 0:
+        return ZERO, ZERO
+    lb, nl, block = _PLAN[x.dtype]
+    emin = -149 if x.dtype == np.float32 else -1074
+    span = (254 if x.dtype == np.float32 else 2046) + 1
+    total_s, total_q = ZERO, ZERO
+    for start in range(0, x.size, block):
+        limbs, e, neg, _ = _limbs(x[start : start + block])
+        slot = e - emin
+        sign = 1.0 - 2.0 * neg
+        # every float64 partial sum inside one block is an integer below 2**53, hence exact
+        s_w = {k: np.bincount(slot, weights=limbs[k] * sign, minlength=span) for k in range(nl)}
+        # squares: (sum_k a_k 2^(kL))^2 = sum_c 2^(cL) * sum_{i+j=c} a_i a_j, at exponent slot 2*(e-emin)
+        q_w = {}
+        for c in range(2 * nl - 1):
+            acc = sum(limbs[i] * limbs[c - i] for i in range(max(0, c - nl + 1), min(c, nl - 1) + 1))
+            q_w[c] = np.bincount(2 * slot, weights=acc.astype(np.float64), minlength=2 * span)
+        total_s = total_s + _combine(s_w, emin, lb)
+        total_q = total_q + _combine(q_w, 2 * emin, lb)
+    return total_s, total_q

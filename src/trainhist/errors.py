@@ -1,0 +1,94 @@
+"""One exception hierarchy for everything trainhist raises on purpose.
+
+Every error has a stable ``code`` (a short snake_case string that scripts and the conformance suite match on),
+and, where it concerns a file, the ``path`` and byte ``offset`` it was found at. Messages say what was expected,
+what was found, where, and how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TrainhistError",
+    "FormatError",
+    "CorruptError",
+    "UnsupportedError",
+    "LimitError",
+    "SchemaError",
+    "MergeError",
+    "UsageError",
+    "ReadOnlyError",
+]
+
+
+class TrainhistError(Exception):
+    """Base class of every error trainhist raises deliberately."""
+
+    code: str = "error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        path: str | None = None,
+        offset: int | None = None,
+    ) -> None:
+        self.code = code or type(self).code
+        self.path = None if path is None else str(path)
+        self.offset = offset
+        self.message = message
+        where = []
+        if self.path is not None:
+            where.append(self.path)
+        if offset is not None:
+            where.append(f"offset {offset}")
+        prefix = f"[{self.code}] " + (f"{', '.join(where)}: " if where else "")
+        super().__init__(prefix + message)
+
+
+class FormatError(TrainhistError):
+    """The bytes are not a valid trainhist file (base of all file-content errors)."""
+
+    code = "format"
+
+
+class CorruptError(FormatError):
+    """Committed data fails a check (CRC, salt, sequence, bounds): the file was damaged after it was written."""
+
+    code = "corrupt"
+
+
+class UnsupportedError(FormatError):
+    """The file needs a newer reader: a newer read version, a required feature, record type or column."""
+
+    code = "unsupported"
+
+
+class LimitError(FormatError):
+    """A declared size exceeds a limit of the spec (section 'Limits'); nothing was allocated for it."""
+
+    code = "limit"
+
+
+class SchemaError(FormatError):
+    """A JSON manifest does not validate against its published schema."""
+
+    code = "schema"
+
+
+class MergeError(TrainhistError):
+    """Inputs cannot be merged or coarsened as asked (overlapping writers, incompatible grids, replica divergence)."""
+
+    code = "merge"
+
+
+class UsageError(TrainhistError, ValueError):
+    """The caller asked for something the API does not allow (bad argument, unknown site, closed writer)."""
+
+    code = "usage"
+
+
+class ReadOnlyError(TrainhistError):
+    """The file was written by a newer writer version and may be read but not appended to."""
+
+    code = "read_only"

@@ -1,0 +1,139 @@
+"""Reduce one tensor (a numpy array) to its spine and, optionally, its sketch (spec sections 5 and 6).
+
+This is the reference reduction: every other reducer (the torch collector's on-device kernels included) must
+produce the same counts, bins, min and max, and labels its sums with the method it used.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import grid
+from .dyadic import ZERO, Dyadic, exact_sums
+
+__all__ = ["SumMethod", "Sketch", "Summary", "summarize", "total_order_min", "total_order_max"]
+
+
+class SumMethod:
+    """How the sum and sum of squares relate to the true values of the tensor (spec 5.4)."""
+
+    EXACT = 0  #: the stored dyadic is the exact value
+    F64 = 1  #: float64 accumulation; |error| <= 2 * n**2 * 2**-53 * maxabs**p
+    F32 = 2  #: float32 accumulation; |error| <= 2 * n**2 * 2**-24 * maxabs**p
+    UNKNOWN = 255  #: no bound is known
+
+    NAMES = {EXACT: "exact", F64: "f64_accumulate", F32: "f32_accumulate", UNKNOWN: "unknown"}
+    UNIT = {EXACT: 0.0, F64: 2.0**-53, F32: 2.0**-24}
+
+
+@dataclass
+class Sketch:
+    """Counts of the signed-log2 grid at ``scale``: in-window bins per sign plus under/overflow per sign."""
+
+    scale: int
+    pos: np.ndarray  # uint64[nbins(scale)], index 0 = bin index_min(scale)
+    neg: np.ndarray
+    under_pos: int = 0
+    under_neg: int = 0
+    over_pos: int = 0
+    over_neg: int = 0
+
+    @staticmethod
+    def empty(scale: int = grid.NATIVE_SCALE) -> "Sketch":
+        n = grid.nbins(scale)
+        return Sketch(scale, np.zeros(n, np.uint64), np.zeros(n, np.uint64))
+
+    def total(self) -> int:
+        """Number of finite non-zero values the sketch counts."""
+        return int(self.pos.sum(dtype=np.uint64)) + int(self.neg.sum(dtype=np.uint64)) + (
+            self.under_pos + self.under_neg + self.over_pos + self.over_neg
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Sketch)
+            and self.scale == other.scale
+            and np.array_equal(self.pos, other.pos)
+            and np.array_equal(self.neg, other.neg)
+            and (self.under_pos, self.under_neg, self.over_pos, self.over_neg)
+            == (other.under_pos, other.under_neg, other.over_pos, other.over_neg)
+        )
+
+
+@dataclass
+class Summary:
+    """The spine of one observation (and its sketch, when one was taken)."""
+
+    count: int
+    nan: int = 0
+    pinf: int = 0
+    ninf: int = 0
+    zero: int = 0
+    min: float = math.nan  # finite minimum in IEEE total order; NaN when there is no finite value
+    max: float = math.nan
+    sum: Dyadic = ZERO
+    sumsq: Dyadic = ZERO
+    sum_method: int = SumMethod.EXACT
+    sketch: Sketch | None = field(default=None)
+
+    @property
+    def finite(self) -> int:
+        """Number of finite values (the population of min, max, sum and sumsq)."""
+        return self.count - self.nan - self.pinf - self.ninf
+
+    @staticmethod
+    def scalar(value: float) -> "Summary":
+        """The spine of one number (a run-level scalar such as the loss)."""
+        return summarize(np.array([value], dtype=np.float64), sketch=False)
+
+
+def total_order_min(x: np.ndarray) -> float:
+    """Minimum of a non-empty finite array with -0.0 < +0.0 (IEEE 754 totalOrder)."""
+    m = float(x.min())
+    if m == 0.0:
+        return -0.0 if bool(np.any((x == 0) & np.signbit(x))) else 0.0
+    return m
+
+
+def total_order_max(x: np.ndarray) -> float:
+    """Maximum of a non-empty finite array with -0.0 < +0.0 (IEEE 754 totalOrder)."""
+    m = float(x.max())
+    if m == 0.0:
+        return 0.0 if bool(np.any((x == 0) & ~np.signbit(x))) else -0.0
+    return m
+
+
+def summarize(values: np.ndarray, *, dtype: str | None = None, sketch: bool = True) -> Summary:
+    """Spine (always) and sketch (when ``sketch``) of ``values``, with exact sums.
+
+    ``values`` may be float16, float32, float64, an integer array, or bfloat16 bit patterns as uint16 with
+    ``dtype="bfloat16"``. Narrow floats are widened exactly first.
+    """
+    x = grid.as_float_bits(values, dtype)
+    keys = grid.bin_keys(x)
+    counts = np.bincount(keys, minlength=grid.NKEYS).astype(np.uint64)
+    nan, pinf, ninf, zero = (int(counts[k]) for k in (grid.KEY_NAN, grid.KEY_PINF, grid.KEY_NINF, grid.KEY_ZERO))
+    s = Summary(count=int(x.size), nan=nan, pinf=pinf, ninf=ninf, zero=zero)
+    if nan or pinf or ninf:
+        fin = x[np.isfinite(x)]
+    else:
+        fin = x
+    if fin.size:
+        s.min = total_order_min(fin)
+        s.max = total_order_max(fin)
+        s.sum, s.sumsq = exact_sums(fin)
+    if sketch:
+        side = grid.KEY_OVER + 1
+        s.sketch = Sketch(
+            scale=grid.NATIVE_SCALE,
+            pos=counts[1 : grid.KEY_OVER].copy(),
+            neg=counts[side + 1 : side + grid.KEY_OVER].copy(),
+            under_pos=int(counts[grid.KEY_UNDER]),
+            over_pos=int(counts[grid.KEY_OVER]),
+            under_neg=int(counts[side + grid.KEY_UNDER]),
+            over_neg=int(counts[side + grid.KEY_OVER]),
+        )
+    return s
