@@ -1,0 +1,231 @@
+"""Columnar chunk payloads (spec section 7): a msgpack directory, then 8-aligned little-endian column blocks.
+
+Raw columns are read with ``np.frombuffer`` straight from the file map (no copy); deflated columns are inflated
+once, bounded by their declared raw length.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+from .errors import CorruptError, LimitError, UnsupportedError
+from .framing import pad8
+
+__all__ = ["Codec", "DTYPES", "encode_chunk", "decode_chunk", "Chunk", "MAX_ROWS", "MAX_COLUMNS"]
+
+MAX_ROWS = 1 << 20
+MAX_COLUMNS = 64
+MAX_META = 64 * 1024
+
+DTYPES = {
+    "u1": np.dtype("<u1"),
+    "u2": np.dtype("<u2"),
+    "u4": np.dtype("<u4"),
+    "u8": np.dtype("<u8"),
+    "i1": np.dtype("<i1"),
+    "i2": np.dtype("<i2"),
+    "i4": np.dtype("<i4"),
+    "i8": np.dtype("<i8"),
+    "f8": np.dtype("<f8"),
+    "bytes": np.dtype("u1"),
+}
+_CODE_OF = {v.str: k for k, v in DTYPES.items() if k != "bytes"}
+
+
+class Codec:
+    """Column codecs (spec 7.3)."""
+
+    RAW = 0
+    DEFLATE = 1  #: zlib stream (RFC 1950) of the raw bytes
+    SHUFFLE_DEFLATE = 2  #: byte-transpose by item size, then a zlib stream
+    BY_NAME = {"raw": RAW, "zlib": DEFLATE, "shuffle": SHUFFLE_DEFLATE}
+
+
+def _shuffle(raw: bytes, itemsize: int) -> bytes:
+    if itemsize == 1:
+        return raw
+    return np.frombuffer(raw, np.uint8).reshape(-1, itemsize).T.tobytes()
+
+
+def _unshuffle(data: bytes, itemsize: int) -> bytes:
+    if itemsize == 1:
+        return data
+    return np.frombuffer(data, np.uint8).reshape(itemsize, -1).T.tobytes()
+
+
+def encode_chunk(meta: dict, columns: dict[str, tuple[str, np.ndarray | bytes]], codec: int) -> bytes:
+    """Payload of a chunk: ``meta`` plus columns given as ``name -> (dtype code, array or bytes)`` in order.
+
+    ``codec`` applies to every column; columns of 1-byte items use plain deflate instead of shuffle.
+    """
+    blocks = []
+    cols = []
+    for name, (dt, arr) in columns.items():
+        raw = arr if isinstance(arr, (bytes, bytearray)) else np.ascontiguousarray(arr, DTYPES[dt]).tobytes()
+        c = codec
+        if c == Codec.SHUFFLE_DEFLATE and DTYPES[dt].itemsize == 1:
+            c = Codec.DEFLATE
+        if c == Codec.DEFLATE:
+            stored = zlib.compress(raw, 6)
+        elif c == Codec.SHUFFLE_DEFLATE:
+            stored = zlib.compress(_shuffle(raw, DTYPES[dt].itemsize), 6)
+        else:
+            stored = raw
+        if c != Codec.RAW and len(stored) >= len(raw):
+            c, stored = Codec.RAW, raw
+        cols.append([name, dt, c, 0, len(stored), len(raw)])
+        blocks.append(stored)
+    meta = dict(meta, cols=cols)
+    # offsets depend on the directory's length, which depends on the offsets: fix them in two passes.
+    for _ in range(2):
+        packed = msgpack.packb(meta, use_bin_type=True)
+        pos = 4 + len(packed)
+        pos += pad8(pos)
+        for col, blk in zip(cols, blocks):
+            col[3] = pos
+            pos += len(blk) + pad8(len(blk))
+    packed2 = msgpack.packb(meta, use_bin_type=True)
+    if packed2 != packed:  # offsets grew an integer width; one more pass settles it
+        packed = packed2
+        pos = 4 + len(packed) + pad8(4 + len(packed))
+        for col, blk in zip(cols, blocks):
+            col[3] = pos
+            pos += len(blk) + pad8(len(blk))
+        packed = msgpack.packb(meta, use_bin_type=True)
+    out = bytearray(struct.pack("<I", len(packed)))
+    out += packed
+    out += b"\0" * pad8(len(out))
+    for col, blk in zip(cols, blocks):
+        assert len(out) == col[3]
+        out += blk
+        out += b"\0" * pad8(len(blk))
+    return bytes(out)
+
+
+@dataclass
+class Chunk:
+    """A decoded chunk directory; columns are decoded on demand by :meth:`column`."""
+
+    meta: dict
+    payload: memoryview
+    offset: int  # file offset of the payload, for error messages
+    path: str | None
+    _dir: dict
+
+    def has(self, name: str) -> bool:
+        return name in self._dir
+
+    def column(self, name: str, rows: int | None = None) -> np.ndarray:
+        """The column as a numpy array; ``rows`` checks the element count of fixed-width columns."""
+        name_, dt, codec, off, slen, rlen = self._dir[name]
+        dtype = DTYPES[dt]
+        data = self.payload[off : off + slen]
+        if codec == Codec.RAW:
+            raw: bytes | memoryview = data
+        else:
+            try:
+                d = zlib.decompressobj()
+                raw = d.decompress(data, rlen)
+                if len(raw) != rlen or d.unconsumed_tail or not d.eof or d.unused_data:
+                    raise zlib.error("length mismatch")
+            except zlib.error as e:
+                raise CorruptError(
+                    f"column {name!r}: deflate stream invalid or not exactly {rlen} bytes ({e})",
+                    code="bad_column_data", path=self.path, offset=self.offset + off,
+                ) from None
+            if codec == Codec.SHUFFLE_DEFLATE:
+                raw = _unshuffle(raw, dtype.itemsize)
+        arr = np.frombuffer(raw, dtype)
+        if rows is not None and arr.size != rows:
+            raise CorruptError(
+                f"column {name!r} holds {arr.size} values, the chunk declares {rows} rows",
+                code="bad_column_length", path=self.path, offset=self.offset + off,
+            )
+        return arr
+
+
+def _bad(msg: str, path: str | None, offset: int, code: str = "bad_chunk") -> CorruptError:
+    return CorruptError(msg, code=code, path=path, offset=offset)
+
+
+def decode_chunk(
+    payload: memoryview, offset: int, path: str | None, known: dict[str, str], variable: frozenset[str] = frozenset()
+) -> Chunk:
+    """Parse and validate a chunk directory: bounds, alignment, dtypes, codecs, declared sizes (spec 7.4).
+
+    ``known`` maps the column names this reader understands to their dtype code; ``variable`` names the known
+    columns whose length is given by other columns. An unknown column is ignorable only when its name starts
+    with ``x-``; otherwise the chunk needs a newer reader.
+    """
+    n = len(payload)
+    if n < 4:
+        raise _bad("chunk payload shorter than its 4-byte directory length", path, offset)
+    (mlen,) = struct.unpack_from("<I", payload, 0)
+    if mlen > MAX_META or 4 + mlen > n:
+        raise _bad(f"chunk directory length {mlen} exceeds the payload ({n} bytes) or {MAX_META}", path, offset)
+    try:
+        meta = msgpack.unpackb(
+            bytes(payload[4 : 4 + mlen]), raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0,
+            max_str_len=4096, max_array_len=4096, max_map_len=64,
+        )
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise _bad(f"chunk directory is not valid msgpack ({type(e).__name__}: {e})", path, offset + 4) from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("cols"), list) or not isinstance(meta.get("rows"), int):
+        raise _bad("chunk directory must be a map with 'rows' (int) and 'cols' (array)", path, offset + 4)
+    rows = meta["rows"]
+    if not 0 < rows <= MAX_ROWS:
+        raise LimitError(f"chunk declares {rows} rows; allowed 1..{MAX_ROWS}", code="too_many_rows", path=path,
+                         offset=offset + 4)
+    cols = meta["cols"]
+    if len(cols) > MAX_COLUMNS:
+        raise LimitError(f"chunk declares {len(cols)} columns; at most {MAX_COLUMNS}", code="too_many_columns",
+                         path=path, offset=offset + 4)
+    directory: dict[str, list] = {}
+    end = 4 + mlen + pad8(4 + mlen)
+    for c in cols:
+        if (
+            not isinstance(c, list) or len(c) != 6 or not isinstance(c[0], str)
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in c[2:])
+        ):
+            raise _bad(f"column entry {c!r} is not [name, dtype, codec, offset, stored, raw]", path, offset + 4)
+        name, dt, codec, off, slen, rlen = c
+        if name in directory:
+            raise _bad(f"column {name!r} appears twice", path, offset + 4)
+        if dt not in DTYPES:
+            raise UnsupportedError(f"column {name!r} has unknown dtype {dt!r}", code="unknown_dtype", path=path,
+                                   offset=offset + 4)
+        if codec not in (Codec.RAW, Codec.DEFLATE, Codec.SHUFFLE_DEFLATE):
+            raise UnsupportedError(f"column {name!r} uses unknown codec {codec}", code="unknown_codec", path=path,
+                                   offset=offset + 4)
+        if off != end or off % 8 or slen < 0 or off + slen > n:
+            raise _bad(
+                f"column {name!r} at offset {off} (+{slen}) is not the next 8-aligned block ({end}) inside the "
+                f"{n}-byte payload", path, offset + 4,
+            )
+        if codec == Codec.RAW and slen != rlen:
+            raise _bad(f"raw column {name!r} stores {slen} bytes but declares {rlen}", path, offset + 4)
+        if rlen % DTYPES[dt].itemsize or rlen > 64 * MAX_ROWS * 8:
+            raise LimitError(f"column {name!r} declares {rlen} raw bytes", code="column_too_large", path=path,
+                             offset=offset + 4)
+        if name not in variable and rlen != rows * DTYPES[dt].itemsize:
+            raise _bad(f"column {name!r} declares {rlen} bytes for {rows} rows of {dt}", path, offset + 4)
+        if name in known:
+            if known[name] != dt:
+                raise _bad(f"column {name!r} must have dtype {known[name]}, found {dt}", path, offset + 4)
+        elif not name.startswith("x-"):
+            raise UnsupportedError(
+                f"chunk has required column {name!r} unknown to this reader (unknown ignorable columns start "
+                f"with 'x-'): upgrade trainhist", code="unknown_column", path=path, offset=offset + 4,
+            )
+        if any(payload[off + slen : off + slen + pad8(slen)]):
+            raise _bad(f"padding after column {name!r} is not zero", path, offset + off + slen)
+        end = off + slen + pad8(slen)
+        directory[name] = c
+    if end != n:
+        raise _bad(f"chunk payload has {n - end} trailing bytes after its last column", path, offset + end)
+    return Chunk(meta, payload, offset, path, directory)

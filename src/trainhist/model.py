@@ -1,0 +1,117 @@
+"""The data model's enumerations and column registries (spec section 2, 5, 7): names and their stored codes."""
+
+from __future__ import annotations
+
+__all__ = [
+    "STREAMS",
+    "SHARING",
+    "Presence",
+    "Phase",
+    "Applied",
+    "GradBasis",
+    "Clipped",
+    "MICRO_ALL",
+    "U64_UNKNOWN",
+    "OBS_COLUMNS",
+    "SKETCH_COLUMNS",
+    "EXACT_COLUMNS",
+    "STEPS_COLUMNS",
+]
+
+STREAMS = ("activation", "activation_grad", "param", "param_grad", "param_delta", "scalar")
+SHARING = ("shard", "replica")
+
+MICRO_ALL = 0xFFFFFFFF  #: micro column value meaning "the whole step" (all micro-batches combined)
+U64_UNKNOWN = 0xFFFFFFFFFFFFFFFF  #: unsigned count meaning "unknown" in the steps table
+
+
+class _Enum:
+    """A closed set of names with stable one-byte codes."""
+
+    NAMES: tuple[str, ...] = ()
+
+    @classmethod
+    def code(cls, name: str) -> int:
+        try:
+            return cls.NAMES.index(name)
+        except ValueError:
+            raise ValueError(f"{name!r} is not one of {', '.join(cls.NAMES)}") from None
+
+    @classmethod
+    def name(cls, code: int) -> str:
+        return cls.NAMES[code]
+
+
+class Presence(_Enum):
+    """What a row says about a (site, step): only ``observed`` rows carry numbers (spec 2.6)."""
+
+    NAMES = ("unknown", "observed", "absent", "not_scheduled", "failed", "skipped")
+    UNKNOWN, OBSERVED, ABSENT, NOT_SCHEDULED, FAILED, SKIPPED = range(6)
+
+
+class Phase(_Enum):
+    """Where in the step an observation was taken (spec 2.5)."""
+
+    NAMES = ("default", "pre_clip", "post_clip")
+
+
+class Applied(_Enum):
+    """Whether the optimizer step was applied."""
+
+    NAMES = ("unknown", "applied", "skipped")
+
+
+class GradBasis(_Enum):
+    """Whether gradients were observed multiplied by the loss scale."""
+
+    NAMES = ("unknown", "unscaled", "scaled")
+
+
+class Clipped(_Enum):
+    """Whether gradient clipping changed the gradients."""
+
+    NAMES = ("unknown", "clipped", "not_clipped")
+
+
+# name -> dtype code; the order is the canonical column order of an obs chunk.
+OBS_COLUMNS = {
+    "step": "i8",
+    "span": "u4",
+    "micro": "u4",
+    "phase": "u1",
+    "presence": "u1",
+    "method": "u1",
+    "count": "u8",
+    "nan": "u8",
+    "pinf": "u8",
+    "ninf": "u8",
+    "zero": "u8",
+    "min": "f8",
+    "max": "f8",
+    "sum": "f8",
+    "sumsq": "f8",
+}
+EXACT_COLUMNS = {"sum_xn": "u4", "sum_x": "bytes", "sumsq_xn": "u4", "sumsq_x": "bytes"}
+SKETCH_COLUMNS = {
+    "sk": "u1",
+    "sk_plo": "u2",
+    "sk_pn": "u2",
+    "sk_nlo": "u2",
+    "sk_nn": "u2",
+    "sk_up": "u8",
+    "sk_un": "u8",
+    "sk_op": "u8",
+    "sk_on": "u8",
+    "sk_counts": "u8",
+}
+STEPS_COLUMNS = {
+    "step": "i8",
+    "applied": "u1",
+    "grad_basis": "u1",
+    "clipped": "u1",
+    "loss_scale": "f8",
+    "clip_threshold": "f8",
+    "micro_batches": "u4",
+    "tokens": "u8",
+    "samples": "u8",
+}

@@ -1,0 +1,666 @@
+"""``trainhist.open``: read a history file without torch, recovering the committed prefix after a crash.
+
+The reader follows the normative algorithm of spec section 8: walk the record headers, trust nothing it cannot
+check, and end in one of three outcomes — clean end, torn tail after the last commit (the prefix is recovered
+and what was dropped is reported), or corruption before the last commit (a typed error naming the offset).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+from .chunk import Chunk, decode_chunk
+from .dyadic import Dyadic
+from .errors import CorruptError, FormatError, UnsupportedError, UsageError
+from .framing import (
+    FILE_HEADER_SIZE,
+    MAGIC,
+    RECORD_HEADER_SIZE,
+    WRITE_VERSION,
+    FileHeader,
+    RecordHeader,
+    RecordType,
+    crc32c,
+    pad8,
+)
+from .model import (
+    EXACT_COLUMNS,
+    MICRO_ALL,
+    OBS_COLUMNS,
+    SKETCH_COLUMNS,
+    STEPS_COLUMNS,
+    U64_UNKNOWN,
+    Applied,
+    Clipped,
+    GradBasis,
+    Phase,
+    Presence,
+)
+from .schemas import validate_manifest
+from .summary import Sketch, Summary
+
+__all__ = ["open_history", "History", "Site", "Segment", "Recovery", "SpineSeries", "SketchSeries"]
+
+_OBS_KNOWN = {**OBS_COLUMNS, **EXACT_COLUMNS, **SKETCH_COLUMNS}
+_OBS_VARIABLE = frozenset({"sum_x", "sumsq_x", "sk_counts"})
+_COMMIT_HEAD = struct.Struct("<QQ")
+_COMMIT_ENTRY = struct.Struct("<QHHIIIqq")
+NO_ID = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class Site:
+    """A site as declared by its manifest."""
+
+    id: int
+    path: str
+    stream: str
+    facet: str | None
+    shape: tuple[int, ...] | None
+    dtype: str | None
+    sharing: str
+    cadence_spine: int
+    cadence_sketch: int
+    sample: dict | None
+    manifest: dict = field(compare=False, repr=False)
+
+    @property
+    def key(self) -> tuple[str, str, str | None]:
+        """The stable identity of a site across files: (path, stream, facet)."""
+        return (self.path, self.stream, self.facet)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A contiguous stretch of one writer's history (a resume starts a new one)."""
+
+    id: int
+    first_step: int | None
+    reason: str
+    previous: int | None
+    writer_id: str
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """How reading ended: ``clean``, or ``torn`` with what was dropped after the last commit and why."""
+
+    status: str
+    committed_bytes: int
+    dropped_bytes: int
+    dropped_records: int
+    reason: str | None
+    offset: int | None
+
+    def describe(self) -> str:
+        if self.status == "clean":
+            return f"clean: {self.committed_bytes} bytes committed"
+        return (
+            f"torn tail recovered: kept {self.committed_bytes} committed bytes, dropped {self.dropped_bytes} bytes "
+            f"({self.dropped_records} uncommitted records) from offset {self.offset}: {self.reason}"
+        )
+
+
+@dataclass(frozen=True)
+class _Entry:
+    offset: int  # record header offset
+    type: int
+    site: int
+    segment: int
+    rows: int
+    step_min: int
+    step_max: int
+    length: int
+    payload_crc: int
+
+
+@dataclass
+class SpineSeries:
+    """One site's rows (optionally one phase), as numpy columns; only ``observed`` rows carry numbers."""
+
+    site: Site
+    columns: dict[str, np.ndarray]
+    exact: dict[str, list[Dyadic | None]]
+
+    def __len__(self) -> int:
+        return int(self.columns["step"].size)
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        try:
+            return self.__dict__["columns"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    @property
+    def presence_names(self) -> list[str]:
+        return [Presence.name(int(c)) for c in self.columns["presence"]]
+
+    @property
+    def observed(self) -> np.ndarray:
+        return self.columns["presence"] == Presence.OBSERVED
+
+    @property
+    def finite(self) -> np.ndarray:
+        c = self.columns
+        return c["count"] - c["nan"] - c["pinf"] - c["ninf"]
+
+    def _derived(self, values: np.ndarray) -> np.ndarray:
+        out = np.full(len(self), np.nan)
+        ok = self.observed & (self.finite > 0)
+        out[ok] = values[ok]
+        return out
+
+    @property
+    def mean(self) -> np.ndarray:
+        """Mean of the finite values (NaN where nothing finite was observed); a derived float."""
+        with np.errstate(all="ignore"):
+            return self._derived(self.columns["sum"] / self.finite)
+
+    @property
+    def rms(self) -> np.ndarray:
+        """Root mean square of the finite values; a derived float."""
+        with np.errstate(all="ignore"):
+            return self._derived(np.sqrt(self.columns["sumsq"] / self.finite))
+
+    def sum_exact(self, i: int) -> Dyadic:
+        """The exact stored sum of row ``i``."""
+        x = self.exact["sum"][i]
+        return x if x is not None else Dyadic.from_float(float(self.columns["sum"][i]))
+
+    def sumsq_exact(self, i: int) -> Dyadic:
+        """The exact stored sum of squares of row ``i``."""
+        x = self.exact["sumsq"][i]
+        return x if x is not None else Dyadic.from_float(float(self.columns["sumsq"][i]))
+
+    def summary(self, i: int, sketch: Sketch | None = None) -> Summary:
+        """Row ``i`` as a :class:`Summary` (for merging and re-writing)."""
+        c = self.columns
+        return Summary(
+            count=int(c["count"][i]), nan=int(c["nan"][i]), pinf=int(c["pinf"][i]), ninf=int(c["ninf"][i]),
+            zero=int(c["zero"][i]), min=float(c["min"][i]), max=float(c["max"][i]), sum=self.sum_exact(i),
+            sumsq=self.sumsq_exact(i), sum_method=int(c["method"][i]), sketch=sketch,
+        )
+
+
+@dataclass
+class SketchSeries:
+    """Dense sketches of one site: ``pos``/``neg`` are (rows, bins) uint64 counts; ``step`` etc. per row."""
+
+    site: Site
+    scale: int
+    columns: dict[str, np.ndarray]
+    pos: np.ndarray
+    neg: np.ndarray
+    bands: np.ndarray  # (rows, 4): under_pos, under_neg, over_pos, over_neg
+
+    def __len__(self) -> int:
+        return int(self.pos.shape[0])
+
+    def sketch(self, i: int) -> Sketch:
+        b = self.bands[i]
+        return Sketch(self.scale, self.pos[i].copy(), self.neg[i].copy(), int(b[0]), int(b[1]), int(b[2]), int(b[3]))
+
+
+def _bad(msg: str, code: str, path: str, offset: int) -> CorruptError:
+    return CorruptError(msg, code=code, path=path, offset=offset)
+
+
+class History:
+    """A trainhist file opened for reading (committed content only). Use :func:`trainhist.open`."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._file = open(self.path, "rb")
+        size = os.fstat(self._file.fileno()).st_size
+        self.size = size
+        if size == 0:
+            self._buf: Any = b""
+        else:
+            self._buf = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        self._view = memoryview(self._buf)
+        self.runs: list[dict] = []
+        self.writers: list[dict] = []
+        self.settings: list[dict] = []
+        self.sites: list[Site] = []
+        self.segments: list[Segment] = []
+        self.ignored_records: list[tuple[int, int]] = []  # (offset, type) of unknown ignorable records
+        self._site_by_key: dict[tuple[str, str, str | None], Site] = {}
+        self._obs: dict[int, list[_Entry]] = {}
+        self._steps: list[_Entry] = []
+        self._steps_table: dict[str, np.ndarray] | None = None
+        self.committed_records = 0
+        self.read_only = False
+        self._scan()
+
+    # -- the scan (spec 8) ---------------------------------------------------------------------------------
+    def _scan(self) -> None:
+        buf, size, path = self._view, self.size, self.path
+        if size < FILE_HEADER_SIZE:
+            if bytes(buf[:size]) != MAGIC[:size] and bytes(buf[:8]) != MAGIC:
+                raise FormatError(f"not a trainhist file: {size} bytes that do not start with {MAGIC!r}",
+                                  code="bad_magic", path=path, offset=0)
+            self.header = None
+            self.recovery = Recovery("torn", 0, size, 0, "file ends inside its 32-byte header", 0)
+            self.committed_bytes = 0
+            return
+        self.header = FileHeader.unpack(buf[:FILE_HEADER_SIZE], path)
+        self.read_only = self.header.write_version > WRITE_VERSION
+        salt = self.header.salt
+        pos = FILE_HEADER_SIZE
+        seq = 0
+        committed_end = pos
+        pending: list[tuple[int, RecordHeader]] = []
+        stop: tuple[int, str] | None = None
+        while pos < size:
+            if size - pos < RECORD_HEADER_SIZE:
+                stop = (pos, "file ends inside a record header")
+                break
+            hdr = RecordHeader.parse(buf, pos)
+            if hdr is None or hdr.salt != salt:
+                if not np.any(np.frombuffer(self._buf, np.uint8, size - pos, pos)):
+                    stop = (pos, "zero-filled tail (space the file system allocated but never wrote)")
+                    break
+                if hdr is None:
+                    raise _bad("record header CRC32C mismatch (the length cannot be trusted)", "bad_record_header",
+                               path, pos)
+                raise _bad(f"record salt {hdr.salt:016x} differs from the file's {salt:016x} (stale or spliced bytes)",
+                           "salt_mismatch", path, pos)
+            hdr.check_limits(pos, path)
+            if hdr.seq != seq:
+                raise _bad(f"record sequence number {hdr.seq}, expected {seq} (stale or spliced bytes)",
+                           "bad_sequence", path, pos)
+            end = pos + RECORD_HEADER_SIZE + hdr.padded_length
+            if end > size:
+                stop = (pos, f"file ends inside a {hdr.length}-byte record payload")
+                break
+            if hdr.type in (RecordType.COMMIT, RecordType.MANIFEST):
+                problem = self._check_payload(pos, hdr)
+                if problem is not None:
+                    raise _bad(problem[1], problem[0], path, pos)
+            if hdr.type == RecordType.COMMIT:
+                self._apply_commit(pos, hdr, pending)
+                self.committed_records = seq + 1
+                pending = []
+                committed_end = end
+            else:
+                pending.append((pos, hdr))
+            pos = end
+            seq += 1
+        self.committed_bytes = committed_end
+        if stop is None and not pending:
+            self.recovery = Recovery("clean", committed_end, 0, 0, None, None)
+        else:
+            reason = stop[1] if stop else "the last records were never committed"
+            if pending:
+                reason = f"{len(pending)} complete but uncommitted record(s)" + (f", then: {reason}" if stop else "")
+            self.recovery = Recovery("torn", committed_end, size - committed_end, len(pending) + (1 if stop else 0),
+                                     reason, committed_end)
+
+    def _payload(self, pos: int, hdr: RecordHeader) -> memoryview:
+        return self._view[pos + RECORD_HEADER_SIZE : pos + RECORD_HEADER_SIZE + hdr.length]
+
+    def _check_payload(self, pos: int, hdr: RecordHeader) -> tuple[str, str] | None:
+        """(code, message) if the payload CRC or padding is wrong."""
+        if crc32c(self._payload(pos, hdr)) != hdr.payload_crc:
+            return ("bad_payload_crc", f"payload CRC32C mismatch in {RecordType.NAMES.get(hdr.type, hdr.type)} record")
+        start = pos + RECORD_HEADER_SIZE + hdr.length
+        if any(self._view[start : start + pad8(hdr.length)]):
+            return ("bad_padding", "record padding bytes are not zero")
+        return None
+
+    def _apply_commit(self, pos: int, hdr: RecordHeader, pending: list[tuple[int, RecordHeader]]) -> None:
+        path = self.path
+        p = self._payload(pos, hdr)
+        if len(p) < _COMMIT_HEAD.size:
+            raise _bad("commit payload shorter than 16 bytes", "bad_commit", path, pos)
+        cseq, n = _COMMIT_HEAD.unpack_from(p, 0)
+        if cseq != hdr.seq or len(p) != _COMMIT_HEAD.size + n * _COMMIT_ENTRY.size or n != len(pending):
+            raise _bad(
+                f"commit lists {n} records (payload {len(p)} bytes, seq {cseq}); {len(pending)} records precede it "
+                f"since the previous commit", "bad_commit", path, pos,
+            )
+        for i, (rpos, rhdr) in enumerate(pending):
+            off, rtype, _res, site, seg, rows, lo, hi = _COMMIT_ENTRY.unpack_from(p, _COMMIT_HEAD.size + i * _COMMIT_ENTRY.size)
+            if off != rpos or rtype != rhdr.type:
+                raise _bad(f"commit entry {i} names a type-{rtype} record at {off}; found type {rhdr.type} at {rpos}",
+                           "bad_commit", path, pos)
+            e = _Entry(rpos, rtype, site, seg, rows, lo, hi, rhdr.length, rhdr.payload_crc)
+            if rtype == RecordType.MANIFEST:
+                self._apply_manifest(e)
+            elif rtype == RecordType.OBS:
+                if site >= len(self.sites) or not any(g.id == seg for g in self.segments) or rows == 0 or lo > hi:
+                    raise _bad(f"commit entry {i}: obs chunk names site {site}, segment {seg}, {rows} rows, steps "
+                               f"{lo}..{hi}: site/segment not declared before it, or empty", "bad_commit", path, pos)
+                self._obs.setdefault(site, []).append(e)
+            elif rtype == RecordType.STEPS:
+                if not any(g.id == seg for g in self.segments):
+                    raise _bad(f"steps chunk names undeclared segment {seg}", "bad_commit", path, pos)
+                self._steps.append(e)
+            elif rhdr.ignorable:
+                self.ignored_records.append((rpos, rtype))
+            else:
+                raise UnsupportedError(
+                    f"required record type {rtype} is unknown to this reader: upgrade trainhist",
+                    code="unknown_record_type", path=path, offset=rpos,
+                )
+
+    def _apply_manifest(self, e: _Entry) -> None:
+        raw = bytes(self._view[e.offset + RECORD_HEADER_SIZE : e.offset + RECORD_HEADER_SIZE + e.length])
+        try:
+            doc = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+            raise _bad(f"manifest is not UTF-8 JSON ({err})", "bad_manifest_json", self.path, e.offset) from None
+        validate_manifest(doc, path=self.path, offset=e.offset)
+        kind = doc["kind"]
+        if kind == "run":
+            self.runs.append(doc)
+        elif kind == "writer":
+            self.writers.append(doc)
+        elif kind == "settings":
+            self.settings.append(doc)
+        elif kind == "site":
+            if doc["id"] != len(self.sites):
+                raise _bad(f"site id {doc['id']} out of order: expected {len(self.sites)}", "bad_site_id", self.path,
+                           e.offset)
+            site = Site(doc["id"], doc["path"], doc["stream"], doc["facet"],
+                        None if doc.get("shape") is None else tuple(doc["shape"]), doc.get("dtype"), doc["sharing"],
+                        doc["cadence"]["spine"], doc["cadence"]["sketch"], doc.get("sample"), doc)
+            if site.key in self._site_by_key:
+                raise _bad(f"site {site.key} declared twice", "duplicate_site", self.path, e.offset)
+            self.sites.append(site)
+            self._site_by_key[site.key] = site
+        elif kind == "segment":
+            if any(g.id == doc["id"] for g in self.segments):
+                raise _bad(f"segment {doc['id']} declared twice", "duplicate_segment", self.path, e.offset)
+            self.segments.append(Segment(doc["id"], doc["first_step"], doc["reason"], doc["previous"],
+                                         doc["writer_id"]))
+
+    # -- public API -----------------------------------------------------------------------------------------
+    @property
+    def run(self) -> dict | None:
+        """The (first) run manifest."""
+        return self.runs[0] if self.runs else None
+
+    def site(self, path: str, stream: str = "activation", facet: str | None = None) -> Site:
+        """Look a site up by its stable key; the error lists close names."""
+        s = self._site_by_key.get((path, stream, facet))
+        if s is None:
+            import difflib
+
+            names = [f"{p} [{st}{'' if f is None else ':' + f}]" for p, st, f in self._site_by_key]
+            close = difflib.get_close_matches(f"{path} [{stream}{'' if facet is None else ':' + facet}]", names, 5)
+            raise UsageError(
+                f"no site ({path!r}, {stream!r}, facet={facet!r}) in this file; closest: {close or names[:5]}",
+                code="unknown_site", path=self.path,
+            )
+        return s
+
+    def chunk(self, e: _Entry) -> Chunk:
+        """Decode (and CRC-check) one committed chunk."""
+        payload = self._view[e.offset + RECORD_HEADER_SIZE : e.offset + RECORD_HEADER_SIZE + e.length]
+        if crc32c(payload) != e.payload_crc:
+            raise _bad("payload CRC32C mismatch in a committed chunk", "bad_payload_crc", self.path, e.offset)
+        known = _OBS_KNOWN if e.type == RecordType.OBS else STEPS_COLUMNS
+        ch = decode_chunk(payload, e.offset + RECORD_HEADER_SIZE, self.path, known,
+                          _OBS_VARIABLE if e.type == RecordType.OBS else frozenset())
+        m = ch.meta
+        want_site = e.site if e.type == RecordType.OBS else None
+        if m.get("rows") != e.rows or m.get("segment") != e.segment or m.get("site") != want_site:
+            raise _bad(f"chunk directory (site {m.get('site')}, segment {m.get('segment')}, rows {m.get('rows')}) "
+                       f"disagrees with its commit entry", "bad_chunk", self.path, e.offset)
+        required = OBS_COLUMNS if e.type == RecordType.OBS else STEPS_COLUMNS
+        missing = [c for c in required if not ch.has(c)]
+        if missing:
+            raise _bad(f"chunk lacks required columns {missing}", "missing_column", self.path, e.offset)
+        return ch
+
+    def _obs_columns(self, e: _Entry) -> tuple[dict[str, np.ndarray], dict[str, list], Chunk]:
+        ch = self.chunk(e)
+        cols = {name: ch.column(name, e.rows) for name in OBS_COLUMNS}
+        cols["segment"] = np.full(e.rows, e.segment, np.uint32)
+        path = self.path
+        if not np.array_equal(cols["step"].min(initial=np.iinfo(np.int64).max), e.step_min) or cols["step"].max() != e.step_max:
+            raise _bad("chunk steps disagree with the commit entry's step range", "bad_chunk", path, e.offset)
+        if (cols["phase"] >= len(Phase.NAMES)).any() or (cols["presence"] >= len(Presence.NAMES)).any():
+            raise UnsupportedError("chunk uses phase or presence codes unknown to this reader",
+                                   code="unknown_code", path=path, offset=e.offset)
+        exact: dict[str, list] = {}
+        for name in ("sum", "sumsq"):
+            vals: list = [None] * e.rows
+            if ch.has(name + "_xn"):
+                lens = ch.column(name + "_xn", e.rows)
+                blob = ch.column(name + "_x")
+                if int(lens.sum()) != blob.size:
+                    raise _bad(f"{name}_x holds {blob.size} bytes, {name}_xn sums to {int(lens.sum())}",
+                               "bad_column_length", path, e.offset)
+                pos = 0
+                for i, n in enumerate(lens.tolist()):
+                    if n:
+                        try:
+                            vals[i] = Dyadic.from_bytes(bytes(blob[pos : pos + n]))
+                        except ValueError as err:
+                            raise _bad(f"{name}_x row {i}: {err}", "bad_exact_value", path, e.offset) from None
+                        if vals[i].to_float() != cols[name][i]:
+                            raise _bad(f"{name} row {i} is not the correctly rounded value of {name}_x",
+                                       "bad_exact_value", path, e.offset)
+                    pos += n
+            exact[name] = vals
+        return cols, exact, ch
+
+    def _entries(self, site: Site) -> list[_Entry]:
+        return self._obs.get(site.id, [])
+
+    def spine(self, path: str, stream: str = "activation", facet: str | None = None, *,
+              phase: str | None = None) -> SpineSeries:
+        """Every committed row of one site, in file order; ``phase`` must be named when the site has several."""
+        site = self.site(path, stream, facet)
+        parts, exact = [], {"sum": [], "sumsq": []}
+        for e in self._entries(site):
+            cols, ex, _ = self._obs_columns(e)
+            parts.append(cols)
+            for k in exact:
+                exact[k].extend(ex[k])
+        names = list(OBS_COLUMNS) + ["segment"]
+        if parts:
+            columns = {n: np.concatenate([p[n] for p in parts]) for n in names}
+        else:
+            columns = {n: np.zeros(0, np.dtype(OBS_COLUMNS.get(n, "u4"))) for n in names}
+        phases = np.unique(columns["phase"])
+        if phase is None and phases.size > 1:
+            raise UsageError(
+                f"site {site.key} has rows in phases {[Phase.name(int(p)) for p in phases]}: name one with phase=",
+                code="phase_ambiguous", path=self.path,
+            )
+        if phase is not None:
+            keep = columns["phase"] == Phase.code(phase)
+            columns = {n: v[keep] for n, v in columns.items()}
+            idx = np.flatnonzero(keep).tolist()
+            exact = {k: [v[i] for i in idx] for k, v in exact.items()}
+        return SpineSeries(site, columns, exact)
+
+    def sketch(self, path: str, stream: str = "activation", facet: str | None = None, *,
+               phase: str | None = None) -> SketchSeries:
+        """The rows of one site that carry a sketch, as dense count matrices."""
+        from .grid import nbins
+
+        site = self.site(path, stream, facet)
+        rows_cols: list[dict[str, np.ndarray]] = []
+        pos_l, neg_l, bands_l = [], [], []
+        scale = None
+        for e in self._entries(site):
+            cols, _, ch = self._obs_columns(e)
+            if not ch.has("sk"):
+                continue
+            s = ch.meta.get("scale")
+            if not isinstance(s, int) or s not in (0, 1, 2):
+                raise _bad(f"chunk with sketches declares scale {s!r}; expected 0, 1 or 2", "bad_scale", self.path,
+                           e.offset)
+            if scale is not None and s != scale:
+                raise UsageError(f"site {site.key} mixes sketch scales {scale} and {s}", code="mixed_scale")
+            scale = s
+            nb = nbins(s)
+            sk = {k: ch.column(k, e.rows) for k in SKETCH_COLUMNS if k != "sk_counts"}
+            counts = ch.column("sk_counts")
+            has = sk["sk"] == 1
+            if (sk["sk"] > 1).any():
+                raise _bad("sk column holds values other than 0 and 1", "bad_sketch", self.path, e.offset)
+            n_rows = int(has.sum())
+            pos = np.zeros((n_rows, nb), np.uint64)
+            neg = np.zeros((n_rows, nb), np.uint64)
+            off = 0
+            j = 0
+            for i in np.flatnonzero(has).tolist():
+                for arr, lo, n in ((pos, sk["sk_plo"][i], sk["sk_pn"][i]), (neg, sk["sk_nlo"][i], sk["sk_nn"][i])):
+                    lo, n = int(lo), int(n)
+                    if lo + n > nb or off + n > counts.size:
+                        raise _bad(f"sketch range {lo}+{n} exceeds {nb} bins or the counts column", "bad_sketch",
+                                   self.path, e.offset)
+                    arr[j, lo : lo + n] = counts[off : off + n]
+                    off += n
+                j += 1
+            if off != counts.size:
+                raise _bad(f"sk_counts holds {counts.size} values, the ranges use {off}", "bad_sketch", self.path,
+                           e.offset)
+            rows_cols.append({k: v[has] for k, v in cols.items()})
+            pos_l.append(pos)
+            neg_l.append(neg)
+            bands_l.append(np.stack([sk[k][has] for k in ("sk_up", "sk_un", "sk_op", "sk_on")], axis=1))
+        scale = 2 if scale is None else scale
+        nb = nbins(scale)
+        if rows_cols:
+            columns = {k: np.concatenate([c[k] for c in rows_cols]) for k in rows_cols[0]}
+            series = SketchSeries(site, scale, columns, np.concatenate(pos_l), np.concatenate(neg_l),
+                                  np.concatenate(bands_l))
+        else:
+            columns = {n: np.zeros(0, np.dtype(OBS_COLUMNS.get(n, "u4"))) for n in list(OBS_COLUMNS) + ["segment"]}
+            series = SketchSeries(site, scale, columns, np.zeros((0, nb), np.uint64), np.zeros((0, nb), np.uint64),
+                                  np.zeros((0, 4), np.uint64))
+        phases = np.unique(series.columns["phase"])
+        if phase is None and phases.size > 1:
+            raise UsageError(f"site {site.key} has sketches in several phases: name one with phase=",
+                             code="phase_ambiguous", path=self.path)
+        if phase is not None:
+            keep = series.columns["phase"] == Phase.code(phase)
+            series = SketchSeries(site, scale, {k: v[keep] for k, v in series.columns.items()}, series.pos[keep],
+                                  series.neg[keep], series.bands[keep])
+        return series
+
+    @property
+    def steps(self) -> dict[str, np.ndarray]:
+        """The step-truth table: numpy columns (codes; see :func:`step_truth_rows` for named values)."""
+        if self._steps_table is None:
+            parts = []
+            for e in self._steps:
+                ch = self.chunk(e)
+                cols = {name: ch.column(name, e.rows) for name in STEPS_COLUMNS}
+                cols["segment"] = np.full(e.rows, e.segment, np.uint32)
+                for name, enum in (("applied", Applied), ("grad_basis", GradBasis), ("clipped", Clipped)):
+                    if (cols[name] >= len(enum.NAMES)).any():
+                        raise UnsupportedError(f"steps column {name} holds codes unknown to this reader",
+                                               code="unknown_code", path=self.path, offset=e.offset)
+                parts.append(cols)
+            names = list(STEPS_COLUMNS) + ["segment"]
+            if parts:
+                self._steps_table = {n: np.concatenate([p[n] for p in parts]) for n in names}
+            else:
+                self._steps_table = {n: np.zeros(0, np.dtype(STEPS_COLUMNS.get(n, "u4"))) for n in names}
+        return self._steps_table
+
+    def step_truth_rows(self) -> list[dict]:
+        """The step-truth table as dicts with named values and ``None`` for unknown."""
+        t = self.steps
+        out = []
+        for i in range(t["step"].size):
+            def f(name: str) -> float | None:
+                v = float(t[name][i])
+                return None if np.isnan(v) else v
+
+            def u(name: str) -> int | None:
+                v = int(t[name][i])
+                return None if v == U64_UNKNOWN else v
+
+            out.append({
+                "step": int(t["step"][i]), "segment": int(t["segment"][i]),
+                "applied": Applied.name(int(t["applied"][i])), "grad_basis": GradBasis.name(int(t["grad_basis"][i])),
+                "clipped": Clipped.name(int(t["clipped"][i])), "loss_scale": f("loss_scale"),
+                "clip_threshold": f("clip_threshold"),
+                "micro_batches": None if int(t["micro_batches"][i]) == 0 else int(t["micro_batches"][i]),
+                "tokens": u("tokens"), "samples": u("samples"),
+            })
+        return out
+
+    def presence(self, path: str, stream: str = "activation", facet: str | None = None, *,
+                 steps: np.ndarray | list[int] | None = None, phase: str | None = None) -> dict[int, str]:
+        """State of the site at each asked step (default: every step of the step table and of its rows).
+
+        A row gives its own presence; with no row, a step the writer recorded whose site cadence says "not due"
+        is ``not_scheduled``, and anything else is ``unknown``. A gap is never turned into a number.
+        """
+        s = self.spine(path, stream, facet, phase=phase)
+        site = s.site
+        known_steps = set(self.steps["step"].tolist())
+        rows: dict[int, str] = {}
+        for st, pr, span in zip(s.step.tolist(), s.presence.tolist(), s.span.tolist()):
+            name = Presence.name(pr)
+            for k in range(st, st + span):
+                prev = rows.get(k)
+                # several rows (micro-batches) at one step: observed wins over gaps, failed stays visible
+                if prev is None or prev != "failed" and (name == "failed" or name == "observed"):
+                    rows[k] = name
+        asked = sorted(known_steps | set(rows)) if steps is None else [int(x) for x in steps]
+        out = {}
+        for k in asked:
+            if k in rows:
+                out[k] = rows[k]
+            elif k in known_steps and (site.cadence_spine == 0 or k % site.cadence_spine != 0):
+                out[k] = "not_scheduled"
+            else:
+                out[k] = "unknown"
+        return out
+
+    def verify(self) -> dict:
+        """Decode every committed chunk (CRC, directory, columns, sketches); raise on the first problem."""
+        rows = 0
+        for site in self.sites:
+            for phase in Phase.NAMES:
+                s = self.spine(site.path, site.stream, site.facet, phase=phase)
+                rows += len(s)
+                self.sketch(site.path, site.stream, site.facet, phase=phase)
+        _ = self.steps
+        return {
+            "status": self.recovery.status, "sites": len(self.sites), "rows": rows,
+            "chunks": sum(len(v) for v in self._obs.values()) + len(self._steps),
+            "committed_bytes": self.committed_bytes, "dropped_bytes": self.recovery.dropped_bytes,
+            "ignored_records": len(self.ignored_records),
+        }
+
+    def close(self) -> None:
+        """Release the file map."""
+        try:
+            self._view.release()
+        except BufferError:  # numpy arrays still view the map; it is released when they are
+            pass
+        if isinstance(self._buf, mmap.mmap):
+            try:
+                self._buf.close()
+            except BufferError:  # numpy views still alive: the map is released when they are
+                pass
+        self._file.close()
+
+    def __enter__(self) -> "History":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_history(path: str | os.PathLike) -> History:
+    """Open a history file for reading; see :class:`History`."""
+    return History(path)

@@ -1,0 +1,49 @@
+"""Validation of JSON manifests against the published schemas (spec/schemas, JSON Schema 2020-12)."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+import jsonschema
+
+from .errors import SchemaError
+
+__all__ = ["KINDS", "validate_manifest", "schema"]
+
+KINDS = ("run", "writer", "site", "segment", "settings")
+
+
+@lru_cache(maxsize=None)
+def schema(kind: str) -> dict:
+    """The published schema of one manifest kind."""
+    text = resources.files("trainhist").joinpath("schemas", f"{kind}.schema.json").read_text("utf-8")
+    return json.loads(text)
+
+
+@lru_cache(maxsize=None)
+def _validator(kind: str) -> jsonschema.protocols.Validator:
+    s = schema(kind)
+    cls = jsonschema.validators.validator_for(s)
+    cls.check_schema(s)
+    return cls(s)
+
+
+def validate_manifest(doc: Any, *, path: str | None = None, offset: int | None = None) -> dict:
+    """Return ``doc`` if it is a manifest object of a known kind that validates, else raise SchemaError."""
+    if not isinstance(doc, dict) or doc.get("kind") not in KINDS:
+        kind = doc.get("kind") if isinstance(doc, dict) else type(doc).__name__
+        raise SchemaError(
+            f"manifest must be an object whose 'kind' is one of {', '.join(KINDS)}; found {kind!r}",
+            code="unknown_manifest_kind", path=path, offset=offset,
+        )
+    err = jsonschema.exceptions.best_match(_validator(doc["kind"]).iter_errors(doc))
+    if err is not None:
+        where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
+        raise SchemaError(
+            f"{doc['kind']} manifest invalid at {where}: {err.message}", code="bad_manifest", path=path,
+            offset=offset,
+        )
+    return doc
