@@ -454,24 +454,79 @@ class History:
             exact[name] = vals
         return cols, exact, ch
 
-    def _entries(self, site: Site) -> list[_Entry]:
-        return self._obs.get(site.id, [])
+    def _sketch_part(self, e: _Entry, ch: Chunk) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+        """Sketch rows of one chunk: (has mask, pos, neg, bands, scale), validated against the spec's layout."""
+        from .grid import nbins
 
-    def spine(self, path: str, stream: str = "activation", facet: str | None = None, *,
-              phase: str | None = None) -> SpineSeries:
-        """Every committed row of one site, in file order; ``phase`` must be named when the site has several."""
-        site = self.site(path, stream, facet)
+        s = ch.meta.get("scale")
+        if not isinstance(s, int) or isinstance(s, bool) or s not in (0, 1, 2):
+            raise _bad(f"chunk with sketches declares scale {s!r}; expected 0, 1 or 2", "bad_scale", self.path,
+                       e.offset)
+        nb = nbins(s)
+        sk = {k: ch.column(k, e.rows) for k in SKETCH_COLUMNS if k != "sk_counts"}
+        counts = ch.column("sk_counts")
+        if (sk["sk"] > 1).any():
+            raise _bad("sk column holds values other than 0 and 1", "bad_sketch", self.path, e.offset)
+        has = sk["sk"] == 1
+        if (~has & ((sk["sk_pn"] > 0) | (sk["sk_nn"] > 0))).any():
+            raise _bad("a row without a sketch declares sketch bins", "bad_sketch", self.path, e.offset)
+        n_rows = int(has.sum())
+        pos = np.zeros((n_rows, nb), np.uint64)
+        neg = np.zeros((n_rows, nb), np.uint64)
+        off = 0
+        for j, i in enumerate(np.flatnonzero(has).tolist()):
+            for arr, lo, n in ((pos, sk["sk_plo"][i], sk["sk_pn"][i]), (neg, sk["sk_nlo"][i], sk["sk_nn"][i])):
+                lo, n = int(lo), int(n)
+                if lo + n > nb or off + n > counts.size:
+                    raise _bad(f"sketch range {lo}+{n} exceeds {nb} bins or the counts column", "bad_sketch",
+                               self.path, e.offset)
+                arr[j, lo : lo + n] = counts[off : off + n]
+                off += n
+        if off != counts.size:
+            raise _bad(f"sk_counts holds {counts.size} values, the ranges use {off}", "bad_sketch", self.path,
+                       e.offset)
+        bands = np.stack([sk[k][has] for k in ("sk_up", "sk_un", "sk_op", "sk_on")], axis=1)
+        return has, pos, neg, bands, s
+
+    def _site_data(self, site: Site, phase: str | None) -> tuple[dict[str, np.ndarray], dict[str, list], tuple]:
+        """All committed rows of a site (one phase), with ``sk_row`` indexing the dense sketch arrays (-1: none)."""
+        from .grid import nbins
+
         parts, exact = [], {"sum": [], "sumsq": []}
-        for e in self._entries(site):
-            cols, ex, _ = self._obs_columns(e)
+        pos_l, neg_l, bands_l = [], [], []
+        scale = None
+        n_sk = 0
+        for e in self._obs.get(site.id, []):
+            cols, ex, ch = self._obs_columns(e)
+            sk_row = np.full(e.rows, -1, np.int64)
+            if ch.has("sk"):
+                has, pos, neg, bands, s = self._sketch_part(e, ch)
+                if scale is not None and s != scale:
+                    raise UsageError(f"site {site.key} mixes sketch scales {scale} and {s}", code="mixed_scale",
+                                     path=self.path)
+                scale = s
+                sk_row[has] = n_sk + np.arange(int(has.sum()))
+                n_sk += int(has.sum())
+                pos_l.append(pos)
+                neg_l.append(neg)
+                bands_l.append(bands)
+            cols["sk_row"] = sk_row
             parts.append(cols)
             for k in exact:
                 exact[k].extend(ex[k])
-        names = list(OBS_COLUMNS) + ["segment"]
+        names = list(OBS_COLUMNS) + ["segment", "sk_row"]
         if parts:
             columns = {n: np.concatenate([p[n] for p in parts]) for n in names}
         else:
-            columns = {n: np.zeros(0, np.dtype(OBS_COLUMNS.get(n, "u4"))) for n in names}
+            columns = {n: np.zeros(0, np.dtype(OBS_COLUMNS.get(n, "i8"))) for n in names}
+        scale = 2 if scale is None else scale
+        nb = nbins(scale)
+        sketch = (
+            scale,
+            np.concatenate(pos_l) if pos_l else np.zeros((0, nb), np.uint64),
+            np.concatenate(neg_l) if neg_l else np.zeros((0, nb), np.uint64),
+            np.concatenate(bands_l) if bands_l else np.zeros((0, 4), np.uint64),
+        )
         phases = np.unique(columns["phase"])
         if phase is None and phases.size > 1:
             raise UsageError(
@@ -483,74 +538,30 @@ class History:
             columns = {n: v[keep] for n, v in columns.items()}
             idx = np.flatnonzero(keep).tolist()
             exact = {k: [v[i] for i in idx] for k, v in exact.items()}
+        return columns, exact, sketch
+
+    def spine(self, path: str, stream: str = "activation", facet: str | None = None, *,
+              phase: str | None = None) -> SpineSeries:
+        """Every committed row of one site, in file order; ``phase`` must be named when the site has several.
+
+        Column ``sk_row`` gives the row's index in :meth:`sketch` of the same site and phase (-1: no sketch).
+        """
+        site = self.site(path, stream, facet)
+        columns, exact, (scale, pos, neg, bands) = self._site_data(site, phase)
+        if phase is not None:  # renumber sketch rows within the phase
+            sk = columns["sk_row"]
+            columns["sk_row"] = np.where(sk >= 0, np.cumsum(sk >= 0) - 1, -1)
         return SpineSeries(site, columns, exact)
 
     def sketch(self, path: str, stream: str = "activation", facet: str | None = None, *,
                phase: str | None = None) -> SketchSeries:
-        """The rows of one site that carry a sketch, as dense count matrices."""
-        from .grid import nbins
-
+        """The rows of one site that carry a sketch, as dense (rows, bins) count matrices."""
         site = self.site(path, stream, facet)
-        rows_cols: list[dict[str, np.ndarray]] = []
-        pos_l, neg_l, bands_l = [], [], []
-        scale = None
-        for e in self._entries(site):
-            cols, _, ch = self._obs_columns(e)
-            if not ch.has("sk"):
-                continue
-            s = ch.meta.get("scale")
-            if not isinstance(s, int) or s not in (0, 1, 2):
-                raise _bad(f"chunk with sketches declares scale {s!r}; expected 0, 1 or 2", "bad_scale", self.path,
-                           e.offset)
-            if scale is not None and s != scale:
-                raise UsageError(f"site {site.key} mixes sketch scales {scale} and {s}", code="mixed_scale")
-            scale = s
-            nb = nbins(s)
-            sk = {k: ch.column(k, e.rows) for k in SKETCH_COLUMNS if k != "sk_counts"}
-            counts = ch.column("sk_counts")
-            has = sk["sk"] == 1
-            if (sk["sk"] > 1).any():
-                raise _bad("sk column holds values other than 0 and 1", "bad_sketch", self.path, e.offset)
-            n_rows = int(has.sum())
-            pos = np.zeros((n_rows, nb), np.uint64)
-            neg = np.zeros((n_rows, nb), np.uint64)
-            off = 0
-            j = 0
-            for i in np.flatnonzero(has).tolist():
-                for arr, lo, n in ((pos, sk["sk_plo"][i], sk["sk_pn"][i]), (neg, sk["sk_nlo"][i], sk["sk_nn"][i])):
-                    lo, n = int(lo), int(n)
-                    if lo + n > nb or off + n > counts.size:
-                        raise _bad(f"sketch range {lo}+{n} exceeds {nb} bins or the counts column", "bad_sketch",
-                                   self.path, e.offset)
-                    arr[j, lo : lo + n] = counts[off : off + n]
-                    off += n
-                j += 1
-            if off != counts.size:
-                raise _bad(f"sk_counts holds {counts.size} values, the ranges use {off}", "bad_sketch", self.path,
-                           e.offset)
-            rows_cols.append({k: v[has] for k, v in cols.items()})
-            pos_l.append(pos)
-            neg_l.append(neg)
-            bands_l.append(np.stack([sk[k][has] for k in ("sk_up", "sk_un", "sk_op", "sk_on")], axis=1))
-        scale = 2 if scale is None else scale
-        nb = nbins(scale)
-        if rows_cols:
-            columns = {k: np.concatenate([c[k] for c in rows_cols]) for k in rows_cols[0]}
-            series = SketchSeries(site, scale, columns, np.concatenate(pos_l), np.concatenate(neg_l),
-                                  np.concatenate(bands_l))
-        else:
-            columns = {n: np.zeros(0, np.dtype(OBS_COLUMNS.get(n, "u4"))) for n in list(OBS_COLUMNS) + ["segment"]}
-            series = SketchSeries(site, scale, columns, np.zeros((0, nb), np.uint64), np.zeros((0, nb), np.uint64),
-                                  np.zeros((0, 4), np.uint64))
-        phases = np.unique(series.columns["phase"])
-        if phase is None and phases.size > 1:
-            raise UsageError(f"site {site.key} has sketches in several phases: name one with phase=",
-                             code="phase_ambiguous", path=self.path)
-        if phase is not None:
-            keep = series.columns["phase"] == Phase.code(phase)
-            series = SketchSeries(site, scale, {k: v[keep] for k, v in series.columns.items()}, series.pos[keep],
-                                  series.neg[keep], series.bands[keep])
-        return series
+        columns, _, (scale, pos, neg, bands) = self._site_data(site, phase)
+        sel = columns["sk_row"][columns["sk_row"] >= 0]
+        keep = columns["sk_row"] >= 0
+        return SketchSeries(site, scale, {k: v[keep] for k, v in columns.items() if k != "sk_row"}, pos[sel],
+                            neg[sel], bands[sel])
 
     @property
     def steps(self) -> dict[str, np.ndarray]:

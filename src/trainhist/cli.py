@@ -1,0 +1,126 @@
+"""The ``trainhist`` command: a thin layer over the library.
+
+Exit codes: 0 ok (clean file), 3 the file had a torn tail and its committed prefix was used, 1 invalid or corrupt
+input (the error code, file and offset go to stderr), 2 bad command-line usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import __version__
+from .errors import TrainhistError, UsageError
+from .reader import History, open_history
+
+__all__ = ["main", "EXIT_OK", "EXIT_INVALID", "EXIT_USAGE", "EXIT_TORN"]
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_TORN = 0, 1, 2, 3
+
+
+def _status(h: History) -> int:
+    return EXIT_TORN if h.recovery.status == "torn" else EXIT_OK
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    with open_history(args.file) as h:
+        run = h.run or {}
+        print(f"file      {h.path} ({h.size} bytes)")
+        if h.header is not None:
+            print(f"format    read v{h.header.read_version}, write v{h.header.write_version}"
+                  + (" (newer writer: read-only)" if h.read_only else ""))
+        print(f"state     {h.recovery.describe()}")
+        print(f"run       {run.get('name')!r} ({run.get('run_id')}){'' if len(h.runs) < 2 else f' +{len(h.runs) - 1} more'}")
+        for w in h.writers:
+            print(f"writer    {w['writer_id']} rank {w['rank']}/{w['world_size']} on {w['host']}")
+        for g in h.segments:
+            prev = "" if g.previous is None else f", after segment {g.previous}"
+            print(f"segment   {g.id}: from step {g.first_step} ({g.reason}{prev})")
+        steps = h.steps["step"]
+        if steps.size:
+            print(f"steps     {steps.size} recorded, {int(steps.min())}..{int(steps.max())}")
+        print(f"sites     {len(h.sites)}")
+        by_stream: dict[str, int] = {}
+        for s in h.sites:
+            by_stream[s.stream] = by_stream.get(s.stream, 0) + 1
+        for stream, n in sorted(by_stream.items()):
+            print(f"  {stream:16s}{n}")
+        if args.sites:
+            for s in h.sites:
+                facet = "" if s.facet is None else f"[{s.facet}]"
+                print(f"  {s.path}{facet} {s.stream} {s.dtype or ''} {list(s.shape) if s.shape else ''} "
+                      f"{s.sharing} cadence spine/{s.cadence_spine} sketch/{s.cadence_sketch}")
+        return _status(h)
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    with open_history(args.file) as h:
+        report = h.verify()
+        if args.json:
+            print(json.dumps(report, sort_keys=True))
+        else:
+            print(f"{h.path}: {h.recovery.describe()}; {report['chunks']} chunks, {report['rows']} rows, "
+                  f"{report['sites']} sites verified")
+        return _status(h)
+
+
+def _cmd_dump(args: argparse.Namespace) -> int:
+    from .dump import dumps
+
+    with open_history(args.file) as h:
+        sys.stdout.write(dumps(h))
+        return _status(h)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    try:
+        from .torch.demo import main as demo_main
+    except ImportError as e:
+        raise UsageError(f"the demo trains a torch model: install the torch extra ({e})", code="needs_torch") from None
+    return demo_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="trainhist", description="Read, check and convert trainhist history files.")
+    p.add_argument("--version", action="version", version=f"trainhist {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("info", help="summary of a file: run, writers, segments, steps, sites")
+    c.add_argument("file")
+    c.add_argument("--sites", action="store_true", help="list every site")
+    c.set_defaults(func=_cmd_info)
+    c = sub.add_parser("verify", help="check every committed byte; exit 0 clean, 3 torn tail, 1 corrupt")
+    c.add_argument("file")
+    c.add_argument("--json", action="store_true", help="print the report as JSON")
+    c.set_defaults(func=_cmd_verify)
+    c = sub.add_parser("dump", help="canonical JSON of everything committed (spec section 10)")
+    c.add_argument("file")
+    c.set_defaults(func=_cmd_dump)
+    c = sub.add_parser("demo", help="train a small built-in model and write, triage and plot its history",
+                       add_help=False)
+    c.add_argument("rest", nargs=argparse.REMAINDER)
+    c.set_defaults(func=_cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as e:
+        print(f"trainhist: error {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except TrainhistError as e:
+        print(f"trainhist: error {e}", file=sys.stderr)
+        return EXIT_INVALID
+    except FileNotFoundError as e:
+        print(f"trainhist: error [not_found] {e.filename}: no such file", file=sys.stderr)
+        return EXIT_INVALID
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
