@@ -165,7 +165,15 @@ class HistoryWriter:
         commit_every: int = 50,
         commit_seconds: float = 30.0,
         settings: dict | None = None,
+        salt: int | None = None,
+        writer_id: str | None = None,
+        created: str | None = None,
+        pid: int | None = None,
+        software: dict[str, str] | None = None,
     ) -> None:
+        """``salt``, ``writer_id``, ``created`` (every manifest's timestamp), ``pid`` and ``software`` fix what is
+        otherwise random or taken from the environment, for byte-reproducible files (conformance vectors);
+        ``salt`` applies only to a new file (an appended file keeps its own)."""
         if codec not in Codec.BY_NAME:
             raise UsageError(f"codec must be one of {', '.join(Codec.BY_NAME)}, got {codec!r}")
         if fsync not in ("commit", "close", "never"):
@@ -186,31 +194,36 @@ class HistoryWriter:
         self._last_step: int | None = None
         self._steps_since_commit = 0
         self._last_commit_time = time.monotonic()
-        self.writer_id = uuid.uuid4().hex
+        self.writer_id = writer_id or uuid.uuid4().hex
+        self._created = created
         self._segment_manifest: dict | None = None
         resumed = mode == "a" and os.path.exists(self.path) and os.path.getsize(self.path) > 0
         if resumed:
             self._open_append()
         else:
             self.run_id = run_id or uuid.uuid4().hex
-            self._salt = int.from_bytes(os.urandom(8), "little")
+            self._salt = int.from_bytes(os.urandom(8), "little") if salt is None else int(salt)
             self._f = open(self.path, "wb")
             self._seq = 0
             self._f.write(FileHeader(READ_VERSION, WRITE_VERSION, 0, 0, self._salt).pack())
             self._offset = FILE_HEADER_SIZE
-            self._manifest({"kind": "run", "run_id": self.run_id, "name": run_name, "created": _now(),
+            self._manifest({"kind": "run", "run_id": self.run_id, "name": run_name, "created": self._now(),
                             "config": config or {}})
             self._next_segment = 0
             self._previous_segment = None
         self._manifest({
             "kind": "writer", "writer_id": self.writer_id, "run_id": self.run_id, "rank": rank,
             "world_size": world_size, "host": host if host is not None else socket.gethostname(),
-            "pid": os.getpid(), "created": _now(), "software": {"trainhist": __version__},
+            "pid": os.getpid() if pid is None else pid, "created": self._now(),
+            "software": {"trainhist": __version__} if software is None else dict(software),
         })
         if settings:
             self._manifest({"kind": "settings", "writer_id": self.writer_id, "settings": settings})
         self.segment = -1
         self.new_segment(None, reason="resume" if resumed else "start")
+
+    def _now(self) -> str:
+        return self._created if self._created is not None else _now()
 
     # -- opening an existing file ------------------------------------------------------------------------
     def _open_append(self) -> None:
@@ -393,7 +406,7 @@ class HistoryWriter:
             self._next_segment += 1
         self._segment_manifest = {
             "kind": "segment", "id": seg, "first_step": first_step, "reason": reason,
-            "previous": self._previous_segment, "writer_id": self.writer_id, "created": _now(),
+            "previous": self._previous_segment, "writer_id": self.writer_id, "created": self._now(),
         }
         self._previous_segment = seg
         self.segment = seg
