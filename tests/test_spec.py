@@ -1,0 +1,48 @@
+"""The spec's generated parts and tables agree with the implementation."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+
+from trainhist import grid
+from trainhist.schemas import KINDS, schema
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = (ROOT / "spec" / "format.md").read_text("utf-8")
+
+
+def test_appendices_are_current() -> None:
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "spec_appendix.py"), "--check"], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_threshold_table_matches_grid() -> None:
+    for width, values in (("binary32", grid.THRESH_F32), ("binary64", grid.THRESH_F64)):
+        row = next(line for line in SPEC.splitlines() if line.startswith(f"| {width} |"))
+        numbers = [int(n) for n in re.findall(r"\| (\d+) \(0x", row)]
+        assert numbers == list(values)
+    # the spec's note: binary32 thresholds are the binary64 ones shifted right by 29
+    assert [t >> 29 for t in grid.THRESH_F64] == list(grid.THRESH_F32)
+
+
+def test_schemas_are_valid_2020_12_and_published_in_spec() -> None:
+    for kind in KINDS:
+        s = schema(kind)
+        assert s["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+        jsonschema.Draft202012Validator.check_schema(s)
+        published = json.loads((ROOT / "spec" / "schemas" / f"{kind}.schema.json").read_text("utf-8"))
+        assert published == s
+
+
+def test_crc_check_value_in_spec() -> None:
+    from trainhist.framing import crc32c
+
+    assert crc32c(b"123456789") == 0xE3069283
+    assert "0xE3069283" in SPEC
