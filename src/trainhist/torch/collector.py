@@ -1,0 +1,764 @@
+"""The torch collector: hooks a model (and optionally its optimizer and GradScaler) and writes its history.
+
+Per logged step every reduction lands in one preallocated device ledger (see :mod:`.reduce`); the ledger is
+copied to the host once, at the end of the step, and decoded into :class:`~trainhist.summary.Summary` rows there.
+
+Design notes (also written into the file's settings):
+
+* Micro-batches: every forward of a step reduces into the same ledger row, so the writer receives one exactly
+  merged row per (site, phase) per step with ``micro=None``; the number of forwards is ``micro_batches``.
+* Parameter gradients: captured once per phase per step. Inside the step, ``torch.nn.utils.clip_grad_norm_`` is
+  wrapped: it records phase ``pre_clip`` before and ``post_clip`` after clipping (and the global norms);
+  without clipping the gradients are captured as phase ``default`` just before the optimizer step (or at step
+  exit when no optimizer is attached). The gradient basis is ``scaled``/``unscaled`` under an attached,
+  enabled GradScaler (depending on whether ``unscale_`` ran first), otherwise unknown unless the loop says.
+* ``param`` is the value at step exit (after the update); ``param_delta`` is exit minus entry on a seeded
+  float32 subvector. A step whose update was not applied records ``param_delta`` as ``skipped``.
+* Activation-checkpoint recompute runs inside backward; forward hooks firing there are not counted again (they
+  only attach gradient hooks, which fire solely for reentrant checkpointing, whose first forward had no grad).
+* The recording forward hook is moved behind every other forward hook of its module at each step, so the
+  recorded value is the module's final output (after hooks that rewrite it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+import torch
+
+from ..errors import UsageError
+from .plan import (
+    ROOT,
+    STREAMS,
+    Plan,
+    PlannedSite,
+    clean_name,
+    flatten_output,
+    local_tensor,
+    param_sharing,
+    sample_indices,
+    select,
+    unwrap,
+)
+from .reduce import Ledger, PendingTransfer, decode_row, reduce_into
+
+__all__ = ["Collector", "StepTruth"]
+
+_GRAD_BASES = ("scaled", "unscaled")
+# id of the autograd graph task running on this thread, -1 outside backward (activation-checkpoint recompute
+# runs forwards inside backward)
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+@dataclass(frozen=True)
+class StepTruth:
+    """What the training loop attests about one step; every field left ``None`` is recorded as unknown."""
+
+    applied: bool | None = None
+    loss_scale: float | None = None
+    grad_basis: str | None = None
+    clipped: bool | None = None
+    clip_threshold: float | None = None
+    micro_batches: int | None = None
+    tokens: int | None = None
+    samples: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.grad_basis not in (None, *_GRAD_BASES):
+            raise UsageError(f"grad_basis must be 'scaled', 'unscaled' or None, got {self.grad_basis!r}")
+
+
+@dataclass
+class _Step:
+    """Host-side bookkeeping of the step in progress (and, after exit, of its pending transfer)."""
+
+    step: int
+    truth: StepTruth
+    due: dict[str, bool]
+    sketch: dict[str, bool]
+    t0: float
+    counts: dict[tuple, int] = field(default_factory=dict)
+    failed: set[tuple] = field(default_factory=set)
+    grad_done: set[tuple] = field(default_factory=set)
+    snapshots: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    dev_scalars: list[tuple[int, str, tuple]] = field(default_factory=list)
+    host_scalars: list[tuple[int, str, float]] = field(default_factory=list)
+    micro: int = 0
+    clip_seen: bool = False
+    clip_threshold: float | None = None
+    bases: set[str | None] = field(default_factory=set)
+    unscaled: bool = False
+    opt_called: bool = False
+    opt_stepped: bool = False
+    scaler_updated: bool = False
+    pending: PendingTransfer | None = None
+    late_only: bool = False  # carries only tensor scalars of earlier steps (the transfer at close)
+
+
+def _per_stream(value: int | Mapping[str, int], name: str) -> dict[str, int]:
+    if isinstance(value, Mapping):
+        bad = set(value) - set(STREAMS)
+        if bad:
+            raise UsageError(f"{name}: unknown stream(s) {sorted(bad)}; streams are {', '.join(STREAMS)}")
+        out = {s: int(value.get(s, 1 if name == "every" else 10)) for s in STREAMS}
+    else:
+        out = {s: int(value) for s in STREAMS}
+    if any(v < 0 for v in out.values()):
+        raise UsageError(f"{name} must be >= 0 (0 = never), got {out}")
+    return out
+
+
+def _dist() -> tuple[int, int]:
+    d = torch.distributed
+    if d.is_available() and d.is_initialized():
+        return d.get_rank(), d.get_world_size()
+    return 0, 1
+
+
+def _rank_path(path: str | os.PathLike, rank: int, world_size: int) -> str:
+    p = os.fspath(path)
+    if "{rank}" in p:
+        return p.format(rank=rank)
+    if world_size > 1:
+        root, ext = os.path.splitext(p)
+        return f"{root}.rank{rank}{ext}"
+    return p
+
+
+def _call(model: torch.nn.Module, batch: object) -> object:
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+class Collector:
+    """Record the distribution history of a torch model's training into a trainhist file (one per rank).
+
+    ``streams``: any of ``activation, activation_grad, param, param_grad, param_delta``. ``sites``: module-path
+    prefixes or fnmatch patterns (``None`` = every module and parameter). ``every`` / ``sketch_every``: spine and
+    sketch cadence in steps, an int or a per-stream mapping (0 = never). ``delta_elements``: size of the seeded
+    ``param_delta`` subvector. Give ``path`` (``{rank}`` is substituted; under several ranks ``.rank<r>`` is
+    inserted otherwise) or an open ``writer``; other keyword arguments go to :class:`~trainhist.HistoryWriter`.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        path: str | os.PathLike | None = None,
+        *,
+        streams: Iterable[str] = STREAMS,
+        sites: str | Iterable[str] | None = None,
+        every: int | Mapping[str, int] = 1,
+        sketch_every: int | Mapping[str, int] = 10,
+        delta_elements: int = 4096,
+        seed: int = 0,
+        writer: object | None = None,
+        commit_every: int = 1,
+        **writer_options: object,
+    ) -> None:
+        self.streams = tuple(streams)
+        bad = [s for s in self.streams if s not in STREAMS]
+        if bad:
+            raise UsageError(f"unknown stream(s) {bad}; streams are {', '.join(STREAMS)}")
+        if (path is None) == (writer is None):
+            raise UsageError("Collector needs exactly one of path= or writer=")
+        self.model = model
+        self.inner, self._ddp = unwrap(model)
+        self._patterns = [sites] if isinstance(sites, str) else (None if sites is None else list(sites))
+        self.every = _per_stream(every, "every")
+        self.sketch_every = _per_stream(sketch_every, "sketch_every")
+        self.delta_elements = int(delta_elements)
+        self.seed = int(seed)
+        self.rank, self.world_size = _dist()
+        self.path = None if path is None else _rank_path(path, self.rank, self.world_size)
+        self._writer = writer
+        self._writer_options = writer_options
+        self.commit_every = max(1, int(commit_every))
+        self._modules = {clean_name(n): m for n, m in self.inner.named_modules()}
+        self._params = {clean_name(n): p for n, p in self.inner.named_parameters()}
+        self._sel_modules, self._sel_params = select(list(self._modules), list(self._params), self._patterns)
+        self._facets: dict[str, list[tuple[str | None, tuple[int, ...], str]]] | None = None
+        self._plan: Plan | None = None
+        self._handles: dict[tuple, object] = {}
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._fwd_handles: list[tuple[torch.nn.Module, int]] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._scaler: object | None = None
+        self._scaler_orig: dict[str, object] = {}
+        dev = next((p.device for p in self.inner.parameters()), torch.device("cpu"))
+        self._ledger = Ledger(dev)
+        self._lag = 1 if self._ledger.device.type == "cuda" else 0
+        self._indices: dict[str, torch.Tensor | None] = {}
+        self._state: _Step | None = None
+        self._discovery: dict | None = None
+        self._pending: list[_Step] = []
+        self._late: list[tuple[int, str, torch.Tensor]] = []
+        self._warned: set[object] = set()
+        self._since_commit = 0
+        self._closed = False
+        self.writer_errors = 0
+        self.first_nonfinite: tuple[int, str, str, str | None] | None = None
+
+    # -- planning ------------------------------------------------------------------------------------------
+    def discover(self, batch: object) -> object:
+        """Run one real forward of ``batch`` to learn every module's output facets; returns the model output."""
+        self._discovery = {}
+        handles = [
+            m.register_forward_hook(partial(self._on_discover, n)) for n, m in self._modules.items()
+            if n in self._sel_modules
+        ]
+        try:
+            out = _call(self.model, batch)
+        finally:
+            for h in handles:
+                h.remove()
+            self._facets, self._discovery = self._discovery, None
+        self._plan = None
+        return out
+
+    def _on_discover(self, path: str, module: torch.nn.Module, args: tuple, output: object) -> None:
+        if self._discovery is not None and path not in self._discovery:
+            self._discovery[path] = [(f, tuple(t.shape), _dtype_name(t)) for f, t in flatten_output(output)]
+
+    @property
+    def plan(self) -> Plan:
+        """Every site, stream and facet to be recorded, with per-step cost (call :meth:`discover` first for sizes)."""
+        if self._plan is None:
+            self._plan = self._build_plan()
+        return self._plan
+
+    def _build_plan(self) -> Plan:
+        plan = Plan()
+        ev, sk = self.every, self.sketch_every
+        for path in self._modules:
+            if path not in self._sel_modules:
+                continue
+            facets = (self._facets or {}).get(path)
+            known = facets is not None
+            for facet, shape, dtype in facets if known else [("?", None, None)]:
+                for stream in ("activation", "activation_grad"):
+                    if stream in self.streams:
+                        plan.sites.append(PlannedSite(
+                            path, stream, facet, shape, dtype, math.prod(shape) if known else None, "shard",
+                            ev[stream], sk[stream], provisional=not known,
+                        ))
+        for name, p in self._params.items():
+            if name not in self._sel_params:
+                continue
+            shape, dtype, n = tuple(p.shape), _dtype_name(p), local_tensor(p).numel()
+            sharing = param_sharing(p, self._ddp)
+            for stream in ("param", "param_grad", "param_delta"):
+                if stream not in self.streams or (stream != "param" and not p.requires_grad):
+                    continue
+                sample, el = None, n
+                if stream == "param_delta":
+                    k = min(n, self.delta_elements)
+                    el = k
+                    if k < n:
+                        sample = {"elements": k, "of": n, "seed": self.seed}
+                plan.sites.append(PlannedSite(name, stream, None, shape, dtype, el, sharing, ev[stream],
+                                              sk[stream], sample))
+        return plan
+
+    def settings(self) -> dict:
+        """The collector settings written into the file."""
+        return {
+            "collector": "trainhist.torch",
+            "torch": torch.__version__,
+            "streams": list(self.streams),
+            "sites": self._patterns,
+            "every": self.every,
+            "sketch_every": self.sketch_every,
+            "param_delta": {
+                "elements": self.delta_elements,
+                "seed": self.seed,
+                "indices": "sorted numpy.random.default_rng([seed, zlib.crc32(path)]).choice(numel, elements, "
+                "replace=False) over the flattened rank-local tensor; float32 difference exit - entry",
+            },
+            "micro_batches": "merged on device: one row per (site, phase) per step, micro=None",
+            "param_timing": "param at step exit (after the update); param_grad before the optimizer step",
+            "sums": "float64 accumulation on device (f64_accumulate)",
+        }
+
+    # -- wiring ---------------------------------------------------------------------------------------------
+    def attach(self, optimizer: object = None, scaler: object = None) -> "Collector":
+        """Install the hooks; optionally watch ``optimizer`` (one or a list) and a ``torch.amp.GradScaler``."""
+        self._open()
+        if not self._fwd_handles:
+            hooked = {ROOT}
+            if {"activation", "activation_grad"} & set(self.streams):
+                hooked |= self._sel_modules
+            for path in hooked:
+                m = self._modules[path]
+                h = m.register_forward_hook(partial(self._on_forward, path))
+                self._hooks.append(h)
+                self._fwd_handles.append((m, h.id))
+        opts = [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        for opt in opts:
+            if any(o is opt for o in self._optimizers):
+                continue
+            self._optimizers.append(opt)
+            self._hooks.append(opt.register_step_pre_hook(self._on_opt_pre))
+            self._hooks.append(opt.register_step_post_hook(self._on_opt_post))
+        if scaler is not None and self._scaler is None:
+            self._scaler = scaler
+            for name in ("unscale_", "step", "update"):
+                self._scaler_orig[name] = getattr(scaler, name)
+            scaler.unscale_ = self._scaler_unscale
+            scaler.step = self._scaler_step
+            scaler.update = self._scaler_update
+        return self
+
+    def _open(self) -> None:
+        if self._writer is not None:
+            return
+        from ..writer import HistoryWriter
+
+        opts = dict(self._writer_options)
+        opts.setdefault("rank", self.rank)
+        opts.setdefault("world_size", self.world_size)
+        settings = {**self.settings(), **dict(opts.pop("settings", None) or {})}  # type: ignore[arg-type]
+        self._writer = HistoryWriter(self.path, settings=settings, **opts)  # type: ignore[arg-type]
+        self._register_sites()
+
+    def _register_sites(self) -> None:
+        for s in self.plan.sites:
+            if not s.provisional:
+                self._handle(s.path, s.stream, s.facet)
+
+    def _handle(self, path: str, stream: str, facet: str | None) -> object | None:
+        key = (path, stream, facet)
+        h = self._handles.get(key)
+        if h is None:
+            s = self.plan.find(path, stream, facet)
+            if s is None:  # a facet first seen during training (no discover(), or a new output structure)
+                self.plan.sites = [
+                    x for x in self.plan.sites if not (x.provisional and (x.path, x.stream) == (path, stream))
+                ]
+                s = PlannedSite(path, stream, facet, None, None, None, "shard", self.every[stream],
+                                self.sketch_every[stream])
+                self.plan.sites.append(s)
+            shape = s.shape if stream.startswith("param") else None
+            h = self._safe(
+                self._writer.site, path, stream, facet=facet, shape=shape, dtype=s.dtype, sharing=s.sharing,
+                cadence_spine=s.every, cadence_sketch=s.sketch_every, sample=s.sample,
+            )
+            if h is not None:
+                self._handles[key] = h
+        return h
+
+    def _safe(self, fn: object, *args: object, **kwargs: object) -> object:
+        """Call the writer; an error is warned about once and never propagates into training."""
+        try:
+            return fn(*args, **kwargs)  # type: ignore[operator]
+        except Exception as e:  # noqa: BLE001 -- a broken disk must not kill the training run
+            self.writer_errors += 1
+            self._warn_once("writer", f"trainhist: writing {self.path or 'the history'} failed ({e!r}); "
+                            "training continues, further write errors are not reported")
+            return None
+
+    def _warn_once(self, key: object, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    # -- the step -------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self, step: int, *, truth: StepTruth | None = None, new_segment: bool = False) -> Iterator["Collector"]:
+        """Context of one training step: everything the model and optimizer do inside it is recorded."""
+        if self._closed:
+            raise UsageError("the collector is closed")
+        if self._state is not None:
+            raise UsageError(f"step {step} entered while step {self._state.step} is still open")
+        if not self._fwd_handles:
+            self.attach()
+        if new_segment:
+            self._drain()
+            self._safe(self._writer.new_segment, int(step), "resume")
+        st = _Step(
+            step=int(step), truth=truth or StepTruth(), t0=time.perf_counter(),
+            due={s: s in self.streams and self.every[s] > 0 and step % self.every[s] == 0 for s in STREAMS},
+            sketch={s: self.sketch_every[s] > 0 and step % self.sketch_every[s] == 0 for s in STREAMS},
+        )
+        self._ledger.reset()
+        for m, hid in self._fwd_handles:  # run last: see the module's final output
+            if m._forward_hooks and next(reversed(m._forward_hooks)) != hid:
+                m._forward_hooks.move_to_end(hid)
+        self._state = st
+        if st.due["param_delta"]:
+            self._snapshot(st)
+        clip_mod = torch.nn.utils.clip_grad
+        orig_clip = (torch.nn.utils.clip_grad_norm_, clip_mod.clip_grad_norm_)
+        wrapped = partial(self._clip, orig_clip[0])
+        torch.nn.utils.clip_grad_norm_ = clip_mod.clip_grad_norm_ = wrapped
+        try:
+            yield self
+        finally:
+            torch.nn.utils.clip_grad_norm_, clip_mod.clip_grad_norm_ = orig_clip
+            try:
+                self._exit(st)
+            finally:
+                self._state = None
+
+    def _exit(self, st: _Step) -> None:
+        if st.due["param_grad"] and not st.clip_seen:
+            self._capture_grads("default", None)
+        if st.due["param"]:
+            for name in self._sel_params:
+                self._reduce(("param", name, None, "default"), self._params[name])
+        if st.due["param_delta"]:
+            for name, (idx, before) in st.snapshots.items():
+                key = ("param_delta", name, None, "default")
+                try:
+                    after = self._gather(name, idx)
+                    self._reduce(key, after - before)
+                except Exception as e:  # noqa: BLE001
+                    self._fail(key, e)
+        for oi, opt in enumerate(self._optimizers):
+            for gi, g in enumerate(opt.param_groups):
+                name = f"lr/group{gi}" if len(self._optimizers) == 1 else f"lr/opt{oi}.group{gi}"
+                self._put_scalar(st, st.step, name, g.get("lr"))
+        sc = self._scaler
+        if sc is not None and sc.is_enabled() and getattr(sc, "_scale", None) is not None:
+            self._put_scalar(st, st.step, "loss_scale", sc._scale)
+        st.host_scalars.append((st.step, "step_time", time.perf_counter() - st.t0))
+        self._transfer(st)
+        while len(self._pending) > self._lag:
+            self._finish(self._pending.pop(0))
+
+    def _transfer(self, st: _Step) -> None:
+        """Move late tensor scalars into the ledger and start the step's single host transfer."""
+        for i, (s, name, t) in enumerate(self._late):
+            key = ("late", i)
+            self._ledger.scalar(key).copy_(t.reshape(-1)[:1])
+            st.dev_scalars.append((s, name, key))
+        self._late = []
+        if st.counts or st.dev_scalars:
+            st.pending = self._ledger.transfer()
+        self._pending.append(st)
+
+    def _put_scalar(self, st: _Step, step: int, name: str, value: object) -> None:
+        if value is None:
+            return
+        if isinstance(value, torch.Tensor):
+            key = ("scalar", name)
+            self._ledger.scalar(key).copy_(value.detach().reshape(1))
+            st.dev_scalars.append((step, name, key))
+        else:
+            st.host_scalars.append((step, name, float(value)))  # type: ignore[arg-type]
+
+    def scalars(self, step: int, **values: float | torch.Tensor) -> None:
+        """Record run-level scalars (loss, lr, ...); tensors are read at the next single transfer, never synced."""
+        st = self._state
+        for name, v in values.items():
+            if isinstance(v, torch.Tensor):
+                if st is not None and st.step == step:
+                    self._put_scalar(st, step, name, v)
+                else:
+                    self._late.append((int(step), name, v.detach()))
+            elif st is not None and st.step == step:
+                st.host_scalars.append((step, name, float(v)))
+            else:
+                self._safe(self._writer.scalar, name, int(step), float(v))
+
+    # -- reductions -----------------------------------------------------------------------------------------
+    def _reduce(self, key: tuple, t: torch.Tensor) -> None:
+        st = self._state
+        if st is None or key in st.failed:
+            return
+        try:
+            t = local_tensor(t)
+            if t.device != self._ledger.device:
+                t = t.to(self._ledger.device, non_blocking=True)
+            n = t.numel()
+            if n:
+                reduce_into(t, self._ledger.row(key))
+            st.counts[key] = st.counts.get(key, 0) + n
+        except Exception as e:  # noqa: BLE001 -- one bad site must not stop training
+            self._fail(key, e)
+
+    def _fail(self, key: tuple, e: BaseException) -> None:
+        st = self._state
+        if st is not None:
+            st.failed.add(key)
+            st.counts.pop(key, None)
+        self._warn_once(("reduce", key[:2]), f"trainhist: reducing {key[1]!r} ({key[0]}) failed: {e!r}; "
+                        "recorded as 'failed'")
+
+    def _on_forward(self, path: str, module: torch.nn.Module, args: tuple, output: object) -> None:
+        st = self._state
+        if st is None:
+            return
+        in_backward = _graph_task_id() != -1
+        if path == ROOT and not in_backward:
+            st.micro += 1
+        if path not in self._sel_modules:
+            return
+        act, grad = st.due["activation"], st.due["activation_grad"]
+        for facet, t in flatten_output(output):
+            if act and not in_backward:
+                self._reduce(("activation", path, facet, "default"), t)
+            if grad and t.requires_grad:
+                t.register_hook(partial(self._on_grad, ("activation_grad", path, facet, "default")))
+
+    def _on_grad(self, key: tuple, grad: torch.Tensor) -> None:
+        self._reduce(key, grad)
+
+    def _param_names(self, params: Iterable[torch.Tensor] | None) -> list[str]:
+        if params is None:
+            return [n for n in self._params if n in self._sel_params]
+        ids = {id(p) for p in params}
+        return [n for n, p in self._params.items() if id(p) in ids and n in self._sel_params]
+
+    def _basis(self, st: _Step) -> str | None:
+        sc = self._scaler
+        if sc is None:
+            return None
+        if not sc.is_enabled():
+            return "unscaled"
+        return "unscaled" if st.unscaled else "scaled"
+
+    def _capture_grads(self, phase: str, params: Iterable[torch.Tensor] | None) -> None:
+        st = self._state
+        if st is None or not st.due["param_grad"]:
+            return
+        seen = False
+        for name in self._param_names(params):
+            key = ("param_grad", name, None, phase)
+            if key in st.grad_done:
+                continue
+            st.grad_done.add(key)
+            g = self._params[name].grad
+            if g is not None:
+                seen = True
+                self._reduce(key, g)
+        if seen:
+            st.bases.add(self._basis(st))
+
+    def _clip(self, orig: object, parameters: object, max_norm: float, *args: object, **kwargs: object) -> object:
+        st = self._state
+        if st is None:
+            return orig(parameters, max_norm, *args, **kwargs)  # type: ignore[operator]
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)  # type: ignore[arg-type]
+        self._capture_grads("pre_clip", params)
+        norm = orig(params, max_norm, *args, **kwargs)  # type: ignore[operator]
+        self._capture_grads("post_clip", params)
+        st.clip_seen = True
+        if isinstance(max_norm, (int, float)):
+            st.clip_threshold = float(max_norm)
+        if isinstance(norm, torch.Tensor):
+            n = norm.detach().to(torch.float64)
+            coef = max_norm / (norm.detach() + 1e-6)  # clip_grad_norm_'s own coefficient, in its dtype
+            clipped = (coef < 1).to(torch.float64)
+            post = n * torch.clamp(coef, max=1.0).to(torch.float64)
+            for name, v in (("grad_norm", n), ("grad_norm_post_clip", post), ("_clipped", clipped)):
+                self._put_scalar(st, st.step, name, v)
+        return norm
+
+    def _on_opt_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        st = self._state
+        if st is None:
+            return
+        st.opt_called = True
+        if not st.clip_seen:
+            self._capture_grads("default", [p for g in opt.param_groups for p in g["params"]])
+
+    def _on_opt_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        st = self._state
+        if st is not None and not (opt.defaults.get("fused") or kwargs.get("found_inf") is not None):
+            st.opt_stepped = True  # a fused step (or one given found_inf) may have skipped inside its kernel
+
+    def _scaler_unscale(self, optimizer: object) -> object:
+        out = self._scaler_orig["unscale_"](optimizer)  # type: ignore[operator]
+        if self._state is not None:
+            self._state.unscaled = True
+        return out
+
+    def _scaler_step(self, optimizer: torch.optim.Optimizer, *args: object, **kwargs: object) -> object:
+        out = self._scaler_orig["step"](optimizer, *args, **kwargs)  # type: ignore[operator]
+        st = self._state
+        if st is not None and not st.clip_seen:  # the scaler skipped the step: keep the (non-finite) gradients
+            self._capture_grads("default", [p for g in optimizer.param_groups for p in g["params"]])
+        return out
+
+    def _scaler_update(self, new_scale: object = None) -> object:
+        st, sc = self._state, self._scaler
+        before = getattr(sc, "_scale", None)
+        if st is not None and before is not None:
+            self._put_scalar(st, st.step, "_scale_before", before.detach().clone())
+        out = self._scaler_orig["update"](new_scale)  # type: ignore[operator]
+        after = getattr(sc, "_scale", None)
+        if st is not None and before is not None and after is not None:
+            self._put_scalar(st, st.step, "_scale_after", after)
+            st.scaler_updated = True
+        return out
+
+    def _gather(self, name: str, idx: torch.Tensor | None) -> torch.Tensor:
+        flat = local_tensor(self._params[name]).detach().reshape(-1)
+        return (flat if idx is None else flat[idx]).to(torch.float32, copy=True)
+
+    def _snapshot(self, st: _Step) -> None:
+        for name in self._sel_params:
+            p = self._params[name]
+            if not p.requires_grad:
+                continue
+            if name not in self._indices:
+                n = local_tensor(p).numel()
+                idx = sample_indices(name, n, self.delta_elements, self.seed)
+                self._indices[name] = None if idx is None else torch.from_numpy(idx).to(p.device)
+            idx = self._indices[name]
+            try:
+                st.snapshots[name] = (idx, self._gather(name, idx))
+            except Exception as e:  # noqa: BLE001
+                self._fail(("param_delta", name, None, "default"), e)
+
+    # -- host side: decode and write ------------------------------------------------------------------------
+    def _finish(self, st: _Step) -> None:
+        data = st.pending.wait() if st.pending is not None else None
+        w = self._writer
+        dev: dict[tuple[int, str], float] = {}
+        for s, name, key in st.dev_scalars:
+            dev[(s, name)] = st.pending.scalar(data, key)  # type: ignore[union-attr,arg-type]
+        if st.late_only:
+            for (s, name), v in dev.items():
+                self._safe(w.scalar, name, s, v)
+            self._safe(w.commit)
+            return
+        t = st.truth
+        applied = t.applied
+        before, after = dev.get((st.step, "_scale_before")), dev.get((st.step, "_scale_after"))
+        if applied is None:
+            if st.scaler_updated and before is not None and after is not None:
+                applied = not after < before
+            elif st.opt_stepped:
+                applied = True
+            elif self._optimizers and not st.opt_called and self._scaler is None:
+                applied = False
+        loss_scale = t.loss_scale if t.loss_scale is not None else dev.get((st.step, "loss_scale"))
+        basis = t.grad_basis
+        if basis is None and len(st.bases) == 1:
+            basis = next(iter(st.bases))
+        clipped = t.clipped
+        if clipped is None and (st.step, "_clipped") in dev:
+            clipped = bool(dev[(st.step, "_clipped")])
+        threshold = t.clip_threshold if t.clip_threshold is not None else st.clip_threshold
+        self._safe(
+            w.step_truth, st.step, applied=applied, loss_scale=loss_scale, grad_basis=basis, clipped=clipped,
+            clip_threshold=threshold, micro_batches=t.micro_batches if t.micro_batches is not None else st.micro,
+            tokens=t.tokens, samples=t.samples,
+        )
+        for key in [*st.counts, *st.failed]:  # facets first seen in this step
+            if self.plan.find(key[1], key[0], key[2]) is None:
+                self._handle(key[1], key[0], key[2])
+        grad_sq: float | None = 0.0 if st.due["param_grad"] and not st.clip_seen else None
+        for s in self.plan.sites:
+            if s.provisional or not st.due[s.stream]:
+                continue
+            for phase in self._phases(s, st):
+                key = (s.stream, s.path, s.facet, phase)
+                summ = self._summary(st, data, key)
+                if s.stream == "param_grad" and grad_sq is not None:
+                    if key in st.failed:
+                        grad_sq = None
+                    elif summ is not None:
+                        bad = math.nan if summ.nan else math.inf
+                        grad_sq = grad_sq + summ.sumsq.to_float() if summ.finite == summ.count else bad
+                self._emit(st, s, phase, key, summ, applied)
+        if grad_sq is not None and self._all_trainable_selected():
+            st.host_scalars.append((st.step, "grad_norm", math.sqrt(grad_sq)))
+        tokens = t.tokens
+        elapsed = next((v for s, n, v in st.host_scalars if n == "step_time" and s == st.step), None)
+        if tokens is not None and elapsed:
+            st.host_scalars.append((st.step, "tokens_per_s", tokens / elapsed))
+        for (s, name), v in dev.items():
+            if not name.startswith("_"):
+                self._safe(w.scalar, name, s, v)
+        for s, name, v in st.host_scalars:
+            self._safe(w.scalar, name, s, v)
+        self._since_commit += 1
+        if self._since_commit >= self.commit_every:
+            self._since_commit = 0
+            self._safe(w.commit)
+
+    def _all_trainable_selected(self) -> bool:
+        return all(n in self._sel_params for n, p in self._params.items() if p.requires_grad)
+
+    def _phases(self, s: PlannedSite, st: _Step) -> tuple[str, ...]:
+        if s.stream == "param_grad":
+            return ("pre_clip", "post_clip") if st.clip_seen else ("default",)
+        return ("default",)
+
+    def _summary(self, st: _Step, data: np.ndarray | None, key: tuple) -> object:
+        n = st.counts.get(key)
+        if n is None or key in st.failed:
+            return None
+        try:
+            if n == 0 or key not in st.pending.rows:  # type: ignore[union-attr]
+                from ..summary import Summary
+
+                return Summary(count=0)
+            return decode_row(st.pending.row(data, key), n, sketch=st.sketch[key[0]])  # type: ignore[union-attr]
+        except Exception as e:  # noqa: BLE001
+            st.failed.add(key)
+            self._warn_once(("decode", key[:2]), f"trainhist: decoding {key[1]!r} ({key[0]}) failed: {e!r}")
+            return None
+
+    def _emit(self, st: _Step, s: PlannedSite, phase: str, key: tuple, summ: object, applied: bool | None) -> None:
+        h = self._handle(s.path, s.stream, s.facet)
+        if h is None:
+            return
+        if s.stream == "param_delta" and applied is False:
+            self._safe(self._writer.mark, h, st.step, "skipped", phase=phase)
+        elif summ is not None:
+            if self.first_nonfinite is None and summ.finite != summ.count:  # type: ignore[attr-defined]
+                self.first_nonfinite = (st.step, s.path, s.stream, s.facet)
+            self._safe(self._writer.observe, h, st.step, summary=summ, phase=phase)
+        else:
+            self._safe(self._writer.mark, h, st.step, "failed" if key in st.failed else "absent", phase=phase)
+
+    def _drain(self) -> None:
+        while self._pending:
+            self._finish(self._pending.pop(0))
+
+    def close(self) -> None:
+        """Write what is pending, remove every hook, restore the scaler, and close the writer. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._drain()
+        if self._late:  # tensor scalars given after the last step: one more transfer
+            self._ledger.reset()
+            st = _Step(step=-1, truth=StepTruth(), due=dict.fromkeys(STREAMS, False), sketch={}, t0=0.0, late_only=True)
+            self._transfer(st)
+            self._drain()
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self._fwd_handles = [], []
+        if self._scaler is not None:
+            for name in self._scaler_orig:
+                with contextlib.suppress(AttributeError):
+                    delattr(self._scaler, name)
+        if self._writer is not None and (self.path is not None):
+            self._safe(self._writer.close)
+        elif self._writer is not None:
+            self._safe(self._writer.commit)
+
+    def __enter__(self) -> "Collector":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,213 @@
+"""What the collector will record: user-facing names, site selection, and the per-step cost table."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import zlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..errors import UsageError
+
+__all__ = [
+    "STREAMS",
+    "ROOT",
+    "unwrap",
+    "clean_name",
+    "flatten_output",
+    "select",
+    "param_sharing",
+    "local_tensor",
+    "sample_indices",
+    "PlannedSite",
+    "Plan",
+]
+
+STREAMS = ("activation", "activation_grad", "param", "param_grad", "param_delta")
+ROOT = "(root)"  #: site path of the model's own output (module paths are never parenthesised)
+
+_WRAPPER_SEGMENTS = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
+# raw bytes one row costs before compression: spine = step, micro, phase, presence, 5 counts, min, max,
+# sum and sumsq (dyadics stored in 16 bytes each); a sketch = 2 x 256 bins + 4 under/overflow counts.
+SPINE_ROW_BYTES = 8 * 9 + 2 * 8 + 2 * 16
+SKETCH_ROW_BYTES = 8 * (2 * 256 + 4)
+
+
+def unwrap(model: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
+    """The user's module inside DDP / torch.compile / FSDP wrappers, and whether a DDP wrapper was seen."""
+    ddp = False
+    while True:
+        name = type(model).__name__
+        if name == "OptimizedModule" and hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif name in ("DistributedDataParallel", "FullyShardedDataParallel") and hasattr(model, "module"):
+            ddp = ddp or name == "DistributedDataParallel"
+            model = model.module
+        else:
+            return model, ddp
+
+
+def clean_name(name: str) -> str:
+    """The user's dotted name: wrapper segments (FSDP, checkpoint wrapper, compile) removed; ``""`` is the root."""
+    parts = [p for p in name.split(".") if p and p not in _WRAPPER_SEGMENTS]
+    return ".".join(parts) if parts else ROOT
+
+
+def flatten_output(out: object, prefix: str = "", depth: int = 0) -> Iterator[tuple[str | None, torch.Tensor]]:
+    """Every tensor inside a module output with its facet label (key/index path; ``None`` for a bare tensor).
+
+    Tuples and lists index by position, mappings (HF ``ModelOutput`` included) by key, dataclasses by field.
+    Non-tensor leaves (caches, ints, ``None``) are skipped.
+    """
+    if isinstance(out, torch.Tensor):
+        yield (prefix or None), out
+        return
+    if depth >= 4:
+        return
+    sep = "." if prefix else ""
+    if isinstance(out, Mapping):
+        items = ((str(k), v) for k, v in out.items())
+    elif isinstance(out, (tuple, list)):
+        items = ((str(i), v) for i, v in enumerate(out))
+    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
+        items = ((f.name, getattr(out, f.name, None)) for f in dataclasses.fields(out))
+    else:
+        return
+    for k, v in items:
+        yield from flatten_output(v, prefix + sep + k, depth + 1)
+
+
+def _matches(name: str, pattern: str) -> bool:
+    return name == pattern or name.startswith(pattern + ".") or fnmatch.fnmatchcase(name, pattern)
+
+
+def _owner(param_name: str) -> str:
+    return param_name.rpartition(".")[0] or ROOT
+
+
+def select(module_names: list[str], param_names: list[str], patterns: list[str] | None) -> tuple[set[str], set[str]]:
+    """Selected module and parameter names: each pattern is a module-path prefix or an fnmatch pattern.
+
+    Raises :class:`~trainhist.errors.UsageError` naming the closest real names when a pattern matches nothing.
+    """
+    if patterns is None:
+        return set(module_names), set(param_names)
+    mods: set[str] = set()
+    params: set[str] = set()
+    for pat in patterns:
+        m = {n for n in module_names if _matches(n, pat)}
+        p = {n for n in param_names if _matches(n, pat) or _owner(n) in m}
+        if not m and not p:
+            close = difflib.get_close_matches(pat, module_names + param_names, n=5, cutoff=0.4)
+            hint = f"; closest names: {', '.join(close)}" if close else ""
+            raise UsageError(f"site selection {pat!r} matches no module or parameter of the model{hint}",
+                             code="no_such_site")
+        mods |= m
+        params |= p
+    return mods, params
+
+
+def param_sharing(p: torch.Tensor, ddp: bool) -> str:
+    """``"shard"`` for FSDP flat or DTensor-sharded parameters, ``"replica"`` under DDP, else ``"shard"``."""
+    if type(p).__name__ in ("FlatParameter", "DTensor"):
+        return "shard"
+    return "replica" if ddp else "shard"
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local part of a (possibly DTensor) tensor."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) and type(t).__name__ == "DTensor" else t
+
+
+def sample_indices(name: str, numel: int, k: int, seed: int) -> np.ndarray | None:
+    """Sorted flat indices of the deterministic ``param_delta`` subvector of ``name``; ``None`` when k >= numel.
+
+    Derivation (written to the file's settings): ``numpy.random.default_rng([seed, crc32(name)])`` choosing ``k``
+    of ``numel`` without replacement, sorted.
+    """
+    if k >= numel:
+        return None
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    return np.sort(rng.choice(numel, size=k, replace=False))
+
+
+@dataclass
+class PlannedSite:
+    """One (site, stream, facet) the collector records, with its per-step cost."""
+
+    path: str
+    stream: str
+    facet: str | None
+    shape: tuple[int, ...] | None
+    dtype: str | None
+    elements: int | None  # elements reduced per logged step (None: not known before it runs)
+    sharing: str
+    every: int
+    sketch_every: int
+    sample: dict | None = None
+    provisional: bool = False  # facets not known yet (no discover()): replaced by the real ones when seen
+
+    def bytes_per_step(self) -> float:
+        """Raw (uncompressed) bytes written per training step, amortised over the cadences (one phase)."""
+        b = 0.0
+        if self.every:
+            b += SPINE_ROW_BYTES / self.every
+        if self.sketch_every:
+            b += SKETCH_ROW_BYTES / self.sketch_every
+        return b
+
+    def elements_per_step(self) -> float | None:
+        """Elements reduced per training step, amortised over the spine cadence."""
+        if self.elements is None or not self.every:
+            return None if self.elements is None else 0.0
+        return self.elements / self.every
+
+
+@dataclass
+class Plan:
+    """Every site the collector records and what recording it costs per step."""
+
+    sites: list[PlannedSite] = field(default_factory=list)
+
+    def find(self, path: str, stream: str, facet: str | None = None) -> PlannedSite | None:
+        """The planned site ``(path, stream, facet)``, or ``None``."""
+        for s in self.sites:
+            if (s.path, s.stream, s.facet) == (path, stream, facet):
+                return s
+        return None
+
+    def elements_per_step(self) -> float:
+        """Total elements reduced per training step (sites of unknown size count as 0)."""
+        return sum(s.elements_per_step() or 0.0 for s in self.sites)
+
+    def bytes_per_step(self) -> float:
+        """Total raw bytes written per training step."""
+        return sum(s.bytes_per_step() for s in self.sites)
+
+    def format_table(self) -> str:
+        """A text table: per site and stream, elements reduced per step and raw bytes written per step."""
+        head = ("site", "stream", "facet", "shape", "dtype", "elements/step", "bytes/step", "every", "sketch")
+        rows = []
+        for s in self.sites:
+            eps = s.elements_per_step()
+            rows.append((
+                s.path, s.stream, s.facet or "", "x".join(map(str, s.shape)) if s.shape is not None else "?",
+                s.dtype or "?", "?" if eps is None else f"{eps:,.0f}", f"{s.bytes_per_step():,.0f}",
+                str(s.every), str(s.sketch_every),
+            ))
+        rows.append(("TOTAL", "", "", "", "", f"{self.elements_per_step():,.0f}", f"{self.bytes_per_step():,.0f}",
+                     "", ""))
+        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+        right = {5, 6, 7, 8}
+
+        def fmt(r: tuple[str, ...]) -> str:
+            return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+        lines = [fmt(head), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows]
+        return "\n".join(line.rstrip() for line in lines)

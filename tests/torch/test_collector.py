@@ -1,0 +1,431 @@
+"""End-to-end collector tests on a small MLP: values, cost discipline, phases, truth and robustness."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+from torch_helpers import Spy, assert_row, presence, ref_summary
+
+import trainhist
+from trainhist.torch import Collector, StepTruth
+from trainhist.torch.plan import ROOT, sample_indices
+
+
+def mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.ReLU(inplace=True), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+        torch.nn.Linear(32, 3),
+    )
+
+
+def test_mlp_matches_numpy_reference(tmp_path):
+    """Every stream, with 2 micro-batches per step, equals the numpy reference of the same tensors."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    path = tmp_path / "mlp.thist"
+    col = Collector(model, path, sketch_every=2, delta_elements=100)
+    col.discover(torch.randn(4, 8))
+    col.attach(optimizer=opt)
+    mods = {ROOT if n == "" else n: m for n, m in model.named_modules()}
+    spy = Spy(mods)
+    params = dict(model.named_parameters())
+    grads, before, after = {}, {}, {}
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        spy.step = step
+        before[step] = {n: p.detach().clone() for n, p in params.items()}
+        with col.step(step, truth=StepTruth(tokens=16)):
+            for _ in range(2):
+                x = torch.randn(8, 8, generator=gen)
+                x[0, 0] = -0.0
+                model(x).square().mean().backward()
+            grads[step] = {n: p.grad.clone() for n, p in params.items()}
+            opt.step()
+            opt.zero_grad()
+        after[step] = {n: p.detach().clone() for n, p in params.items()}
+    spy.remove()
+    col.close()
+
+    h = trainhist.open(path)
+    for step in range(4):
+        sk = step % 2 == 0
+        for (s, name, facet), ts in spy.acts.items():
+            if s == step:
+                assert len(ts) == 2
+                assert_row(h, name, "activation", step, ref_summary(ts), facet=facet, sketch=sk)
+        for (s, name, facet), gs in spy.grads.items():
+            if s == step:
+                assert_row(h, name, "activation_grad", step, ref_summary(gs), facet=facet, sketch=sk)
+        for n in params:
+            assert_row(h, n, "param", step, ref_summary([after[step][n]]), sketch=sk)
+            assert_row(h, n, "param_grad", step, ref_summary([grads[step][n]]), sketch=sk)
+            d = (after[step][n].float() - before[step][n].float()).reshape(-1)
+            idx = sample_indices(n, d.numel(), 100, 0)
+            assert_row(h, n, "param_delta", step, ref_summary([d if idx is None else d[torch.from_numpy(idx)]]),
+                       sketch=sk)
+    # param_delta is sampled (and says so) only where the tensor is larger than the subvector
+    sites = {(s.path, s.stream): s for s in h.sites}
+    assert sites[("2.weight", "param_delta")].sample == {"elements": 100, "of": 1024, "seed": 0}
+    assert sites[("0.bias", "param_delta")].sample is None
+    rows = h.step_truth_rows()
+    assert [r["micro_batches"] for r in rows] == [2, 2, 2, 2]
+    assert all(r["applied"] == "applied" for r in rows), rows
+    # run-level scalars: global grad norm (no clipping) from the per-parameter sums of squares, lr, timing
+    gn = h.spine("grad_norm", "scalar").max
+    want = [math.sqrt(sum(float(g.double().square().sum()) for g in grads[s].values())) for s in range(4)]
+    np.testing.assert_allclose(gn, want, rtol=1e-12)
+    assert np.all(h.spine("lr/group0", "scalar").max == 1e-2)
+    assert np.all(h.spine("tokens_per_s", "scalar").max > 0)
+
+
+def test_one_host_transfer_per_step_and_no_per_site_syncs(tmp_path, monkeypatch):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    col = Collector(model, tmp_path / "t.thist", sketch_every=1)
+    col.discover(torch.randn(2, 8))
+    col.attach(optimizer=opt)
+    calls = {"item": 0, "cpu": 0, "tolist": 0, "numpy": 0, "__float__": 0}
+    in_step = {"on": False}
+    for name in calls:
+        orig = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _orig=orig, _name=name, **k):
+            if in_step["on"]:
+                calls[_name] += 1
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    before = col._ledger.transfers
+    for step in range(3):
+        with col.step(step):
+            loss = model(torch.randn(4, 8)).square().mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            in_step["on"] = True  # user code above may sync; the collector's hooks below must not
+            opt.step()
+            opt.zero_grad()
+            col.scalars(step, loss=loss)
+        in_step["on"] = False
+        assert col._ledger.transfers == before + step + 1
+    monkeypatch.undo()
+    col.close()
+    # only the ledger's landed host copy is turned into numpy, once per step, after the step's single copy
+    assert calls == {"item": 0, "cpu": 0, "tolist": 0, "numpy": 3, "__float__": 0}, calls
+    h = trainhist.open(tmp_path / "t.thist")
+    assert len(h.spine("loss", "scalar")) == 3
+
+
+def test_hooks_do_not_sync_during_forward_and_backward(tmp_path, monkeypatch):
+    model = mlp()
+    col = Collector(model, tmp_path / "t.thist")
+    col.attach()
+    n = {"sync": 0}
+    for name in ("item", "cpu", "tolist", "numpy", "__float__", "__bool__"):
+        orig = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _orig=orig, **k):
+            n["sync"] += 1
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    with col.step(0):
+        model(torch.randn(4, 8)).sum().backward()
+        syncs_inside = n["sync"]
+    monkeypatch.undo()
+    col.close()
+    assert syncs_inside == 0
+
+
+def test_clipping_phases_norms_and_truth(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "c.thist"
+    col = Collector(model, path, streams=("param_grad",))
+    col.attach(optimizer=opt)
+    pre, post, norms = {}, {}, {}
+    for step in range(2):
+        with col.step(step):
+            model(torch.randn(16, 8)).square().sum().backward()
+            pre[step] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            norms[step] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5 if step else 1e6))
+            post[step] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            opt.step()
+            opt.zero_grad()
+    col.close()
+    h = trainhist.open(path)
+    for step in range(2):
+        for n in pre[step]:
+            assert_row(h, n, "param_grad", step, ref_summary([pre[step][n]]), phase="pre_clip", sketch=step == 0)
+            assert_row(h, n, "param_grad", step, ref_summary([post[step][n]]), phase="post_clip", sketch=step == 0)
+    rows = h.step_truth_rows()
+    assert [r["clipped"] for r in rows] == ["not_clipped", "clipped"]
+    assert [r["clip_threshold"] for r in rows] == [1e6, 0.5]
+    np.testing.assert_allclose(h.spine("grad_norm", "scalar").max, [norms[0], norms[1]], rtol=1e-6)
+    post_norm = h.spine("grad_norm_post_clip", "scalar").max
+    assert post_norm[0] == pytest.approx(norms[0], rel=1e-6) and post_norm[1] == pytest.approx(0.5, rel=1e-5)
+
+
+def test_gradscaler_skipped_step_records_skipped_delta_and_basis(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    path = tmp_path / "s.thist"
+    col = Collector(model, path, streams=("param_grad", "param_delta"))
+    col.attach(optimizer=opt, scaler=scaler)
+    w0 = model[0].weight.detach().clone()
+    for step in range(3):
+        with col.step(step):
+            x = torch.randn(4, 8)
+            if step == 1:
+                x[0, 0] = math.inf  # overflow: the scaler must skip this step
+            loss = model(x).square().mean()
+            scaler.scale(loss).backward()
+            if step == 2:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        if step == 1:
+            assert torch.equal(model[0].weight, w1)
+        w1 = model[0].weight.detach().clone()
+    col.close()
+    assert not torch.equal(w0, w1)
+    h = trainhist.open(path)
+    rows = h.step_truth_rows()
+    assert [r["applied"] for r in rows] == ["applied", "skipped", "applied"]
+    assert [r["loss_scale"] for r in rows] == [1024.0, 512.0, 512.0]
+    assert [r["grad_basis"] for r in rows] == ["unscaled", "unscaled", "unscaled"]
+    assert presence(h, "0.weight", "param_delta", 1) == "skipped"
+    assert presence(h, "0.weight", "param_delta", 0) == "observed"
+    g = h.spine("0.weight", "param_grad", phase="default")
+    assert g.nan[list(g.step).index(1)] + g.pinf[list(g.step).index(1)] + g.ninf[list(g.step).index(1)] > 0
+    assert presence(h, "0.weight", "param_grad", 2, phase="pre_clip") == "observed"
+    np.testing.assert_array_equal(h.spine("loss_scale", "scalar").max, [1024.0, 512.0, 512.0])
+
+
+def test_scaled_basis_when_clipping_before_unscale(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    col = Collector(model, tmp_path / "b.thist", streams=("param_grad",))
+    col.attach(optimizer=opt, scaler=scaler)
+    with col.step(0):
+        scaler.scale(model(torch.randn(4, 8)).sum()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # clipping the scaled gradients
+        scaler.step(opt)
+        scaler.update()
+    col.close()
+    assert trainhist.open(tmp_path / "b.thist").step_truth_rows()[0]["grad_basis"] == "scaled"
+
+
+def test_truth_overrides_detection(tmp_path):
+    model = mlp()
+    col = Collector(model, tmp_path / "t.thist", streams=("activation",))
+    with col.step(0, truth=StepTruth(applied=False, micro_batches=7, tokens=5, samples=3, grad_basis="scaled",
+                                      loss_scale=8.0, clipped=True, clip_threshold=2.0)):
+        model(torch.randn(2, 8))
+    col.close()
+    r = trainhist.open(tmp_path / "t.thist").step_truth_rows()[0]
+    assert (r["applied"], r["micro_batches"], r["tokens"], r["samples"], r["grad_basis"], r["loss_scale"],
+            r["clipped"], r["clip_threshold"]) == ("skipped", 7, 5, 3, "scaled", 8.0, "clipped", 2.0)
+    with pytest.raises(trainhist.UsageError):
+        StepTruth(grad_basis="maybe")
+
+
+class Gate(torch.nn.Module):
+    """Runs its branch only when told: the branch is absent at the other steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branch = torch.nn.Linear(4, 4)
+        self.use = True
+
+    def forward(self, x):
+        return self.branch(x) if self.use else x
+
+
+def test_absent_and_failed_sites(tmp_path, monkeypatch):
+    model = Gate()
+    path = tmp_path / "a.thist"
+    col = Collector(model, path, streams=("activation",))
+    col.discover(torch.randn(2, 4))
+    for step in range(3):
+        model.use = step != 1
+        if step == 2:  # the reducer breaks on one site: that site is 'failed', the rest is recorded
+            import trainhist.torch.collector as cm
+
+            real = cm.reduce_into
+
+            def flaky(t, row, **kw):
+                if t.shape == (2, 4) and flaky.n == 0:
+                    flaky.n += 1
+                    raise RuntimeError("boom")
+                return real(t, row, **kw)
+
+            flaky.n = 0
+            monkeypatch.setattr(cm, "reduce_into", flaky)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with col.step(step):
+                model(torch.randn(2, 4))
+        assert bool(caught) == (step == 2)
+    col.close()
+    h = trainhist.open(path)
+    assert [presence(h, "branch", "activation", s) for s in range(3)] == ["observed", "absent", "failed"]
+    assert [presence(h, ROOT, "activation", s) for s in range(3)] == ["observed", "observed", "observed"]
+
+
+def test_writer_error_warns_once_and_training_goes_on(tmp_path):
+    model = mlp()
+
+    class FullDisk:
+        def __getattr__(self, name):
+            def fail(*a, **k):
+                raise OSError(28, "No space left on device")
+            return fail
+
+    col = Collector(model, writer=FullDisk())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            with col.step(step):
+                model(torch.randn(2, 8)).sum().backward()
+            col.scalars(step, loss=1.0)
+        col.close()
+    assert len([w for w in caught if "No space left" in str(w.message)]) == 1
+    assert col.writer_errors > 3
+
+
+def test_nan_injected_by_another_forward_hook_is_attributed_to_its_module(tmp_path):
+    model = mlp()
+    path = tmp_path / "n.thist"
+    col = Collector(model, path, streams=("activation",))
+    col.attach()
+
+    def inject(module, args, out):  # registered after the collector's hook: must still be seen
+        out = out.clone()
+        out[0, 0] = math.nan
+        return out
+
+    model[2].register_forward_hook(inject)
+    with col.step(0):
+        model(torch.randn(2, 8))
+    col.close()
+    h = trainhist.open(path)
+    nan = {n: int(h.spine(n, "activation").nan[0]) for n in ("0", "1", "2", "3", "4")}
+    assert nan["0"] == nan["1"] == 0 and nan["2"] == 1 and nan["3"] == 1
+    assert col.first_nonfinite == (0, "2", "activation", None)
+
+
+class KwOnly(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.act = torch.nn.ReLU(inplace=True)
+
+    def forward(self, *, x, scale=1.0):
+        return self.act(self.lin(x)) * scale
+
+
+def test_inplace_relu_and_kwargs_only_inputs(tmp_path):
+    """The Linear output is recorded before ReLU(inplace) rewrites it; its gradient is d/d(pre-ReLU output)."""
+    torch.manual_seed(0)
+    model = KwOnly()
+    path = tmp_path / "k.thist"
+    col = Collector(model, path, streams=("activation", "activation_grad"))
+    col.discover({"x": torch.randn(3, 4)})
+    x = torch.randn(3, 4)
+    with col.step(0):
+        out = model(x=x, scale=2.0)
+        out.sum().backward()
+    col.close()
+    ref = model.lin(x).detach()
+    h = trainhist.open(path)
+    assert_row(h, "lin", "activation", 0, ref_summary([ref]))
+    assert int(h.spine("lin", "activation").zero[0]) == 0 and int((ref < 0).sum()) > 0
+    ref_grad = 2.0 * (ref > 0).float()
+    assert_row(h, "lin", "activation_grad", 0, ref_summary([ref_grad]))
+
+
+class Checkpointed(torch.nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.a = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+        self.b = torch.nn.Linear(8, 2)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        return self.b(checkpoint(self.a, x, use_reentrant=self.reentrant))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpoint_recompute_not_double_counted(tmp_path, reentrant):
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant)
+    plain = Checkpointed(reentrant)
+    plain.load_state_dict(model.state_dict())
+    plain.forward = lambda x: plain.b(plain.a(x))
+    x = torch.randn(5, 8, requires_grad=True)
+    spy = Spy({n: m for n, m in plain.named_modules() if n})
+    spy.step = 0
+    plain(x).square().sum().backward()
+    spy.remove()
+    path = tmp_path / "ck.thist"
+    col = Collector(model, path, streams=("activation", "activation_grad"))
+    with col.step(0):
+        model(x).square().sum().backward()
+    col.close()
+    h = trainhist.open(path)
+    for (s, name, facet), ts in spy.acts.items():
+        assert_row(h, name, "activation", 0, ref_summary(ts))
+        assert h.step_truth_rows()[0]["micro_batches"] == 1
+    for (s, name, facet), gs in spy.grads.items():
+        assert_row(h, name, "activation_grad", 0, ref_summary(gs))
+
+
+def test_new_segment_and_late_tensor_scalars(tmp_path):
+    model = mlp()
+    path = tmp_path / "seg.thist"
+    col = Collector(model, path, streams=("param",))
+    losses = []
+    for step in range(4):
+        with col.step(step, new_segment=step == 2):
+            loss = model(torch.randn(2, 8)).sum()
+        losses.append(float(loss.detach()))
+        col.scalars(step, loss=loss, lr=0.5)  # a tensor after the step: read at the next single transfer
+    col.close()
+    h = trainhist.open(path)
+    assert [s.first_step for s in h.segments][-1] == 2
+    sp = h.spine("0.weight", "param")
+    assert list(sp.step) == [0, 1, 2, 3] and list(sp.segment) == [0, 0, 1, 1]
+    lo = h.spine("loss", "scalar")
+    assert list(lo.step) == [0, 1, 2, 3]
+    np.testing.assert_array_equal(lo.max, np.array(losses, np.float32).astype(np.float64))
+
+
+def test_cadence_and_settings(tmp_path):
+    model = mlp()
+    path = tmp_path / "cad.thist"
+    col = Collector(model, path, streams=("activation", "param"), every={"activation": 2, "param": 3},
+                    sketch_every={"activation": 4, "param": 0})
+    for step in range(7):
+        with col.step(step):
+            model(torch.randn(2, 8))
+    col.close()
+    h = trainhist.open(path)
+    assert list(h.spine("0", "activation").step) == [0, 2, 4, 6]
+    assert list(h.sketch("0", "activation").columns["step"]) == [0, 4]
+    assert list(h.spine("0.weight", "param").step) == [0, 3, 6]
+    assert len(h.sketch("0.weight", "param")) == 0
+    site = h.site("0", "activation")
+    assert (site.cadence_spine, site.cadence_sketch) == (2, 4)
+    (settings,) = [d["settings"] for d in h.settings]
+    assert settings["collector"] == "trainhist.torch" and settings["every"]["param"] == 3
+    assert settings["param_delta"]["elements"] == 4096

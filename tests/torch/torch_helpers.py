@@ -1,0 +1,81 @@
+"""Shared helpers of the torch collector tests: reference captures and row comparisons."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import trainhist
+from trainhist.summary import Summary, summarize
+from trainhist.torch.plan import flatten_output
+
+
+def ref_summary(tensors: list[torch.Tensor]) -> Summary:
+    """The numpy reference reduction of the concatenation of ``tensors`` (bfloat16 passed as bit patterns)."""
+    flat = [t.detach().reshape(-1).cpu() for t in tensors]
+    if flat[0].dtype == torch.bfloat16:
+        a = np.concatenate([f.view(torch.int16).numpy().view(np.uint16) for f in flat])
+        return summarize(a, dtype="bfloat16")
+    return summarize(np.concatenate([f.numpy() for f in flat]))
+
+
+def bits(x: float) -> int:
+    return int(np.array([x], np.float64).view(np.int64)[0])
+
+
+def assert_row(h: trainhist.History, path: str, stream: str, step: int, ref: Summary, *, facet: str | None = None,
+               phase: str | None = None, sketch: bool = True) -> None:
+    """The file's row of (path, stream, facet, phase) at ``step`` equals ``ref``: counts, bins, min, max bit-equal,
+    sums within the float64-accumulation bound."""
+    sp = h.spine(path, stream, facet, phase=phase)
+    (i,) = np.flatnonzero(sp.step == step)
+    assert sp.presence_names[i] == "observed", (path, stream, sp.presence_names[i])
+    for f in ("count", "nan", "pinf", "ninf", "zero"):
+        assert int(getattr(sp, f)[i]) == getattr(ref, f), (path, stream, f, int(getattr(sp, f)[i]), getattr(ref, f))
+    if ref.finite:
+        assert bits(sp.min[i]) == bits(ref.min), (path, stream, sp.min[i], ref.min)
+        assert bits(sp.max[i]) == bits(ref.max), (path, stream, sp.max[i], ref.max)
+        n = ref.finite
+        maxabs = max(abs(ref.min), abs(ref.max))
+        for name, p in (("sum", 1), ("sumsq", 2)):
+            got = getattr(sp, name)[i]
+            want = getattr(ref, name).to_float()
+            assert abs(got - want) <= 2 * n * n * 2.0**-53 * maxabs**p + 1e-300, (path, stream, name, got, want)
+    else:
+        assert np.isnan(sp.min[i]) and np.isnan(sp.max[i])
+    if sketch:
+        k = int(sp.sk_row[i])
+        assert k >= 0, (path, stream, "no sketch")
+        assert h.sketch(path, stream, facet, phase=phase).sketch(k) == ref.sketch, (path, stream)
+
+
+def presence(h: trainhist.History, path: str, stream: str, step: int, *, facet: str | None = None,
+             phase: str | None = None) -> str:
+    sp = h.spine(path, stream, facet, phase=phase)
+    (i,) = np.flatnonzero(sp.step == step)
+    return sp.presence_names[i]
+
+
+class Spy:
+    """Independent capture of module outputs and their gradients, per step, for the reference comparison."""
+
+    def __init__(self, modules: dict[str, torch.nn.Module]) -> None:
+        self.step: int | None = None
+        self.acts: dict[tuple, list[torch.Tensor]] = {}
+        self.grads: dict[tuple, list[torch.Tensor]] = {}
+        self.handles = [m.register_forward_hook(self._hook(n)) for n, m in modules.items()]
+
+    def _hook(self, name: str):
+        def hook(module, args, out):
+            if self.step is None or torch._C._current_graph_task_id() != -1:
+                return
+            for facet, t in flatten_output(out):
+                self.acts.setdefault((self.step, name, facet), []).append(t.detach().clone())
+                if t.requires_grad:
+                    key = (self.step, name, facet)
+                    t.register_hook(lambda g, key=key: self.grads.setdefault(key, []).append(g.detach().clone()))
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
