@@ -462,6 +462,11 @@ def test_dyadic_encoding_and_rounding() -> None:
     assert Dyadic.make((1 << 53) + 3, 0).to_float() == 2.0**53 + 4
     huge = Dyadic.make(1, 1024)
     assert huge.to_float() == math.inf and Dyadic.make(-1, 1024).to_float() == -math.inf and not huge.is_float()
+    # a mantissa too large for a float itself (an overflowing exact sum of squares) must also give +-inf
+    for m, e in ((3**700, 0), (-(3**700), -10), (3**700, -80), ((1 << 1100) + 1, -60)):
+        assert Dyadic.make(m, e).to_float() == math.copysign(math.inf, 1 if m > 0 else -1)
+        assert not Dyadic.make(m, e).is_float()
+    assert Dyadic.make(3**700, -1100).to_float() == float(Fraction(3**700, 2**1100))
     with pytest.raises(ValueError):
         Dyadic.from_bytes(struct.pack("<i", 0) + b"\x02")  # even mantissa: not canonical
     with pytest.raises(ValueError):

@@ -52,7 +52,7 @@ class Dyadic(NamedTuple):
                 return float(self.m << self.e)
             return self.m / (1 << -self.e)
         except OverflowError:
-            return math.copysign(math.inf, self.m)
+            return math.inf if self.m > 0 else -math.inf  # (copysign would convert the huge int m to float)
 
     def is_float(self) -> bool:
         """True when the value is exactly a finite float64 (so the f64 column alone stores it)."""
