@@ -73,6 +73,12 @@ def _cmd_dump(args: argparse.Namespace) -> int:
         return _status(h)
 
 
+def _cmd_conformance(args: argparse.Namespace) -> int:
+    from .conformance import main as conformance_main
+
+    return conformance_main(args.impl, args.vectors, args.strict, args.k, args.timeout)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     try:
         from .torch.demo import main as demo_main
@@ -96,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("dump", help="canonical JSON of everything committed (spec section 10)")
     c.add_argument("file")
     c.set_defaults(func=_cmd_dump)
+    c = sub.add_parser("conformance", help="run an implementation against the conformance vectors (conformance/)")
+    c.add_argument("--impl", metavar="COMMAND", help="implementation command (default: the reference, as a subprocess)")
+    c.add_argument("--vectors", metavar="DIR", help="vector directory (default: conformance/vectors of this checkout)")
+    c.add_argument("--strict", action="store_true", help="also require exact error codes and byte-exact outputs")
+    c.add_argument("-k", metavar="PATTERN", help="only cases whose id matches (glob or substring)")
+    c.add_argument("--timeout", type=float, default=120.0, help="seconds per case before it fails (default 120)")
+    c.set_defaults(func=_cmd_conformance)
     c = sub.add_parser("demo", help="train a small built-in model and write, triage and plot its history",
                        add_help=False)
     c.add_argument("rest", nargs=argparse.REMAINDER)

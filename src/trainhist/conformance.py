@@ -1,0 +1,291 @@
+"""Conformance runner: run an implementation (any language, as a command) against conformance/vectors.
+
+    trainhist conformance [--impl "COMMAND"] [--vectors DIR] [--strict] [-k PATTERN]
+
+The contract is conformance/README.md. Without ``--impl`` the reference implementation is run as a subprocess
+(``python -m trainhist.conformance_impl``), exactly as a third-party one would be. Files an implementation
+produces (write, merge, coarsen) are judged by the reference reader.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CATEGORIES", "OPTIONAL", "Case", "Result", "load_cases", "run_case", "run_suite", "main",
+           "default_impl", "default_vectors", "error_code", "json_equal"]
+
+CATEGORIES = ("valid", "invalid", "truncated", "forward-compat", "writer", "merge", "coarsen")
+OPTIONAL = frozenset({"writer", "merge", "coarsen"})
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_TORN, EXIT_UNSUPPORTED = 0, 1, 2, 3, 4
+_CODE = re.compile(r"\[([A-Za-z0-9_.-]+)\]")
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str  # "<category>/<name>"
+    dir: Path
+    doc: dict
+
+    @property
+    def category(self) -> str:
+        return self.id.split("/", 1)[0]
+
+
+@dataclass(frozen=True)
+class Result:
+    case: Case
+    status: str  # "pass", "fail", "skip"
+    detail: str = ""
+
+
+def default_impl() -> list[str]:
+    """The reference implementation's command line."""
+    return [sys.executable, "-m", "trainhist.conformance_impl"]
+
+
+def default_vectors() -> Path | None:
+    """conformance/vectors of the source checkout this package runs from, if there is one."""
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        cand = parent / "conformance" / "vectors"
+        if cand.is_dir():
+            return cand
+    return None
+
+
+def load_cases(vectors: Path, pattern: str | None = None) -> list[Case]:
+    """Every ``<category>/<name>/case.json`` under ``vectors``, validated against conformance/case.schema.json."""
+    import jsonschema
+
+    schema_path = vectors.parent / "case.schema.json"
+    validator = None
+    if schema_path.is_file():
+        schema = json.loads(schema_path.read_text("utf-8"))
+        validator = jsonschema.validators.validator_for(schema)(schema)
+    cases = []
+    for cat in CATEGORIES:
+        d = vectors / cat
+        if not d.is_dir():
+            continue
+        for cdir in sorted(p for p in d.iterdir() if (p / "case.json").is_file()):
+            cid = f"{cat}/{cdir.name}"
+            if pattern and not (fnmatch.fnmatch(cid, pattern) or pattern in cid):
+                continue
+            doc = json.loads((cdir / "case.json").read_text("utf-8"))
+            if validator is not None:
+                err = jsonschema.exceptions.best_match(validator.iter_errors(doc))
+                if err is not None:
+                    raise ValueError(f"{cid}/case.json does not validate: {err.message}")
+            if doc.get("category") != cat:
+                raise ValueError(f"{cid}/case.json says category {doc.get('category')!r}")
+            cases.append(Case(cid, cdir, doc))
+    return cases
+
+
+def error_code(stderr: str) -> str | None:
+    """The first ``[code]`` token of an implementation's stderr."""
+    m = _CODE.search(stderr)
+    return m.group(1) if m else None
+
+
+def json_equal(a: Any, b: Any) -> bool:
+    """Equality of parsed JSON values: numbers by value, but booleans are not numbers and null is only null."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(json_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(json_equal(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _mask(doc: Any, patterns: list[str]) -> Any:
+    """``doc`` with every member that a pattern (JSON pointer, ``*`` matches any key or index) names removed."""
+    for pat in patterns:
+        parts = [p.replace("~1", "/").replace("~0", "~") for p in pat.strip("/").split("/")]
+        doc = _mask_one(doc, parts)
+    return doc
+
+
+def _mask_one(doc: Any, parts: list[str]) -> Any:
+    if not parts:
+        return doc
+    head, rest = parts[0], parts[1:]
+    if isinstance(doc, dict):
+        keys = list(doc) if head == "*" else [head] if head in doc else []
+        out = dict(doc)
+        for k in keys:
+            if rest:
+                out[k] = _mask_one(doc[k], rest)
+            else:
+                out[k] = "<ignored>"
+        return out
+    if isinstance(doc, list):
+        idx = range(len(doc)) if head == "*" else [int(head)] if head.isdigit() and int(head) < len(doc) else []
+        out_l = list(doc)
+        for i in idx:
+            out_l[i] = _mask_one(doc[i], rest) if rest else "<ignored>"
+        return out_l
+    return doc
+
+
+def _first_difference(a: Any, b: Any, path: str = "") -> str:
+    """JSON pointer of the first place two values differ, with both sides, for failure messages."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if k not in a:
+                return f"{path}/{k}: missing (expected {json.dumps(b[k])[:80]})"
+            if k not in b:
+                return f"{path}/{k}: unexpected member {json.dumps(a[k])[:80]}"
+            if not json_equal(a[k], b[k]):
+                return _first_difference(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, list) and isinstance(b, list):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if not json_equal(x, y):
+                return _first_difference(x, y, f"{path}/{i}")
+        if len(a) != len(b):
+            return f"{path}: {len(a)} items, expected {len(b)}"
+    return f"{path or '/'}: got {json.dumps(a)[:80]}, expected {json.dumps(b)[:80]}"
+
+
+def _reference_dump(path: Path) -> tuple[str, str]:
+    """(recovery status, canonical JSON text) of a produced file, by the reference reader (the judge)."""
+    from .dump import dumps
+    from .reader import open_history
+
+    with open_history(path) as h:
+        h.verify()
+        return h.recovery.status, dumps(h)
+
+
+def _compare_dump(text: str, case: Case, strict: bool) -> str | None:
+    """None if ``text`` is the expected canonical JSON of ``case``, else why not."""
+    exp = case.doc["expect"]
+    want_text = (case.dir / exp["dump"]).read_text("utf-8")
+    try:
+        got = json.loads(text)
+    except json.JSONDecodeError as e:
+        return f"output is not JSON ({e})"
+    want = json.loads(want_text)
+    ignore = exp.get("ignore", [])
+    if ignore:
+        got, want = _mask(got, ignore), _mask(want, ignore)
+    if not json_equal(got, want):
+        return "canonical JSON differs at " + _first_difference(got, want)
+    if strict and not ignore and text != want_text:
+        return "canonical JSON is equal as JSON but not byte-identical (spec 10: sorted keys, ASCII, compact, newline)"
+    rec = exp.get("recovery")
+    if rec is not None:
+        r = got.get("recovery", {})
+        for k in ("committed_bytes", "dropped_bytes"):
+            if r.get(k) != f"u:{rec[k]}":
+                return f"recovery.{k} is {r.get(k)!r}, expected u:{rec[k]}"
+    return None
+
+
+def _invoke(impl: list[str], args: list[str], timeout: float, cwd: str) -> tuple[int | None, str, str]:
+    try:
+        p = subprocess.run(impl + args, capture_output=True, timeout=timeout, cwd=cwd)
+    except subprocess.TimeoutExpired:
+        return None, "", f"timed out after {timeout:g} s"
+    except OSError as e:
+        return None, "", f"cannot run {shlex.join(impl)}: {e}"
+    return p.returncode, p.stdout.decode("utf-8", "replace"), p.stderr.decode("utf-8", "replace")
+
+
+def run_case(case: Case, impl: list[str], *, strict: bool = False, timeout: float = 120.0) -> Result:
+    """Run one case; see conformance/README.md for what passes."""
+    doc, exp, a = case.doc, case.doc["expect"], case.doc["args"]
+    cmd = doc["command"]
+    with tempfile.TemporaryDirectory(prefix="thist-conf-") as tmp:
+        out = Path(tmp) / "out.thist"
+        if cmd == "read":
+            argv = ["read", str(case.dir / a["file"])]
+        elif cmd == "write":
+            argv = ["write", str(case.dir / a["ops"]), str(out)]
+        elif cmd == "merge":
+            argv = ["merge", str(out)] + [str(case.dir / f) for f in a["inputs"]]
+        elif cmd == "coarsen":
+            argv = ["coarsen", str(case.dir / a["input"]), str(out), "--steps", str(a["steps"]),
+                    "--bins-per-octave", str(a["bins_per_octave"])]
+        else:
+            return Result(case, "fail", f"unknown command {cmd!r} in case.json")
+        rc, stdout, stderr = _invoke(impl, argv, timeout, tmp)
+        if rc is None:
+            return Result(case, "fail", stderr)
+        if rc == EXIT_UNSUPPORTED and case.category in OPTIONAL:
+            return Result(case, "skip", f"{cmd} not supported (exit 4)")
+        want = exp["exit"]
+        last = stderr.strip().splitlines()[-1][:160] if stderr.strip() else ""
+        if rc != want:
+            return Result(case, "fail", f"exit {rc}, expected {want}" + (f" ({last})" if last else ""))
+        if want == EXIT_INVALID:
+            code = error_code(stderr)
+            if strict and code != exp["error"]:
+                return Result(case, "fail", f"error code {code!r}, expected {exp['error']!r}")
+            return Result(case, "pass", f"[{code}]" if code else "")
+        if cmd == "read":
+            why = _compare_dump(stdout, case, strict)
+            return Result(case, "fail" if why else "pass", why or "")
+        if not out.is_file():
+            return Result(case, "fail", f"exit {rc} but no output file was written")
+        try:
+            status, text = _reference_dump(out)
+        except Exception as e:  # noqa: BLE001 -- any failure to read the output fails the case
+            return Result(case, "fail", f"the reference reader refuses the output: {e}")
+        if status != "clean":
+            return Result(case, "fail", f"output file is not clean (recovery status {status})")
+        why = _compare_dump(text, case, strict)
+        if why is None and strict and exp.get("output"):
+            if out.read_bytes() != (case.dir / exp["output"]).read_bytes():
+                why = f"output file is not byte-identical to {exp['output']} (canonical dumps agree)"
+        return Result(case, "fail" if why else "pass", why or "")
+
+
+def run_suite(impl: list[str], vectors: Path, *, strict: bool = False, pattern: str | None = None,
+              timeout: float = 120.0, out: Any = None) -> list[Result]:
+    """Run every case, print one line per case and a summary line; return the results."""
+    out = sys.stdout if out is None else out
+    cases = load_cases(vectors, pattern)
+    results = []
+    width = max((len(c.id) for c in cases), default=10)
+    for case in cases:
+        r = run_case(case, impl, strict=strict, timeout=timeout)
+        results.append(r)
+        spec = ",".join(case.doc.get("spec", []))
+        print(f"{r.status.upper():4s}  {case.id:{width}s}  §{spec:8s} {r.detail}".rstrip(), file=out, flush=True)
+    n = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "skip")}
+    print(f"{n['pass']} passed, {n['fail']} failed" + (f", {n['skip']} skipped" if n["skip"] else ""), file=out,
+          flush=True)
+    return results
+
+
+def main(impl: str | None, vectors: str | None, strict: bool, pattern: str | None = None,
+         timeout: float = 120.0) -> int:
+    """The ``trainhist conformance`` command: exit 0 when nothing failed, 1 otherwise, 2 on bad usage."""
+    vdir = Path(vectors) if vectors else default_vectors()
+    if vdir is None or not vdir.is_dir():
+        print("trainhist: error [usage] no conformance vectors found: pass --vectors DIR (conformance/vectors "
+              "of a trainhist checkout)", file=sys.stderr)
+        return EXIT_USAGE
+    cmd = shlex.split(impl) if impl else default_impl()
+    env_note = "" if impl else " (reference implementation)"
+    print(f"implementation: {shlex.join(cmd)}{env_note}\nvectors: {os.fspath(vdir)}\n"
+          f"grading: {'strict' if strict else 'lenient'}")
+    results = run_suite(cmd, vdir, strict=strict, pattern=pattern, timeout=timeout)
+    if not results:
+        print("trainhist: error [usage] no cases matched", file=sys.stderr)
+        return EXIT_USAGE
+    return 1 if any(r.status == "fail" for r in results) else 0
