@@ -208,6 +208,7 @@ class Collector:
         self._pending: list[_Step] = []
         self._late: list[tuple[int, str, torch.Tensor]] = []
         self._warned: set[object] = set()
+        self._dtypes: dict[tuple, str] = {}  # (path, stream, facet) -> dtype name, as first seen
         self._since_commit = 0
         self._closed = False
         self.writer_errors = 0
@@ -247,7 +248,8 @@ class Collector:
         for path in self._modules:
             if path not in self._sel_modules:
                 continue
-            facets = (self._facets or {}).get(path)
+            # after discover(), a module that did not run (a container) has no facets until it does
+            facets = None if self._facets is None else self._facets.get(path, [])
             known = facets is not None
             for facet, shape, dtype in facets if known else [("?", None, None)]:
                 for stream in ("activation", "activation_grad"):
@@ -349,8 +351,8 @@ class Collector:
                 self.plan.sites = [
                     x for x in self.plan.sites if not (x.provisional and (x.path, x.stream) == (path, stream))
                 ]
-                s = PlannedSite(path, stream, facet, None, None, None, "shard", self.every[stream],
-                                self.sketch_every[stream])
+                s = PlannedSite(path, stream, facet, None, self._dtypes.get(key), None, "shard",
+                                self.every[stream], self.sketch_every[stream])
                 self.plan.sites.append(s)
             shape = s.shape if stream.startswith("param") else None
             h = self._safe(
@@ -482,6 +484,9 @@ class Collector:
             return
         try:
             t = local_tensor(t)
+            site = (key[1], key[0], key[2])
+            if site not in self._dtypes:
+                self._dtypes[site] = _dtype_name(t)
             if t.device != self._ledger.device:
                 t = t.to(self._ledger.device, non_blocking=True)
             n = t.numel()

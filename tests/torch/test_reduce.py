@@ -1,0 +1,109 @@
+"""The on-device kernel against the numpy reference reduction: counts, bins, min, max bit-equal."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch_helpers import bits, ref_summary
+
+from trainhist.summary import SumMethod
+from trainhist.torch.reduce import Ledger, decode_row, reduce_into
+
+SPECIALS = [0.0, -0.0, math.nan, math.inf, -math.inf, 1e-45, -1e-45, 2.0**-48, -(2.0**-48), 2.0**16, 2.0**16 + 64,
+            65504.0, -65504.0, 3e38, -1e-300, 1.0, -1.0, 2.0**0.25, 1.1892071]
+
+
+def run(tensors: list[torch.Tensor], *, use_bincount: bool | None = None, sketch: bool = True):
+    led = Ledger("cpu")
+    led.reset()
+    for t in tensors:
+        reduce_into(t, led.row("k"), use_bincount=use_bincount)
+    p = led.transfer()
+    return decode_row(p.row(p.wait(), "k"), sum(t.numel() for t in tensors), sketch=sketch)
+
+
+def check(got, ref) -> None:
+    for f in ("count", "nan", "pinf", "ninf", "zero"):
+        assert getattr(got, f) == getattr(ref, f), f
+    assert got.sketch == ref.sketch
+    if ref.finite:
+        assert bits(got.min) == bits(ref.min) and bits(got.max) == bits(ref.max), (got.min, ref.min, got.max, ref.max)
+        assert got.sum_method == SumMethod.F64
+        n, m = ref.finite, max(abs(ref.min), abs(ref.max))
+        assert abs(got.sum.to_float() - ref.sum.to_float()) <= 2 * n * n * 2.0**-53 * m
+        assert abs(got.sumsq.to_float() - ref.sumsq.to_float()) <= 2 * n * n * 2.0**-53 * m * m
+    else:
+        assert math.isnan(got.min) and math.isnan(got.max)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("use_bincount", [True, False])
+def test_kernel_matches_reference(dtype, use_bincount):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5000, generator=g, dtype=torch.float64) * torch.exp(torch.empty(5000, dtype=torch.float64)
+                                                                           .uniform_(-40, 14, generator=g))
+    x = torch.cat([torch.tensor(SPECIALS, dtype=torch.float64), x]).to(dtype)
+    check(run([x], use_bincount=use_bincount), ref_summary([x]))
+
+
+@pytest.mark.parametrize("values", [[-0.0, 0.0], [0.0, -0.0], [-0.0], [0.0], [math.nan, math.inf], [-0.0, math.nan]])
+def test_signed_zero_total_order_and_no_finite(values):
+    for dtype in (torch.float32, torch.float64):
+        x = torch.tensor(values, dtype=dtype)
+        check(run([x]), ref_summary([x]))
+
+
+def test_integer_tensors_and_empty():
+    x = torch.arange(-7, 9)
+    check(run([x]), ref_summary([x]))
+    s = run([torch.zeros(0)])
+    assert s.count == 0 and math.isnan(s.min)
+
+
+def test_micro_batches_merge_exactly():
+    """Reducing several tensors (any widths) into one row equals reducing their concatenation."""
+    g = torch.Generator().manual_seed(3)
+    parts = [torch.randn(100, generator=g) * 1e-3, torch.tensor([-0.0, math.nan, 7.0]), torch.randn(50, generator=g)]
+    check(run(parts), ref_summary([torch.cat(parts)]))
+    wide = [parts[0], parts[1].double()]  # float32 and float64 reductions into the same row
+    check(run(wide), ref_summary([torch.cat([parts[0].double(), parts[1].double()])]))
+    neg_only = [torch.tensor([-3.0, -2.0]), torch.tensor([math.inf])]
+    check(run(neg_only), ref_summary([torch.cat(neg_only)]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=64), st.integers(1, 3))
+def test_any_float32_bit_pattern(words, chunks):
+    a = np.array(words, dtype=np.uint32).view(np.float32)
+    parts = [torch.from_numpy(c.copy()) for c in np.array_split(a, chunks) if c.size]
+    check(run(parts), ref_summary([torch.from_numpy(a)]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=64))
+def test_any_float64_bit_pattern(words):
+    a = np.array(words, dtype=np.uint64).view(np.float64)
+    check(run([torch.from_numpy(a)]), ref_summary([torch.from_numpy(a)]))
+
+
+def test_ledger_grows_mid_step_and_resets():
+    led = Ledger("cpu")
+    led.reset()
+    reduce_into(torch.tensor([1.0, 2.0]), led.row("a"))
+    for i in range(20):  # forces reallocations
+        led.row(("b", i))
+    led.scalar("s").copy_(torch.tensor([3.5]))
+    p = led.transfer()
+    data = p.wait()
+    assert decode_row(p.row(data, "a"), 2, sketch=False).max == 2.0
+    assert p.scalar(data, "s") == 3.5
+    led.reset()
+    p = led.transfer()
+    data = p.wait()
+    assert math.isnan(p.scalar(data, "s")) and int(p.row(data, "a")[:-4].sum()) == 0
+    assert led.transfers == 2
