@@ -383,7 +383,7 @@ class HistoryWriter:
         self._at_step(int(step))
         row = (
             int(step),
-            Applied.UNKNOWN if applied is None else (1 if applied else 2),
+            0 if applied is None else (1 if applied else 2),
             GradBasis.code(grad_basis or "unknown"),
             0 if clipped is None else (1 if clipped else 2),
             CANONICAL_NAN if loss_scale is None else float(loss_scale),
