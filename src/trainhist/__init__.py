@@ -21,6 +21,8 @@ from .errors import (  # noqa: E402
 from .reader import History, open_history  # noqa: E402
 from .summary import Sketch, Summary, SumMethod, summarize  # noqa: E402
 from .writer import HistoryWriter, SiteHandle  # noqa: E402
+from .merge import MergeReport, canonicalize, merge  # noqa: E402
+from .coarsen import coarsen  # noqa: E402
 
 open = open_history  # noqa: A001  -- trainhist.open(path), like the builtin but for histories
 
@@ -35,6 +37,10 @@ __all__ = [
     "Sketch",
     "SumMethod",
     "summarize",
+    "merge",
+    "coarsen",
+    "canonicalize",
+    "MergeReport",
     "TrainhistError",
     "FormatError",
     "CorruptError",

@@ -16,6 +16,8 @@ __all__ = [
     "SKETCH_COLUMNS",
     "EXACT_COLUMNS",
     "STEPS_COLUMNS",
+    "TALLY_COLUMNS",
+    "STEPS_OPTIONAL_COLUMNS",
 ]
 
 STREAMS = ("activation", "activation_grad", "param", "param_grad", "param_delta", "scalar")
@@ -115,3 +117,9 @@ STEPS_COLUMNS = {
     "tokens": "u8",
     "samples": "u8",
 }
+# Optional obs columns of derived (merged or coarsened) files, spec section 11: per row, how many leaf rows in
+# each presence state were combined into it, indexed like Presence.NAMES. A chunk without them means one leaf row
+# per row, in the row's own presence state.
+TALLY_COLUMNS = {f"n_{name}": "u8" for name in Presence.NAMES}
+# Optional steps column of coarsened files: the number of steps the row covers (absent: 1).
+STEPS_OPTIONAL_COLUMNS = {"span": "u4"}

@@ -36,6 +36,8 @@ from .model import (
     OBS_COLUMNS,
     SKETCH_COLUMNS,
     STEPS_COLUMNS,
+    STEPS_OPTIONAL_COLUMNS,
+    TALLY_COLUMNS,
     U64_UNKNOWN,
     Applied,
     Clipped,
@@ -48,7 +50,8 @@ from .summary import Sketch, Summary
 
 __all__ = ["open_history", "History", "Site", "Segment", "Recovery", "SpineSeries", "SketchSeries"]
 
-_OBS_KNOWN = {**OBS_COLUMNS, **EXACT_COLUMNS, **SKETCH_COLUMNS}
+_OBS_KNOWN = {**OBS_COLUMNS, **EXACT_COLUMNS, **SKETCH_COLUMNS, **TALLY_COLUMNS}
+_STEPS_KNOWN = {**STEPS_COLUMNS, **STEPS_OPTIONAL_COLUMNS}
 _OBS_VARIABLE = frozenset({"sum_x", "sumsq_x", "sk_counts"})
 _COMMIT_HEAD = struct.Struct("<QQ")
 _COMMIT_ENTRY = struct.Struct("<QHHIIIqq")
@@ -86,6 +89,7 @@ class Segment:
     reason: str
     previous: int | None
     writer_id: str
+    manifest: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -380,7 +384,7 @@ class History:
             if any(g.id == doc["id"] for g in self.segments):
                 raise _bad(f"segment {doc['id']} declared twice", "duplicate_segment", self.path, e.offset)
             self.segments.append(Segment(doc["id"], doc["first_step"], doc["reason"], doc["previous"],
-                                         doc["writer_id"]))
+                                         doc["writer_id"], doc))
 
     # -- public API -----------------------------------------------------------------------------------------
     @property
@@ -407,7 +411,7 @@ class History:
         payload = self._view[e.offset + RECORD_HEADER_SIZE : e.offset + RECORD_HEADER_SIZE + e.length]
         if crc32c(payload) != e.payload_crc:
             raise _bad("payload CRC32C mismatch in a committed chunk", "bad_payload_crc", self.path, e.offset)
-        known = _OBS_KNOWN if e.type == RecordType.OBS else STEPS_COLUMNS
+        known = _OBS_KNOWN if e.type == RecordType.OBS else _STEPS_KNOWN
         ch = decode_chunk(payload, e.offset + RECORD_HEADER_SIZE, self.path, known,
                           _OBS_VARIABLE if e.type == RecordType.OBS else frozenset())
         m = ch.meta

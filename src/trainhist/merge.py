@@ -1,0 +1,717 @@
+"""``trainhist.merge``: combine histories of shards, ranks or runs into one canonical file (spec section 11).
+
+The engine streams: inputs are scanned for their manifests and commit entries only, then every output site is
+built segment by segment from a sweep over the input chunks ordered by step, so memory holds a few chunks at a
+time whatever the input size. Input files are read with ``pread`` through a small pool of descriptors, so
+hundreds of shards never hold hundreds of maps. The output is written to a temporary file next to ``output``
+and renamed into place only when complete. :func:`trainhist.coarsen` runs the same engine with a step window
+and a coarser sketch scale.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+
+from .canonical import (
+    CANONICAL_NAN,
+    CANONICAL_NAN_BITS,
+    CHUNK_ROWS,
+    CODECS,
+    CanonicalWriter,
+    Rows,
+    StepRows,
+    canonical_salt,
+    check_payload,
+    decode_obs,
+    decode_steps,
+    derive_presence,
+    encode_obs,
+    encode_steps,
+)
+from .dyadic import ZERO, Dyadic
+from .errors import MergeError, UsageError
+from .framing import RECORD_HEADER_SIZE
+from .grid import nbins
+from .model import U64_UNKNOWN, Presence
+from .reader import History
+
+__all__ = ["merge", "canonicalize", "MergeReport", "BATCH_ROWS", "FD_POOL"]
+
+BATCH_ROWS = 8192  #: input rows decoded together before they are combined (memory: ~4 KiB per sketched row)
+FD_POOL = 64  #: input files held open at once
+_U64 = 1 << 64
+_I64_MAX = np.iinfo(np.int64).max
+_I64_MIN = np.iinfo(np.int64).min
+_LOW63 = np.int64(0x7FFFFFFFFFFFFFFF)
+
+
+@dataclass
+class MergeReport:
+    """What a merge or coarsen did: inputs (with their recovery state), sizes, rows, and replica divergences."""
+
+    output: str
+    inputs: list[dict]
+    sites: int = 0
+    segments: int = 0
+    rows_in: int = 0
+    rows_out: int = 0
+    step_rows_in: int = 0
+    step_rows_out: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    seconds: float = 0.0
+    divergences: list[dict] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+# -- inputs --------------------------------------------------------------------------------------------------
+class _Source:
+    """One input: its manifests and commit entries (the file is not kept open)."""
+
+    def __init__(self, idx: int, path: str) -> None:
+        self.idx = idx
+        self.path = os.fspath(path)
+        h = History(self.path)
+        try:
+            self.size = h.size
+            self.status = h.recovery.status
+            self.committed_bytes = h.committed_bytes
+            self.runs = list(h.runs)
+            self.writers = list(h.writers)
+            self.settings = list(h.settings)
+            self.sites = list(h.sites)
+            self.segments = list(h.segments)
+            self.obs = {sid: list(es) for sid, es in h._obs.items()}
+            self.steps = list(h._steps)
+        finally:
+            h.close()
+        self.run_of_writer = {w["writer_id"]: w["run_id"] for w in self.writers}
+
+    def segment_origin(self, g: Any) -> tuple[list[str], int, list[str]]:
+        """(runs, source segment number, leaf writers) of one of this file's segments."""
+        o = g.manifest.get("origin")
+        if o is not None:
+            return sorted(o["runs"]), int(o["segment"]), sorted(o["writers"])
+        run = self.run_of_writer.get(g.writer_id)
+        if run is None:
+            if not self.runs:
+                raise MergeError(f"segment {g.id} names writer {g.writer_id}, which has no writer manifest and the "
+                                 "file has no run manifest", code="unknown_writer", path=self.path)
+            run = self.runs[0]["run_id"]
+        return [run], g.id, [g.writer_id]
+
+
+class _Pool:
+    """Descriptors of the input files, least recently used closed first."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.fds: OrderedDict[str, int] = OrderedDict()
+
+    def pread(self, path: str, n: int, offset: int) -> bytes:
+        fd = self.fds.pop(path, None)
+        if fd is None:
+            if len(self.fds) >= self.cap:
+                _, old = self.fds.popitem(last=False)
+                os.close(old)
+            fd = os.open(path, os.O_RDONLY)
+        self.fds[path] = fd
+        data = os.pread(fd, n, offset)
+        if len(data) != n:
+            raise MergeError(f"input shrank while merging: wanted {n} bytes at {offset}", code="input_changed",
+                             path=path, offset=offset)
+        return data
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+# -- small helpers -------------------------------------------------------------------------------------------
+def _site_name(key: tuple) -> str:
+    path, stream, facet = key
+    return f"{path} [{stream}{'' if facet is None else ':' + facet}]"
+
+
+def _agree(values: list) -> Any:
+    """The common value, or None when the values differ (None absorbs)."""
+    first = values[0]
+    return first if all(v == first for v in values[1:]) else None
+
+
+def _window_cadence(c: int, n: int) -> int:
+    """Cadence of a site after coarsening by ``n`` steps: exact when ``n`` divides it, else every window is due."""
+    return c if c % n == 0 else n
+
+
+def _sum_u64(a: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Group sums of unsigned 64-bit counts along axis 0, and the groups (mask) whose sum overflows, if any."""
+    s = np.add.reduceat(a, starts, axis=0)
+    if a.size == 0 or int(a.max()) * int(sizes.max()) < _U64:
+        return s, None
+    hi = np.add.reduceat(a >> np.uint64(32), starts, axis=0)
+    lo = np.add.reduceat(a & np.uint64(0xFFFFFFFF), starts, axis=0)
+    over = ((hi + (lo >> np.uint64(32))) >> np.uint64(32)) != 0
+    if over.ndim > 1:
+        over = over.reshape(over.shape[0], -1).any(axis=1)
+    return s, (over if over.any() else None)
+
+
+def _order_key(x: np.ndarray) -> np.ndarray:
+    """int64 keys that sort float64 values in IEEE 754 total order (-0.0 < +0.0)."""
+    b = x.view(np.int64)
+    return b ^ ((b >> 63) & _LOW63)
+
+
+def _from_order_key(k: np.ndarray) -> np.ndarray:
+    return (k ^ ((k >> 63) & _LOW63)).view(np.float64)
+
+
+def _sum_exact(f: np.ndarray, x: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Exact group sums of values given as float64 plus, where the float is not exact, a Dyadic."""
+    out_f = f[starts].copy()
+    out_x = x[starts].copy()
+    multi = np.flatnonzero(sizes > 1)
+    if multi.size == 0:
+        return out_f, out_x
+    done = np.zeros(multi.size, bool)
+    # fast path: groups of plain floats whose aligned integer mantissas fit in int64 together
+    st, sz = starts[multi], sizes[multi]
+    member_group = np.repeat(np.arange(multi.size), sz)
+    idx = np.repeat(st, sz) + (np.arange(member_group.size) - np.repeat(np.cumsum(sz) - sz, sz))
+    fv = f[idx]
+    plain = np.array([v is None for v in x[idx].tolist()], bool) & np.isfinite(fv)
+    mant, ex = np.frexp(fv)
+    m = (mant * 2.0**53).astype(np.int64)  # exact: |mant| < 1 has at most 53 significant bits
+    e = ex.astype(np.int64) - 53
+    nzm = m != 0
+    tz = np.zeros_like(m)
+    if nzm.any():
+        low = m[nzm] & -m[nzm]
+        tz[nzm] = np.round(np.log2(low.astype(np.float64))).astype(np.int64)
+    m = m >> tz
+    e = np.where(nzm, e + tz, np.iinfo(np.int64).max // 4)
+    bits = np.where(nzm, np.floor(np.log2(np.maximum(np.abs(m), 1).astype(np.float64))).astype(np.int64) + 1, 0)
+    gmin = np.minimum.reduceat(e, np.cumsum(sz) - sz)
+    shift = np.where(nzm, e - gmin[member_group], 0)
+    need = np.where(nzm, shift + bits, 0)
+    budget = 62 - np.ceil(np.log2(sz)).astype(np.int64)
+    ok_member = plain & (need <= budget[member_group])
+    ok_group = np.logical_and.reduceat(ok_member, np.cumsum(sz) - sz)
+    if ok_group.any():
+        mm = np.where(ok_group[member_group], m << np.where(ok_group[member_group], shift, 0), 0)
+        tot = np.add.reduceat(mm, np.cumsum(sz) - sz)
+        gexp = np.where(tot != 0, gmin, 0)
+        small = ok_group & (np.abs(tot) < (1 << 53))
+        # |tot| < 2**53 and every member a multiple of 2**-1074: the sum is a float, and ldexp gives it exactly
+        vals = np.ldexp(tot.astype(np.float64), np.clip(gexp, -2000, 2000).astype(np.int32))
+        g = multi[small]
+        out_f[g] = vals[small]
+        out_x[g] = None
+        done |= small
+    fl = f.tolist()
+    xl = x.tolist()
+    for j in np.flatnonzero(~done).tolist():
+        s0 = int(st[j])
+        total = ZERO
+        for i in range(s0, s0 + int(sz[j])):
+            d = xl[i]
+            total = total + (d if d is not None else Dyadic.from_float(fl[i]))
+        g = int(multi[j])
+        out_f[g] = total.to_float()
+        out_x[g] = None if total.is_float() else total
+    return out_f, out_x
+
+
+def _groups(keys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sort order (keys[0] primary) and group starts/sizes of equal key tuples."""
+    order = np.lexsort(tuple(reversed(keys)))
+    n = order.size
+    if n == 0:
+        return order, np.zeros(0, np.intp), np.zeros(0, np.intp)
+    change = np.zeros(n, bool)
+    change[0] = True
+    for k in keys:
+        ks = k[order]
+        change[1:] |= ks[1:] != ks[:-1]
+    starts = np.flatnonzero(change)
+    sizes = np.diff(np.append(starts, n))
+    return order, starts, sizes
+
+
+# -- the engine ----------------------------------------------------------------------------------------------
+class _Engine:
+    def __init__(self, paths: list[str], output: str, *, steps: int, scale: int | None, across_runs: bool,
+                 replica_divergence: str, codec: str) -> None:
+        if replica_divergence not in ("error", "report"):
+            raise UsageError(f"replica_divergence must be 'error' or 'report', got {replica_divergence!r}")
+        if codec not in CODECS:
+            raise UsageError(f"codec must be one of {', '.join(CODECS)}, got {codec!r}")
+        if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= 0xFFFFFFFF:
+            raise UsageError(f"steps must be an integer in 1..{0xFFFFFFFF}, got {steps!r}")
+        self.paths = [os.fspath(p) for p in paths]
+        self.output = os.fspath(output)
+        self.N = steps
+        self.scale = scale
+        self.across_runs = across_runs
+        self.divergence = replica_divergence
+        self.codec = CODECS[codec]
+        self.pool = _Pool(FD_POOL)
+        self.report = MergeReport(self.output, [])
+
+    # -- planning ------------------------------------------------------------------------------------------
+    def _scan(self) -> None:
+        self.sources = [_Source(i, p) for i, p in enumerate(self.paths)]
+        owner: dict[str, str] = {}
+        for s in self.sources:
+            for w in s.writers:
+                wid = w["writer_id"]
+                if wid in owner:
+                    raise MergeError(
+                        f"inputs {owner[wid]} and {s.path} both contain leaf writer {wid}: merging them would count "
+                        "its observations twice (merge disjoint sets of shards only)",
+                        code="overlapping_writers", path=s.path,
+                    )
+                owner[wid] = s.path
+            self.report.inputs.append({
+                "path": s.path, "bytes": s.size, "status": s.status, "committed_bytes": s.committed_bytes,
+                "writers": sorted(w["writer_id"] for w in s.writers),
+            })
+            self.report.bytes_in += s.size
+        self.leaf_writers = sorted(owner)
+
+    def _plan_sites(self) -> None:
+        by_key: dict[tuple, list[tuple[_Source, Any]]] = {}
+        for s in self.sources:
+            for site in s.sites:
+                by_key.setdefault(site.key, []).append((s, site))
+        keys = sorted(by_key, key=lambda k: (k[0], k[1], k[2] is not None, k[2] or ""))
+        self.site_docs: list[dict] = []
+        self.site_map: dict[tuple[int, int], int] = {}  # (source idx, source site id) -> output site id
+        self.site_keys = keys
+        self.site_sharing: list[str] = []
+        for new_id, key in enumerate(keys):
+            members = by_key[key]
+            docs = [site.manifest for _, site in members]
+            for field_ in ("sharing", "sample"):
+                vals = [d.get(field_) for d in docs]
+                if any(v != vals[0] for v in vals):
+                    files = [src.path for src, site in members if site.manifest.get(field_) != vals[0]]
+                    raise MergeError(
+                        f"site {_site_name(key)} has {field_} {vals[0]!r} in {members[0][0].path} but a different "
+                        f"{field_} in {files[0]}", code="incompatible_sites", path=files[0],
+                    )
+            spine = math.gcd(*[d["cadence"]["spine"] for d in docs])
+            sketch = math.gcd(*[d["cadence"]["sketch"] for d in docs])
+            shape = _agree([None if d.get("shape") is None else list(d["shape"]) for d in docs])
+            doc = {
+                "kind": "site", "id": new_id, "path": key[0], "stream": key[1], "facet": key[2], "shape": shape,
+                "dtype": _agree([d.get("dtype") for d in docs]), "sharing": docs[0]["sharing"],
+                "cadence": {"spine": _window_cadence(spine, self.N), "sketch": _window_cadence(sketch, self.N)},
+                "sample": docs[0].get("sample"),
+            }
+            self.site_docs.append(doc)
+            self.site_sharing.append(doc["sharing"])
+            for src, site in members:
+                self.site_map[(src.idx, site.id)] = new_id
+        self.report.sites = len(keys)
+
+    def _plan_segments(self) -> None:
+        groups: dict[tuple, list[tuple[_Source, Any, list[str], list[str]]]] = {}
+        local_key: dict[tuple[int, int], tuple] = {}
+        for s in self.sources:
+            for g in s.segments:
+                runs, num, writers = s.segment_origin(g)
+                key = (() if self.across_runs else tuple(runs), num)
+                local_key[(s.idx, g.id)] = key
+                groups.setdefault(key, []).append((s, g, runs, writers))
+        keys = sorted(groups)
+        new_id = {k: i for i, k in enumerate(keys)}
+        self.seg_map = {sk: new_id[k] for sk, k in local_key.items()}
+        self.segment_docs = []
+        for k in keys:
+            members = groups[k]
+            firsts = [g.first_step for _, g, _, _ in members if g.first_step is not None]
+            first = None if not firsts else (min(firsts) // self.N) * self.N
+            reasons = [g.reason for _, g, _, _ in members]
+            prevs = [None if g.previous is None else new_id.get(local_key.get((s.idx, g.previous)))
+                     for s, g, _, _ in members]
+            runs = sorted({r for _, _, rs, _ in members for r in rs})
+            writers = sorted({w for _, _, _, ws in members for w in ws})
+            self.segment_docs.append({
+                "kind": "segment", "id": new_id[k], "first_step": first,
+                "reason": reasons[0] if all(r == reasons[0] for r in reasons) else "manual",
+                "previous": _agree(prevs), "writer_id": writers[0],
+                "origin": {"runs": runs, "segment": k[1], "writers": writers},
+            })
+        self.report.segments = len(keys)
+
+    # -- reading -------------------------------------------------------------------------------------------
+    def _payload(self, src: _Source, e: Any) -> memoryview:
+        data = self.pool.pread(src.path, e.length, e.offset + RECORD_HEADER_SIZE)
+        return check_payload(data, e.payload_crc, src.path, e.offset)
+
+    def _decode_obs(self, src: _Source, e: Any, out_site: int) -> Rows:
+        r = decode_obs(self._payload(src, e), path=src.path, offset=e.offset, site=e.site, segment=e.segment,
+                       rows=e.rows, step_min=e.step_min, step_max=e.step_max, src=src.idx)
+        self.report.rows_in += len(r)
+        if r.scale is not None:
+            want = self.site_scale.get(out_site)
+            if self.scale is not None and r.scale > self.scale:
+                r = self._downscale(r, r.scale - self.scale, src)
+            elif want is not None and r.scale != want:
+                raise MergeError(
+                    f"site {_site_name(self.site_keys[out_site])}: sketches at scale {want} "
+                    f"({2 ** want} bins per octave) in {self.scale_file[out_site]} and at scale {r.scale} in "
+                    f"{src.path}; coarsen both to the coarser scale first", code="incompatible_grid", path=src.path,
+                )
+            if out_site not in self.site_scale:
+                self.site_scale[out_site] = r.scale
+                self.scale_file[out_site] = src.path
+        return r
+
+    def _downscale(self, r: Rows, by: int, src: _Source) -> Rows:
+        """Sketch bins at scale ``s - by``: bin ``i`` goes to ``i >> by`` (grid.downscale_index); the window maps
+        onto itself, so under/overflow are unchanged."""
+        n = len(r)
+        k = 1 << by
+        nb = nbins(r.scale - by)
+        starts = np.arange(0, n * nbins(r.scale), k)
+        sizes = np.full(starts.size, k)
+        out = []
+        for a in (r.pos, r.neg):
+            s, over = _sum_u64(a.reshape(-1), starts, sizes)
+            if over is not None:
+                raise MergeError(f"a sketch bin count overflows 64 bits when halving the resolution of {src.path}",
+                                 code="count_overflow", path=src.path)
+            out.append(s.reshape(n, nb))
+        r.pos, r.neg = out
+        r.scale -= by
+        return r
+
+    # -- combining ------------------------------------------------------------------------------------------
+    def _ctx_files(self, src: np.ndarray) -> str:
+        return ", ".join(self.paths[i] for i in sorted(set(src.tolist())) if i >= 0)
+
+    def _add(self, r: Rows, starts: np.ndarray, sizes: np.ndarray, where: str) -> Rows:
+        c = r.cols
+        out: dict[str, np.ndarray] = {k: c[k][starts] for k in ("step", "span", "micro", "phase")}
+        out["src"] = np.minimum.reduceat(c["src"], starts)
+
+        def overflow(mask: np.ndarray, what: str) -> MergeError:
+            g = int(np.flatnonzero(mask)[0])
+            s0, n = int(starts[g]), int(sizes[g])
+            return MergeError(
+                f"{where}, step {int(c['step'][s0])}: {what} overflows an unsigned 64-bit count when adding rows "
+                f"from {self._ctx_files(c['src'][s0:s0 + n])}", code="count_overflow",
+                path=self.paths[int(c["src"][s0])],
+            )
+
+        for k in ("count", "nan", "pinf", "ninf", "zero"):
+            out[k], over = _sum_u64(c[k], starts, sizes)
+            if over is not None:
+                raise overflow(over, k)
+        tally, over = _sum_u64(r.tally, starts, sizes)
+        if over is not None:
+            raise overflow(over, "a presence tally")
+        out["presence"] = derive_presence(tally)
+        out["method"] = np.maximum.reduceat(c["method"], starts)
+        kmin = _order_key(c["min"])
+        kmin = np.where(np.isnan(c["min"]), _I64_MAX, kmin)
+        gmin = np.minimum.reduceat(kmin, starts)
+        kmax = _order_key(c["max"])
+        kmax = np.where(np.isnan(c["max"]), _I64_MIN, kmax)
+        gmax = np.maximum.reduceat(kmax, starts)
+        out["min"] = _from_order_key(gmin).copy()
+        out["min"][gmin == _I64_MAX] = CANONICAL_NAN
+        out["max"] = _from_order_key(gmax).copy()
+        out["max"][gmax == _I64_MIN] = CANONICAL_NAN
+        out["sum"], sum_x = _sum_exact(c["sum"], r.sum_x, starts, sizes)
+        out["sumsq"], sumsq_x = _sum_exact(c["sumsq"], r.sumsq_x, starts, sizes)
+        has = np.logical_or.reduceat(r.has_sk, starts)
+        pos = neg = bands = None
+        if r.pos is not None:
+            pos, over = _sum_u64(r.pos, starts, sizes)
+            if over is not None:
+                raise overflow(over, "a sketch bin")
+            neg, over = _sum_u64(r.neg, starts, sizes)
+            if over is not None:
+                raise overflow(over, "a sketch bin")
+            bands, over = _sum_u64(r.bands, starts, sizes)
+            if over is not None:
+                raise overflow(over, "a sketch under/overflow count")
+        return Rows(out, sum_x, sumsq_x, tally, has, pos, neg, bands, r.scale)
+
+    def _replica(self, r: Rows, starts: np.ndarray, sizes: np.ndarray, where: str) -> Rows:
+        """Keep one row of each group of replica rows; they must be identical (or, on request, are reported)."""
+        n = len(r)
+        first = np.repeat(starts, sizes)
+        diff = np.zeros(n, bool)
+        c = r.cols
+        for k in ("presence", "method", "count", "nan", "pinf", "ninf", "zero"):
+            diff |= c[k] != c[k][first]
+        for k in ("min", "max", "sum", "sumsq"):
+            b = c[k].view(np.uint64)
+            diff |= b != b[first]
+        diff |= (r.tally != r.tally[first]).any(axis=1)
+        diff |= r.has_sk != r.has_sk[first]
+        if r.pos is not None:
+            diff |= (r.pos != r.pos[first]).any(axis=1) | (r.neg != r.neg[first]).any(axis=1)
+            diff |= (r.bands != r.bands[first]).any(axis=1)
+        for x in (r.sum_x, r.sumsq_x):
+            diff |= np.array([a != b for a, b in zip(x.tolist(), x[first].tolist())], bool)
+        keep = starts.copy()
+        if diff.any():
+            bad_groups = np.unique(np.searchsorted(starts, np.flatnonzero(diff), side="right") - 1)
+            for g in bad_groups.tolist():
+                s0, sz = int(starts[g]), int(sizes[g])
+                j = s0 + int(np.flatnonzero(diff[s0:s0 + sz])[0])
+                a, b = self.paths[int(c["src"][s0])], self.paths[int(c["src"][j])]
+                step = int(c["step"][s0])
+                if self.divergence == "error":
+                    raise MergeError(
+                        f"{where}, step {step}: replica site rows differ between {a} and {b} (a replicated tensor "
+                        "must be identical on every rank; pass replica_divergence='report' to keep one and list "
+                        "the divergence)", code="replica_divergence", path=b,
+                    )
+                if len(self.report.divergences) < 1000:
+                    self.report.divergences.append({"where": where, "step": step, "files": sorted({a, b})})
+                keep[g] = min(range(s0, s0 + sz), key=lambda i: self._row_key(r, i))
+        out = r.take(keep)
+        return out
+
+    @staticmethod
+    def _row_key(r: Rows, i: int) -> tuple:
+        """A total order on row contents, to pick a deterministic representative of divergent replicas."""
+        c = r.cols
+        sk = () if r.pos is None else (r.pos[i].tolist(), r.neg[i].tolist(), r.bands[i].tolist())
+        return (r.tally[i].tolist(), [int(c[k][i]) for k in ("count", "nan", "pinf", "ninf", "zero", "method")],
+                [int(c[k][i:i + 1].view(np.uint64)[0]) for k in ("min", "max", "sum", "sumsq")],
+                [tuple(x[i]) if x[i] is not None else () for x in (r.sum_x, r.sumsq_x)], bool(r.has_sk[i]), sk)
+
+    def _combine(self, r: Rows, sharing: str, where: str) -> Rows:
+        c = r.cols
+        if sharing == "replica" or self.N == 1:
+            order, starts, sizes = _groups([c["step"], c["span"], c["phase"], c["micro"]])
+            r = r.take(order)
+            if sharing == "replica":
+                r = self._replica(r, starts, sizes, where) if (sizes > 1).any() else r
+            elif (sizes > 1).any():
+                r = self._add(r, starts, sizes, where)
+            if self.N == 1:
+                return r
+            c = r.cols
+        n = self.N
+        off = c["step"] % n
+        bad = off + c["span"].astype(np.int64) > n
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise MergeError(
+                f"{where}: a row at step {int(c['step'][i])} spans {int(c['span'][i])} steps, which crosses a "
+                f"window of {n} steps (coarsen to a multiple of the existing span)", code="incompatible_span",
+                path=self.paths[int(c["src"][i])],
+            )
+        c["step"] = c["step"] - off
+        c["span"] = np.full(len(r), n, np.uint32)
+        order, starts, sizes = _groups([c["step"], c["phase"], c["micro"]])
+        r = r.take(order)
+        return self._add(r, starts, sizes, where) if (sizes > 1).any() else r
+
+    # -- steps ---------------------------------------------------------------------------------------------
+    def _combine_steps(self, r: StepRows, where: str, files: str) -> StepRows:
+        c = r.cols
+        if self.N > 1:
+            n = self.N
+            off = c["step"] % n
+            if (off + c["span"].astype(np.int64) > n).any():
+                raise MergeError(f"{where}: a step-truth row crosses a window of {n} steps", code="incompatible_span",
+                                 path=self.paths[0])
+            c["step"] = c["step"] - off
+            c["span"] = np.full(len(r), n, np.uint32)
+        order, starts, sizes = _groups([c["step"], c["span"]])
+        r = r.take(order)
+        c = r.cols
+        if not (sizes > 1).any():
+            return r
+        out = {"step": c["step"][starts], "span": c["span"][starts]}
+        for k in ("applied", "grad_basis", "clipped", "micro_batches"):
+            lo, hi = np.minimum.reduceat(c[k], starts), np.maximum.reduceat(c[k], starts)
+            out[k] = np.where(lo == hi, lo, 0).astype(c[k].dtype)
+        for k in ("loss_scale", "clip_threshold"):
+            b = c[k].view(np.uint64)
+            lo, hi = np.minimum.reduceat(b, starts), np.maximum.reduceat(b, starts)
+            out[k] = np.where(lo == hi, lo, np.uint64(CANONICAL_NAN_BITS)).view(np.float64)
+        for k in ("tokens", "samples"):
+            v = c[k]
+            unknown = np.logical_or.reduceat(v == np.uint64(U64_UNKNOWN), starts)
+            s, over = _sum_u64(np.where(v == np.uint64(U64_UNKNOWN), np.uint64(0), v), starts, sizes)
+            if over is not None or (s[~unknown] == np.uint64(U64_UNKNOWN)).any():
+                raise MergeError(f"{where}: step-truth {k} overflows an unsigned 64-bit count adding rows from "
+                                 f"{files}", code="count_overflow", path=self.paths[0])
+            out[k] = np.where(unknown, np.uint64(U64_UNKNOWN), s)
+        return StepRows(out)
+
+    # -- sweep ---------------------------------------------------------------------------------------------
+    def _sweep(self, items: list[tuple[int, int, int, _Source, Any]]) -> Iterable[list[tuple[_Source, Any]]]:
+        """Batches of chunks such that no window of a later batch occurs in an earlier one."""
+        items.sort(key=lambda t: (t[0], t[2], t[4].offset))
+        batch: list[tuple[_Source, Any]] = []
+        cur_hi = None
+        rows = 0
+        for lo, hi, _, src, e in items:
+            if batch and lo > cur_hi and rows >= BATCH_ROWS:
+                yield batch
+                batch, rows, cur_hi = [], 0, None
+            batch.append((src, e))
+            cur_hi = hi if cur_hi is None else max(cur_hi, hi)
+            rows += e.rows
+        if batch:
+            yield batch
+
+    def _window(self, step: int) -> int:
+        return (step // self.N) * self.N
+
+    # -- output --------------------------------------------------------------------------------------------
+    def _emit_obs(self, w: CanonicalWriter, buf: list[Rows], site: int, seg: int, final: bool) -> list[Rows]:
+        total = sum(len(b) for b in buf)
+        if total < CHUNK_ROWS and not (final and total):
+            return buf
+        r = Rows.concat(buf)
+        n = len(r)
+        pos = 0
+        while n - pos >= CHUNK_ROWS or (final and pos < n):
+            part = r.take(slice(pos, min(pos + CHUNK_ROWS, n)))
+            payload, lo, hi = encode_obs(part, site, seg, self.codec)
+            w.obs(payload, site, seg, len(part), lo, hi)
+            self.report.rows_out += len(part)
+            pos += len(part)
+        return [r.take(slice(pos, n))] if pos < n else []
+
+    def run(self) -> MergeReport:
+        t0 = time.perf_counter()
+        self._scan()
+        self._plan_sites()
+        self._plan_segments()
+        self.site_scale: dict[int, int] = {}
+        self.scale_file: dict[int, str] = {}
+        out_dir = os.path.dirname(os.path.abspath(self.output))
+        tmp = os.path.join(out_dir, f".{os.path.basename(self.output)}.{os.getpid()}.tmp")
+        w = CanonicalWriter(tmp, canonical_salt(self.leaf_writers))
+        try:
+            self._write(w)
+            w.close()
+            os.replace(tmp, self.output)
+        except BaseException:
+            w.abort()
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        finally:
+            self.pool.close()
+        self.report.bytes_out = os.path.getsize(self.output)
+        self.report.seconds = time.perf_counter() - t0
+        return self.report
+
+    def _write(self, w: CanonicalWriter) -> None:
+        runs = {}
+        for s in self.sources:
+            for d in s.runs:
+                runs[(d["run_id"], _json(d))] = d
+        for k in sorted(runs):
+            w.manifest(runs[k])
+        writers = sorted((d for s in self.sources for d in s.writers), key=lambda d: d["writer_id"])
+        for d in writers:
+            w.manifest(d)
+        settings = sorted((d for s in self.sources for d in s.settings), key=lambda d: (d["writer_id"], _json(d)))
+        for d in settings:
+            w.manifest(d)
+        for d in self.site_docs:
+            w.manifest(d)
+        for d in self.segment_docs:
+            w.manifest(d)
+        w.commit()
+        # obs: site by site, segment by segment, in step order
+        for out_site, key in enumerate(self.site_keys):
+            per_seg: dict[int, list] = {}
+            for s in self.sources:
+                for site in s.sites:
+                    if site.key != key:
+                        continue
+                    for e in s.obs.get(site.id, []):
+                        seg = self.seg_map[(s.idx, e.segment)]
+                        per_seg.setdefault(seg, []).append(
+                            (self._window(e.step_min), self._window(e.step_max), s.idx, s, e))
+            sharing = self.site_sharing[out_site]
+            for seg in sorted(per_seg):
+                where = f"site {_site_name(key)}, segment {seg}"
+                buf: list[Rows] = []
+                for batch in self._sweep(per_seg[seg]):
+                    parts = [self._decode_obs(s, e, out_site) for s, e in batch]
+                    r = self._combine(Rows.concat(parts), sharing, where)
+                    buf.append(r)
+                    buf = self._emit_obs(w, buf, out_site, seg, final=False)
+                self._emit_obs(w, buf, out_site, seg, final=True)
+            w.commit()
+        # step truth, segment by segment
+        per_seg = {}
+        for s in self.sources:
+            for e in s.steps:
+                seg = self.seg_map[(s.idx, e.segment)]
+                per_seg.setdefault(seg, []).append((self._window(e.step_min), self._window(e.step_max), s.idx, s, e))
+        for seg in sorted(per_seg):
+            buf_s: list[StepRows] = []
+            where = f"step truth of segment {seg}"
+            for batch in self._sweep(per_seg[seg]):
+                parts = []
+                for s, e in batch:
+                    parts.append(decode_steps(self._payload(s, e), path=s.path, offset=e.offset, segment=e.segment,
+                                              rows=e.rows, step_min=e.step_min, step_max=e.step_max))
+                    self.report.step_rows_in += e.rows
+                files = ", ".join(sorted({s.path for s, _ in batch}))
+                buf_s.append(self._combine_steps(StepRows.concat(parts), where, files))
+            r = StepRows.concat(buf_s) if buf_s else None
+            if r is not None and len(r):
+                for p in range(0, len(r), CHUNK_ROWS):
+                    part = r.take(slice(p, p + CHUNK_ROWS))
+                    payload, lo, hi = encode_steps(part, seg, self.codec)
+                    w.steps(payload, seg, len(part), lo, hi)
+                    self.report.step_rows_out += len(part)
+        w.commit()
+
+
+def _json(d: dict) -> str:
+    from .canonical import manifest_bytes
+
+    return manifest_bytes(d).decode("ascii")
+
+
+def merge(inputs: list[str | os.PathLike], output: str | os.PathLike, *, across_runs: bool = False,
+          replica_divergence: str = "error", codec: str = "shuffle") -> MergeReport:
+    """Merge histories of disjoint sets of writers into one canonical file at ``output`` (spec section 11).
+
+    Rows with the same site, segment, step, span, micro-batch and phase combine: shard sites add exactly,
+    replica sites keep one row (differing replicas raise ``replica_divergence``, or with
+    ``replica_divergence="report"`` keep a deterministic one and list the difference in the report). Segments of
+    different runs stay apart unless ``across_runs``. ``codec`` is ``"shuffle"`` (default) or ``"raw"``.
+    """
+    if isinstance(inputs, (str, os.PathLike)):
+        raise UsageError("merge() takes a list of input paths")
+    return _Engine(list(inputs), output, steps=1, scale=None, across_runs=across_runs,
+                   replica_divergence=replica_divergence, codec=codec).run()
+
+
+def canonicalize(input: str | os.PathLike, output: str | os.PathLike, *, codec: str = "shuffle") -> MergeReport:
+    """The canonical form of one file: the same as ``merge([input], output)``."""
+    return merge([input], output, codec=codec)
