@@ -79,6 +79,36 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     return conformance_main(args.impl, args.vectors, args.strict, args.k, args.timeout)
 
 
+def _print_report(rep, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(rep.as_dict(), sort_keys=True))
+        return
+    torn = [i["path"] for i in rep.inputs if i["status"] != "clean"]
+    print(f"{rep.output}: {rep.bytes_out} bytes, {rep.sites} sites, {rep.segments} segments, {rep.rows_in} rows in, "
+          f"{rep.rows_out} rows out ({rep.bytes_in / max(rep.seconds, 1e-9) / 1e6:.1f} MB/s)")
+    for p in torn:
+        print(f"  note: {p} had a torn tail; its committed prefix was used")
+    for d in rep.divergences:
+        print(f"  replica divergence: {d['where']}, step {d['step']}: {' vs '.join(d['files'])}")
+
+
+def _cmd_merge(args: argparse.Namespace) -> int:
+    from .merge import merge
+
+    rep = merge(args.inputs, args.output, across_runs=args.across_runs,
+                replica_divergence="report" if args.report_divergence else "error", codec=args.codec)
+    _print_report(rep, args.json)
+    return EXIT_OK
+
+
+def _cmd_coarsen(args: argparse.Namespace) -> int:
+    from .coarsen import coarsen
+
+    rep = coarsen(args.input, args.output, steps=args.steps, bins_per_octave=args.bins_per_octave, codec=args.codec)
+    _print_report(rep, args.json)
+    return EXIT_OK
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     try:
         from .torch.demo import main as demo_main
@@ -109,6 +139,23 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-k", metavar="PATTERN", help="only cases whose id matches (glob or substring)")
     c.add_argument("--timeout", type=float, default=120.0, help="seconds per case before it fails (default 120)")
     c.set_defaults(func=_cmd_conformance)
+    c = sub.add_parser("merge", help="merge shards/ranks/runs into one canonical file (spec section 11)")
+    c.add_argument("inputs", nargs="+", metavar="IN")
+    c.add_argument("-o", "--output", required=True, metavar="OUT")
+    c.add_argument("--across-runs", action="store_true", help="sum segments of different runs (default: keep apart)")
+    c.add_argument("--report-divergence", action="store_true",
+                   help="keep one of differing replica rows and list them, instead of failing")
+    c.add_argument("--codec", choices=("shuffle", "raw"), default="shuffle")
+    c.add_argument("--json", action="store_true", help="print the report as JSON")
+    c.set_defaults(func=_cmd_merge)
+    c = sub.add_parser("coarsen", help="sum rows over step windows and/or halve sketch resolution (spec section 11)")
+    c.add_argument("input", metavar="IN")
+    c.add_argument("-o", "--output", required=True, metavar="OUT")
+    c.add_argument("--steps", type=int, default=1, help="window width in steps (default 1: keep)")
+    c.add_argument("--bins-per-octave", type=int, choices=(4, 2, 1), default=4)
+    c.add_argument("--codec", choices=("shuffle", "raw"), default="shuffle")
+    c.add_argument("--json", action="store_true", help="print the report as JSON")
+    c.set_defaults(func=_cmd_coarsen)
     c = sub.add_parser("demo", help="train a small built-in model and write, triage and plot its history",
                        add_help=False)
     c.add_argument("rest", nargs=argparse.REMAINDER)
