@@ -43,6 +43,7 @@ __all__ = [
     "encode_obs",
     "encode_steps",
     "derive_presence",
+    "blank",
     "canonical_salt",
     "CanonicalWriter",
 ]
@@ -179,6 +180,27 @@ def _exact(ch, name: str, rows: int, f: np.ndarray, path: str, offset: int) -> n
     return out
 
 
+def blank(r: Rows, mask: np.ndarray) -> None:
+    """Clear the numbers of the rows in ``mask`` (rows that are not observed carry none, spec 2.6)."""
+    if not mask.any():
+        return
+    cols = r.cols
+    for k in _COUNT_NAMES:
+        cols[k][mask] = 0
+    for k in ("min", "max"):
+        cols[k][mask] = CANONICAL_NAN
+    for k in ("sum", "sumsq"):
+        cols[k][mask] = 0.0
+    cols["method"][mask] = 0
+    r.sum_x[mask] = None
+    r.sumsq_x[mask] = None
+    r.has_sk[mask] = False
+    if r.pos is not None:
+        r.pos[mask] = 0
+        r.neg[mask] = 0
+        r.bands[mask] = 0
+
+
 def decode_obs(payload: memoryview, *, path: str, offset: int, site: int, segment: int, rows: int, step_min: int,
                step_max: int, src: int) -> Rows:
     """Validate and decode one committed obs chunk (``offset``: file offset of its record header)."""
@@ -241,31 +263,18 @@ def decode_obs(payload: memoryview, *, path: str, offset: int, site: int, segmen
         dense = dense.reshape(rows, 2, nb)
         pos, neg = dense[:, 0, :], dense[:, 1, :]
         bands = np.stack([sk[k] for k in ("sk_up", "sk_un", "sk_op", "sk_on")], axis=1).astype(np.uint64)
-    empty = tally[:, Presence.OBSERVED] == 0  # no observed leaf: the row carries no numbers
-    if empty.any():
-        for k in _COUNT_NAMES:
-            cols[k][empty] = 0
-        for k in ("min", "max"):
-            cols[k][empty] = CANONICAL_NAN
-        for k in ("sum", "sumsq"):
-            cols[k][empty] = 0.0
-        cols["method"][empty] = 0
-        sum_x[empty] = None
-        sumsq_x[empty] = None
-        has = has & ~empty
-        if pos is not None:
-            pos[empty] = 0
-            neg[empty] = 0
-            bands[empty] = 0
-    if pos is not None and not has.any():
-        pos = neg = bands = None
-        scale = None
+    presence = derive_presence(tally)
+    r = Rows(cols, sum_x, sumsq_x, tally, has, pos, neg, bands, scale)
+    blank(r, presence != Presence.OBSERVED)  # spec 2.6: only observed rows carry numbers
+    if r.pos is not None and not r.has_sk.any():
+        r.pos = r.neg = r.bands = None
+        r.scale = None
     for k in ("min", "max"):  # every NaN is "no finite value": canonical bits
         c = cols[k]
         c[np.isnan(c)] = CANONICAL_NAN
-    cols["presence"] = derive_presence(tally)
+    cols["presence"] = presence
     cols["src"] = np.full(rows, src, np.int32)
-    return Rows(cols, sum_x, sumsq_x, tally, has, pos, neg, bands, scale)
+    return r
 
 
 def decode_steps(payload: memoryview, *, path: str, offset: int, segment: int, rows: int, step_min: int,

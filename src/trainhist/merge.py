@@ -27,6 +27,7 @@ from .canonical import (
     CanonicalWriter,
     Rows,
     StepRows,
+    blank,
     canonical_salt,
     check_payload,
     decode_obs,
@@ -450,7 +451,9 @@ class _Engine:
             bands, over = _sum_u64(r.bands, starts, sizes)
             if over is not None:
                 raise overflow(over, "a sketch under/overflow count")
-        return Rows(out, sum_x, sumsq_x, tally, has, pos, neg, bands, r.scale)
+        res = Rows(out, sum_x, sumsq_x, tally, has, pos, neg, bands, r.scale)
+        blank(res, out["presence"] != Presence.OBSERVED)  # spec 2.6: a row that is not observed has no numbers
+        return res
 
     def _replica(self, r: Rows, starts: np.ndarray, sizes: np.ndarray, where: str) -> Rows:
         """Keep one row of each group of replica rows; they must be identical (or, on request, are reported)."""
