@@ -76,7 +76,7 @@ def _cmd_dump(args: argparse.Namespace) -> int:
 def _cmd_conformance(args: argparse.Namespace) -> int:
     from .conformance import main as conformance_main
 
-    return conformance_main(args.impl, args.vectors, args.strict, args.k, args.timeout)
+    return conformance_main(args.impl, args.vectors, args.strict, args.k, args.timeout, args.jobs)
 
 
 def _print_report(rep, as_json: bool) -> None:
@@ -138,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--strict", action="store_true", help="also require exact error codes and byte-exact outputs")
     c.add_argument("-k", metavar="PATTERN", help="only cases whose id matches (glob or substring)")
     c.add_argument("--timeout", type=float, default=120.0, help="seconds per case before it fails (default 120)")
+    c.add_argument("-j", "--jobs", type=int, default=0, help="cases run at once (default: CPU count, at most 8)")
     c.set_defaults(func=_cmd_conformance)
     c = sub.add_parser("merge", help="merge shards/ranks/runs into one canonical file (spec section 11)")
     c.add_argument("inputs", nargs="+", metavar="IN")

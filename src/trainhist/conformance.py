@@ -255,17 +255,20 @@ def run_case(case: Case, impl: list[str], *, strict: bool = False, timeout: floa
 
 
 def run_suite(impl: list[str], vectors: Path, *, strict: bool = False, pattern: str | None = None,
-              timeout: float = 120.0, out: Any = None) -> list[Result]:
-    """Run every case, print one line per case and a summary line; return the results."""
+              timeout: float = 120.0, jobs: int = 1, out: Any = None) -> list[Result]:
+    """Run every case (``jobs`` at a time), print one line per case in order and a summary line."""
+    from concurrent.futures import ThreadPoolExecutor
+
     out = sys.stdout if out is None else out
     cases = load_cases(vectors, pattern)
     results = []
     width = max((len(c.id) for c in cases), default=10)
-    for case in cases:
-        r = run_case(case, impl, strict=strict, timeout=timeout)
-        results.append(r)
-        spec = ",".join(case.doc.get("spec", []))
-        print(f"{r.status.upper():4s}  {case.id:{width}s}  §{spec:8s} {r.detail}".rstrip(), file=out, flush=True)
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        ordered = pool.map(lambda c: run_case(c, impl, strict=strict, timeout=timeout), cases)
+        for case, r in zip(cases, ordered):
+            results.append(r)
+            spec = ",".join(case.doc.get("spec", []))
+            print(f"{r.status.upper():4s}  {case.id:{width}s}  §{spec:8s} {r.detail}".rstrip(), file=out, flush=True)
     n = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "skip")}
     print(f"{n['pass']} passed, {n['fail']} failed" + (f", {n['skip']} skipped" if n["skip"] else ""), file=out,
           flush=True)
@@ -273,7 +276,7 @@ def run_suite(impl: list[str], vectors: Path, *, strict: bool = False, pattern: 
 
 
 def main(impl: str | None, vectors: str | None, strict: bool, pattern: str | None = None,
-         timeout: float = 120.0) -> int:
+         timeout: float = 120.0, jobs: int | None = None) -> int:
     """The ``trainhist conformance`` command: exit 0 when nothing failed, 1 otherwise, 2 on bad usage."""
     vdir = Path(vectors) if vectors else default_vectors()
     if vdir is None or not vdir.is_dir():
@@ -284,7 +287,8 @@ def main(impl: str | None, vectors: str | None, strict: bool, pattern: str | Non
     env_note = "" if impl else " (reference implementation)"
     print(f"implementation: {shlex.join(cmd)}{env_note}\nvectors: {os.fspath(vdir)}\n"
           f"grading: {'strict' if strict else 'lenient'}")
-    results = run_suite(cmd, vdir, strict=strict, pattern=pattern, timeout=timeout)
+    jobs = jobs if jobs else min(8, os.cpu_count() or 1)
+    results = run_suite(cmd, vdir, strict=strict, pattern=pattern, timeout=timeout, jobs=jobs)
     if not results:
         print("trainhist: error [usage] no cases matched", file=sys.stderr)
         return EXIT_USAGE
