@@ -1,0 +1,198 @@
+"""Overhead of recording a training loop: interleaved A/B against the uninstrumented loop, with an A/A noise band.
+
+    python tools/bench_overhead.py --out benchmarks/overhead.md            # the published table
+    python tools/bench_overhead.py --reps 2 --steps 4 --quick              # a smoke run
+
+Model: a HF transformers GPT-2 with random init sized for a 2-core CPU. Every configuration trains the same model
+from the same initial weights on the same synthetic tokens. Within one repetition every configuration runs once,
+in a rotated order; each configuration's median step time is divided by the baseline's median step time of the
+same repetition. The A/A row (the baseline run a second time) shows the noise band of the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+CONFIGS = [
+    ("baseline", "no instrumentation"),
+    ("baseline (A/A)", "no instrumentation, run again: the noise band"),
+    ("trainhist spine, all sites, every step", "5 streams, every module and parameter; spine every step, no sketches"),
+    ("trainhist sketches, all sites, every step", "5 streams, every module and parameter; spine + sketch every step"),
+    ("trainhist default", "Collector defaults: 5 streams, spine every step, sketches every 10 steps"),
+    ("trainhist params+grads sketches, every step", "param + param_grad only (the peers' coverage), spine + sketch every step"),
+    ("wandb.watch(log='all', log_freq=1)", "offline mode; histograms of every parameter and gradient every step"),
+    ("TensorBoard add_histogram", "every parameter and gradient every step"),
+]
+
+
+def make_model(args: argparse.Namespace) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=4, n_positions=args.seq, vocab_size=args.vocab,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def batches(args: argparse.Namespace, n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(n)]
+
+
+@contextlib.contextmanager
+def instrument(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, tmp: Path,
+               sample: torch.Tensor) -> Iterator[Callable[[int, float], contextlib.AbstractContextManager]]:
+    """Yield ``wrap(step, loss_value_fn)``: a context manager around one training step of ``name``."""
+    nullstep = lambda step: contextlib.nullcontext()  # noqa: E731
+    if name.startswith("baseline"):
+        yield nullstep, lambda step, loss: None
+        return
+    if name.startswith("trainhist"):
+        from trainhist.torch import Collector
+
+        kw: dict = {}
+        if "spine" in name:
+            kw = dict(every=1, sketch_every=0)
+        elif "params+grads" in name:
+            kw = dict(streams=("param", "param_grad"), every=1, sketch_every=1)
+        elif "sketches" in name:
+            kw = dict(every=1, sketch_every=1)
+        col = Collector(model, tmp / f"{abs(hash(name))}.thist", **kw)
+        col.discover({"input_ids": sample, "labels": sample})
+        col.attach(optimizer=opt)
+        try:
+            yield (lambda step: col.step(step)), (lambda step, loss: col.scalars(step, loss=loss))
+        finally:
+            col.close()
+        return
+    if name.startswith("wandb"):
+        os.environ["WANDB_MODE"] = "offline"
+        os.environ["WANDB_SILENT"] = "true"
+        import wandb
+
+        run = wandb.init(project="trainhist-bench", dir=str(tmp), mode="offline", reinit="finish_previous")
+        wandb.watch(model, log="all", log_freq=1)
+        try:
+            yield nullstep, lambda step, loss: wandb.log({"loss": loss}, step=step)
+        finally:
+            wandb.unwatch(model)
+            run.finish()
+        return
+    if name.startswith("TensorBoard"):
+        from torch.utils.tensorboard import SummaryWriter
+
+        tb = SummaryWriter(log_dir=str(tmp / "tb"))
+
+        def log(step: int, loss: float) -> None:
+            tb.add_scalar("loss", loss, step)
+            for n, p in model.named_parameters():
+                tb.add_histogram(n, p, step)
+                if p.grad is not None:
+                    tb.add_histogram(n + ".grad", p.grad, step)
+
+        try:
+            yield nullstep, log
+        finally:
+            tb.close()
+        return
+    raise ValueError(name)
+
+
+def run_config(name: str, init_state: dict, args: argparse.Namespace, data: list[torch.Tensor], tmp: Path) -> float:
+    """Median seconds per step of ``name`` (after warm-up steps)."""
+    model = make_model(args)
+    model.load_state_dict(init_state)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    times = []
+    with instrument(name, model, opt, tmp, data[0]) as (wrap, log):
+        for step, x in enumerate(data):
+            t0 = time.perf_counter()
+            with wrap(step):
+                out = model(input_ids=x, labels=x)
+                out.loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            log(step, float(out.loss.detach()))
+            dt = time.perf_counter() - t0
+            if step >= args.warmup:
+                times.append(dt)
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=12, help="timed steps per configuration and repetition")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--only", nargs="*", help="substrings of configuration names to run (baselines always run)")
+    ap.add_argument("--quick", action="store_true", help="skip the peers (wandb, TensorBoard)")
+    ap.add_argument("--out", help="write the markdown table here")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    configs = [c for c in CONFIGS if not (args.quick and c[0].split()[0] in ("wandb.watch(log='all',", "TensorBoard"))]
+    if args.only:
+        configs = [c for c in configs if c[0].startswith("baseline") or any(s in c[0] for s in args.only)]
+    names = [c[0] for c in configs]
+    init_state = copy.deepcopy(make_model(args).state_dict())
+    data = batches(args, args.warmup + args.steps)
+    ratios: dict[str, list[float]] = {n: [] for n in names}
+    step_s: dict[str, list[float]] = {n: [] for n in names}
+    with tempfile.TemporaryDirectory() as d:
+        for rep in range(args.reps):
+            order = names[rep % len(names):] + names[: rep % len(names)]
+            got = {}
+            for name in order:
+                got[name] = run_config(name, init_state, args, data, Path(d))
+                print(f"rep {rep} {name:48s} {got[name] * 1e3:8.1f} ms/step", flush=True)
+            for name in names:
+                step_s[name].append(got[name])
+                ratios[name].append(got[name] / got["baseline"])
+    lines = [
+        "# Overhead of recording a training loop",
+        "",
+        f"Generated by `python tools/bench_overhead.py {' '.join(sys.argv[1:])}` on {platform.machine()} "
+        f"({os.cpu_count()} CPUs), torch {torch.__version__}, {time.strftime('%Y-%m-%d')}.",
+        "",
+        f"Model: transformers GPT-2, {args.layers} layers, width {args.width}, sequence {args.seq}, batch {args.batch}, "
+        f"vocabulary {args.vocab}, random init, AdamW; CPU. {args.reps} repetitions, each running every "
+        f"configuration once in rotated order ({args.warmup} warm-up + {args.steps} timed steps each). Ratio = a "
+        "configuration's median step time / the baseline's in the same repetition; shown as median [min, max] "
+        "over repetitions.",
+        "",
+        "| configuration | coverage | ms/step (median) | ratio to baseline |",
+        "|---|---|---|---|",
+    ]
+    for name, cov in configs:
+        r = ratios[name]
+        lines.append(f"| {name} | {cov} | {statistics.median(step_s[name]) * 1e3:.1f} | "
+                     f"{statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}] |")
+    aa = ratios["baseline (A/A)"]
+    lines += ["", f"Noise band (A/A): {min(aa):.3f} to {max(aa):.3f}; a ratio inside it is not distinguishable "
+              "from no overhead on this machine."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text, "utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
