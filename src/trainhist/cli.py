@@ -109,6 +109,14 @@ def _cmd_coarsen(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_triage(args: argparse.Namespace) -> int:
+    from .triage import triage
+
+    with open_history(args.file) as h:
+        print(triage(h).format(limit=args.limit))
+        return _status(h)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     try:
         from .torch.demo import main as demo_main
@@ -157,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--codec", choices=("shuffle", "raw"), default="shuffle")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=_cmd_coarsen)
+    c = sub.add_parser("triage", help="where and when the history first went wrong (non-finite, failed, skipped)")
+    c.add_argument("file")
+    c.add_argument("--limit", type=int, default=12, help="most findings to print")
+    c.set_defaults(func=_cmd_triage)
     c = sub.add_parser("demo", help="train a small built-in model and write, triage and plot its history",
                        add_help=False)
     c.add_argument("rest", nargs=argparse.REMAINDER)
