@@ -1,0 +1,220 @@
+"""Figures of a history (needs the ``viz`` extra: matplotlib). Every approximation is labelled on the figure.
+
+- :func:`site_figure`: one site over steps — quantile fan DERIVED from the sketch (its bin-width bound in the
+  legend), the EXACT min/max envelope from the spine, non-finite events, failed/absent rows, skipped optimizer
+  steps, segment boundaries and coarsened spans marked.
+- :func:`waterfall`: steps × signed-log2 bins, the sketch counts as they are stored (never rebinned).
+- :func:`contact_sheet`: every site as a small tile, non-finite sites first then by drift, paginated with an
+  "N of M — page k of P" footer; nothing is silently left out.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from .grid import index_min, nbins
+from .model import Presence
+from .reader import History, Site
+
+__all__ = ["quantiles_from_sketch", "site_figure", "waterfall", "contact_sheet"]
+
+
+def _mpl():
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def quantiles_from_sketch(pos: np.ndarray, neg: np.ndarray, bands: np.ndarray, zero: np.ndarray, scale: int,
+                          qs: tuple[float, ...]) -> np.ndarray:
+    """Quantiles per row, each the geometric middle of the bin that holds it (relative error < one bin width).
+
+    Rows are sketches; ``zero`` is the spine's zero count. Values outside the window are placed at its edge.
+    Returns (rows, len(qs)); NaN for rows with nothing finite.
+    """
+    n = pos.shape[0]
+    nb = nbins(scale)
+    lo = index_min(scale)
+    mids = 2.0 ** ((np.arange(nb) + lo + 0.5) / 2**scale)
+    # value-ordered cells: over_neg, neg bins (large to small), under_neg, zero, under_pos, pos bins, over_pos
+    vals = np.concatenate([[-(2.0**16)], -mids[::-1], [-(2.0**-48)], [0.0], [2.0**-48], mids, [2.0**16]])
+    out = np.full((n, len(qs)), np.nan)
+    for i in range(n):
+        counts = np.concatenate([[bands[i, 3]], neg[i, ::-1], [bands[i, 1]], [zero[i]], [bands[i, 0]], pos[i],
+                                 [bands[i, 2]]]).astype(np.float64)
+        total = counts.sum()
+        if total == 0:
+            continue
+        cdf = np.cumsum(counts) / total
+        for j, q in enumerate(qs):
+            out[i, j] = vals[int(np.searchsorted(cdf, q, side="left"))]
+    return out
+
+
+def _site_title(site: Site, phase: str | None) -> str:
+    facet = "" if site.facet is None else f"[{site.facet}]"
+    ph = "" if phase in (None, "default") else f" {phase}"
+    return f"{site.path}{facet} · {site.stream}{ph}"
+
+
+def _marks(ax, h: History, s) -> None:
+    """Presence gaps, non-finite events, skipped steps and segment boundaries as visible marks."""
+    steps = s.step
+    for code, color, label in ((Presence.FAILED, "red", "failed"), (Presence.ABSENT, "0.6", "absent"),
+                               (Presence.SKIPPED, "orange", "skipped")):
+        sel = s.presence == code
+        if sel.any():
+            ax.scatter(steps[sel], np.zeros(sel.sum()), marker="x", color=color, label=f"{label} (no data)", zorder=5)
+    nf = s.observed & ((s.nan > 0) | (s.pinf > 0) | (s.ninf > 0))
+    for k, x in enumerate(steps[nf].tolist()):
+        ax.axvline(x, color="red", alpha=0.35, lw=1, label="non-finite values" if k == 0 else None)
+    truth = h.step_truth_rows()
+    skipped = [r["step"] for r in truth if r["applied"] == "skipped"]
+    for k, x in enumerate(skipped):
+        ax.axvline(x, color="orange", ls=":", lw=1, label="optimizer step skipped" if k == 0 else None)
+    for k, g in enumerate(x for x in h.segments if x.reason != "start" and x.first_step is not None):
+        ax.axvline(g.first_step, color="k", ls="--", lw=1.2, label="segment boundary (resume)" if k == 0 else None)
+    spans = s.span > 1
+    if spans.any():
+        ax.text(0.01, 0.02, f"{int(spans.sum())} rows are coarsened spans of up to {int(s.span.max())} steps",
+                transform=ax.transAxes, fontsize=7)
+
+
+def site_figure(h: History, path: str, stream: str = "activation", facet: str | None = None, *,
+                phase: str | None = None, out: str | Path | None = None):
+    """Quantile fan (derived) with the exact min/max envelope; returns the matplotlib figure."""
+    plt = _mpl()
+    s = h.spine(path, stream, facet, phase=phase)
+    sk = h.sketch(path, stream, facet, phase=phase)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    obs = s.observed & (s.finite > 0)
+    ax.plot(s.step[obs], s.min[obs], ":", color="k", lw=1, label="min / max (exact, spine)")
+    ax.plot(s.step[obs], s.max[obs], ":", color="k", lw=1)
+    if len(sk):
+        zero = s.zero[s.sk_row >= 0]
+        q = quantiles_from_sketch(sk.pos, sk.neg, sk.bands, zero, sk.scale, (0.05, 0.25, 0.5, 0.75, 0.95))
+        x = sk.columns["step"]
+        width = 2 ** (1 / 2**sk.scale) - 1
+        ax.fill_between(x, q[:, 0], q[:, 4], alpha=0.2, color="C0", label="p5–p95 (derived from sketch)")
+        ax.fill_between(x, q[:, 1], q[:, 3], alpha=0.35, color="C0", label="p25–p75 (derived)")
+        ax.plot(x, q[:, 2], color="C0", lw=1.5,
+                label=f"median (derived; ±{width:.0%} relative, {2**sk.scale} bins/octave)")
+    else:
+        ax.plot(s.step[obs], s.mean[obs], color="C0", lw=1.5, label="mean (from exact sums)")
+    _marks(ax, h, s)
+    lin = max(1e-12, float(np.nanmax(np.abs(np.r_[s.min[obs], s.max[obs], 1e-12]))) * 1e-3)
+    ax.set_yscale("symlog", linthresh=lin)
+    ax.set_xlabel("step")
+    ax.set_ylabel("value (symlog)")
+    ax.set_title(_site_title(s.site, phase))
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    if out is not None:
+        fig.savefig(out, dpi=120)
+        plt.close(fig)
+    return fig
+
+
+def waterfall(h: History, path: str, stream: str = "activation", facet: str | None = None, *,
+              phase: str | None = None, out: str | Path | None = None):
+    """Steps × signed-log2 bins heat map of the stored sketch counts (log color), bands shown apart."""
+    plt = _mpl()
+    sk = h.sketch(path, stream, facet, phase=phase)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    if len(sk):
+        grid = np.concatenate([sk.neg[:, ::-1], sk.pos], axis=1).astype(np.float64)
+        with np.errstate(divide="ignore"):
+            img = np.log10(grid.T)
+        nb = nbins(sk.scale)
+        lo = index_min(sk.scale) / 2**sk.scale
+        hi = (index_min(sk.scale) + nb) / 2**sk.scale
+        steps = sk.columns["step"]
+        ax.imshow(img, aspect="auto", origin="lower", interpolation="nearest", cmap="viridis",
+                  extent=(steps.min() - 0.5, steps.max() + 0.5, -nb, nb))
+        ticks = np.linspace(-nb, nb, 9)
+        ax.set_yticks(ticks)
+        ax.set_yticklabels([f"{'-' if t < 0 else ''}2^{lo + abs(t) / nb * (hi - lo):.0f}" if t else "0"
+                            for t in ticks])
+        outside = int(sk.bands.sum())
+        ax.set_title(_site_title(sk.site, phase) + f" · sketch, {2**sk.scale} bins/octave (never rebinned)")
+        ax.text(0.01, 0.01, f"outside the window (2^-48, 2^16]: {outside} values in the under/overflow bands",
+                transform=ax.transAxes, fontsize=7, color="w")
+    else:
+        ax.text(0.5, 0.5, "no sketches recorded for this site", ha="center", transform=ax.transAxes)
+    ax.set_xlabel("step")
+    ax.set_ylabel("signed magnitude bin")
+    fig.tight_layout()
+    if out is not None:
+        fig.savefig(out, dpi=120)
+        plt.close(fig)
+    return fig
+
+
+def _score(h: History, site: Site) -> tuple[int, float]:
+    best = (0, 0.0)
+    for phase in ("default", "pre_clip", "post_clip"):
+        s = h.spine(site.path, site.stream, site.facet, phase=phase)
+        if not len(s):
+            continue
+        nonfinite = int(((s.nan + s.pinf + s.ninf)[s.observed]).sum())
+        rms = s.rms[s.observed]
+        rms = rms[np.isfinite(rms) & (rms > 0)]
+        drift = float(abs(math.log(rms[-1] / rms[0]))) if rms.size > 1 else 0.0
+        best = max(best, (nonfinite, drift))
+    return best
+
+
+def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: int = 6) -> list[Path]:
+    """Every site as a tile (rms over steps, exact min/max envelope), ranked "nonfinite first, then drift".
+
+    Returns the PNG pages written; each carries the footer "sites a–b of M — page k of P".
+    """
+    plt = _mpl()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ranked = sorted(h.sites, key=lambda s: tuple(-v for v in _score(h, s)) + (s.id,))
+    pages = max(1, math.ceil(len(ranked) / per_page))
+    written = []
+    for k in range(pages):
+        tiles = ranked[k * per_page : (k + 1) * per_page]
+        rows = max(1, math.ceil(len(tiles) / cols))
+        fig, axes = plt.subplots(rows, cols, figsize=(2.4 * cols, 1.8 * rows + 0.5), squeeze=False)
+        for ax in axes.flat:
+            ax.axis("off")
+        for ax, site in zip(axes.flat, tiles):
+            ax.axis("on")
+            phase = _first_phase(h, site)
+            s = h.spine(site.path, site.stream, site.facet, phase=phase)
+            obs = s.observed & (s.finite > 0)
+            ax.plot(s.step[obs], s.rms[obs], lw=1)
+            nf = s.observed & ((s.nan + s.pinf + s.ninf) > 0)
+            if nf.any():
+                ax.set_facecolor("#fde0e0")
+                for x in s.step[nf][:50].tolist():
+                    ax.axvline(x, color="red", lw=0.5)
+            ax.set_yscale("log") if (s.rms[obs] > 0).all() and obs.any() else None
+            ax.set_title(_site_title(site, phase), fontsize=6)
+            ax.tick_params(labelsize=5)
+        a, b = k * per_page + 1, k * per_page + len(tiles)
+        fig.text(0.5, 0.005, f"sites {a}–{b} of {len(ranked)} — page {k + 1} of {pages} · rms per step "
+                 "(from exact sums); ranked nonfinite_first_then_drift", ha="center", fontsize=7)
+        fig.tight_layout(rect=(0, 0.03, 1, 1))
+        p = out_dir / f"contact_sheet_p{k + 1}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+    return written
+
+
+def _first_phase(h: History, site: Site) -> str:
+    """The phase a tile shows: pre_clip for clipped gradients (what the loss produced), else the first present."""
+    for phase in ("pre_clip", "default", "post_clip"):
+        if len(h.spine(site.path, site.stream, site.facet, phase=phase)):
+            return phase
+    return "default"
