@@ -100,6 +100,7 @@ class _Step:
     opt_stepped: bool = False
     scaler_updated: bool = False
     pending: PendingTransfer | None = None
+    decoded: dict[tuple, object] = field(default_factory=dict)
     late_only: bool = False  # carries only tensor scalars of earlier steps (the transfer at close)
 
 
@@ -683,6 +684,12 @@ class Collector:
                         bad = math.nan if summ.nan else math.inf
                         grad_sq = grad_sq + summ.sumsq.to_float() if summ.finite == summ.count else bad
                 self._emit(st, s, phase, key, summ, applied)
+        if self.first_nonfinite is None:  # in execution order: the first reduction that saw a NaN or inf
+            for key in st.counts:
+                summ = self._summary(st, data, key) if key[0] != "param_delta" or applied is not False else None
+                if summ is not None and summ.finite != summ.count:
+                    self.first_nonfinite = (st.step, key[1], key[0], key[2])
+                    break
         if grad_sq is not None and self._all_trainable_selected():
             st.host_scalars.append((st.step, "grad_norm", math.sqrt(grad_sq)))
         tokens = t.tokens
@@ -708,6 +715,11 @@ class Collector:
         return ("default",)
 
     def _summary(self, st: _Step, data: np.ndarray | None, key: tuple) -> object:
+        if key not in st.decoded:
+            st.decoded[key] = self._decode(st, data, key)
+        return st.decoded[key]
+
+    def _decode(self, st: _Step, data: np.ndarray | None, key: tuple) -> object:
         n = st.counts.get(key)
         if n is None or key in st.failed:
             return None
@@ -729,8 +741,6 @@ class Collector:
         if s.stream == "param_delta" and applied is False:
             self._safe(self._writer.mark, h, st.step, "skipped", phase=phase)
         elif summ is not None:
-            if self.first_nonfinite is None and summ.finite != summ.count:  # type: ignore[attr-defined]
-                self.first_nonfinite = (st.step, s.path, s.stream, s.facet)
             self._safe(self._writer.observe, h, st.step, summary=summ, phase=phase)
         else:
             self._safe(self._writer.mark, h, st.step, "failed" if key in st.failed else "absent", phase=phase)

@@ -1,10 +1,10 @@
 """On-device reduction of a tensor into one row of the step ledger, and the host-side decode of that row.
 
 A row is ``ROW`` int64 entries: the ``NKEYS`` grid-key counts (spec 6.3 layout: bins, under/overflow per sign, zero,
-NaN, +inf, -inf), then the finite minimum and maximum as float64 *total-order keys* (an integer whose signed order
-is IEEE totalOrder, so ``-0.0 < +0.0`` falls out of an integer min/max), then the float64 sum and sum of squares of
-the finite values, stored bit-cast in the int64 buffer. Reducing again into the same row merges exactly: counts
-add, min/max are integer min/max, sums add (float64 accumulation, ``SumMethod.F64``).
+NaN, +inf, -inf; the zero key counting +0.0 only), the count of -0.0, a spare slot, then the finite minimum and
+maximum and the float64 sum and sum of squares of the finite values, stored bit-cast in the int64 buffer. Reducing
+again into the same row merges exactly: counts add, min/max clamp, sums add (float64 accumulation,
+``SumMethod.F64``); the sign of a zero minimum or maximum is resolved from the zero counts at decode time.
 
 Nothing here synchronises with the device: the only host transfer is :meth:`Ledger.transfer`, once per step.
 """
@@ -20,36 +20,68 @@ from .. import grid
 from ..dyadic import ZERO, Dyadic
 from ..summary import Sketch, SumMethod, Summary
 
-__all__ = ["ROW", "COL_MIN", "COL_MAX", "COL_SUM", "COL_SUMSQ", "reduce_into", "decode_row", "Ledger"]
+__all__ = ["ROW", "reduce_into", "decode_row", "Ledger", "PendingTransfer"]
 
 NK = grid.NKEYS
-COL_MIN = NK
-COL_MAX = NK + 1
-COL_SUM = NK + 2
-COL_SUMSQ = NK + 3
-ROW = NK + 4
+COL_NEGZERO = NK  # count of -0.0 (the grid's zero key counts +0.0 only here; decode adds them)
+COL_SPARE = NK + 1  # target of impossible raw codes: always 0
+COL_MIN = NK + 2  # float64 bits
+COL_MAX = NK + 3
+COL_SUM = NK + 4
+COL_SUMSQ = NK + 5
+ROW = NK + 6
+NCOUNT = NK + 2
 
-_I64_MAX = (1 << 63) - 1
-_I64_MIN = -(1 << 63)
 _SIDE = grid.KEY_OVER + 1
 
 
 class _Width:
-    """Bit layout constants of one IEEE binary format as seen through its same-size signed integer view."""
+    """Raw-code layout of one IEEE binary format, read through its same-size signed integer view.
+
+    Every element gets ``raw = 4*exp + q + 1`` (``q`` = how many of the three quarter-octave mantissa thresholds
+    lie below the fraction, -1 for a zero fraction), shifted past all finite codes when ``exp`` is all ones
+    (inf/NaN), plus ``S`` when the sign bit is set. ``raw - const`` is the grid's bin index, so one bincount
+    over raw codes and a fixed fold table give the grid keys; everything is integer adds and shifts.
+    """
 
     def __init__(self, itype: torch.dtype, mbits: int, ebits: int, thresh: tuple[int, int, int]) -> None:
         self.itype = itype
         self.mbits = mbits
+        self.nbits = 1 + ebits + mbits
         self.fracmask = (1 << mbits) - 1
         self.magmask = (1 << (mbits + ebits)) - 1
-        self.emax = (1 << ebits) - 1
-        bias = (1 << (ebits - 1)) - 1
-        # key of the positive side = 4*(exp - bias) + q - (index_min - 1)
-        self.offset = 4 * bias + grid.index_min(grid.NATIVE_SCALE) - 1
+        self.e = 1 << ebits
+        self.shift = 4 * self.e + 1
+        self.side = 8 * self.e + 2
         self.thresh = thresh
-        nbits = 1 + ebits + mbits
-        self.imax = (1 << (nbits - 1)) - 1
-        self.imin = -(1 << (nbits - 1))
+        self.fold = torch.from_numpy(self._fold(ebits))
+        self._fold_dev: dict[torch.device, torch.Tensor] = {}
+
+    def _fold(self, ebits: int) -> np.ndarray:
+        bias = (1 << (ebits - 1)) - 1
+        fold = np.full(2 * self.side, COL_SPARE, dtype=np.int64)
+        for neg in (0, 1):
+            for exp in range(self.e):
+                for q in (-1, 0, 1, 2, 3):
+                    raw = 4 * exp + q + 1 + (self.shift if exp == self.e - 1 else 0) + neg * self.side
+                    if exp == self.e - 1:
+                        key = grid.KEY_NAN if q >= 0 else (grid.KEY_NINF if neg else grid.KEY_PINF)
+                    elif exp == 0 and q == -1:
+                        key = COL_NEGZERO if neg else grid.KEY_ZERO
+                    elif exp == 0:
+                        key = grid.KEY_UNDER + neg * _SIDE
+                    else:
+                        idx = 4 * (exp - bias) + q
+                        key = min(max(idx - (grid.index_min(grid.NATIVE_SCALE) - 1), grid.KEY_UNDER), grid.KEY_OVER)
+                        key += neg * _SIDE
+                    fold[raw] = key
+        return fold
+
+    def fold_on(self, device: torch.device) -> torch.Tensor:
+        f = self._fold_dev.get(device)
+        if f is None:
+            f = self._fold_dev[device] = self.fold.to(device)
+        return f
 
 
 _F32 = _Width(torch.int32, 23, 8, grid.THRESH_F32)
@@ -68,76 +100,67 @@ def _widen(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1)
 
 
-def _to_total_key64(k: torch.Tensor, w: _Width) -> torch.Tensor:
-    """Float64 total-order keys of values given as total-order keys of width ``w`` (sentinels kept as sentinels)."""
-    if w is _F64:
-        return k
-    bits = torch.where(k < 0, k ^ w.magmask, k)
-    b64 = bits.view(torch.float32).to(torch.float64).view(torch.int64)
-    k64 = torch.where(b64 < 0, b64 ^ _F64.magmask, b64)
-    k64 = torch.where(k == w.imax, _I64_MAX, k64)
-    return torch.where(k == w.imin, _I64_MIN, k64)
+def _raw_codes(bits: torch.Tensor, w: _Width) -> torch.Tensor:
+    """Raw code of every element (see :class:`_Width`), computed with integer adds and shifts only."""
+    top = w.nbits - 1
+    frac = bits & w.fracmask
+    exp = (bits & w.magmask) >> w.mbits
+    raw = exp << 2
+    raw += 1
+    for t in w.thresh:  # (t - frac) >> top is -1 exactly when frac > t
+        raw -= (t - frac) >> top
+    raw += (frac - 1) >> top  # -1 when the fraction is zero
+    raw -= ((w.e - 2 - exp) >> top) * w.shift  # exponent all ones: inf or NaN
+    raw += (bits >> top) & w.side  # sign
+    return raw
 
 
 def reduce_into(x: torch.Tensor, row: torch.Tensor, *, use_bincount: bool | None = None) -> None:
-    """Accumulate the counts, total-order min/max and float64 sums of ``x`` into the int64 ledger ``row``.
+    """Accumulate the counts, finite min/max and float64 sums of ``x`` into the int64 ledger ``row``.
 
     ``row`` must be a contiguous int64 tensor of length ``ROW`` on ``x``'s device. Empty tensors are a no-op.
     ``use_bincount`` picks ``torch.bincount`` (CPU default; on CUDA it would synchronise) or ``index_add_``.
+    Non-finite values are counted and excluded from min, max and the sums; the sign of a zero min/max is
+    resolved from the -0.0/+0.0 counts at decode time.
     """
     x = _widen(x)
     if x.numel() == 0:
         return
     w = _F32 if x.dtype == torch.float32 else _F64
-    bits = x.view(w.itype)
-    mag = bits & w.magmask
-    exp = mag >> w.mbits
-    frac = mag & w.fracmask
-    neg = bits < 0
-    t0, t1, t2 = w.thresh
-    q = (frac > t0).to(w.itype) + (frac > t1) + (frac > t2) - (frac == 0).to(w.itype)
-    key = torch.clamp((exp << 2) + q - w.offset, grid.KEY_UNDER, grid.KEY_OVER) + neg * _SIDE
-    special = exp == w.emax
-    key = torch.where(mag == 0, grid.KEY_ZERO, key)
-    key = torch.where(
-        special, torch.where(frac != 0, grid.KEY_NAN, torch.where(neg, grid.KEY_NINF, grid.KEY_PINF)), key
-    )
-    counts = row[:NK]
+    raw = _raw_codes(x.view(w.itype), w)
+    fold = w.fold_on(x.device)
     if use_bincount is None:
         use_bincount = x.device.type == "cpu"
     if use_bincount:
-        counts.add_(torch.bincount(key, minlength=NK))
+        row[:NCOUNT].index_add_(0, fold, torch.bincount(raw, minlength=2 * w.side))
     else:
-        counts.index_add_(0, key.to(torch.int64), torch.ones_like(key, dtype=torch.int64))
-    finite = ~special
-    tkey = torch.where(neg, bits ^ w.magmask, bits)
-    kmin = torch.where(finite, tkey, w.imax).min()
-    kmax = torch.where(finite, tkey, w.imin).max()
-    k64 = _to_total_key64(torch.stack([kmin, kmax]), w)
-    row[COL_MIN : COL_MIN + 1].clamp_(max=k64[0:1])
-    row[COL_MAX : COL_MAX + 1].clamp_(min=k64[1:2])
-    xd = torch.where(finite, x, 0.0).to(torch.float64)
-    row[COL_SUM : COL_SUMSQ + 1].view(torch.float64).add_(torch.stack([xd.sum(), torch.dot(xd, xd)]))
-
-
-def _key_to_float(k: int) -> float:
-    """The float64 whose total-order key is ``k``."""
-    b = k ^ _F64.magmask if k < 0 else k
-    return float(np.array([b], dtype=np.int64).view(np.float64)[0])
+        keys = fold[raw.long()]
+        row[:NCOUNT].index_add_(0, keys, torch.ones_like(keys))
+    inf = math.inf
+    f = row[COL_MIN : COL_SUMSQ + 1].view(torch.float64)
+    f[0:1].clamp_(max=x.nan_to_num(nan=inf, posinf=inf, neginf=inf).min().to(torch.float64))
+    f[1:2].clamp_(min=x.nan_to_num(nan=-inf, posinf=-inf, neginf=-inf).max().to(torch.float64))
+    z = x.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).to(torch.float64)
+    f[2:4].add_(torch.stack([z.sum(), torch.dot(z, z)]))
 
 
 def decode_row(row: np.ndarray, count: int, *, sketch: bool) -> Summary:
     """The :class:`Summary` of a transferred ledger row whose reductions covered ``count`` elements in all."""
-    counts = row[:NK]
+    counts = row[:NK].copy()
+    negzero = int(row[COL_NEGZERO])
+    if row[COL_SPARE] != 0:
+        raise RuntimeError("ledger row has counts in its impossible slot")
+    poszero = int(counts[grid.KEY_ZERO])
+    counts[grid.KEY_ZERO] += negzero
     total = int(counts.sum())
     if total != count:
         raise RuntimeError(f"ledger row counts {total} values but {count} were reduced into it")
     nan, pinf, ninf, zero = (int(counts[k]) for k in (grid.KEY_NAN, grid.KEY_PINF, grid.KEY_NINF, grid.KEY_ZERO))
     s = Summary(count=count, nan=nan, pinf=pinf, ninf=ninf, zero=zero, sum_method=SumMethod.F64)
     if count - nan - pinf - ninf > 0:
-        s.min = _key_to_float(int(row[COL_MIN]))
-        s.max = _key_to_float(int(row[COL_MAX]))
-        sm, sq = (float(v) for v in row[COL_SUM : COL_SUMSQ + 1].view(np.float64))
+        mn, mx, sm, sq = (float(v) for v in row[COL_MIN : COL_SUMSQ + 1].view(np.float64))
+        s.min = (-0.0 if negzero else 0.0) if mn == 0 else mn  # -0.0 < +0.0 (IEEE totalOrder)
+        s.max = (0.0 if poszero else -0.0) if mx == 0 else mx
         if math.isfinite(sm) and math.isfinite(sq):
             s.sum, s.sumsq = Dyadic.from_float(sm), Dyadic.from_float(sq)
         else:  # float64 accumulation overflowed: no bound can be stated
@@ -197,8 +220,7 @@ class Ledger:
         off = self.rows.get(key)
         if off is None:
             init = np.zeros(ROW, dtype=np.int64)
-            init[COL_MIN] = _I64_MAX
-            init[COL_MAX] = _I64_MIN
+            init[COL_MIN : COL_MAX + 1] = np.array([math.inf, -math.inf]).view(np.int64)
             off = self.rows[key] = self._grow(init)
         return self.buf[off : off + ROW]
 
