@@ -39,13 +39,22 @@ def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the process exit status."""
     ap = argparse.ArgumentParser(prog="trainhist demo", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join("demo_out", "demo.thist"), help="history file to write")
-    ap.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
+    ap.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
     ap.add_argument("--micro-batches", type=int, default=2, help="gradient-accumulation micro-batches per step")
     ap.add_argument("--batch", type=int, default=8, help="sequences per micro-batch")
     ap.add_argument("--inject-nan", type=int, metavar="STEP", help=f"make {FAULT_SITE} emit a NaN at STEP")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: worker threads cost more than they give (and suffer on busy CPUs)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> int:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(args.seed)
