@@ -192,7 +192,7 @@ def _sum_exact(f: np.ndarray, x: np.ndarray, starts: np.ndarray, sizes: np.ndarr
     idx = np.repeat(st, sz) + (np.arange(member_group.size) - np.repeat(np.cumsum(sz) - sz, sz))
     fv = f[idx]
     plain = np.array([v is None for v in x[idx].tolist()], bool) & np.isfinite(fv)
-    mant, ex = np.frexp(fv)
+    mant, ex = np.frexp(np.where(plain, fv, 0.0))
     m = (mant * 2.0**53).astype(np.int64)  # exact: |mant| < 1 has at most 53 significant bits
     e = ex.astype(np.int64) - 53
     nzm = m != 0

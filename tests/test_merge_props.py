@@ -1,0 +1,542 @@
+"""Merge and coarsen (spec section 11): algebraic properties byte for byte, semantics, and every refusal.
+
+Property tests draw random sets of shards written through ``HistoryWriter``: subnormals, -0.0, NaN payloads,
+infinities, values on exact bin edges and at the window edges, empty tensors, absent/failed/skipped/unknown rows,
+duplicate rows, several segments, negative steps, micro-batches and phases, a replica site, step truth, and
+precomputed Summaries with counts near 2**60 and exact sums that are not floats. Example counts are set per test
+(``EXAMPLES``); the whole file runs in well under two minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import uuid
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import trainhist
+from trainhist.dump import canonical
+from trainhist.dyadic import Dyadic
+from trainhist.errors import MergeError
+from trainhist.summary import Sketch, Summary, summarize
+
+merge_mod = importlib.import_module("trainhist.merge")  # the module (trainhist.merge is also the function)
+
+EXAMPLES = {"algebra": 40, "coarsen": 40, "roundtrip": 30, "partition": 30, "semantics": 50}
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+if os.environ.get("TRAINHIST_NO_SHRINK"):
+    from hypothesis import Phase
+
+    SETTINGS["phases"] = [Phase.explicit, Phase.reuse, Phase.generate]
+
+
+def _nan(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<Q", bits))[0]
+
+
+SPECIAL = [
+    0.0, -0.0, 5e-324, -5e-324, 2.2250738585072014e-308, -2.2250738585072014e-308, 2.0**-48, -(2.0**-48),
+    2.0**-48 * (1 + 2**-52), 2.0**16, -(2.0**16), 2.0**16 * (1 + 2**-52), 1.0, -1.0, 0.5, 2.0**0.25, 2.0**0.5,
+    2.0**0.75, math.inf, -math.inf, math.nan, _nan(0x7FF0000000000001), _nan(0xFFF8000000000123), 1e300, -1e300,
+    3.0, 0.1, -7.25, 1e-20,
+]
+value = st.one_of(st.sampled_from(SPECIAL), st.floats(allow_nan=True, allow_infinity=True, width=64),
+                  st.floats(min_value=-100, max_value=100, width=32))
+values = st.lists(value, min_size=0, max_size=12)
+
+PRESENCES = ["absent", "failed", "skipped", "unknown", "not_scheduled"]
+event = st.tuples(
+    st.sampled_from(["obs", "obs", "obs", "big", "mark", "segment"]),
+    st.integers(0, 1),  # site
+    st.integers(-3, 12),  # step
+    st.sampled_from(["default", "pre_clip"]),
+    st.sampled_from([None, None, 0, 1]),  # micro
+    values,
+    st.sampled_from(PRESENCES),
+    st.integers(0, 2**20),  # seed for big summaries
+    st.sampled_from(["f32", "f64"]),
+)
+shard = st.lists(event, min_size=0, max_size=10)
+truth = st.lists(st.tuples(st.integers(-3, 12), st.sampled_from([None, True, False]), st.integers(0, 3),
+                           st.sampled_from([None, 1024.0, 2048.0])), max_size=6)
+shards = st.lists(st.tuples(shard, truth), min_size=1, max_size=4)
+replica_steps = st.lists(st.tuples(st.integers(-3, 12), values), max_size=4, unique_by=lambda t: t[0])
+
+
+def big_summary(seed: int) -> Summary:
+    r = np.random.default_rng(seed)
+    count = int(r.integers(2**59, 2**60))
+    nan, pinf, ninf = (int(x) for x in r.integers(0, 2**56, 3))
+    finite = count - nan - pinf - ninf
+    zero = int(r.integers(0, 2**50))
+    sk = Sketch.empty()
+    rest = finite - zero
+    k = int(r.integers(0, 256))
+    sk.pos[k] = rest // 2
+    sk.neg[(k * 7) % 256] = rest - rest // 2 - 3
+    sk.under_pos, sk.over_neg, sk.over_pos = 1, 1, 1
+    m = (int(r.integers(1, 2**62)) << 8 | int(r.integers(0, 256))) | 1
+    return Summary(count=count, nan=nan, pinf=pinf, ninf=ninf, zero=zero, min=-float(r.integers(1, 9)) * 2.0**-30,
+                   max=float(r.integers(1, 9)) * 2.0**10, sum=Dyadic.make(m if seed % 2 else -m, -int(seed % 90)),
+                   sumsq=Dyadic.make(m * m, -2 * int(seed % 90)), sum_method=[0, 1, 2, 255][seed % 4], sketch=sk)
+
+
+def write_shards(d: str, spec: list, rep: list, run_id: str) -> list[str]:
+    paths = []
+    for rank, (events, steps) in enumerate(spec):
+        p = os.path.join(d, f"shard{rank}.th")
+        with trainhist.HistoryWriter(p, run_id=run_id, rank=rank, world_size=len(spec), fsync="never",
+                                     host="h", commit_every=4) as w:
+            sites = [w.site("enc.0", "activation"), w.site("enc.0.weight", "param_grad", dtype="float32")]
+            emb = w.site("emb", "param", sharing="replica")
+            for kind, si, step, phase, micro, vals, pres, seed, width in events:
+                if kind == "segment":
+                    w.new_segment(step, reason="manual")
+                elif kind == "obs":
+                    arr = np.array(vals, np.float64 if width == "f64" else np.float32)
+                    w.observe(sites[si], step, arr, phase=phase, micro=micro, sketch=seed % 3 != 0)
+                elif kind == "big":
+                    w.observe(sites[si], step, summary=big_summary(seed), phase=phase, micro=micro)
+                else:
+                    w.mark(sites[si], step, pres, phase=phase, micro=micro)
+            for step, vals in rep:
+                w.observe(emb, step, np.array(vals, np.float32))
+            for step, applied, mb, ls in steps:
+                w.step_truth(step, applied=applied, micro_batches=mb or None, loss_scale=ls,
+                             tokens=100 * (rank + 1) + step + 3, samples=None if mb == 3 else rank + 1)
+        paths.append(p)
+    return paths
+
+
+def read(p: str) -> bytes:
+    with open(p, "rb") as f:
+        return f.read()
+
+
+class Dir:
+    """A scratch directory with numbered output names."""
+
+    def __init__(self) -> None:
+        self.t = tempfile.TemporaryDirectory()
+        self.n = 0
+
+    def __enter__(self) -> "Dir":
+        return self
+
+    def __exit__(self, *a: object) -> None:
+        self.t.cleanup()
+
+    @property
+    def path(self) -> str:
+        return self.t.name
+
+    def out(self) -> str:
+        self.n += 1
+        return os.path.join(self.t.name, f"out{self.n}.th")
+
+    def merge(self, inputs: list[str], **kw) -> str:
+        o = self.out()
+        trainhist.merge(inputs, o, **kw)
+        return o
+
+    def coarsen(self, p: str, **kw) -> str:
+        o = self.out()
+        trainhist.coarsen(p, o, **kw)
+        return o
+
+
+# -- properties ----------------------------------------------------------------------------------------------
+@settings(max_examples=EXAMPLES["algebra"], **SETTINGS)
+@given(spec=shards, rep=replica_steps, perm_seed=st.integers(0, 1000))
+def test_merge_commutative_associative_identity(spec, rep, perm_seed):
+    with Dir() as d:
+        paths = write_shards(d.path, spec, rep, uuid.uuid4().hex)
+        flat = read(d.merge(paths))
+        perm = list(np.random.default_rng(perm_seed).permutation(len(paths)))
+        assert read(d.merge([paths[i] for i in perm])) == flat
+        if len(paths) >= 2:
+            left = d.merge([d.merge(paths[:2])] + paths[2:])
+            right = d.merge(paths[:1] + [d.merge(paths[1:])])
+            assert read(left) == flat
+            assert read(right) == flat
+        empty = d.merge([])
+        assert read(empty)[:8] == b"\x89THIST\r\n" and len(read(empty)) == 32
+        assert read(d.merge(paths + [empty])) == flat
+        assert read(d.merge([empty] + paths)) == flat
+
+
+@settings(max_examples=EXAMPLES["partition"], **SETTINGS)
+@given(spec=st.lists(st.tuples(shard, truth), min_size=2, max_size=6), rep=replica_steps, tree_seed=st.integers(0, 10**6))
+def test_any_partition_tree_gives_identical_bytes(spec, rep, tree_seed):
+    rng = np.random.default_rng(tree_seed)
+    with Dir() as d:
+        paths = write_shards(d.path, spec, rep, uuid.uuid4().hex)
+        flat = read(d.merge(paths))
+
+        def build(items: list[str]) -> str:
+            if len(items) == 1:
+                return items[0] if rng.random() < 0.5 else d.merge(items)
+            k = int(rng.integers(2, len(items) + 1))  # split into k non-empty groups
+            cuts = sorted(rng.choice(np.arange(1, len(items)), size=k - 1, replace=False).tolist())
+            groups = [items[a:b] for a, b in zip([0] + cuts, cuts + [len(items)])]
+            return d.merge([build(g) for g in groups])
+
+        shuffled = [paths[i] for i in rng.permutation(len(paths))]
+        assert read(build(shuffled)) == flat
+
+
+@settings(max_examples=EXAMPLES["coarsen"], **SETTINGS)
+@given(spec=shards, rep=replica_steps, a=st.sampled_from([1, 2, 3]), b=st.sampled_from([1, 2, 3]),
+       bpo=st.sampled_from([4, 2, 1]))
+def test_coarsen_commutes_with_merge_and_composes(spec, rep, a, b, bpo):
+    with Dir() as d:
+        paths = write_shards(d.path, spec, rep, uuid.uuid4().hex)
+        m = d.merge(paths)
+        n = a * b
+        lhs = read(d.coarsen(m, steps=n, bins_per_octave=bpo))
+        rhs = read(d.merge([d.coarsen(p, steps=n, bins_per_octave=bpo) for p in paths]))
+        assert lhs == rhs
+        # composition: by a, then by a*b (absolute window widths) == by a*b; 4 -> 2 -> 1 bins == 4 -> 1
+        two = d.coarsen(d.coarsen(m, steps=a, bins_per_octave=max(bpo, 2)), steps=n, bins_per_octave=bpo)
+        assert read(two) == lhs
+        assert read(d.coarsen(m, steps=1, bins_per_octave=4)) == read(m)  # the identity coarsening
+        # totals survive coarsening
+        cm = trainhist.open(d.coarsen(m, steps=n, bins_per_octave=bpo))
+        mm = trainhist.open(m)
+        for site in mm.sites:
+            for phase in ("default", "pre_clip"):
+                s0 = mm.spine(site.path, site.stream, site.facet, phase=phase)
+                s1 = cm.spine(site.path, site.stream, site.facet, phase=phase)
+                assert int(s0.count[s0.observed].sum()) >= int(s1.count[s1.observed].sum())
+                assert (s1.span == n).all() and (s1.step % n == 0).all()
+        cm.close()
+        mm.close()
+
+
+@settings(max_examples=EXAMPLES["roundtrip"], **SETTINGS)
+@given(spec=shards, rep=replica_steps)
+def test_write_read_write_is_byte_identical(spec, rep):
+    with Dir() as d:
+        paths = write_shards(d.path, spec, rep, uuid.uuid4().hex)
+        for p in paths[:2]:
+            c1 = d.merge([p])
+            assert read(trainhist.canonicalize(c1, d.out()).output) == read(c1)
+            h0, h1 = trainhist.open(p), trainhist.open(c1)
+            assert h1.verify()["status"] == "clean"
+            # canonicalising keeps the observations: same sites, same observed totals per site
+            for site in h0.sites:
+                for phase in ("default", "pre_clip"):
+                    a = h0.spine(site.path, site.stream, site.facet, phase=phase)
+                    b = h1.spine(site.path, site.stream, site.facet, phase=phase)
+                    if site.sharing == "shard":
+                        assert int(a.count[a.observed].sum()) == int(b.count[b.observed].sum()) or \
+                            (b.presence != 1).any()
+            h0.close()
+            h1.close()
+        m = d.merge(paths)
+        assert read(d.merge([m])) == read(m)
+
+
+@settings(max_examples=EXAMPLES["semantics"], **SETTINGS)
+@given(parts=st.lists(st.lists(values, min_size=1, max_size=3), min_size=1, max_size=4),
+       width=st.sampled_from([np.float32, np.float64]))
+def test_merged_row_equals_summary_of_concatenation(parts, width):
+    """Merging shards of one tensor gives exactly the spine and sketch of the whole tensor."""
+    run = uuid.uuid4().hex
+    with Dir() as d:
+        paths = []
+        for r, steps in enumerate(parts):
+            p = os.path.join(d.path, f"s{r}.th")
+            with trainhist.HistoryWriter(p, run_id=run, rank=r, world_size=len(parts), fsync="never") as w:
+                s = w.site("x", "activation")
+                for step, vals in enumerate(steps):
+                    w.observe(s, step, np.array(vals, width))
+            paths.append(p)
+        h = trainhist.open(d.merge(paths))
+        sp = h.spine("x")
+        sk = h.sketch("x")
+        for i, step in enumerate(sp.step.tolist()):
+            allv = np.concatenate([np.array(steps[step], width) for steps in parts if step < len(steps)])
+            want = summarize(allv)
+            got = sp.summary(i, sk.sketch(int(sp.sk_row[i])) if sp.sk_row[i] >= 0 else None)
+            assert (got.count, got.nan, got.pinf, got.ninf, got.zero) == (want.count, want.nan, want.pinf, want.ninf,
+                                                                           want.zero)
+            assert struct.pack("<d", got.min) == struct.pack("<d", want.min if not math.isnan(want.min) else
+                                                             struct.unpack("<d", struct.pack("<Q", 0x7FF8 << 48))[0])
+            assert struct.pack("<d", got.max) == struct.pack("<d", want.max if not math.isnan(want.max) else
+                                                             struct.unpack("<d", struct.pack("<Q", 0x7FF8 << 48))[0])
+            assert got.sum == want.sum and got.sumsq == want.sumsq
+            assert got.sketch == want.sketch
+        h.close()
+
+
+# -- semantics and refusals -----------------------------------------------------------------------------------
+def _two(d: Dir, fn0, fn1, run: str | None = None) -> list[str]:
+    run = run or uuid.uuid4().hex
+    out = []
+    for r, fn in enumerate((fn0, fn1)):
+        d.n += 1
+        p = os.path.join(d.path, f"r{r}_{d.n}.th")
+        with trainhist.HistoryWriter(p, run_id=run, rank=r, world_size=2, fsync="never") as w:
+            fn(w)
+        out.append(p)
+    return out
+
+
+def test_presence_table_and_tallies():
+    with Dir() as d:
+        def f0(w):
+            s = w.site("a", "activation")
+            w.observe(s, 0, np.ones(3))
+            w.observe(s, 1, np.ones(3))
+            w.mark(s, 2, "absent")
+            w.observe(s, 3, np.ones(3))
+            w.mark(s, 4, "not_scheduled")
+
+        def f1(w):
+            s = w.site("a", "activation")
+            w.mark(s, 0, "absent")
+            w.mark(s, 1, "failed")
+            w.mark(s, 2, "not_scheduled")
+            w.mark(s, 3, "unknown")
+            w.mark(s, 4, "skipped")
+
+        m = d.merge(_two(d, f0, f1))
+        h = trainhist.open(m)
+        s = h.spine("a")
+        assert s.presence_names == ["observed", "failed", "absent", "unknown", "skipped"]
+        assert s.count.tolist() == [3, 0, 0, 0, 0]  # only observed rows carry numbers (spec 2.6)
+        from trainhist.canonical import decode_obs
+        e = h._obs[0][0]
+        r = decode_obs(h._view[e.offset + 32:e.offset + 32 + e.length], path=m, offset=e.offset, site=0, segment=0,
+                       rows=e.rows, step_min=e.step_min, step_max=e.step_max, src=0)
+        # tally columns: unknown, observed, absent, not_scheduled, failed, skipped
+        assert r.tally.tolist() == [[0, 1, 1, 0, 0, 0], [0, 1, 0, 0, 1, 0], [0, 0, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0],
+                                    [0, 0, 0, 1, 0, 1]]
+        h.close()
+
+
+def test_overlapping_writers_refused_naming_files_and_writer():
+    with Dir() as d:
+        a, b = _two(d, lambda w: w.observe(w.site("a", "activation"), 0, np.ones(2)),
+                    lambda w: w.observe(w.site("a", "activation"), 0, np.ones(2)))
+        m = d.merge([a, b])
+        wid = trainhist.open(a).writers[0]["writer_id"]
+        for inputs in ([a, a], [m, a], [a, m]):
+            with pytest.raises(MergeError) as ei:
+                d.merge(inputs)
+            assert ei.value.code == "overlapping_writers"
+            msg = str(ei.value)
+            assert wid in msg and inputs[0] in msg and inputs[1] in msg
+        assert not [f for f in os.listdir(d.path) if f.endswith(".tmp")]
+
+
+def test_incompatible_grid_refused_until_coarsened():
+    with Dir() as d:
+        a, b = _two(d, lambda w: w.observe(w.site("a", "activation"), 0, np.arange(5.0)),
+                    lambda w: w.observe(w.site("a", "activation"), 0, np.arange(7.0)))
+        a2 = d.coarsen(a, bins_per_octave=2)
+        with pytest.raises(MergeError) as ei:
+            d.merge([a2, b])
+        assert ei.value.code == "incompatible_grid"
+        assert a2 in str(ei.value) and b in str(ei.value) and "a [activation]" in str(ei.value)
+        ok = d.merge([a2, d.coarsen(b, bins_per_octave=2)])
+        assert read(ok) == read(d.coarsen(d.merge([a, b]), bins_per_octave=2))
+        sk = trainhist.open(ok).sketch("a")
+        assert sk.scale == 1 and int(sk.pos.sum()) == 4 + 6
+
+
+def test_replica_divergence_error_and_report():
+    with Dir() as d:
+        def f(v):
+            def fn(w):
+                s = w.site("emb", "param", sharing="replica")
+                for step in range(5):
+                    w.observe(s, step, np.full(4, v if step == 3 else 1.0, np.float32))
+            return fn
+
+        a, b = _two(d, f(1.0), f(2.0))
+        with pytest.raises(MergeError) as ei:
+            d.merge([a, b])
+        e = ei.value
+        assert e.code == "replica_divergence"
+        assert "emb [param]" in str(e) and "step 3" in str(e) and a in str(e) and b in str(e)
+        o1, o2 = d.out(), d.out()
+        rep = trainhist.merge([a, b], o1, replica_divergence="report")
+        trainhist.merge([b, a], o2, replica_divergence="report")
+        assert read(o1) == read(o2)
+        assert len(rep.divergences) == 1 and rep.divergences[0]["step"] == 3
+        assert set(rep.divergences[0]["files"]) == {a, b}
+        s = trainhist.open(o1).spine("emb", "param")
+        assert s.count.tolist() == [4] * 5  # kept once, not added
+        # identical replicas are kept once
+        c, e2 = _two(d, f(1.0), f(1.0))
+        assert trainhist.open(d.merge([c, e2])).spine("emb", "param").count.tolist() == [4] * 5
+
+
+def test_count_overflow_refused_and_boundary_exact():
+    with Dir() as d:
+        def big(c):
+            def fn(w):
+                w.observe(w.site("a", "activation"), 0,
+                          summary=Summary(count=c, zero=c, min=0.0, max=0.0, sketch=None))
+            return fn
+
+        a, b = _two(d, big(2**63), big(2**63))
+        with pytest.raises(MergeError) as ei:
+            d.merge([a, b])
+        assert ei.value.code == "count_overflow" and a in str(ei.value) and b in str(ei.value)
+        a, b = _two(d, big(2**63), big(2**63 - 1))
+        s = trainhist.open(d.merge([a, b])).spine("a")
+        assert s.count.tolist() == [2**64 - 1] and s.zero.tolist() == [2**64 - 1]
+
+        def bins(w):
+            sk = Sketch.empty()
+            sk.pos[10] = 2**63
+            sk.pos[11] = 2**63
+            w.observe(w.site("a", "activation"), 0, summary=Summary(count=2**64 - 1, min=1.0, max=2.0, sketch=sk))
+
+        a, b = _two(d, bins, lambda w: w.site("a", "activation"))
+        with pytest.raises(MergeError) as ei:  # halving the resolution adds bins 10 and 11
+            d.coarsen(a, bins_per_octave=2)
+        assert ei.value.code == "count_overflow" and a in str(ei.value)
+
+
+def test_incompatible_sites_and_spans():
+    with Dir() as d:
+        a, b = _two(d, lambda w: w.site("p", "param", sharing="replica"), lambda w: w.site("p", "param"))
+        with pytest.raises(MergeError) as ei:
+            d.merge([a, b])
+        assert ei.value.code == "incompatible_sites" and b in str(ei.value)
+        c, _ = _two(d, lambda w: [w.observe(w.site("x", "activation"), s, np.ones(1)) for s in range(6)],
+                    lambda w: None)
+        c2 = d.coarsen(c, steps=2)
+        with pytest.raises(MergeError) as ei:
+            d.coarsen(c2, steps=3)
+        assert ei.value.code == "incompatible_span"
+        assert read(d.coarsen(c2, steps=6)) == read(d.coarsen(c, steps=6))
+
+
+def test_segments_runs_and_step_truth():
+    with Dir() as d:
+        run = uuid.uuid4().hex
+
+        def fn(rank):
+            def f(w):
+                s = w.site("x", "activation")
+                for step in range(4):
+                    w.observe(s, step, np.ones(2))
+                    w.step_truth(step, applied=step != 2 or rank == 0, tokens=10 + rank, samples=None if rank else 1,
+                                 loss_scale=8.0, micro_batches=2)
+                w.new_segment(2, reason="resume")
+                w.observe(s, 2, np.ones(2))
+            return f
+
+        a, b = _two(d, fn(0), fn(1), run)
+        h = trainhist.open(d.merge([a, b]))
+        assert [(g.id, g.first_step, g.reason, g.previous) for g in h.segments] == [(0, 0, "start", None),
+                                                                                    (1, 2, "resume", 0)]
+        origin = h.segments[0].manifest["origin"]
+        assert origin["runs"] == [run] and len(origin["writers"]) == 2 and origin["segment"] == 0
+        s = h.spine("x")
+        assert s.segment.tolist() == [0, 0, 0, 0, 1] and s.count.tolist() == [4] * 5
+        t = h.step_truth_rows()
+        assert [r["tokens"] for r in t] == [21] * 4
+        assert [r["applied"] for r in t] == ["applied", "applied", "unknown", "applied"]
+        assert all(r["samples"] is None and r["loss_scale"] == 8.0 and r["micro_batches"] == 2 for r in t)
+        assert len(h.writers) == 2 and len(h.runs) == 1  # identical run manifests? each rank wrote its own
+        # different runs stay apart unless asked
+        c, e = _two(d, fn(0), fn(1))  # a fresh run id
+        h2 = trainhist.open(d.merge([a, c]))
+        assert len(h2.segments) == 4 and len(h2.runs) == 2
+        h3 = trainhist.open(d.merge([a, c], across_runs=True))
+        assert len(h3.segments) == 2 and h3.spine("x").count.tolist() == [4] * 5
+        assert sorted(h3.segments[0].manifest["origin"]["runs"]) == sorted({run, h2.runs[1]["run_id"],
+                                                                             h2.runs[0]["run_id"]})
+        # coarsened step truth: tokens add over the window, span 2
+        h4 = trainhist.open(d.coarsen(d.merge([a, b]), steps=2))
+        assert [(r["step"], r["tokens"], r["applied"]) for r in h4.step_truth_rows()] == [(0, 42, "applied"),
+                                                                                          (2, 42, "unknown")]
+        assert h4.steps["step"].tolist() == [0, 2]
+
+
+def test_many_shards_with_small_descriptor_pool(monkeypatch):
+    monkeypatch.setattr(merge_mod, "FD_POOL", 3)
+    monkeypatch.setattr(merge_mod, "BATCH_ROWS", 5)
+    run = uuid.uuid4().hex
+    with Dir() as d:
+        paths = []
+        for r in range(40):
+            p = os.path.join(d.path, f"s{r}.th")
+            with trainhist.HistoryWriter(p, run_id=run, rank=r, world_size=40, fsync="never", commit_every=3) as w:
+                s = w.site("x", "activation")
+                for step in range(10):
+                    w.observe(s, step, np.full(3, float(r)))
+            paths.append(p)
+        fds_before = len(os.listdir("/proc/self/fd"))
+        m = d.merge(paths)
+        assert len(os.listdir("/proc/self/fd")) == fds_before
+        s = trainhist.open(m).spine("x")
+        assert s.count.tolist() == [120] * 10 and s.max.tolist() == [39.0] * 10
+        monkeypatch.setattr(merge_mod, "BATCH_ROWS", 10**6)
+        assert read(d.merge(paths)) == read(m)  # batching does not change the bytes
+
+
+def test_sketch_partial_coverage_under_coarsening():
+    with Dir() as d:
+        a, _ = _two(d, lambda w: [w.observe(w.site("x", "activation"), s, np.ones(4), sketch=s % 2 == 0)
+                                  for s in range(4)], lambda w: None)
+        h = trainhist.open(d.coarsen(a, steps=2))
+        s, sk = h.spine("x"), h.sketch("x")
+        assert s.count.tolist() == [8, 8] and sk.pos.sum(axis=1).tolist() == [4, 4]  # sketch covers half the rows
+
+
+def test_raw_codec_and_torn_input_reported():
+    with Dir() as d:
+        a, b = _two(d, lambda w: w.observe(w.site("x", "activation"), 0, np.ones(3)),
+                    lambda w: w.observe(w.site("x", "activation"), 0, np.ones(3)))
+        with open(b, "ab") as f:
+            f.write(b"\x01" * 7)  # a torn tail
+        o = d.out()
+        rep = trainhist.merge([a, b], o, codec="raw")
+        assert [i["status"] for i in rep.inputs] == ["clean", "torn"]
+        assert trainhist.open(o).spine("x").count.tolist() == [6]
+
+
+def test_cli_merge_and_coarsen():
+    with Dir() as d:
+        a, b = _two(d, lambda w: [w.observe(w.site("x", "activation"), s, np.ones(3)) for s in range(4)],
+                    lambda w: [w.observe(w.site("x", "activation"), s, np.ones(3)) for s in range(4)])
+        exe = [sys.executable, "-m", "trainhist.cli"]
+        o, c = d.out(), d.out()
+        r = subprocess.run(exe + ["merge", "-o", o, a, b], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        r = subprocess.run(exe + ["coarsen", o, "-o", c, "--steps", "2", "--bins-per-octave", "1"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert read(c) == read(d.coarsen(d.merge([a, b]), steps=2, bins_per_octave=1))
+        r = subprocess.run(exe + ["merge", "-o", d.out(), a, a], capture_output=True, text=True)
+        assert r.returncode == 1 and "overlapping_writers" in r.stderr
+
+
+def test_dump_of_merge_is_sum_of_inputs():
+    """The canonical dump of a merged file agrees with the rows of its inputs (spec 10 and 11)."""
+    with Dir() as d:
+        a, b = _two(d, lambda w: w.observe(w.site("x", "activation"), 0, np.array([-0.0, 1.0, np.nan])),
+                    lambda w: w.observe(w.site("x", "activation"), 0, np.array([0.0, -2.0, np.inf])))
+        h = trainhist.open(d.merge([a, b]))
+        row = canonical(h)["sites"][0]["rows"][0]
+        assert row["count"] == "u:6" and row["nan"] == "u:1" and row["pinf"] == "u:1" and row["zero"] == "u:2"
+        assert row["min"] == "f:c000000000000000" and row["max"] == "f:3ff0000000000000"
+        assert row["sum"] == "d:-1p0" and row["sumsq"] == "d:5p0" and row["method"] == "exact"
