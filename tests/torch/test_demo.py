@@ -10,9 +10,10 @@ from trainhist.torch import demo
 
 def test_demo_with_injected_nan(tmp_path, capsys):
     out = tmp_path / "demo.thist"
-    assert demo.main(["--out", str(out), "--steps", "5", "--batch", "2", "--inject-nan", "3"]) == 0
+    assert demo.main(["--out", str(out), "--steps", "5", "--batch", "2", "--inject-nan", "3", "--no-figures"]) == 0
     text = capsys.readouterr().out
     assert f"first non-finite value: step 3, {demo.FAULT_SITE} (activation)" in text
+    assert "triage of" in text
     h = trainhist.open(out)
     sp = h.spine(demo.FAULT_SITE, "activation")
     assert list(sp.step) == [0, 1, 2, 3, 4]

@@ -246,7 +246,10 @@ class Collector:
     def _build_plan(self) -> Plan:
         plan = Plan()
         ev, sk = self.every, self.sketch_every
-        for path in self._modules:
+        # activation sites in the order the forward produced them (post-order: a module's output is complete
+        # before its parent's), so site ids follow data flow; modules not seen by discover() follow
+        order = [*(self._facets or {}), *(p for p in self._modules if p not in (self._facets or {}))]
+        for path in order:
             if path not in self._sel_modules:
                 continue
             # after discover(), a module that did not run (a container) has no facets until it does

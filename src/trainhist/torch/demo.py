@@ -8,7 +8,6 @@ runs offline in well under a minute. ``--inject-nan STEP`` makes one MLP emit a 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="sequences per micro-batch")
     ap.add_argument("--inject-nan", type=int, metavar="STEP", help=f"make {FAULT_SITE} emit a NaN at STEP")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-figures", action="store_true", help="skip the contact sheet (needs matplotlib)")
     args = ap.parse_args(argv)
 
     threads = torch.get_num_threads()
@@ -117,14 +117,29 @@ def _run(args: argparse.Namespace) -> int:
         print(f"first non-finite value: step {s}, {path} ({stream}{', ' + facet if facet else ''})")
     else:
         print("no non-finite values recorded")
-    for name in ("triage", "figures"):  # optional follow-ups, when this installation has them
-        try:
-            mod = importlib.import_module(f"trainhist.{name}")
-        except ImportError:
-            continue
-        if callable(getattr(mod, "main", None)):
-            mod.main([args.out])
+    _follow_up(args)
     return 0
+
+
+def _follow_up(args: argparse.Namespace) -> None:
+    """Triage the history and draw its contact sheet, when this installation has those modules."""
+    from .. import open as open_history
+
+    with open_history(args.out) as h:
+        try:
+            from ..triage import triage
+        except ImportError:
+            pass
+        else:
+            print(triage(h).format())
+        if args.no_figures:
+            return
+        try:
+            from ..figures import contact_sheet
+        except ImportError:
+            return
+        pages = contact_sheet(h, Path(args.out).parent / "figures")
+        print(f"figures: {len(pages)} page(s) in {Path(args.out).parent / 'figures'}")
 
 
 if __name__ == "__main__":
