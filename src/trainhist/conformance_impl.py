@@ -2,7 +2,7 @@
 
     python -m trainhist.conformance_impl read FILE
     python -m trainhist.conformance_impl write OPS.json OUT
-    python -m trainhist.conformance_impl merge OUT IN...
+    python -m trainhist.conformance_impl merge [--across-runs] OUT IN...
     python -m trainhist.conformance_impl coarsen IN OUT --steps N --bins-per-octave K
 
 Exit codes: 0 ok, 3 torn tail recovered (read), 1 invalid input (``[code]`` on stderr), 2 usage, 4 not supported,
@@ -26,7 +26,7 @@ __all__ = ["main", "run_ops", "parse_tagged"]
 
 USAGE = """usage: IMPL read FILE
        IMPL write OPS.json OUT
-       IMPL merge OUT IN...
+       IMPL merge [--across-runs] OUT IN...
        IMPL coarsen IN OUT --steps N --bins-per-octave K"""
 
 
@@ -192,14 +192,13 @@ def _write(args: list[str]) -> int:
 
 
 def _merge(args: list[str]) -> int:
-    if len(args) < 2:
-        raise _Usage("merge takes OUT IN...")
-    import trainhist
+    flags = [a for a in args if a.startswith("--")]
+    paths = [a for a in args if not a.startswith("--")]
+    if len(paths) < 2 or set(flags) - {"--across-runs"}:
+        raise _Usage("merge takes [--across-runs] OUT IN...")
+    from .merge import merge
 
-    fn = getattr(trainhist, "merge", None)
-    if fn is None:
-        return EXIT_UNSUPPORTED
-    fn(args[1:], args[0])
+    merge(paths[1:], paths[0], across_runs="--across-runs" in flags, codec="raw")
     return EXIT_OK
 
 
@@ -215,12 +214,9 @@ def _coarsen(args: list[str]) -> int:
         a = p.parse_args(args)
     except SystemExit:
         raise _Usage("coarsen takes IN OUT --steps N --bins-per-octave K") from None
-    import trainhist
+    from .coarsen import coarsen
 
-    fn = getattr(trainhist, "coarsen", None)
-    if fn is None:
-        return EXIT_UNSUPPORTED
-    fn(a.input, a.output, steps=a.steps, bins_per_octave=a.bins_per_octave)
+    coarsen(a.input, a.output, steps=a.steps, bins_per_octave=a.bins_per_octave, codec="raw")
     return EXIT_OK
 
 

@@ -1,0 +1,163 @@
+"""The conformance suite: vectors up to date, case files valid, the reference passes its own suite through the
+external-command path, and the runner fails implementations that are wrong."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from trainhist import conformance as conf
+
+ROOT = Path(__file__).resolve().parent.parent
+VECTORS = ROOT / "conformance" / "vectors"
+REFERENCE = f"{sys.executable} -m trainhist.conformance_impl"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainhist.cli", "conformance", *args], capture_output=True,
+                          text=True, cwd=ROOT)
+
+
+def test_vectors_are_up_to_date() -> None:
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "gen_vectors.py"), "--check"], capture_output=True,
+                       text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_cases_validate_and_are_small() -> None:
+    cases = conf.load_cases(VECTORS)  # validates every case.json against case.schema.json
+    by_cat = {c: [x for x in cases if x.category == c] for c in conf.CATEGORIES}
+    assert all(by_cat.values()), {k: len(v) for k, v in by_cat.items()}
+    for c in cases:
+        exp = c.doc["expect"]
+        for name in [exp.get("dump"), exp.get("output"), *c.doc["args"].get("inputs", []),
+                     c.doc["args"].get("file"), c.doc["args"].get("input"), c.doc["args"].get("ops")]:
+            assert name is None or (c.dir / name).is_file(), (c.id, name)
+        assert all(f.stat().st_size < 16 * 1024 for f in c.dir.iterdir()), c.id
+    total = sum(f.stat().st_size for f in VECTORS.rglob("*") if f.is_file())
+    assert total < 1024 * 1024
+    codes = {x.doc["expect"]["error"] for x in by_cat["invalid"]}
+    assert {"bad_magic", "bad_file_header_crc", "unsupported_feature", "bad_record_header", "salt_mismatch",
+            "bad_sequence", "bad_payload_crc", "bad_commit", "bad_manifest_json", "bad_manifest", "unknown_column",
+            "bad_column_length", "bad_padding", "bad_column_data", "too_many_rows"} <= codes
+
+
+def test_reference_passes_its_suite_strictly_as_a_subprocess() -> None:
+    p = _cli("--impl", REFERENCE, "--strict")
+    lines = p.stdout.strip().splitlines()
+    assert p.returncode == 0, "\n".join(line for line in lines if not line.startswith("PASS")) + p.stderr
+    n = len(conf.load_cases(VECTORS))
+    assert lines[-1] == f"{n} passed, 0 failed"
+
+
+BROKEN = """
+    import json, os, sys
+    cmd, args = sys.argv[1], sys.argv[2:]
+    if cmd != "read":
+        sys.exit(4)                                   # declares write/merge/coarsen unsupported
+    data = open(args[0], "rb").read()
+    if data[:8] != b"\\x89THIST\\r\\n":
+        print("error: [bad_magic] not a history", file=sys.stderr)
+        sys.exit(1)
+    print(json.dumps({"format": "trainhist-dump/1"}))  # accepts everything else, reads nothing
+"""
+
+
+def test_runner_fails_a_broken_implementation(tmp_path: Path) -> None:
+    impl = tmp_path / "broken.py"
+    impl.write_text(textwrap.dedent(BROKEN))
+    p = _cli("--impl", f"{sys.executable} {impl}")
+    assert p.returncode == 1
+    lines = p.stdout.strip().splitlines()
+    assert any(line.startswith("PASS  invalid/bad_magic ") for line in lines)
+    assert any(line.startswith("FAIL  valid/basic ") for line in lines)
+    assert any(line.startswith("FAIL  invalid/bad_commit_offset ") and "exit 0, expected 1" in line for line in lines)
+    assert any(line.startswith("SKIP  merge/two_ranks ") for line in lines)
+    summary = lines[-1]
+    cases = conf.load_cases(VECTORS)
+    optional = sum(c.category in conf.OPTIONAL for c in cases)
+    npass, nfail, nskip = (int(w) for w in summary.replace(",", "").split()[::2])
+    assert nskip == optional and nfail > 0 and npass + nfail + nskip == len(cases), summary
+
+
+DELEGATE = """
+    import os, subprocess, sys
+    cmd = sys.argv[1:]
+    if cmd[0] == "write":                             # same content, another codec: not byte-exact
+        import json, tempfile
+        doc = json.load(open(cmd[1]))
+        doc["codec"] = "shuffle"
+        fd, tmp = tempfile.mkstemp(suffix=".json")
+        os.write(fd, json.dumps(doc).encode()); os.close(fd)
+        cmd = ["write", tmp, cmd[2]]
+    p = subprocess.run([sys.executable, "-m", "trainhist.conformance_impl", *cmd], capture_output=True)
+    sys.stdout.buffer.write(p.stdout.replace(b'"format"', b' "format"'))   # JSON-equal, not byte-identical
+    sys.stderr.buffer.write(p.stderr.replace(b"[", b"(").replace(b"]", b")"))  # no error code
+    sys.exit(p.returncode)
+"""
+
+
+def test_strict_grading_checks_codes_bytes_and_text(tmp_path: Path) -> None:
+    impl = tmp_path / "sloppy.py"
+    impl.write_text(textwrap.dedent(DELEGATE))
+    cmd = [sys.executable, str(impl)]
+    cases = {c.id: c for c in conf.load_cases(VECTORS)}
+    for cid in ("invalid/bad_magic", "valid/basic", "writer/basic"):
+        assert conf.run_case(cases[cid], cmd).status == "pass", cid
+        r = conf.run_case(cases[cid], cmd, strict=True)
+        assert r.status == "fail", cid
+    assert "error code None" in conf.run_case(cases["invalid/bad_magic"], cmd, strict=True).detail
+    assert "byte-identical" in conf.run_case(cases["writer/basic"], cmd, strict=True).detail
+
+
+def test_read_failure_message_names_the_difference(tmp_path: Path) -> None:
+    impl = tmp_path / "off.py"
+    impl.write_text(textwrap.dedent("""
+        import subprocess, sys
+        p = subprocess.run([sys.executable, "-m", "trainhist.conformance_impl", *sys.argv[1:]], capture_output=True)
+        sys.stdout.buffer.write(p.stdout.replace(b'"f:c004000000000000"', b'"f:c004000000000001"'))
+        sys.exit(p.returncode)
+    """))
+    r = conf.run_case(next(c for c in conf.load_cases(VECTORS, "valid/basic")), [sys.executable, str(impl)])
+    assert r.status == "fail" and "/sites/0/rows/0/min" in r.detail, r.detail
+
+
+def test_reference_impl_exit_codes(tmp_path: Path) -> None:
+    run = lambda *a: subprocess.run([sys.executable, "-m", "trainhist.conformance_impl", *a],  # noqa: E731
+                                    capture_output=True, text=True)
+    assert run("frobnicate", "x").returncode == 4
+    assert run("read").returncode == 2
+    p = run("read", str(VECTORS / "truncated" / "in_commit" / "input.thist"))
+    assert p.returncode == 3 and json.loads(p.stdout)["recovery"]["status"] == "torn"
+    p = run("read", str(tmp_path / "missing.thist"))
+    assert p.returncode == 1 and conf.error_code(p.stderr) == "not_found"
+
+
+def test_helpers() -> None:
+    assert conf.error_code("trainhist: error [bad_commit] f, offset 3: x [other]") == "bad_commit"
+    assert conf.error_code("no code here") is None
+    assert conf.json_equal({"a": [1, 2.0]}, {"a": [1.0, 2]})
+    assert not conf.json_equal(True, 1) and not conf.json_equal(0, None) and not conf.json_equal(0, False)
+    assert not conf.json_equal({"a": 1}, {"a": 1, "b": None})
+    doc = {"writers": [{"created": "x", "id": 1}, {"created": "y", "id": 2}]}
+    assert conf._mask(doc, ["/writers/*/created"]) == {
+        "writers": [{"created": "<ignored>", "id": 1}, {"created": "<ignored>", "id": 2}]}
+
+
+def test_no_vectors_is_a_usage_error(tmp_path: Path) -> None:
+    out = io.StringIO()
+    assert conf.run_suite(conf.default_impl(), tmp_path, out=out) == []
+    assert out.getvalue().strip() == "0 passed, 0 failed"
+    assert conf.main(None, str(tmp_path / "nowhere"), False) == conf.EXIT_USAGE
+
+
+@pytest.mark.parametrize("cid", ["writer/basic", "merge/two_ranks", "coarsen/steps2"])
+def test_optional_outputs_match_byte_for_byte(cid: str) -> None:
+    case = conf.load_cases(VECTORS, cid)[0]
+    assert conf.run_case(case, conf.default_impl(), strict=True).status == "pass"

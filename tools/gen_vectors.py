@@ -1,0 +1,1161 @@
+"""Generate the conformance vectors (conformance/vectors) deterministically.
+
+    python tools/gen_vectors.py            # (re)write conformance/vectors
+    python tools/gen_vectors.py --check    # regenerate into a temporary directory; exit 1 on any difference
+    python tools/gen_vectors.py --out DIR  # write somewhere else
+
+Everything is fixed: salts, run and writer ids, timestamps, pids, and the deflate streams (made by the tiny
+deterministic encoder below, not by the zlib library, whose output differs between versions). Valid files are
+written by the reference writer from writer-ops documents (the same input `IMPL write` takes); invalid, truncated
+and forward-compat files are hand-built from them record by record. Every case's expectation is cross-checked
+against the reference reader while generating, so a vector that does not test what it says fails here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import math
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import zlib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import msgpack
+
+from trainhist.conformance_impl import run_ops
+from trainhist.dump import dumps, tag_f
+from trainhist.errors import TrainhistError
+from trainhist.framing import FILE_HEADER_SIZE, MAGIC, FileHeader, RecordHeader, RecordType, crc32c, pad8
+from trainhist.reader import open_history
+
+ROOT = Path(__file__).resolve().parent.parent
+VECTORS = ROOT / "conformance" / "vectors"
+SALT = 0x7665637468697374  # b"tsihtcev" little-endian: any fixed value will do
+RUN_ID = "0" * 31 + "1"
+WRITER_ID = "0" * 31 + "2"
+WRITER_ID_2 = "0" * 31 + "3"
+CREATED = "2026-01-01T00:00:00+00:00"
+NO_ID = 0xFFFFFFFF
+_ENTRY = struct.Struct("<QHHIIIqq")
+
+
+# -- tagged values -------------------------------------------------------------------------------------------
+def F(x: float) -> str:
+    return tag_f(x)
+
+
+def FB(bits: int) -> str:
+    return "f:%016x" % bits
+
+
+def I(n: int) -> str:  # noqa: E743
+    return f"i:{n}"
+
+
+def U(n: int) -> str:
+    return f"u:{n}"
+
+
+# -- a deterministic deflate encoder (RFC 1951 fixed-Huffman or stored blocks, in a zlib wrapper) --------------
+_LEN_BASE = [3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 15, 17, 19, 23, 27, 31, 35, 43, 51, 59, 67, 83, 99, 115, 131, 163, 195,
+             227, 258]
+_LEN_EXTRA = [0] * 8 + [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4 + [5] * 4 + [0]
+_DIST_BASE = [1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33, 49, 65, 97, 129, 193, 257, 385, 513, 769, 1025, 1537, 2049, 3073,
+              4097, 6145, 8193, 12289, 16385, 24577]
+_DIST_EXTRA = [0, 0, 0, 0] + [k // 2 for k in range(2, 28)]
+
+
+class _Bits:
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.acc = 0
+        self.n = 0
+
+    def put(self, value: int, nbits: int) -> None:  # LSB first
+        self.acc |= value << self.n
+        self.n += nbits
+        while self.n >= 8:
+            self.out.append(self.acc & 0xFF)
+            self.acc >>= 8
+            self.n -= 8
+
+    def huff(self, code: int, nbits: int) -> None:  # Huffman codes go MSB first
+        self.put(int(format(code, f"0{nbits}b")[::-1], 2), nbits)
+
+    def flush(self) -> bytes:
+        if self.n:
+            self.out.append(self.acc & 0xFF)
+            self.acc = self.n = 0
+        return bytes(self.out)
+
+
+def _litlen(b: _Bits, v: int) -> None:
+    if v < 144:
+        b.huff(0x30 + v, 8)
+    elif v < 256:
+        b.huff(0x190 + v - 144, 9)
+    elif v < 280:
+        b.huff(v - 256, 7)
+    else:
+        b.huff(0xC0 + v - 280, 8)
+
+
+def deflate(data: bytes, *, stored: bool = False) -> bytes:
+    """A zlib stream of ``data``: one fixed-Huffman block with greedy LZ77 matches, or stored blocks."""
+    b = _Bits()
+    if stored:
+        chunks = [data[i : i + 65535] for i in range(0, len(data), 65535)] or [b""]
+        for k, c in enumerate(chunks):
+            b.put(1 if k == len(chunks) - 1 else 0, 1)
+            b.put(0, 2)
+            b.flush()
+            b.out += struct.pack("<HH", len(c), len(c) ^ 0xFFFF) + c
+    else:
+        b.put(1, 1)
+        b.put(1, 2)
+        last: dict[bytes, int] = {}
+        i, n = 0, len(data)
+        while i < n:
+            best_len = best_dist = 0
+            key = data[i : i + 3]
+            j = last.get(key) if len(key) == 3 else None
+            if j is not None and i - j <= 32768:
+                ln = 0
+                while ln < 258 and i + ln < n and data[j + ln] == data[i + ln]:
+                    ln += 1
+                if ln >= 3:
+                    best_len, best_dist = ln, i - j
+            if best_len:
+                code = max(k for k in range(29) if _LEN_BASE[k] <= best_len)
+                _litlen(b, 257 + code)
+                b.put(best_len - _LEN_BASE[code], _LEN_EXTRA[code])
+                dcode = max(k for k in range(30) if _DIST_BASE[k] <= best_dist)
+                b.huff(dcode, 5)
+                b.put(best_dist - _DIST_BASE[dcode], _DIST_EXTRA[dcode])
+                for k in range(i, i + best_len):
+                    if k + 3 <= n:
+                        last[data[k : k + 3]] = k
+                i += best_len
+            else:
+                _litlen(b, data[i])
+                if i + 3 <= n:
+                    last[data[i : i + 3]] = i
+                i += 1
+        _litlen(b, 256)
+    out = b"\x78\x01" + b.flush() + struct.pack(">I", zlib.adler32(data))
+    assert zlib.decompress(out) == data
+    return out
+
+
+def shuffle(raw: bytes, itemsize: int) -> bytes:
+    n = len(raw) // itemsize
+    return bytes(raw[j * itemsize + k] for k in range(itemsize) for j in range(n))
+
+
+# -- records ---------------------------------------------------------------------------------------------------
+@dataclass
+class Rec:
+    """A record to lay out; a commit with ``payload=None`` gets its entries computed by :func:`build`."""
+
+    type: int
+    payload: bytes | None
+    flags: int = 0
+    site: int = NO_ID
+    segment: int = NO_ID
+    rows: int = 0
+    lo: int = 0
+    hi: int = 0
+
+    @property
+    def is_commit(self) -> bool:
+        return self.type == RecordType.COMMIT
+
+
+def commit() -> Rec:
+    return Rec(RecordType.COMMIT, None)
+
+
+def parse(data: bytes) -> list[Rec]:
+    """The records of a (valid, reference-written) file; commits become ``commit()`` markers."""
+    recs: list[Rec] = []
+    group: list[Rec] = []
+    pos = FILE_HEADER_SIZE
+    while pos < len(data):
+        h = RecordHeader.parse(data, pos)
+        assert h is not None
+        payload = data[pos + 32 : pos + 32 + h.length]
+        if h.type == RecordType.COMMIT:
+            _, n = struct.unpack_from("<QQ", payload)
+            for k, r in enumerate(group):
+                _off, _t, _res, r.site, r.segment, r.rows, r.lo, r.hi = _ENTRY.unpack_from(payload, 16 + 40 * k)
+            recs.append(commit())
+            group = []
+        else:
+            r = Rec(h.type, payload, h.flags)
+            recs.append(r)
+            group.append(r)
+        pos += 32 + h.padded_length
+    return recs
+
+
+def header(*, rv: int = 1, wv: int = 1, req: int = 0, opt: int = 0, salt: int = SALT) -> bytes:
+    return FileHeader(rv, wv, req, opt, salt).pack()
+
+
+def build(recs: list[Rec], hdr: bytes | None = None, *, commit_hook: Callable[[int, bytearray], None] | None = None
+          ) -> tuple[bytes, list[int]]:
+    """Lay records out after ``hdr``; returns the bytes and every record's offset. ``commit_hook(k, payload)``
+    may edit the payload of the k-th commit before it is framed."""
+    out = bytearray(hdr if hdr is not None else header())
+    salt = struct.unpack_from("<Q", out, 20)[0]
+    offsets = []
+    group: list[tuple[int, Rec]] = []
+    ncommit = 0
+    for seq, r in enumerate(recs):
+        offsets.append(len(out))
+        payload = r.payload
+        if r.is_commit and payload is None:
+            body = bytearray(struct.pack("<QQ", seq, len(group)))
+            for off, g in group:
+                body += _ENTRY.pack(off, g.type, 0, g.site, g.segment, g.rows, g.lo, g.hi)
+            if commit_hook is not None:
+                commit_hook(ncommit, body)
+            payload = bytes(body)
+        if r.is_commit:
+            group = []
+            ncommit += 1
+        else:
+            group.append((len(out), r))
+        out += RecordHeader(r.type, r.flags, len(payload), seq, salt, crc32c(payload)).pack()
+        out += payload + b"\0" * pad8(len(payload))
+    return bytes(out), offsets
+
+
+def patch_header(data: bytes, offset: int, *, fix_crc: bool = True, **fields: int) -> bytes:
+    """Rewrite fields of the record header at ``offset`` (type, flags, length, seq, salt, payload_crc)."""
+    h = RecordHeader.parse(data, offset)
+    assert h is not None
+    new = replace(h, **fields).pack()
+    if not fix_crc:
+        new = new[:28] + data[offset + 28 : offset + 32]
+    return data[:offset] + new + data[offset + 32 :]
+
+
+def first(recs: list[Rec], rtype: int, kind: str | None = None) -> Rec:
+    for r in recs:
+        if r.type == rtype and (kind is None or json.loads(r.payload)["kind"] == kind):
+            return r
+    raise KeyError(rtype)
+
+
+def manifest(doc: dict) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+# -- chunks ----------------------------------------------------------------------------------------------------
+@dataclass
+class Col:
+    name: str
+    dt: str
+    codec: int
+    block: bytes
+    raw: int
+
+
+def parse_chunk(payload: bytes) -> tuple[dict, list[Col]]:
+    (mlen,) = struct.unpack_from("<I", payload)
+    meta = msgpack.unpackb(payload[4 : 4 + mlen], raw=False)
+    cols = [Col(n, dt, c, payload[off : off + slen], rlen) for n, dt, c, off, slen, rlen in meta.pop("cols")]
+    return meta, cols
+
+
+def pack_chunk(meta: dict, cols: list[Col], *, override: dict[str, dict[int, Any]] | None = None,
+               col_pad: bytes = b"", trailing: bytes = b"") -> bytes:
+    """A chunk payload laid out as spec 7.1; ``override`` replaces entry fields (by position) in the directory
+    only; ``col_pad`` replaces the first padding bytes after the first column whose block needs padding."""
+    override = override or {}
+    entries = [[c.name, c.dt, c.codec, 0, len(c.block), c.raw] for c in cols]
+    packed = b""
+    for _ in range(4):
+        d = dict(meta, cols=entries)
+        packed = msgpack.packb(d, use_bin_type=True)
+        pos = 4 + len(packed) + pad8(4 + len(packed))
+        for e, c in zip(entries, cols):
+            e[3] = pos
+            pos += len(c.block) + pad8(len(c.block))
+    shown = [list(e) for e in entries]
+    for e in shown:
+        for k, v in override.get(e[0], {}).items():
+            e[k] = v(e[k]) if callable(v) else v
+    packed = msgpack.packb(dict(meta, cols=shown), use_bin_type=True)
+    out = bytearray(struct.pack("<I", len(packed)) + packed)
+    out += b"\0" * pad8(len(out))
+    padded = False
+    for c in cols:
+        out += c.block
+        pad = bytearray(pad8(len(c.block)))
+        if col_pad and pad and not padded:
+            pad[: len(col_pad)] = col_pad
+            padded = True
+        out += pad
+    return bytes(out + trailing)
+
+
+def edit_chunk(rec: Rec, fn: Callable[[dict, list[Col]], tuple[dict, list[Col]] | None], **kw: Any) -> None:
+    meta, cols = parse_chunk(rec.payload)
+    res = fn(meta, cols)
+    if res is not None:
+        meta, cols = res
+    rec.payload = pack_chunk(meta, cols, **kw)
+
+
+def col(cols: list[Col], name: str) -> Col:
+    return next(c for c in cols if c.name == name)
+
+
+def recode(cols: list[Col], codec: int, *, stored: bool = False, only: set[str] | None = None) -> None:
+    """Re-encode raw columns with codec 1 (deflate) or 2 (shuffle-deflate) using the deterministic encoder."""
+    from trainhist.chunk import DTYPES
+
+    for c in cols:
+        if only is not None and c.name not in only:
+            continue
+        assert c.codec == 0
+        data = c.block
+        if codec == 2:
+            data = shuffle(data, DTYPES[c.dt].itemsize)
+        c.block, c.codec = deflate(data, stored=stored), codec
+
+
+# -- the reference outcome of a file -----------------------------------------------------------------------------
+def outcome(data: bytes) -> tuple[int, str]:
+    """(exit, canonical JSON or error code) of the reference reader on ``data``."""
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "f.thist"
+        p.write_bytes(data)
+        try:
+            with open_history(p) as h:
+                h.verify()
+                text = dumps(h)
+                return (3 if h.recovery.status == "torn" else 0), text
+        except TrainhistError as e:
+            return 1, e.code
+
+
+def same_content(a: bytes, b: bytes) -> bool:
+    """True when two files have the same canonical JSON apart from their sizes (recovery)."""
+    da, db = json.loads(outcome(a)[1]), json.loads(outcome(b)[1])
+    da.pop("recovery"), db.pop("recovery")
+    return da == db
+
+
+def write_ops(doc: dict) -> bytes:
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "w.thist"
+        run_ops(doc, str(p))
+        return p.read_bytes()
+
+
+# -- writer-ops documents ---------------------------------------------------------------------------------------
+def ops_doc(ops: list[dict], *, codec: str = "raw", name: str = "vector", config: dict | None = None,
+            settings: dict | None = None, writer_id: str = WRITER_ID, rank: int = 0, world_size: int = 1) -> dict:
+    return {
+        "format": "trainhist-writer-ops/1",
+        "codec": codec,
+        "salt": U(SALT),
+        "created": CREATED,
+        "run": {"run_id": RUN_ID, "name": name, "config": config or {}},
+        "writer": {"writer_id": writer_id, "rank": rank, "world_size": world_size, "host": "vector-host",
+                   "pid": 4242, "software": {"gen_vectors": "1"}},
+        "settings": settings,
+        "ops": ops,
+    }
+
+
+def site(path: str, stream: str = "activation", **kw: Any) -> dict:
+    d = {"op": "site", "path": path, "stream": stream, "facet": None, "shape": None, "dtype": None,
+         "sharing": "shard", "cadence": {"spine": 1, "sketch": 1}, "sample": None}
+    d.update(kw)
+    return d
+
+
+def obs(site_id: int, step: int, values: list[float | str], **kw: Any) -> dict:
+    d = {"op": "observe", "site": site_id, "step": I(step),
+         "values": [v if isinstance(v, str) else F(v) for v in values]}
+    d.update(kw)
+    return d
+
+
+def truth(step: int, **kw: Any) -> dict:
+    d = {"op": "step_truth", "step": I(step), "applied": None, "grad_basis": None, "clipped": None,
+         "loss_scale": None, "clip_threshold": None, "micro_batches": None, "tokens": None, "samples": None}
+    d.update(kw)
+    return d
+
+
+COMMIT = {"op": "commit"}
+
+BASIC_OPS = [
+    site("fc", shape=[4], dtype="float32"),
+    obs(0, 0, [1.0, -2.5, 0.0, 3.0]),
+    truth(0, applied="applied", grad_basis="unscaled", clipped="not_clipped", micro_batches=U(1)),
+    COMMIT,
+]
+NOSKETCH_OPS = [site("fc", cadence={"spine": 1, "sketch": 0}), obs(0, 0, [1.0, -2.5, 0.0], sketch=False), COMMIT]
+TWO_GROUPS_OPS = [
+    site("fc", shape=[3], dtype="float64"),
+    obs(0, 0, [1.0, 2.0, -0.5]),
+    COMMIT,
+    obs(0, 1, [1.5, 2.5, -0.75]),
+    truth(1, applied="applied"),
+    COMMIT,
+]
+SPECIALS = [
+    FB(0x7FF8000000000000), FB(0xFFF0000000000001),  # quiet NaN, negative signalling NaN: both count as nan
+    F(math.inf), F(-math.inf), F(-0.0), F(0.0),
+    FB(0x0000000000000001),  # smallest subnormal: underflow band
+    F(2.0**-48), FB(0x3CF0000000000001),  # 2**-48 is the last underflow value; the next float is in bin -192
+    F(2.0**16), FB(0x40F0000000000001),  # 2**16 is in the top bin 63; the next float overflows
+    F(-1e300), F(1.0), F(2.0), F(-3.0), F(0.1),
+]
+
+
+def exact_ops(sid: int) -> list[dict]:
+    return [
+        site("exact", cadence={"spine": 1, "sketch": 0}),
+        obs(sid, 0, [1.0, 2.0**-80], sketch=False),  # sum and sumsq are not binary64 values
+        obs(sid, 1, [1e200, 1e200, -1e-200], sketch=False),  # sumsq beyond binary64: inf column, exact bytes
+        obs(sid, 2, [2.0**1023, 2.0**1023], sketch=False),  # the sum overflows binary64 too
+        obs(sid, 3, [0.5, 0.25], sketch=False),  # exact in binary64: no exact bytes for this row
+    ]
+
+
+EXACT_OPS = exact_ops(0) + [COMMIT]
+BIG_SUMMARY = {
+    "count": U(2**64 - 1), "nan": U(2**63), "pinf": U(0), "ninf": U(0), "zero": U(2**62),
+    "min": F(1.0), "max": F(1.0), "sum": f"d:{2**62 - 1}p0", "sumsq": f"d:{2**62 - 1}p0", "method": "exact",
+    "sketch": {"scale": 2, "pos": {"-1": U(2**62 - 1)}, "neg": {}, "under_pos": U(0), "under_neg": U(0),
+               "over_pos": U(0), "over_neg": U(0)},
+}
+SCALE1_SUMMARY = {
+    "count": U(5), "nan": U(0), "pinf": U(0), "ninf": U(0), "zero": U(0),
+    "min": F(-4.0), "max": F(100000.0), "sum": "d:50001p1", "sumsq": "d:5000000017p1",
+    "method": "f64_accumulate",
+    "sketch": {"scale": 1, "pos": {"-1": U(2), "3": U(1)}, "neg": {"3": U(1)}, "under_pos": U(0),
+               "under_neg": U(0), "over_pos": U(1), "over_neg": U(0)},
+}
+FULL_OPS = [
+    site("h.0.mlp", shape=[2, 3], dtype="bfloat16"),
+    site("h.0.mlp", "activation_grad", facet="0", cadence={"spine": 1, "sketch": 2}),
+    site("h.0.mlp.weight", "param_grad", sharing="replica", dtype="float32", shape=[3, 3],
+         sample={"elements": 4, "of": 9, "seed": 7}),
+    obs(0, 0, [0.5, -0.5, 1.25, 0.0, -0.0, 7.0]),
+    obs(1, 0, [1e-3, -2e-3], micro=U(0)),
+    obs(1, 0, [3e-3, 4e-3], micro=U(1)),
+    obs(1, 0, [1e-3, -2e-3, 3e-3, 4e-3], sketch=False),
+    obs(2, 0, [0.1, 0.2, 0.3, 0.4], phase="pre_clip"),
+    obs(2, 0, [0.05, 0.1, 0.15, 0.2], phase="post_clip"),
+    {"op": "scalar", "name": "loss", "step": I(0), "value": F(2.75)},
+    {"op": "scalar", "name": "loss_scale", "step": I(0), "value": F(65536.0)},
+    truth(0, applied="applied", grad_basis="scaled", clipped="clipped", loss_scale=F(65536.0),
+          clip_threshold=F(1.0), micro_batches=U(2), tokens=U(4096), samples=U(8)),
+    COMMIT,
+    {"op": "mark", "site": 0, "step": I(1), "presence": "absent"},
+    {"op": "mark", "site": 1, "step": I(1), "presence": "not_scheduled"},
+    {"op": "mark", "site": 2, "step": I(1), "presence": "skipped", "phase": "pre_clip"},
+    {"op": "scalar", "name": "loss", "step": I(1), "value": FB(0x7FF8000000000000)},
+    truth(1, applied="skipped", grad_basis="scaled", loss_scale=F(32768.0), micro_batches=U(2)),
+    COMMIT,
+    {"op": "new_segment", "first_step": I(10), "reason": "manual"},
+    obs(0, 10, [2.0, 4.0, 8.0]),
+    {"op": "mark", "site": 1, "step": I(10), "presence": "failed"},
+    {"op": "mark", "site": 1, "step": I(10), "presence": "unknown", "micro": U(3)},
+    site("h.1.mlp.weight", "param_delta", cadence={"spine": 1, "sketch": 1}),
+    {"op": "observe", "site": 5, "step": I(10), "summary": SCALE1_SUMMARY},  # sites 3, 4: the scalars
+    {"op": "observe", "site": 5, "step": I(11), "summary": SCALE1_SUMMARY},
+    {"op": "scalar", "name": "loss", "step": I(10), "value": F(-0.0)},
+    truth(10),
+    truth(11, tokens=U(2**64 - 2), samples=U(0)),
+    {"op": "observe", "site": 0, "step": I(-5), "values": [F(1.0)]},
+]
+
+
+# -- the suite -----------------------------------------------------------------------------------------------------
+class Suite:
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.counts: dict[str, int] = {}
+
+    def _case(self, category: str, name: str, doc: dict, files: dict[str, bytes]) -> None:
+        d = self.out / category / name
+        assert not d.exists(), f"duplicate case {category}/{name}"
+        d.mkdir(parents=True)
+        doc = {"category": category, **doc}
+        (d / "case.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", "utf-8")
+        for fname, data in files.items():
+            (d / fname).write_bytes(data)
+        self.counts[category] = self.counts.get(category, 0) + 1
+
+    def read(self, category: str, name: str, description: str, spec: list[str], data: bytes, *,
+             error: str | None = None, exit: int | None = None) -> str | None:
+        """A read case; the expectation is what the reference reader does, asserted against ``error``/``exit``."""
+        rc, res = outcome(data)
+        if error is not None:
+            assert (rc, res) == (1, error), f"{category}/{name}: expected [{error}], reference gives {rc} {res[:200]}"
+            expect: dict[str, Any] = {"exit": 1, "error": error}
+            files = {"input.thist": data}
+        else:
+            want = exit if exit is not None else {"truncated": 3}.get(category, 0)
+            assert rc == want, f"{category}/{name}: expected exit {want}, reference gives {rc} {res[:200]}"
+            expect = {"exit": rc, "dump": "expected.json"}
+            if category == "truncated":
+                rec = json.loads(res)["recovery"]
+                expect["recovery"] = {k: int(rec[k][2:]) for k in ("committed_bytes", "dropped_bytes")}
+            files = {"input.thist": data, "expected.json": res.encode()}
+        self._case(category, name, {"description": description, "spec": spec, "command": "read",
+                                    "args": {"file": "input.thist"}, "expect": expect}, files)
+        return None if error is not None else res
+
+    def writer(self, name: str, description: str, spec: list[str], doc: dict) -> bytes:
+        data = write_ops(doc)
+        rc, res = outcome(data)
+        assert rc == 0, (name, res)
+        ops = json.dumps(doc, indent=1, sort_keys=True) + "\n"
+        self._case("writer", name, {"description": description, "spec": spec, "command": "write",
+                                    "args": {"ops": "ops.json"},
+                                    "expect": {"exit": 0, "dump": "expected.json", "output": "expected.thist"}},
+                   {"ops.json": ops.encode(), "expected.thist": data, "expected.json": res.encode()})
+        return data
+
+
+def derive(command: str, inputs: dict[str, bytes], args: dict) -> tuple[int, str, bytes | None]:
+    """(exit, canonical JSON or error code, output bytes) of the reference merge/coarsen (raw codec)."""
+    import trainhist
+
+    with tempfile.TemporaryDirectory() as d:
+        for name, data in inputs.items():
+            (Path(d) / name).write_bytes(data)
+        out = Path(d) / "out.thist"
+        try:
+            if command == "merge":
+                trainhist.merge([Path(d) / f for f in args["inputs"]], out, across_runs=args.get("across_runs", False),
+                                codec="raw")
+            else:
+                trainhist.coarsen(Path(d) / args["input"], out, steps=args["steps"],
+                                  bins_per_octave=args["bins_per_octave"], codec="raw")
+        except TrainhistError as e:
+            return 1, e.code, None
+        data = out.read_bytes()
+    rc, res = outcome(data)
+    assert rc == 0, (command, res)
+    return 0, res, data
+
+
+def _derived_case(s: "Suite", category: str, name: str, description: str, spec: list[str], inputs: dict[str, bytes],
+                  args: dict, error: str | None = None) -> bytes | None:
+    rc, res, data = derive(category, inputs, args)
+    if error is not None:
+        assert (rc, res) == (1, error), f"{category}/{name}: expected [{error}], reference gives {rc} {res[:200]}"
+        expect: dict[str, Any] = {"exit": 1, "error": error}
+        files = dict(inputs)
+    else:
+        assert rc == 0, f"{category}/{name}: reference gives [{res}]"
+        expect = {"exit": 0, "dump": "expected.json", "output": "expected.thist"}
+        files = {**inputs, "expected.json": res.encode(), "expected.thist": data}
+    s._case(category, name, {"description": description, "spec": spec, "command": category, "args": args,
+                             "expect": expect}, files)
+    return data
+
+
+def gen_valid(s: Suite) -> dict[str, bytes]:
+    base: dict[str, bytes] = {}
+    v = "valid"
+    s.read(v, "header_only", "a file of just its 32-byte header: clean, with nothing in it", ["3", "8"], header())
+    base["basic"] = write_ops(ops_doc(BASIC_OPS))
+    assert build(parse(base["basic"]))[0] == base["basic"]
+    s.read(v, "basic", "one site, one observation with a sketch, one step-truth row, one commit (raw codec)",
+           ["2", "5", "6", "7", "10"], base["basic"])
+    base["nosketch"] = write_ops(ops_doc(NOSKETCH_OPS))
+    s.read(v, "no_sketch", "an obs chunk without sketch columns (no `scale` in the directory)", ["7.2", "7.5"],
+           base["nosketch"])
+    s.read(v, "specials", "NaN payloads, infinities, signed zeros, a subnormal, the window edges 2^-48 and 2^16 "
+           "and their neighbours, and a row with no finite value (min/max null)", ["5.1", "6.1", "6.2", "10"],
+           write_ops(ops_doc([site("x"), obs(0, 0, SPECIALS), obs(0, 1, [FB(0x7FF8000000000000), F(math.inf)]),
+                              COMMIT])))
+    base["exact"] = write_ops(ops_doc(EXACT_OPS))
+    s.read(v, "exact_sums", "sums that are not binary64 values: the sum_x/sumsq_x columns, overflow to inf in the "
+           "f64 column with the exact value kept", ["5.3", "7.5", "10"], base["exact"])
+    s.read(v, "big_counts", "u64 counts above 2^53 (up to 2^64-1) in the spine and the sketch", ["5.1", "10"],
+           write_ops(ops_doc([site("big"), {"op": "observe", "site": 0, "step": I(0), "summary": BIG_SUMMARY},
+                              COMMIT])))
+    base["full"] = write_ops(ops_doc(FULL_OPS, settings={"cadence": 1, "sites": ["h.0.mlp"]},
+                                     config={"lr": "3e-4", "layers": 2, "name": "caf\u00e9"}))
+    s.read(v, "full", "several streams, facets, a replica and a sampled site, micro-batches, pre/post-clip "
+           "phases, scalars, every presence, step truth with known and unknown fields, a manual segment, "
+           "a scale-1 sketch, a settings manifest, non-ASCII text", ["2", "5.4", "6.3", "7.6", "9", "10"],
+           base["full"])
+    base["two_groups"] = write_ops(ops_doc(TWO_GROUPS_OPS))
+    s.read(v, "two_commits", "two commits; the site's rows come from two chunks", ["4.3", "8"], base["two_groups"])
+    # resume: a second writer session appends a new segment to the same file
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "r.thist"
+        run_ops(ops_doc(TWO_GROUPS_OPS[:3]), str(p))
+        with open(p, "ab") as f:  # a torn tail the resuming writer must drop
+            f.write(b"\x02\x00\x00\x00" + b"\xab" * 20)
+        from trainhist.writer import HistoryWriter
+
+        with HistoryWriter(p, mode="a", codec="raw", fsync="never", rank=0, world_size=1, host="vector-host",
+                           writer_id=WRITER_ID_2, created=CREATED, pid=4243, software={"gen_vectors": "1"},
+                           commit_every=1 << 62, commit_seconds=math.inf) as w:
+            fc = w.site("fc", "activation")
+            w.observe(fc, 5, values=__import__("numpy").array([9.0, -9.0]))
+            w.step_truth(5, applied=True)
+        s.read(v, "resumed", "a file appended by a second writer session: two writer manifests, a `resume` "
+               "segment whose `previous` is 0", ["2.4", "8"], p.read_bytes())
+    # codecs: the same content with deflate, shuffle-deflate, and one codec per column
+    recs = parse(base["basic"])
+    for r in recs:
+        if r.type in (RecordType.OBS, RecordType.STEPS):
+            edit_chunk(r, lambda m, c: recode(c, 1))
+    s.read(v, "codec_deflate", "every column deflated (codec 1, fixed-Huffman blocks)", ["7.3"], build(recs)[0])
+    recs = parse(base["basic"])
+    for r in recs:
+        if r.type in (RecordType.OBS, RecordType.STEPS):
+            edit_chunk(r, lambda m, c: recode(c, 2))
+    s.read(v, "codec_shuffle", "every column shuffle-deflated (codec 2), 1-byte columns included", ["7.3"],
+           build(recs)[0])
+    recs = parse(base["basic"])
+
+    def mixed(m: dict, c: list[Col]) -> None:
+        recode(c, 1, only={"count", "min", "sk_counts"})
+        recode(c, 1, stored=True, only={"max"})
+        recode(c, 2, only={"sum", "sk_up"})
+
+    edit_chunk(first(recs, RecordType.OBS), mixed)
+    s.read(v, "codec_mixed", "raw, deflate (fixed-Huffman and stored blocks) and shuffle-deflate columns in one chunk",
+           ["7.3"], build(recs)[0])
+    # sketch ranges wider than the non-zero bins: readers accept any range
+    recs = parse(base["basic"])
+
+    def widen(m: dict, c: list[Col]) -> None:
+        import numpy as np
+
+        plo, pn = col(c, "sk_plo"), col(c, "sk_pn")
+        nlo, nn = col(c, "sk_nlo"), col(c, "sk_nn")
+        counts = np.frombuffer(col(c, "sk_counts").block, "<u8")
+        lo_p, n_p = int(np.frombuffer(plo.block, "<u2")[0]), int(np.frombuffer(pn.block, "<u2")[0])
+        lo_n, n_n = int(np.frombuffer(nlo.block, "<u2")[0]), int(np.frombuffer(nn.block, "<u2")[0])
+        pos = np.zeros(256, np.uint64)
+        pos[lo_p : lo_p + n_p] = counts[:n_p]
+        neg = np.zeros(256, np.uint64)
+        neg[lo_n : lo_n + n_n] = counts[n_p:]
+        new_neg = neg[lo_n - 3 : lo_n + n_n + 5]
+        plo.block, pn.block = struct.pack("<H", 0), struct.pack("<H", 256)
+        nlo.block, nn.block = struct.pack("<H", lo_n - 3), struct.pack("<H", n_n + 8)
+        sk = col(c, "sk_counts")
+        sk.block = pos.astype("<u8").tobytes() + new_neg.astype("<u8").tobytes()
+        sk.raw = len(sk.block)
+
+    edit_chunk(first(recs, RecordType.OBS), widen)
+    data = build(recs)[0]
+    s.read(v, "sketch_wide_ranges", "sketch ranges that include zero bins (the whole positive side; extra bins "
+           "around the negative range): same canonical JSON as valid/basic", ["7.5"], data)
+    assert same_content(data, base["basic"])
+    # an empty commit (no entries) is valid
+    recs = parse(base["basic"])
+    recs.append(commit())
+    s.read(v, "empty_commit", "a commit with zero entries after the last one", ["4.3"], build(recs)[0])
+    return base
+
+
+def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
+    c = "invalid"
+    basic = base["nosketch"]  # the smallest complete file, for damage outside chunks
+    s.read(c, "bad_magic", "first 8 bytes are not the magic", ["3"], b"\x89THUST\r\n" + basic[8:],
+           error="bad_magic")
+    s.read(c, "bad_magic_short", "a 20-byte file that is not a prefix of the magic", ["8"], b"not a history file\n!",
+           error="bad_magic")
+    s.read(c, "bad_magic_crlf", "the magic after a newline translation (\\r\\n became \\n)", ["3"],
+           basic[:6] + b"\n" + basic[8:], error="bad_magic")
+    d = bytearray(basic)
+    d[20] ^= 0x01
+    s.read(c, "bad_file_header_crc", "a bit of the salt flipped: the file header CRC fails", ["3", "A"], bytes(d),
+           error="bad_file_header_crc")
+    s.read(c, "unsupported_feature", "required_features has bit 0 set (unknown to version 1 readers)", ["3"],
+           header(req=1) + basic[32:], error="unsupported_feature")
+    _, offs = build(parse(basic))
+    d = bytearray(basic)
+    d[offs[1] + 5] ^= 0x10
+    s.read(c, "bad_record_header", "a bit of a committed record's length flipped: its header CRC fails and the "
+           "length is not trusted", ["4.1", "8"], bytes(d), error="bad_record_header")
+    s.read(c, "salt_mismatch", "a record header with another file's salt (header CRC valid)", ["4.1", "8"],
+           patch_header(basic, offs[2], salt=SALT ^ 0xFF), error="salt_mismatch")
+    s.read(c, "bad_sequence", "record 2 carries seq 3", ["4.1", "8"], patch_header(basic, offs[2], seq=3),
+           error="bad_sequence")
+    recs = parse(basic)
+    dup = recs[:2] + [recs[1]] + recs[2:]
+    data = bytearray(build(dup)[0])
+    o = build(dup)[1][2]
+    data[o + 8 : o + 16] = struct.pack("<Q", 1)
+    data[o + 28 : o + 32] = struct.pack("<I", crc32c(bytes(data[o : o + 28])))
+    s.read(c, "bad_sequence_replayed", "a record repeated with its old seq (spliced bytes)", ["4.1", "8"],
+           bytes(data), error="bad_sequence")
+    s.read(c, "bad_record_flags", "a record sets reserved flag bit 1", ["4.1"],
+           patch_header(basic, offs[0], flags=0x0002), error="bad_record_flags")
+    s.read(c, "record_too_large", "a manifest record declares 1 MiB + 1 payload bytes", ["12", "8"],
+           patch_header(basic, offs[0], length=1024 * 1024 + 1), error="record_too_large")
+    d = bytearray(basic)
+    d[offs[2] + 32 + 10] ^= 0x01
+    s.read(c, "bad_payload_crc_manifest", "a byte of a committed site manifest changed", ["4.1", "8"], bytes(d),
+           error="bad_payload_crc")
+    recs = parse(basic)
+    obs_i = next(k for k, r in enumerate(recs) if r.type == RecordType.OBS)
+    d = bytearray(basic)
+    d[offs[obs_i] + 32 + len(recs[obs_i].payload) - 9] ^= 0x40
+    s.read(c, "bad_payload_crc_chunk", "a byte of a committed obs chunk changed: found when the chunk is decoded",
+           ["8"], bytes(d), error="bad_payload_crc")
+    pad_i = next(k for k, r in enumerate(recs) if r.type == RecordType.MANIFEST and len(r.payload) % 8)
+    d = bytearray(basic)
+    d[offs[pad_i] + 32 + len(recs[pad_i].payload)] = 0x20
+    s.read(c, "bad_padding", "a padding byte after a manifest payload is not zero", ["4.1"], bytes(d),
+           error="bad_padding")
+    d = bytearray(basic)
+    d += b"\x01" + b"\0" * 63
+    s.read(c, "garbage_tail", "non-zero bytes after the last commit that are no record header: corruption, not a "
+           "torn tail", ["8"], bytes(d), error="bad_record_header")
+
+    def hook(fn: Callable[[bytearray], None]) -> Callable[[int, bytearray], None]:
+        return lambda k, body: fn(body)
+
+    def e_off(b: bytearray) -> None:
+        b[16:24] = struct.pack("<Q", struct.unpack_from("<Q", b, 16)[0] + 8)
+
+    def e_count(b: bytearray) -> None:
+        b[8:16] = struct.pack("<Q", struct.unpack_from("<Q", b, 8)[0] - 1)
+
+    def e_type(b: bytearray) -> None:
+        b[24:26] = struct.pack("<H", RecordType.STEPS)
+
+    def e_seq(b: bytearray) -> None:
+        b[0:8] = struct.pack("<Q", 0)
+
+    def e_site(b: bytearray) -> None:
+        for k in range(struct.unpack_from("<Q", b, 8)[0]):
+            if struct.unpack_from("<H", b, 16 + 40 * k + 8)[0] == RecordType.OBS:
+                b[16 + 40 * k + 12 : 16 + 40 * k + 16] = struct.pack("<I", 7)
+
+    for name, fn, desc in (
+        ("bad_commit_offset", e_off, "commit entry 0 names offset +8"),
+        ("bad_commit_count", e_count, "the commit lists one entry fewer than the records before it"),
+        ("bad_commit_type", e_type, "commit entry 0 names the wrong record type"),
+        ("bad_commit_seq", e_seq, "the commit payload's seq is not its own"),
+        ("bad_commit_site", e_site, "an obs entry names site 7, never declared"),
+    ):
+        s.read(c, name, desc, ["4.3"], build(parse(basic), commit_hook=hook(fn))[0], error="bad_commit")
+
+    def with_manifest(kind: str, payload: bytes) -> bytes:
+        recs = parse(basic)
+        first(recs, RecordType.MANIFEST, kind).payload = payload
+        return build(recs)[0]
+
+    s.read(c, "bad_manifest_json", "a committed site manifest that is not JSON", ["9"],
+           with_manifest("site", b'{"kind":"site",'), error="bad_manifest_json")
+    s.read(c, "bad_manifest_utf8", "a committed manifest that is not UTF-8", ["9"],
+           with_manifest("run", b'{"kind":"run","name":"\xff\xfe"}'), error="bad_manifest_json")
+    site_doc = json.loads(first(parse(basic), RecordType.MANIFEST, "site").payload)
+    s.read(c, "bad_manifest_schema", "a site manifest whose stream is not in the registry", ["9", "2.2"],
+           with_manifest("site", manifest(dict(site_doc, stream="weights"))), error="bad_manifest")
+    s.read(c, "bad_manifest_extra", "a site manifest with a member its schema does not allow", ["9"],
+           with_manifest("site", manifest(dict(site_doc, colour="blue"))), error="bad_manifest")
+    s.read(c, "unknown_manifest_kind", "a manifest of kind `plugin`", ["9"],
+           with_manifest("run", manifest({"kind": "plugin"})), error="unknown_manifest_kind")
+    s.read(c, "bad_site_id", "the first site is declared with id 1", ["9", "2.2"],
+           with_manifest("site", manifest(dict(site_doc, id=1))), error="bad_site_id")
+    recs = parse(basic)
+    k = recs.index(first(recs, RecordType.MANIFEST, "site"))
+    recs.insert(k + 1, Rec(RecordType.MANIFEST, manifest(dict(site_doc, id=1))))
+    s.read(c, "duplicate_site", "two sites with the same (path, stream, facet)", ["9", "2.2"], build(recs)[0],
+           error="duplicate_site")
+    recs = parse(basic)
+    seg = first(recs, RecordType.MANIFEST, "segment")
+    recs.insert(recs.index(seg) + 1, Rec(RecordType.MANIFEST, seg.payload))
+    s.read(c, "duplicate_segment", "segment 0 declared twice", ["9", "2.4"], build(recs)[0],
+           error="duplicate_segment")
+
+    # chunk-level damage (each chunk re-framed with valid CRCs and commit entries)
+    def chunk_case(name: str, desc: str, spec: list[str], error: str, fn: Callable, src: str = "basic",
+                   rtype: int = RecordType.OBS, **kw: Any) -> None:
+        recs = parse(base[src])
+        r = first(recs, rtype)
+        res = fn(r) if kw.get("record") else edit_chunk(r, fn, **{k: v for k, v in kw.items() if k != "record"})
+        del res
+        s.read(c, name, desc, spec, build(recs)[0], error=error)
+
+    import numpy as np
+
+    def add_col(name: str, dt: str, block: bytes) -> Callable:
+        return lambda m, cs: cs.append(Col(name, dt, 0, block, len(block))) or None
+
+    chunk_case("unknown_column", "an obs chunk with a column `extra` that is not in the registry and does not "
+               "start with x-", ["7.4"], "unknown_column", add_col("extra", "u1", b"\x01"))
+    chunk_case("missing_column", "an obs chunk without its `zero` column", ["7.4", "7.5"], "missing_column",
+               lambda m, cs: (m, [x for x in cs if x.name != "zero"]))
+    chunk_case("missing_steps_column", "a steps chunk without its `tokens` column", ["7.4", "7.6"], "missing_column",
+               lambda m, cs: (m, [x for x in cs if x.name != "tokens"]), rtype=RecordType.STEPS)
+
+    def longer(m: dict, cs: list[Col]) -> None:
+        x = col(cs, "count")
+        x.block += b"\0" * 8
+        x.raw += 8
+
+    chunk_case("column_raw_not_rows", "the `count` column holds 2 values in a 1-row chunk", ["7.4"], "bad_chunk",
+               longer)
+
+    def xn(m: dict, cs: list[Col]) -> None:
+        x = col(cs, "sum_xn")
+        v = np.frombuffer(x.block, "<u4").copy()
+        v[0] -= 1
+        x.block = v.tobytes()
+
+    chunk_case("bad_column_length", "sum_xn adds up to one byte less than sum_x holds", ["7.5", "5.3"],
+               "bad_column_length", xn, src="exact")
+    chunk_case("bad_column_offset", "the directory places column `span` 8 bytes after its block", ["7.4"],
+               "bad_chunk", lambda m, cs: None, override={"span": {3: lambda off: off + 8}})
+    chunk_case("bad_column_padding", "a padding byte after the `span` column block is not zero", ["7.4", "7.1"],
+               "bad_chunk", lambda m, cs: None, col_pad=b"\x00\x07")
+    chunk_case("chunk_trailing_bytes", "8 bytes after the last column block", ["7.1"], "bad_chunk",
+               lambda m, cs: None, trailing=b"\0" * 8)
+
+    def bad_dir(r: Rec) -> None:
+        r.payload = struct.pack("<I", 4) + b"\xc1\xc1\xc1\xc1" + b"\0" * 0
+
+    chunk_case("bad_chunk_directory", "the chunk directory is not MessagePack (0xc1 is never used)", ["7.2"],
+               "bad_chunk", bad_dir, record=True)
+    chunk_case("chunk_disagrees_with_commit", "the chunk directory names segment 3; its commit entry segment 0",
+               ["7.2", "4.3"], "bad_chunk", lambda m, cs: (dict(m, segment=3), cs))
+
+    def bomb(m: dict, cs: list[Col]) -> None:
+        x = col(cs, "count")
+        x.block, x.codec = deflate(b"\0" * 65536), 1  # declares raw = 8 bytes
+    chunk_case("deflate_bomb", "a deflated column that would inflate to 64 KiB but declares 8 raw bytes",
+               ["7.3", "13"], "bad_column_data", bomb)
+
+    def short(m: dict, cs: list[Col]) -> None:
+        x = col(cs, "count")
+        x.block, x.codec = deflate(x.block[:4]), 1
+
+    chunk_case("deflate_short", "a deflated column that inflates to 4 bytes, declaring 8", ["7.3"],
+               "bad_column_data", short)
+
+    def trailing(m: dict, cs: list[Col]) -> None:
+        x = col(cs, "count")
+        x.block, x.codec = deflate(x.block) + b"\x00\x01", 1
+
+    chunk_case("deflate_trailing_data", "a deflated column with 2 bytes after the end of its zlib stream",
+               ["7.3"], "bad_column_data", trailing)
+
+    def bad_adler(m: dict, cs: list[Col]) -> None:
+        x = col(cs, "count")
+        z = bytearray(deflate(x.block))
+        z[-1] ^= 0xFF
+        x.block, x.codec = bytes(z), 1
+
+    chunk_case("deflate_bad_checksum", "a deflated column whose zlib Adler-32 is wrong", ["7.3"], "bad_column_data",
+               bad_adler)
+    chunk_case("too_many_rows", "a chunk declaring 2^20 + 1 rows (its commit entry agrees)", ["12"], "too_many_rows",
+               lambda r: setattr(r, "rows", 2**20 + 1) or edit_chunk(r, lambda m, cs: (dict(m, rows=2**20 + 1), cs)),
+               record=True)
+    chunk_case("too_many_columns", "a chunk declaring 65 columns", ["12"], "too_many_columns",
+               lambda m, cs: (m, cs + [Col(f"x-{k}", "u1", 0, b"\0", 1) for k in range(65 - len(cs))]))
+    chunk_case("unknown_dtype", "a column of dtype f4 (not in the registry)", ["7.2", "7.4"], "unknown_dtype",
+               add_col("x-f", "f4", b"\0\0\0\0"))
+    chunk_case("unknown_codec", "a column with codec 3", ["7.3", "7.4"], "unknown_codec",
+               lambda m, cs: setattr(col(cs, "count"), "codec", 3))
+    chunk_case("wrong_dtype", "the `count` column stored as i8 instead of u8", ["7.4"], "bad_chunk",
+               lambda m, cs: setattr(col(cs, "count"), "dt", "i8"))
+
+    def inexact(m: dict, cs: list[Col]) -> None:
+        x = col(cs, "sum")
+        v = np.frombuffer(x.block, "<f8").copy()
+        v[0] = np.nextafter(v[0], np.inf)
+        x.block = v.tobytes()
+
+    chunk_case("bad_exact_value", "the f64 sum is one ulp away from the correctly rounded exact sum",
+               ["5.3"], "bad_exact_value", inexact, src="exact")
+
+    def noncanonical(m: dict, cs: list[Col]) -> None:
+        n, b = col(cs, "sum_xn"), col(cs, "sum_x")
+        lens = np.frombuffer(n.block, "<u4").copy()
+        first_len = int(lens[0])
+        e = struct.unpack_from("<i", b.block)[0]
+        mant = int.from_bytes(b.block[4:first_len], "little", signed=True)
+        enc = struct.pack("<i", e - 1) + (mant * 2).to_bytes(first_len - 4 + 1, "little", signed=True)
+        b.block = enc + b.block[first_len:]
+        b.raw = len(b.block)
+        lens[0] = len(enc)
+        n.block = lens.tobytes()
+
+    chunk_case("bad_exact_noncanonical", "an exact sum stored with an even mantissa (m*2, e-1): same value, "
+               "not canonical", ["5.3"], "bad_exact_value", noncanonical, src="exact")
+
+    def u2(cs: list[Col], name: str, v: int) -> None:
+        col(cs, name).block = struct.pack("<H", v)
+
+    chunk_case("bad_sketch_range", "a sketch range running past the 256 bins of scale 2", ["7.5"], "bad_sketch",
+               lambda m, cs: u2(cs, "sk_plo", 255))
+
+    def extra_counts(m: dict, cs: list[Col]) -> None:
+        x = col(cs, "sk_counts")
+        x.block += struct.pack("<Q", 1)
+        x.raw += 8
+
+    chunk_case("bad_sketch_counts", "sk_counts holds one value more than the ranges use", ["7.5"], "bad_sketch",
+               extra_counts)
+    chunk_case("bad_sketch_flag", "the sk column holds 2", ["7.5"], "bad_sketch",
+               lambda m, cs: setattr(col(cs, "sk"), "block", b"\x02"))
+    chunk_case("bad_scale", "a sketch chunk declaring scale 3", ["7.2", "6.1"], "bad_scale",
+               lambda m, cs: (dict(m, scale=3), cs))
+    chunk_case("unknown_presence_code", "a row with presence code 9 (reserved)", ["2.6"], "unknown_code",
+               lambda m, cs: setattr(col(cs, "presence"), "block", b"\x09"))
+    chunk_case("unknown_steps_code", "a step-truth row with applied code 7 (reserved)", ["2.7", "7.6"],
+               "unknown_code", lambda m, cs: setattr(col(cs, "applied"), "block", b"\x07"), rtype=RecordType.STEPS)
+
+    def step_off(m: dict, cs: list[Col]) -> None:
+        col(cs, "step").block = struct.pack("<q", 1)
+
+    chunk_case("chunk_steps_disagree", "the chunk's step is 1; its commit entry says 0..0", ["4.3", "7.5"],
+               "bad_chunk", step_off)
+
+
+def gen_truncated(s: Suite, base: dict[str, bytes]) -> None:
+    t = "truncated"
+    two = base["two_groups"]
+    recs = parse(two)
+    _, offs = build(recs)
+    commits = [offs[k] for k, r in enumerate(recs) if r.is_commit]
+    end1 = offs[next(k for k, r in enumerate(recs) if r.is_commit) + 1]  # the first commit's end
+    s.read(t, "empty", "a zero-byte file (the writer was killed before the header)", ["8"], b"")
+    s.read(t, "in_file_header", "13 bytes: the magic and part of the header", ["8", "3"], two[:13])
+    s.read(t, "before_first_commit", "cut inside the first commit record: nothing is committed",
+           ["8", "4.3"], two[: commits[0] + 20])
+    s.read(t, "in_record_header", "cut 20 bytes into the record header after the first commit", ["8"],
+           two[: end1 + 20])
+    s.read(t, "in_payload", "cut inside the payload of the first record after the first commit", ["8"],
+           two[: end1 + 32 + 9])
+    s.read(t, "uncommitted_records", "complete records after the last commit, but no commit for them", ["8", "4.3"],
+           two[: commits[1]])
+    s.read(t, "in_commit", "cut inside the last commit's payload", ["8", "4.3"], two[: commits[1] + 32 + 20])
+    s.read(t, "zero_tail", "512 zero bytes after the last commit (allocated, never written)", ["8"],
+           two + b"\0" * 512)
+    s.read(t, "zeroed_group", "the records after the first commit were never written: zeros of the same length",
+           ["8"], two[:end1] + b"\0" * (len(two) - end1))
+    recs2 = parse(two)[:4] + [Rec(RecordType.MANIFEST, b'{"kind": "site", oops')]
+    s.read(t, "uncommitted_bad_manifest", "a complete but uncommitted manifest that is not JSON is dropped, never "
+           "parsed", ["8", "9"], build(recs2)[0])
+
+
+def gen_forward(s: Suite, base: dict[str, bytes]) -> None:
+    fc = "forward-compat"
+    basic = base["basic"]
+    s.read(fc, "newer_read_version", "read_version 2: a version 1 reader must refuse", ["3"],
+           header(rv=2, wv=2) + basic[32:], error="unsupported_read_version")
+    s.read(fc, "newer_write_version", "write_version 2, read_version 1: readable (the dump shows write_version 2); "
+           "an implementation that appends must refuse to (read_only)", ["3"], header(wv=2) + basic[32:])
+    s.read(fc, "optional_features", "every optional feature bit set: readers ignore bits they do not know", ["3"],
+           header(opt=0xFFFFFFFF) + basic[32:])
+    recs = parse(basic)
+    k = next(i for i, r in enumerate(recs) if r.type == RecordType.OBS)
+    recs.insert(k, Rec(1000, b"a record from the future", flags=1))
+    data = build(recs)[0]
+    s.read(fc, "unknown_ignorable_record", "a committed record of unknown type 1000 with the ignorable flag: skipped "
+           "and listed in ignored_records", ["4.2", "10"], data)
+    recs[k] = Rec(1000, b"a record from the future", flags=0)
+    s.read(fc, "unknown_required_record", "a committed record of unknown type 1000 without the ignorable flag",
+           ["4.2"], build(recs)[0], error="unknown_record_type")
+    recs = parse(basic)
+    edit_chunk(first(recs, RecordType.OBS), lambda m, cs: cs.insert(3, Col("x-future", "u8", 0, b"\x07" * 8, 8)))
+    edit_chunk(first(recs, RecordType.STEPS), lambda m, cs: cs.append(Col("x-note", "f8", 0, b"\x01" * 8, 8)))
+    data = build(recs)[0]
+    s.read(fc, "unknown_x_columns", "an obs chunk with an extra column `x-future` in the middle and a steps chunk "
+           "with an extra last column `x-note`: ignored, same canonical JSON as valid/basic", ["7.4"], data)
+    assert same_content(data, basic)
+
+
+def gen_writer(s: Suite) -> None:
+    s.writer("basic", "one site, one observation with a sketch, one step-truth row", ["4.4", "7", "9"],
+             ops_doc(BASIC_OPS))
+    s.writer("specials_exact", "special values and sums that are not binary64 values (exact columns)",
+             ["5.1", "5.3", "7.5"], ops_doc([site("x"), obs(0, 0, SPECIALS), *exact_ops(1), COMMIT]))
+    s.writer("full", "every op: sites of every kind, micro-batches, phases, marks, scalars, step truth, a manual "
+             "segment, precomputed summaries (u64 counts, a scale-1 sketch), settings, several commits, an implicit "
+             "final commit", ["2", "4.3", "4.4", "7", "9"],
+             ops_doc(FULL_OPS + [{"op": "observe", "site": 0, "step": I(12), "summary": BIG_SUMMARY}],
+                     settings={"cadence": 1}, config={"layers": 2, "name": "caf\u00e9"}))
+
+
+RUN_ID_B = "0" * 31 + "4"
+WRITER_ID_B = "0" * 31 + "5"
+WRITER_ID_4 = "0" * 31 + "6"
+
+
+def rank_ops(rank: int, *, replica_scale: float = 1.0, fc_sharing: str = "shard") -> list[dict]:
+    """One rank of a 2-rank job: a shard activation (with micro-batches, gaps and a failure) and a replica
+    parameter (no sketch), steps 0..2, two commits."""
+    r = float(rank + 1)
+    ops = [
+        site("fc", shape=[3], dtype="float32", sharing=fc_sharing),
+        site("fc.weight", "param", sharing="replica", shape=[2], dtype="float32", cadence={"spine": 1, "sketch": 0}),
+    ]
+    for step in range(3):
+        if rank == 1 and step == 2:
+            ops.append({"op": "mark", "site": 0, "step": I(2), "presence": "absent"})
+        else:
+            ops.append(obs(0, step, [r * (step + 1), -0.5 * r, r / 8]))
+        ops.append(obs(1, step, [0.25 * (step + 1) * replica_scale, -1.5], sketch=False))
+        ops.append(truth(step, applied="applied", grad_basis="unscaled", micro_batches=U(2), tokens=U(100 + rank),
+                         loss_scale=F(1024.0 * (1 + (step == 2 and rank == 1)))))
+        if step == 1:
+            ops.append(obs(0, 1, [r, -r], micro=U(0)))
+            ops.append(COMMIT)
+    if rank == 1:
+        ops.append({"op": "mark", "site": 0, "step": I(2), "presence": "failed", "micro": U(7)})
+    else:
+        ops.append(obs(0, 2, [5.0], micro=U(7)))
+    return ops
+
+
+def rank_file(rank: int, **kw: Any) -> bytes:
+    return write_ops(ops_doc(rank_ops(rank, **kw), writer_id=(WRITER_ID, WRITER_ID_2)[rank], rank=rank,
+                             world_size=2, name="job"))
+
+
+def gen_merge(s: Suite) -> None:
+    m = "merge"
+    r0, r1 = rank_file(0), rank_file(1)
+    io = {"input-0.thist": r0, "input-1.thist": r1}
+    two = ["input-0.thist", "input-1.thist"]
+    merged = _derived_case(s, m, "two_ranks", "two ranks of one run: shard rows add exactly, replica rows are kept "
+                           "once, micro-batches keep their index, presence tallies (observed + absent, failed), "
+                           "step truth adds tokens and forgets a disagreeing loss scale", ["11.1", "11.2", "11.4",
+                           "11.5", "11.6", "11.9"], io, {"inputs": two})
+    _derived_case(s, m, "single_input", "merge of one file is its canonical form (sites by key, one chunk per site "
+                  "and segment, commits per 11.9)", ["11.8", "11.9"], {"input-0.thist": r0},
+                  {"inputs": ["input-0.thist"]})
+    canon = derive("merge", {"input-0.thist": r0}, {"inputs": ["input-0.thist"]})[2]
+    assert _derived_case(s, m, "with_empty_history", "the empty history (header only) is the identity of merge",
+                         ["11.8"], {"input-0.thist": header(), "input-1.thist": r0}, {"inputs": two}) == canon
+    assert _derived_case(s, m, "canonical_idempotent", "merging a merged file alone gives the same bytes",
+                         ["11.8", "11.9"], {"input-0.thist": merged}, {"inputs": ["input-0.thist"]}) == merged
+    a = write_ops(ops_doc(TWO_GROUPS_OPS, name="run-a"))
+    b_doc = ops_doc(TWO_GROUPS_OPS, name="run-b", writer_id=WRITER_ID_B)
+    b_doc["run"]["run_id"] = RUN_ID_B
+    b = write_ops(b_doc)
+    runs = {"input-0.thist": a, "input-1.thist": b}
+    _derived_case(s, m, "runs_apart", "two runs: their segments stay apart (identity (runs, number))", ["11.3"],
+                  runs, {"inputs": two})
+    _derived_case(s, m, "across_runs", "two runs with --across-runs: segment 0 of both combine", ["11.3"], runs,
+                  {"inputs": two, "across_runs": True})
+    _derived_case(s, m, "overlapping_writers", "the same file twice would count its writer twice", ["11.8"],
+                  {"input-0.thist": r0}, {"inputs": ["input-0.thist", "input-0.thist"]}, error="overlapping_writers")
+    _derived_case(s, m, "replica_divergence", "a replica site whose rows differ between ranks", ["11.5"],
+                  {"input-0.thist": r0, "input-1.thist": rank_file(1, replica_scale=2.0)}, {"inputs": two},
+                  error="replica_divergence")
+    _derived_case(s, m, "incompatible_sites", "one site is `shard` in one input and `replica` in the other",
+                  ["11.5"], {"input-0.thist": r0, "input-1.thist": rank_file(1, fc_sharing="replica")},
+                  {"inputs": two}, error="incompatible_sites")
+    _, _, r1_coarse = derive("coarsen", {"in.thist": r1}, {"input": "in.thist", "steps": 1, "bins_per_octave": 2})
+    _derived_case(s, m, "incompatible_grid", "sketches at 4 and at 2 bins per octave do not combine", ["11.2"],
+                  {"input-0.thist": r0, "input-1.thist": r1_coarse}, {"inputs": two}, error="incompatible_grid")
+    big = [site("big"), {"op": "observe", "site": 0, "step": I(0), "summary": BIG_SUMMARY}, COMMIT]
+    _derived_case(s, m, "count_overflow", "two counts of 2^64 - 1 do not fit a u64", ["11.2"],
+                  {"input-0.thist": write_ops(ops_doc(big)),
+                   "input-1.thist": write_ops(ops_doc(big, writer_id=WRITER_ID_4, rank=1, world_size=2))},
+                  {"inputs": two}, error="count_overflow")
+    s.read("valid", "derived_merged", "a merged file: tally columns, segment origin, no `created` in segments",
+           ["11.4", "11.9", "2.6"], merged)
+
+
+def gen_coarsen(s: Suite) -> None:
+    c = "coarsen"
+    r0 = rank_file(0)
+    one = {"input.thist": r0}
+    c2 = _derived_case(s, c, "steps2", "windows of 2 steps: rows add into spans [0,2) and [2,4), step truth too",
+                       ["11.7", "2.3"], one, {"input": "input.thist", "steps": 2, "bins_per_octave": 4})
+    _derived_case(s, c, "bins2", "sketches to 2 bins per octave (scale 1), steps kept", ["11.7", "6.3"], one,
+                  {"input": "input.thist", "steps": 1, "bins_per_octave": 2})
+    _derived_case(s, c, "steps4_bins1", "one 4-step window and 1 bin per octave (scale 0)", ["11.7", "6.3"], one,
+                  {"input": "input.thist", "steps": 4, "bins_per_octave": 1})
+    c4 = _derived_case(s, c, "compose", "coarsening a 2-step file by 4 equals coarsening the original by 4",
+                       ["11.7"], {"input.thist": c2}, {"input": "input.thist", "steps": 4, "bins_per_octave": 4})
+    assert c4 == derive(c, one, {"input": "input.thist", "steps": 4, "bins_per_octave": 4})[2]
+    _derived_case(s, c, "misaligned", "a 2-step file cannot be coarsened by 3: spans would straddle windows",
+                  ["11.7"], {"input.thist": c2}, {"input": "input.thist", "steps": 3, "bins_per_octave": 4},
+                  error="incompatible_span")
+    _derived_case(s, c, "merged_input", "coarsening a merged file (tallies and replica rows add over the window)",
+                  ["11.7", "11.4"], {"input.thist": derive("merge", {"a.thist": r0, "b.thist": rank_file(1)},
+                                                          {"inputs": ["a.thist", "b.thist"]})[2]},
+                  {"input": "input.thist", "steps": 2, "bins_per_octave": 2})
+    s.read("valid", "derived_coarsened", "a coarsened file: spans of 2 steps, a steps chunk with a `span` column, "
+           "scale-1 sketches", ["11.7", "2.3", "7.6"],
+           derive(c, one, {"input": "input.thist", "steps": 2, "bins_per_octave": 2})[2])
+
+
+def generate(out: Path) -> dict[str, int]:
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    s = Suite(out)
+    base = gen_valid(s)
+    gen_invalid(s, base)
+    gen_truncated(s, base)
+    gen_forward(s, base)
+    gen_writer(s)
+    for cat in ("merge", "coarsen"):
+        gen = globals().get(f"gen_{cat}")
+        if gen is not None:
+            gen(s)
+    return s.counts
+
+
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="regenerate into a temporary directory and compare")
+    ap.add_argument("--out", type=Path, default=VECTORS)
+    a = ap.parse_args(argv)
+    if not a.check:
+        counts = generate(a.out)
+        total = sum(f.stat().st_size for f in a.out.rglob("*") if f.is_file())
+        print(f"wrote {sum(counts.values())} cases to {a.out} ({total} bytes): "
+              + ", ".join(f"{k} {v}" for k, v in counts.items()))
+        return 0
+    with tempfile.TemporaryDirectory() as d:
+        fresh = Path(d) / "vectors"
+        generate(fresh)
+        have, want = _tree(a.out) if a.out.is_dir() else [], _tree(fresh)
+        problems = [f"missing: {p}" for p in sorted(set(want) - set(have))]
+        problems += [f"unexpected: {p}" for p in sorted(set(have) - set(want))]
+        problems += [f"differs: {p}" for p in sorted(set(want) & set(have))
+                     if not filecmp.cmp(a.out / p, fresh / p, shallow=False)]
+        if problems:
+            print(f"{a.out} is out of date ({len(problems)} problems); run python tools/gen_vectors.py:",
+                  file=sys.stderr)
+            for p in problems[:50]:
+                print("  " + p, file=sys.stderr)
+            return 1
+        print(f"{a.out}: {len(want)} files up to date")
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
