@@ -521,3 +521,33 @@ def test_unknown_ignorable_record_type_skipped(base: tuple[Path, bytes, tuple], 
         w.observe(w.site("x", "activation"), 50, np.ones(3, np.float32))
     with trainhist.open(q) as h:
         assert len(h.ignored_records) == 1 and h.spine("x").step.tolist()[-1] == 50 and h.recovery.status == "clean"
+
+
+@pytest.mark.parametrize("cut", ["uncommitted", "header_only", "inside_header"])
+def test_append_after_crash_before_first_commit(tmp_path: Path, cut: str) -> None:
+    """A run that died before its first commit (an early OOM) can be resumed: nothing was readable, so the
+    resumed writer starts the file afresh instead of failing."""
+    p = tmp_path / "early.thist"
+    w = HistoryWriter(p, **FAST)
+    w.observe(w.site("x", "activation"), 0, np.ones(3))
+    w._f.flush()  # the process dies here: manifests on disk, no commit
+    data = p.read_bytes()
+    w._f.close()
+    p.write_bytes({"uncommitted": data, "header_only": data[:FILE_HEADER_SIZE], "inside_header": data[:10]}[cut])
+    with trainhist.open(p) as h:
+        assert h.recovery.status == "torn" or (cut == "header_only" and h.recovery.status == "clean")
+        assert h.sites == [] and h.committed_bytes in (0, FILE_HEADER_SIZE)
+    with HistoryWriter(p, mode="a", **FAST) as w2:
+        w2.observe(w2.site("x", "activation"), 1, np.ones(3))
+    with trainhist.open(p) as h:
+        assert h.recovery.status == "clean" and h.spine("x").step.tolist() == [1]
+        assert [(g.id, g.reason, g.previous) for g in h.segments] == [(0, "start", None)] and len(h.runs) == 1
+
+
+def test_append_refuses_a_file_that_is_not_trainhist(tmp_path: Path) -> None:
+    p = tmp_path / "notes.txt"
+    p.write_bytes(b"precious notes, not a history file\n" * 3)
+    with pytest.raises(trainhist.FormatError) as ei:
+        HistoryWriter(p, mode="a", **FAST)
+    assert ei.value.code == "bad_magic"
+    assert p.read_bytes() == b"precious notes, not a history file\n" * 3

@@ -199,8 +199,8 @@ class HistoryWriter:
         self._segment_manifest: dict | None = None
         resumed = mode == "a" and os.path.exists(self.path) and os.path.getsize(self.path) > 0
         if resumed:
-            self._open_append()
-        else:
+            resumed = self._open_append()  # False: nothing was ever committed, so the file starts afresh
+        if not resumed:
             self.run_id = run_id or uuid.uuid4().hex
             self._salt = int.from_bytes(os.urandom(8), "little") if salt is None else int(salt)
             self._f = open(self.path, "wb")
@@ -226,10 +226,13 @@ class HistoryWriter:
         return self._created if self._created is not None else _now()
 
     # -- opening an existing file ------------------------------------------------------------------------
-    def _open_append(self) -> None:
+    def _open_append(self) -> bool:
         from .reader import open_history
 
         h = open_history(self.path)
+        if h.header is None or (h.committed_records == 0 and h.header.write_version <= WRITE_VERSION):
+            h.close()  # crashed before its first commit: nothing to resume, the file starts afresh
+            return False
         if h.header.write_version > WRITE_VERSION:
             raise ReadOnlyError(
                 f"file was written by write version {h.header.write_version}; this writer is version "
@@ -249,6 +252,7 @@ class HistoryWriter:
         self._f.truncate(h.committed_bytes)  # drop a torn or uncommitted tail before appending
         self._f.seek(h.committed_bytes)
         self._offset = h.committed_bytes
+        return True
 
     # -- records -----------------------------------------------------------------------------------------
     def _record(self, rtype: int, payload: bytes, *, site: int = NO_ID, segment: int = NO_ID, rows: int = 0,
