@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -157,6 +158,22 @@ def check_payload(payload: bytes, crc: int, path: str, offset: int) -> memoryvie
     return memoryview(payload)
 
 
+def dyadic_float(m: int, e: int) -> float:
+    """Correctly rounded float64 of ``m * 2**e`` (+-inf beyond the range), as ``Dyadic.to_float``."""
+    try:
+        return m / (1 << -e) if e < 0 else float(m << e)
+    except OverflowError:
+        return math.copysign(math.inf, m)
+
+
+def dyadic_is_float(m: int, e: int) -> bool:
+    """Whether canonical ``m * 2**e`` (m odd or zero) is exactly a finite float64."""
+    if m == 0:
+        return True
+    n = (m if m > 0 else -m).bit_length()
+    return n <= 53 and e >= -1074 and e + n <= 1024
+
+
 def _exact(ch, name: str, rows: int, f: np.ndarray, path: str, offset: int) -> np.ndarray:
     out = np.full(rows, None, dtype=object)
     if not ch.has(name + "_xn"):
@@ -166,17 +183,25 @@ def _exact(ch, name: str, rows: int, f: np.ndarray, path: str, offset: int) -> n
     if int(lens.sum(dtype=np.uint64)) != len(blob):
         raise _bad(f"{name}_x holds {len(blob)} bytes, {name}_xn sums to {int(lens.sum())}", path, offset,
                    "bad_column_length")
-    ends = np.cumsum(lens, dtype=np.int64)
-    for i in np.flatnonzero(lens).tolist():
-        b = blob[int(ends[i] - lens[i]) : int(ends[i])]
-        try:
-            d = Dyadic.from_bytes(b)
-        except ValueError as err:
-            raise _bad(f"{name}_x row {i}: {err}", path, offset, "bad_exact_value") from None
-        if d.to_float() != f[i]:
+    fl = f.tolist()
+    pos = 0
+    from_bytes = int.from_bytes
+    for i, n in enumerate(lens.tolist()):
+        if not n:
+            continue
+        if n < 5:
+            raise _bad(f"{name}_x row {i}: a dyadic needs at least 5 bytes", path, offset, "bad_exact_value")
+        e = from_bytes(blob[pos : pos + 4], "little", signed=True)
+        m = from_bytes(blob[pos + 4 : pos + n], "little", signed=True)
+        pos += n
+        if (m == 0 and e != 0) or (m != 0 and not m & 1) or n - 4 != (m if m >= 0 else ~m).bit_length() // 8 + 1:
+            raise _bad(f"{name}_x row {i}: dyadic encoding is not canonical (mantissa must be odd and "
+                       "minimal-length)", path, offset, "bad_exact_value")
+        if dyadic_float(m, e) != fl[i]:
             raise _bad(f"{name} row {i} is not the correctly rounded value of {name}_x", path, offset,
                        "bad_exact_value")
-        out[i] = None if d.is_float() else d
+        if not dyadic_is_float(m, e):
+            out[i] = Dyadic(m, e)
     return out
 
 
@@ -304,8 +329,10 @@ def _exact_blobs(f: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, bytes] | Non
         return None
     lens = np.zeros(f.size, np.uint32)
     blobs = []
+    pack = struct.Struct("<i").pack
     for i in idx:
-        b = x[i].to_bytes()
+        m, e = x[i]
+        b = pack(e) + m.to_bytes((m if m >= 0 else ~m).bit_length() // 8 + 1, "little", signed=True)
         lens[i] = len(b)
         blobs.append(b)
     return lens, b"".join(blobs)

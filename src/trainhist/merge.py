@@ -33,10 +33,12 @@ from .canonical import (
     decode_obs,
     decode_steps,
     derive_presence,
+    dyadic_float,
+    dyadic_is_float,
     encode_obs,
     encode_steps,
 )
-from .dyadic import ZERO, Dyadic
+from .dyadic import Dyadic
 from .errors import MergeError, UsageError
 from .framing import RECORD_HEADER_SIZE
 from .grid import nbins
@@ -224,13 +226,32 @@ def _sum_exact(f: np.ndarray, x: np.ndarray, starts: np.ndarray, sizes: np.ndarr
     xl = x.tolist()
     for j in np.flatnonzero(~done).tolist():
         s0 = int(st[j])
-        total = ZERO
+        ms, es = [], []
         for i in range(s0, s0 + int(sz[j])):
             d = xl[i]
-            total = total + (d if d is not None else Dyadic.from_float(fl[i]))
+            if d is None:
+                v = fl[i]
+                if v == 0.0:
+                    continue
+                num, den = v.as_integer_ratio()
+                ms.append(num)
+                es.append(1 - den.bit_length())
+            else:
+                ms.append(d[0])
+                es.append(d[1])
         g = int(multi[j])
-        out_f[g] = total.to_float()
-        out_x[g] = None if total.is_float() else total
+        if not ms:
+            out_f[g], out_x[g] = 0.0, None
+            continue
+        emin = min(es)
+        tot = sum(m << (e - emin) for m, e in zip(ms, es))
+        if tot == 0:
+            out_f[g], out_x[g] = 0.0, None
+            continue
+        tz = (tot & -tot).bit_length() - 1
+        m, e = tot >> tz, emin + tz
+        out_f[g] = dyadic_float(m, e)
+        out_x[g] = None if dyadic_is_float(m, e) else Dyadic(m, e)
     return out_f, out_x
 
 
