@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest tests
 
 demo: $(STAMP)
-	$(BIN)/trainhist demo --out demo_out
+	$(BIN)/trainhist demo --inject-nan 20
 
 vectors: $(STAMP)
 	$(BIN)/python tools/gen_vectors.py

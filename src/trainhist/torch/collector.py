@@ -152,7 +152,8 @@ class Collector:
     ``streams``: any of ``activation, activation_grad, param, param_grad, param_delta``. ``sites``: module-path
     prefixes or fnmatch patterns (``None`` = every module and parameter). ``every`` / ``sketch_every``: spine and
     sketch cadence in steps, an int or a per-stream mapping (0 = never). ``delta_elements``: size of the seeded
-    ``param_delta`` subvector. Give ``path`` (``{rank}`` is substituted; under several ranks ``.rank<r>`` is
+    ``param_delta`` subvector. ``commit_every``: logged steps per commit — a crash loses at most the steps since
+    the last commit (the writer also commits after ``commit_seconds``, default 30 s). Give ``path`` (``{rank}`` is substituted; under several ranks ``.rank<r>`` is
     inserted otherwise) or an open ``writer``; other keyword arguments go to :class:`~trainhist.HistoryWriter`.
     """
 
@@ -168,7 +169,7 @@ class Collector:
         delta_elements: int = 4096,
         seed: int = 0,
         writer: object | None = None,
-        commit_every: int = 1,
+        commit_every: int = 50,
         **writer_options: object,
     ) -> None:
         self.streams = tuple(streams)
