@@ -506,8 +506,8 @@ class History:
             if ch.has("sk"):
                 has, pos, neg, bands, s = self._sketch_part(e, ch)
                 if scale is not None and s != scale:
-                    raise UsageError(f"site {site.key} mixes sketch scales {scale} and {s}", code="mixed_scale",
-                                     path=self.path)
+                    raise _bad(f"site {site.key} mixes sketch scales {scale} and {s} (spec 7.5)", "mixed_scale",
+                               self.path, e.offset)
                 scale = s
                 sk_row[has] = n_sk + np.arange(int(has.sum()))
                 n_sk += int(has.sum())
