@@ -156,18 +156,29 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
     return fig
 
 
-def _score(h: History, site: Site) -> tuple[int, float]:
-    best = (0, 0.0)
+def _rank_key(h: History, site: Site) -> tuple:
+    """Sort key "nonfinite_first_then_drift": sites with non-finite values first, earliest step and pass first
+    (the order triage uses); then the others by drift, |log(rms_last / rms_first)|, largest first."""
+    from .triage import _PASS
+
+    first_bad: int | None = None
+    drift = 0.0
     for phase in ("default", "pre_clip", "post_clip"):
         s = h.spine(site.path, site.stream, site.facet, phase=phase)
         if not len(s):
             continue
-        nonfinite = int(((s.nan + s.pinf + s.ninf)[s.observed]).sum())
+        bad = s.observed & ((s.nan + s.pinf + s.ninf) > 0)
+        if bad.any():
+            step = int(s.step[bad].min())
+            first_bad = step if first_bad is None else min(first_bad, step)
         rms = s.rms[s.observed]
         rms = rms[np.isfinite(rms) & (rms > 0)]
-        drift = float(abs(math.log(rms[-1] / rms[0]))) if rms.size > 1 else 0.0
-        best = max(best, (nonfinite, drift))
-    return best
+        if rms.size > 1:
+            drift = max(drift, float(abs(math.log(rms[-1] / rms[0]))))
+    order = len(h.sites) - site.id if site.stream == "activation_grad" else site.id
+    if first_bad is not None:
+        return (0, first_bad, _PASS[site.stream], order)
+    return (1, -drift, site.id)
 
 
 def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: int = 6) -> list[Path]:
@@ -176,9 +187,11 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
     Returns the PNG pages written; each carries the footer "sites a–b of M — page k of P".
     """
     plt = _mpl()
+    from matplotlib.ticker import LogLocator, MaxNLocator
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ranked = sorted(h.sites, key=lambda s: tuple(-v for v in _score(h, s)) + (s.id,))
+    ranked = sorted(h.sites, key=lambda s: _rank_key(h, s))
     pages = max(1, math.ceil(len(ranked) / per_page))
     written = []
     for k in range(pages):
@@ -196,15 +209,22 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
             nf = s.observed & ((s.nan + s.pinf + s.ninf) > 0)
             if nf.any():
                 ax.set_facecolor("#fde0e0")
-                for x in s.step[nf][:50].tolist():
-                    ax.axvline(x, color="red", lw=0.5)
-            ax.set_yscale("log") if (s.rms[obs] > 0).all() and obs.any() else None
+                ax.vlines(s.step[nf], 0, 1, transform=ax.get_xaxis_transform(), color="red", lw=0.5)
+            if obs.any() and (s.rms[obs] > 0).all():
+                ax.set_yscale("log")
+            # few ticks and no minor ticks: tick layout dominates the drawing time of a sheet
+            ax.minorticks_off()
+            ax.xaxis.set_major_locator(MaxNLocator(3))
+            if ax.get_yscale() == "linear":
+                ax.yaxis.set_major_locator(MaxNLocator(3))
+            else:
+                ax.yaxis.set_major_locator(LogLocator(numticks=3))
             ax.set_title(_site_title(site, phase), fontsize=6)
             ax.tick_params(labelsize=5)
         a, b = k * per_page + 1, k * per_page + len(tiles)
         fig.text(0.5, 0.005, f"sites {a}–{b} of {len(ranked)} — page {k + 1} of {pages} · rms per step "
                  "(from exact sums); ranked nonfinite_first_then_drift", ha="center", fontsize=7)
-        fig.tight_layout(rect=(0, 0.03, 1, 1))
+        fig.subplots_adjust(left=0.05, right=0.98, top=0.95, bottom=0.08, hspace=0.6, wspace=0.35)
         p = out_dir / f"contact_sheet_p{k + 1}.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)
