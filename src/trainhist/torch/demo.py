@@ -56,10 +56,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # config notices about the tiny vocabulary are not the demo's point
 
     torch.manual_seed(args.seed)
     tokens = _corpus()
-    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=SEQ, use_cache=False)
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=SEQ, use_cache=False,
+                     bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
@@ -122,24 +126,28 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _follow_up(args: argparse.Namespace) -> None:
-    """Triage the history and draw its contact sheet, when this installation has those modules."""
+    """Triage the history and draw its figures (the figures need matplotlib, the ``viz`` extra)."""
     from .. import open as open_history
+    from ..triage import triage
 
     with open_history(args.out) as h:
-        try:
-            from ..triage import triage
-        except ImportError:
-            pass
-        else:
-            print(triage(h).format())
+        report = triage(h)
+        print(report.format())
         if args.no_figures:
             return
         try:
-            from ..figures import contact_sheet
+            from ..figures import contact_sheet, site_figure, waterfall
         except ImportError:
+            print("figures skipped: install the viz extra (matplotlib)")
             return
-        pages = contact_sheet(h, Path(args.out).parent / "figures")
-        print(f"figures: {len(pages)} page(s) in {Path(args.out).parent / 'figures'}")
+        out = Path(args.out).parent / "figures"
+        pages = contact_sheet(h, out)
+        first = report.first_nonfinite
+        site = next((s for s in h.sites if first is not None and s.path == first.site
+                     and s.stream == "activation"), None) or h.site(FAULT_SITE, "activation")
+        site_figure(h, site.path, site.stream, site.facet, out=out / "site.png")
+        waterfall(h, site.path, site.stream, site.facet, out=out / "waterfall.png")
+        print(f"figures: contact sheet ({len(pages)} page(s)), site.png and waterfall.png of {site.path} in {out}")
 
 
 if __name__ == "__main__":
