@@ -166,7 +166,7 @@ class FastReader:
                 ch = orig_chunk(self, e)
                 return Chunk(ch.meta, memoryview(data), ch.offset, ch.path, ch._dir)  # no view of the file map
 
-            return cached(("chunk", self.path, tuple(vars(e).values()), data), compute)
+            return cached(("chunk", self.path, tuple(e), data), compute)
 
         mp.setattr(History, "chunk", chunk)
         if hasattr(History, "_site_data"):
@@ -174,9 +174,9 @@ class FastReader:
 
             def site_data(self, site, phase):
                 key = ("site", self.path, site.id, site.key, phase,
-                       tuple((tuple(vars(e).values()), payload(self, e)) for e in self._obs.get(site.id, [])))
+                       tuple((tuple(e), payload(self, e)) for e in self._obs.get(site.id, [])))
                 return cached(key, lambda: orig_site(self, site, phase),
-                              lambda r: (dict(r[0]), {k: list(v) for k, v in r[1].items()}, r[2]))
+                              lambda r: (dict(r[0]), dict(r[1]), r[2]))
 
             mp.setattr(History, "_site_data", site_data)
 
@@ -261,8 +261,8 @@ def index_of(h: trainhist.History) -> tuple:
     """What the scan built: manifests, and every committed chunk's entry (offset, type, site, rows, CRC...)."""
     return (repr(h.runs), repr(h.writers), repr(h.settings), repr(h.segments),
             [(s.key, repr(s.manifest)) for s in h.sites], list(h.ignored_records), h.committed_records,
-            {k: [tuple(vars(e).values()) for e in v] for k, v in h._obs.items()},
-            [tuple(vars(e).values()) for e in h._steps])
+            {k: [tuple(e) for e in v] for k, v in h._obs.items()},
+            [tuple(e) for e in h._steps])
 
 
 def test_truncation_at_every_byte(sample: tuple[bytes, dict, Path], at_boundary: dict[int, dict]) -> None:

@@ -163,7 +163,7 @@ def dyadic_float(m: int, e: int) -> float:
     try:
         return m / (1 << -e) if e < 0 else float(m << e)
     except OverflowError:
-        return math.copysign(math.inf, m)
+        return math.inf if m > 0 else -math.inf
 
 
 def dyadic_is_float(m: int, e: int) -> bool:

@@ -8,11 +8,12 @@ and what was dropped is reported), or corruption before the last commit (a typed
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from .dyadic import Dyadic
 from .errors import CorruptError, FormatError, UnsupportedError, UsageError
 from .framing import (
     FILE_HEADER_SIZE,
+    FLAG_IGNORABLE,
     MAGIC,
     RECORD_HEADER_SIZE,
     WRITE_VERSION,
@@ -55,6 +57,9 @@ _STEPS_KNOWN = {**STEPS_COLUMNS, **STEPS_OPTIONAL_COLUMNS}
 _OBS_VARIABLE = frozenset({"sum_x", "sumsq_x", "sk_counts"})
 _COMMIT_HEAD = struct.Struct("<QQ")
 _COMMIT_ENTRY = struct.Struct("<QHHIIIqq")
+_ENTRY_DTYPE = np.dtype([("offset", "<u8"), ("type", "<u2"), ("reserved", "<u2"), ("site", "<u4"),
+                         ("segment", "<u4"), ("rows", "<u4"), ("step_min", "<i8"), ("step_max", "<i8")])
+_REC = struct.Struct("<HHIQQII")
 NO_ID = 0xFFFFFFFF
 
 
@@ -112,8 +117,9 @@ class Recovery:
         )
 
 
-@dataclass(frozen=True)
-class _Entry:
+class _Entry(NamedTuple):
+    """One committed obs or steps record, as its commit entry names it (the file's index)."""
+
     offset: int  # record header offset
     type: int
     site: int
@@ -125,13 +131,39 @@ class _Entry:
     payload_crc: int
 
 
+class _Exact:
+    """The exact-sum column of a series (spec 5.3), decoded and checked only when a row's exact value is asked for."""
+
+    def __init__(self, name: str, rounded: np.ndarray, off: np.ndarray, n: np.ndarray, blob: bytes,
+                 where: np.ndarray, path: str) -> None:
+        self.name, self.rounded, self.off, self.n, self.blob, self.where, self.path = (
+            name, rounded, off, n, blob, where, path)
+
+    def get(self, i: int) -> Dyadic | None:
+        n = int(self.n[i])
+        if n == 0:
+            return None
+        o = int(self.off[i])
+        try:
+            d = Dyadic.from_bytes(self.blob[o : o + n])
+        except ValueError as err:
+            raise _bad(f"{self.name}_x: {err}", "bad_exact_value", self.path, int(self.where[i])) from None
+        if d.to_float() != float(self.rounded[i]) and not (math.isnan(d.to_float()) and math.isnan(self.rounded[i])):
+            raise _bad(f"{self.name} is not the correctly rounded value of {self.name}_x", "bad_exact_value",
+                       self.path, int(self.where[i]))
+        return d
+
+    def take(self, keep: np.ndarray, rounded: np.ndarray) -> "_Exact":
+        return _Exact(self.name, rounded, self.off[keep], self.n[keep], self.blob, self.where[keep], self.path)
+
+
 @dataclass
 class SpineSeries:
     """One site's rows (optionally one phase), as numpy columns; only ``observed`` rows carry numbers."""
 
     site: Site
     columns: dict[str, np.ndarray]
-    exact: dict[str, list[Dyadic | None]]
+    _x: dict[str, _Exact] = field(repr=False)
 
     def __len__(self) -> int:
         return int(self.columns["step"].size)
@@ -173,14 +205,19 @@ class SpineSeries:
         with np.errstate(all="ignore"):
             return self._derived(np.sqrt(self.columns["sumsq"] / self.finite))
 
+    @property
+    def exact(self) -> dict[str, list[Dyadic | None]]:
+        """Per row, the exact value stored beside the rounded f64 (None where the f64 is exact); all checked."""
+        return {k: [x.get(i) for i in range(len(self))] for k, x in self._x.items()}
+
     def sum_exact(self, i: int) -> Dyadic:
         """The exact stored sum of row ``i``."""
-        x = self.exact["sum"][i]
+        x = self._x["sum"].get(i)
         return x if x is not None else Dyadic.from_float(float(self.columns["sum"][i]))
 
     def sumsq_exact(self, i: int) -> Dyadic:
         """The exact stored sum of squares of row ``i``."""
-        x = self.exact["sumsq"][i]
+        x = self._x["sumsq"].get(i)
         return x if x is not None else Dyadic.from_float(float(self.columns["sumsq"][i]))
 
     def summary(self, i: int, sketch: Sketch | None = None) -> Summary:
@@ -260,41 +297,43 @@ class History:
         pos = FILE_HEADER_SIZE
         seq = 0
         committed_end = pos
-        pending: list[tuple[int, RecordHeader]] = []
+        pending: list[tuple[int, int, int, int, int]] = []  # (offset, type, length, payload_crc, flags)
         stop: tuple[int, str] | None = None
+        unpack, raw = _REC.unpack_from, self._buf
+        manifest_or_commit = (RecordType.MANIFEST, RecordType.COMMIT)
         while pos < size:
             if size - pos < RECORD_HEADER_SIZE:
                 stop = (pos, "file ends inside a record header")
                 break
-            hdr = RecordHeader.parse(buf, pos)
-            if hdr is None or hdr.salt != salt:
+            rtype, flags, length, rseq, rsalt, pcrc, hcrc = unpack(raw, pos)
+            if crc32c(buf[pos : pos + 28]) != hcrc or rsalt != salt:
                 if not np.any(np.frombuffer(self._buf, np.uint8, size - pos, pos)):
                     stop = (pos, "zero-filled tail (space the file system allocated but never wrote)")
                     break
-                if hdr is None:
+                if rsalt == salt or crc32c(buf[pos : pos + 28]) != hcrc:
                     raise _bad("record header CRC32C mismatch (the length cannot be trusted)", "bad_record_header",
                                path, pos)
-                raise _bad(f"record salt {hdr.salt:016x} differs from the file's {salt:016x} (stale or spliced bytes)",
+                raise _bad(f"record salt {rsalt:016x} differs from the file's {salt:016x} (stale or spliced bytes)",
                            "salt_mismatch", path, pos)
-            hdr.check_limits(pos, path)
-            if hdr.seq != seq:
-                raise _bad(f"record sequence number {hdr.seq}, expected {seq} (stale or spliced bytes)",
+            RecordHeader(rtype, flags, length, rseq, rsalt, pcrc).check_limits(pos, path)
+            if rseq != seq:
+                raise _bad(f"record sequence number {rseq}, expected {seq} (stale or spliced bytes)",
                            "bad_sequence", path, pos)
-            end = pos + RECORD_HEADER_SIZE + hdr.padded_length
+            end = pos + RECORD_HEADER_SIZE + length + (-length % 8)
             if end > size:
-                stop = (pos, f"file ends inside a {hdr.length}-byte record payload")
+                stop = (pos, f"file ends inside a {length}-byte record payload")
                 break
-            if hdr.type in (RecordType.COMMIT, RecordType.MANIFEST):
-                problem = self._check_payload(pos, hdr)
+            if rtype in manifest_or_commit:
+                problem = self._check_payload(pos, length, pcrc, rtype)
                 if problem is not None:
                     raise _bad(problem[1], problem[0], path, pos)
-            if hdr.type == RecordType.COMMIT:
-                self._apply_commit(pos, hdr, pending)
+            if rtype == RecordType.COMMIT:
+                self._apply_commit(pos, length, seq, pending)
                 self.committed_records = seq + 1
                 pending = []
                 committed_end = end
             else:
-                pending.append((pos, hdr))
+                pending.append((pos, rtype, length, pcrc, flags))
             pos = end
             seq += 1
         self.committed_bytes = committed_end
@@ -307,47 +346,48 @@ class History:
             self.recovery = Recovery("torn", committed_end, size - committed_end, len(pending) + (1 if stop else 0),
                                      reason, committed_end)
 
-    def _payload(self, pos: int, hdr: RecordHeader) -> memoryview:
-        return self._view[pos + RECORD_HEADER_SIZE : pos + RECORD_HEADER_SIZE + hdr.length]
-
-    def _check_payload(self, pos: int, hdr: RecordHeader) -> tuple[str, str] | None:
-        """(code, message) if the payload CRC or padding is wrong."""
-        if crc32c(self._payload(pos, hdr)) != hdr.payload_crc:
-            return ("bad_payload_crc", f"payload CRC32C mismatch in {RecordType.NAMES.get(hdr.type, hdr.type)} record")
-        start = pos + RECORD_HEADER_SIZE + hdr.length
-        if any(self._view[start : start + pad8(hdr.length)]):
+    def _check_payload(self, pos: int, length: int, payload_crc: int, rtype: int) -> tuple[str, str] | None:
+        """(code, message) if the payload CRC or padding of the record at ``pos`` is wrong."""
+        start = pos + RECORD_HEADER_SIZE
+        if crc32c(self._view[start : start + length]) != payload_crc:
+            return ("bad_payload_crc", f"payload CRC32C mismatch in {RecordType.NAMES.get(rtype, rtype)} record")
+        if any(self._view[start + length : start + length + pad8(length)]):
             return ("bad_padding", "record padding bytes are not zero")
         return None
 
-    def _apply_commit(self, pos: int, hdr: RecordHeader, pending: list[tuple[int, RecordHeader]]) -> None:
+    def _apply_commit(self, pos: int, length: int, seq: int, pending: list[tuple[int, int, int, int, int]]) -> None:
         path = self.path
-        p = self._payload(pos, hdr)
+        p = self._view[pos + RECORD_HEADER_SIZE : pos + RECORD_HEADER_SIZE + length]
         if len(p) < _COMMIT_HEAD.size:
             raise _bad("commit payload shorter than 16 bytes", "bad_commit", path, pos)
         cseq, n = _COMMIT_HEAD.unpack_from(p, 0)
-        if cseq != hdr.seq or len(p) != _COMMIT_HEAD.size + n * _COMMIT_ENTRY.size or n != len(pending):
+        if cseq != seq or len(p) != _COMMIT_HEAD.size + n * _COMMIT_ENTRY.size or n != len(pending):
             raise _bad(
                 f"commit lists {n} records (payload {len(p)} bytes, seq {cseq}); {len(pending)} records precede it "
                 f"since the previous commit", "bad_commit", path, pos,
             )
-        for i, (rpos, rhdr) in enumerate(pending):
-            off, rtype, _res, site, seg, rows, lo, hi = _COMMIT_ENTRY.unpack_from(p, _COMMIT_HEAD.size + i * _COMMIT_ENTRY.size)
-            if off != rpos or rtype != rhdr.type:
-                raise _bad(f"commit entry {i} names a type-{rtype} record at {off}; found type {rhdr.type} at {rpos}",
+        entries = np.frombuffer(p, _ENTRY_DTYPE, n, _COMMIT_HEAD.size).tolist()
+        segments = {g.id for g in self.segments}
+        for i, ((off, rtype, _res, site, seg, rows, lo, hi), (rpos, ptype, plen, pcrc, flags)) in enumerate(
+            zip(entries, pending)
+        ):
+            if off != rpos or rtype != ptype:
+                raise _bad(f"commit entry {i} names a type-{rtype} record at {off}; found type {ptype} at {rpos}",
                            "bad_commit", path, pos)
-            e = _Entry(rpos, rtype, site, seg, rows, lo, hi, rhdr.length, rhdr.payload_crc)
-            if rtype == RecordType.MANIFEST:
-                self._apply_manifest(e)
-            elif rtype == RecordType.OBS:
-                if site >= len(self.sites) or not any(g.id == seg for g in self.segments) or rows == 0 or lo > hi:
+            e = _Entry(rpos, rtype, site, seg, rows, lo, hi, plen, pcrc)
+            if rtype == RecordType.OBS:
+                if site >= len(self.sites) or seg not in segments or rows == 0 or lo > hi:
                     raise _bad(f"commit entry {i}: obs chunk names site {site}, segment {seg}, {rows} rows, steps "
                                f"{lo}..{hi}: site/segment not declared before it, or empty", "bad_commit", path, pos)
                 self._obs.setdefault(site, []).append(e)
+            elif rtype == RecordType.MANIFEST:
+                self._apply_manifest(e)
+                segments = {g.id for g in self.segments}
             elif rtype == RecordType.STEPS:
-                if not any(g.id == seg for g in self.segments):
+                if seg not in segments:
                     raise _bad(f"steps chunk names undeclared segment {seg}", "bad_commit", path, pos)
                 self._steps.append(e)
-            elif rhdr.ignorable:
+            elif flags & FLAG_IGNORABLE:
                 self.ignored_records.append((rpos, rtype))
             else:
                 raise UnsupportedError(
@@ -425,7 +465,7 @@ class History:
             raise _bad(f"chunk lacks required columns {missing}", "missing_column", self.path, e.offset)
         return ch
 
-    def _obs_columns(self, e: _Entry) -> tuple[dict[str, np.ndarray], dict[str, list], Chunk]:
+    def _obs_columns(self, e: _Entry) -> tuple[dict[str, np.ndarray], dict[str, tuple[np.ndarray, bytes]], Chunk]:
         ch = self.chunk(e)
         cols = {name: ch.column(name, e.rows) for name in OBS_COLUMNS}
         cols["segment"] = np.full(e.rows, e.segment, np.uint32)
@@ -435,27 +475,17 @@ class History:
         if (cols["phase"] >= len(Phase.NAMES)).any() or (cols["presence"] >= len(Presence.NAMES)).any():
             raise UnsupportedError("chunk uses phase or presence codes unknown to this reader",
                                    code="unknown_code", path=path, offset=e.offset)
-        exact: dict[str, list] = {}
+        exact: dict[str, tuple[np.ndarray, bytes]] = {}
         for name in ("sum", "sumsq"):
-            vals: list = [None] * e.rows
             if ch.has(name + "_xn"):
-                lens = ch.column(name + "_xn", e.rows)
+                lens = ch.column(name + "_xn", e.rows).astype(np.int64)
                 blob = ch.column(name + "_x")
                 if int(lens.sum()) != blob.size:
                     raise _bad(f"{name}_x holds {blob.size} bytes, {name}_xn sums to {int(lens.sum())}",
                                "bad_column_length", path, e.offset)
-                pos = 0
-                for i, n in enumerate(lens.tolist()):
-                    if n:
-                        try:
-                            vals[i] = Dyadic.from_bytes(bytes(blob[pos : pos + n]))
-                        except ValueError as err:
-                            raise _bad(f"{name}_x row {i}: {err}", "bad_exact_value", path, e.offset) from None
-                        if vals[i].to_float() != cols[name][i]:
-                            raise _bad(f"{name} row {i} is not the correctly rounded value of {name}_x",
-                                       "bad_exact_value", path, e.offset)
-                    pos += n
-            exact[name] = vals
+                exact[name] = (lens, blob.tobytes())
+            else:
+                exact[name] = (np.zeros(e.rows, np.int64), b"")
         return cols, exact, ch
 
     def _sketch_part(self, e: _Entry, ch: Chunk) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
@@ -475,28 +505,29 @@ class History:
         if (~has & ((sk["sk_pn"] > 0) | (sk["sk_nn"] > 0))).any():
             raise _bad("a row without a sketch declares sketch bins", "bad_sketch", self.path, e.offset)
         n_rows = int(has.sum())
+        pn, nn = sk["sk_pn"][has].astype(np.int64), sk["sk_nn"][has].astype(np.int64)
+        plo, nlo = sk["sk_plo"][has].astype(np.int64), sk["sk_nlo"][has].astype(np.int64)
+        if (plo + pn > nb).any() or (nlo + nn > nb).any() or int(pn.sum() + nn.sum()) != counts.size:
+            raise _bad(f"sketch ranges exceed {nb} bins or do not use exactly the {counts.size} values of sk_counts",
+                       "bad_sketch", self.path, e.offset)
+        start = np.cumsum(pn + nn) - (pn + nn)  # where each row's values begin in sk_counts
         pos = np.zeros((n_rows, nb), np.uint64)
         neg = np.zeros((n_rows, nb), np.uint64)
-        off = 0
-        for j, i in enumerate(np.flatnonzero(has).tolist()):
-            for arr, lo, n in ((pos, sk["sk_plo"][i], sk["sk_pn"][i]), (neg, sk["sk_nlo"][i], sk["sk_nn"][i])):
-                lo, n = int(lo), int(n)
-                if lo + n > nb or off + n > counts.size:
-                    raise _bad(f"sketch range {lo}+{n} exceeds {nb} bins or the counts column", "bad_sketch",
-                               self.path, e.offset)
-                arr[j, lo : lo + n] = counts[off : off + n]
-                off += n
-        if off != counts.size:
-            raise _bad(f"sk_counts holds {counts.size} values, the ranges use {off}", "bad_sketch", self.path,
-                       e.offset)
+        rows = np.arange(n_rows)
+        for dense, lo, n, first in ((pos, plo, pn, start), (neg, nlo, nn, start + pn)):
+            if int(n.sum()):
+                r = np.repeat(rows, n)
+                within = np.arange(r.size) - np.repeat(np.cumsum(n) - n, n)
+                dense[r, np.repeat(lo, n) + within] = counts[np.repeat(first, n) + within]
         bands = np.stack([sk[k][has] for k in ("sk_up", "sk_un", "sk_op", "sk_on")], axis=1)
         return has, pos, neg, bands, s
 
-    def _site_data(self, site: Site, phase: str | None) -> tuple[dict[str, np.ndarray], dict[str, list], tuple]:
+    def _site_data(self, site: Site, phase: str | None) -> tuple[dict[str, np.ndarray], dict[str, _Exact], tuple]:
         """All committed rows of a site (one phase), with ``sk_row`` indexing the dense sketch arrays (-1: none)."""
         from .grid import nbins
 
-        parts, exact = [], {"sum": [], "sumsq": []}
+        parts: list[dict[str, np.ndarray]] = []
+        xparts: dict[str, list[tuple[np.ndarray, bytes]]] = {"sum": [], "sumsq": []}
         pos_l, neg_l, bands_l = [], [], []
         scale = None
         n_sk = 0
@@ -515,14 +546,21 @@ class History:
                 neg_l.append(neg)
                 bands_l.append(bands)
             cols["sk_row"] = sk_row
+            cols["x_where"] = np.full(e.rows, e.offset, np.int64)
             parts.append(cols)
-            for k in exact:
-                exact[k].extend(ex[k])
-        names = list(OBS_COLUMNS) + ["segment", "sk_row"]
+            for k in xparts:
+                xparts[k].append(ex[k])
+        names = list(OBS_COLUMNS) + ["segment", "sk_row", "x_where"]
         if parts:
             columns = {n: np.concatenate([p[n] for p in parts]) for n in names}
         else:
             columns = {n: np.zeros(0, np.dtype(OBS_COLUMNS.get(n, "i8"))) for n in names}
+        where = columns.pop("x_where")
+        exact: dict[str, _Exact] = {}
+        for k, chunks in xparts.items():
+            lens = np.concatenate([c[0] for c in chunks]) if chunks else np.zeros(0, np.int64)
+            off = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64) if lens.size else lens
+            exact[k] = _Exact(k, columns[k], off, lens, b"".join(c[1] for c in chunks), where, self.path)
         scale = 2 if scale is None else scale
         nb = nbins(scale)
         sketch = (
@@ -540,8 +578,7 @@ class History:
         if phase is not None:
             keep = columns["phase"] == Phase.code(phase)
             columns = {n: v[keep] for n, v in columns.items()}
-            idx = np.flatnonzero(keep).tolist()
-            exact = {k: [v[i] for i in idx] for k, v in exact.items()}
+            exact = {k: x.take(keep, columns[k]) for k, x in exact.items()}
         return columns, exact, sketch
 
     def spine(self, path: str, stream: str = "activation", facet: str | None = None, *,
@@ -646,6 +683,7 @@ class History:
         for site in self.sites:
             for phase in Phase.NAMES:
                 s = self.spine(site.path, site.stream, site.facet, phase=phase)
+                s.exact  # decodes and checks every exact-sum value
                 rows += len(s)
                 self.sketch(site.path, site.stream, site.facet, phase=phase)
         _ = self.steps
