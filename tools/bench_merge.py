@@ -2,7 +2,7 @@
 
 Generates ``--shards`` files of at least ``--mb`` MB each, one per rank of one run (``HistoryWriter(...,
 rank=r, world_size=n)`` fed precomputed Summaries with sketches), merges them in a child process and reads its
-peak RSS from ``getrusage(RUSAGE_CHILDREN).ru_maxrss``. Writes ``benchmarks/merge.md`` (with ``--write``).
+peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss`` in that process). Writes ``benchmarks/merge.md`` (with ``--write``).
 
     .venv/bin/python tools/bench_merge.py --shards 8 --mb 100 --write
 """
@@ -14,7 +14,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -25,11 +24,12 @@ import numpy as np
 
 SITES = 256
 CHILD = r"""
-import json, sys, time, trainhist
+import json, resource, sys, time, trainhist
 t = time.perf_counter()
 rep = trainhist.merge(json.loads(sys.argv[1]), sys.argv[2], codec=sys.argv[3])
 print(json.dumps({"seconds": time.perf_counter() - t, "rows_in": rep.rows_in, "rows_out": rep.rows_out,
-                  "bytes_in": rep.bytes_in, "bytes_out": rep.bytes_out}))
+                  "bytes_in": rep.bytes_in, "bytes_out": rep.bytes_out,
+                  "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
 """
 
 
@@ -103,7 +103,8 @@ def main() -> int:
         print(r.stderr, file=sys.stderr)
         return 1
     child = json.loads(r.stdout)
-    peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # Linux: KiB
+    # the merging process's own high-water mark (RUSAGE_CHILDREN would also count the generator processes)
+    peak_mb = child["maxrss_kib"] / 1024  # Linux: KiB
     res = {
         "shards": args.shards, "shard_codec": args.codec, "out_codec": args.out_codec,
         "input_bytes": total, "rows_in": child["rows_in"], "rows_out": child["rows_out"],
@@ -128,8 +129,8 @@ Input: {args.shards} shards of one run (ranks 0..{args.shards - 1}), written by 
 4096-element float32 tensor (spine + scale-2 sketch), a step-truth row per step, a commit every {args.commit_every} steps (so input chunks hold {args.commit_every}
 rows).
 The merge runs in a child process (`trainhist.merge(paths, out, codec="{args.out_codec}")`); peak memory is
-that process's RSS high-water mark (`getrusage(RUSAGE_CHILDREN).ru_maxrss`), which includes the interpreter
-and numpy (about 40 MB).
+that process's RSS high-water mark (`getrusage(RUSAGE_SELF).ru_maxrss` read by the child when the merge
+returns), which includes the interpreter and numpy (about 40 MB).
 
 | measure | value | target |
 |---|---|---|
