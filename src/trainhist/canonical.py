@@ -229,8 +229,7 @@ def blank(r: Rows, mask: np.ndarray) -> None:
 def decode_obs(payload: memoryview, *, path: str, offset: int, site: int, segment: int, rows: int, step_min: int,
                step_max: int, src: int) -> Rows:
     """Validate and decode one committed obs chunk (``offset``: file offset of its record header)."""
-    poff = offset + 32
-    ch = decode_chunk(payload, poff, path, _OBS_KNOWN, _OBS_VARIABLE)
+    ch = decode_chunk(payload, offset, path, _OBS_KNOWN, _OBS_VARIABLE)
     m = ch.meta
     if m.get("rows") != rows or m.get("segment") != segment or m.get("site") != site:
         raise _bad(f"chunk directory (site {m.get('site')}, segment {m.get('segment')}, rows {m.get('rows')}) "
@@ -305,7 +304,7 @@ def decode_obs(payload: memoryview, *, path: str, offset: int, site: int, segmen
 def decode_steps(payload: memoryview, *, path: str, offset: int, segment: int, rows: int, step_min: int,
                  step_max: int) -> StepRows:
     """Validate and decode one committed steps chunk."""
-    ch = decode_chunk(payload, offset + 32, path, _STEPS_KNOWN)
+    ch = decode_chunk(payload, offset, path, _STEPS_KNOWN)
     m = ch.meta
     if m.get("rows") != rows or m.get("segment") != segment or m.get("site") is not None:
         raise _bad("steps chunk directory disagrees with its commit entry", path, offset)

@@ -113,7 +113,7 @@ class Chunk:
 
     meta: dict
     payload: memoryview
-    offset: int  # file offset of the payload, for error messages
+    offset: int  # file offset of the record (its header), named by every error
     path: str | None
     _dir: dict
 
@@ -136,7 +136,7 @@ class Chunk:
             except zlib.error as e:
                 raise CorruptError(
                     f"column {name!r}: deflate stream invalid or not exactly {rlen} bytes ({e})",
-                    code="bad_column_data", path=self.path, offset=self.offset + off,
+                    code="bad_column_data", path=self.path, offset=self.offset,
                 ) from None
             if codec == Codec.SHUFFLE_DEFLATE:
                 raw = _unshuffle(raw, dtype.itemsize)
@@ -144,7 +144,7 @@ class Chunk:
         if rows is not None and arr.size != rows:
             raise CorruptError(
                 f"column {name!r} holds {arr.size} values, the chunk declares {rows} rows",
-                code="bad_column_length", path=self.path, offset=self.offset + off,
+                code="bad_column_length", path=self.path, offset=self.offset,
             )
         return arr
 
@@ -157,6 +157,8 @@ def decode_chunk(
     payload: memoryview, offset: int, path: str | None, known: dict[str, str], variable: frozenset[str] = frozenset()
 ) -> Chunk:
     """Parse and validate a chunk directory: bounds, alignment, dtypes, codecs, declared sizes (spec 7.4).
+
+    ``offset`` is the file offset of the record holding the chunk; every error names it (spec 8).
 
     ``known`` maps the column names this reader understands to their dtype code; ``variable`` names the known
     columns whose length is given by other columns. An unknown column is ignorable only when its name starts
@@ -174,17 +176,17 @@ def decode_chunk(
             max_str_len=4096, max_array_len=4096, max_map_len=64,
         )
     except Exception as e:  # msgpack raises several unrelated types for bad input
-        raise _bad(f"chunk directory is not valid msgpack ({type(e).__name__}: {e})", path, offset + 4) from None
+        raise _bad(f"chunk directory is not valid msgpack ({type(e).__name__}: {e})", path, offset) from None
     if not isinstance(meta, dict) or not isinstance(meta.get("cols"), list) or not isinstance(meta.get("rows"), int):
-        raise _bad("chunk directory must be a map with 'rows' (int) and 'cols' (array)", path, offset + 4)
+        raise _bad("chunk directory must be a map with 'rows' (int) and 'cols' (array)", path, offset)
     rows = meta["rows"]
     if not 0 < rows <= MAX_ROWS:
         raise LimitError(f"chunk declares {rows} rows; allowed 1..{MAX_ROWS}", code="too_many_rows", path=path,
-                         offset=offset + 4)
+                         offset=offset)
     cols = meta["cols"]
     if len(cols) > MAX_COLUMNS:
         raise LimitError(f"chunk declares {len(cols)} columns; at most {MAX_COLUMNS}", code="too_many_columns",
-                         path=path, offset=offset + 4)
+                         path=path, offset=offset)
     directory: dict[str, list] = {}
     end = 4 + mlen + pad8(4 + mlen)
     for c in cols:
@@ -192,40 +194,40 @@ def decode_chunk(
             not isinstance(c, list) or len(c) != 6 or not isinstance(c[0], str)
             or not all(isinstance(v, int) and not isinstance(v, bool) for v in c[2:])
         ):
-            raise _bad(f"column entry {c!r} is not [name, dtype, codec, offset, stored, raw]", path, offset + 4)
+            raise _bad(f"column entry {c!r} is not [name, dtype, codec, offset, stored, raw]", path, offset)
         name, dt, codec, off, slen, rlen = c
         if name in directory:
-            raise _bad(f"column {name!r} appears twice", path, offset + 4)
+            raise _bad(f"column {name!r} appears twice", path, offset)
         if dt not in DTYPES:
             raise UnsupportedError(f"column {name!r} has unknown dtype {dt!r}", code="unknown_dtype", path=path,
-                                   offset=offset + 4)
+                                   offset=offset)
         if codec not in (Codec.RAW, Codec.DEFLATE, Codec.SHUFFLE_DEFLATE):
             raise UnsupportedError(f"column {name!r} uses unknown codec {codec}", code="unknown_codec", path=path,
-                                   offset=offset + 4)
+                                   offset=offset)
         if off != end or off % 8 or slen < 0 or off + slen > n:
             raise _bad(
                 f"column {name!r} at offset {off} (+{slen}) is not the next 8-aligned block ({end}) inside the "
-                f"{n}-byte payload", path, offset + 4,
+                f"{n}-byte payload", path, offset,
             )
         if codec == Codec.RAW and slen != rlen:
-            raise _bad(f"raw column {name!r} stores {slen} bytes but declares {rlen}", path, offset + 4)
+            raise _bad(f"raw column {name!r} stores {slen} bytes but declares {rlen}", path, offset)
         if rlen % DTYPES[dt].itemsize or rlen > 64 * MAX_ROWS * 8:
             raise LimitError(f"column {name!r} declares {rlen} raw bytes", code="column_too_large", path=path,
-                             offset=offset + 4)
+                             offset=offset)
         if name not in variable and rlen != rows * DTYPES[dt].itemsize:
-            raise _bad(f"column {name!r} declares {rlen} bytes for {rows} rows of {dt}", path, offset + 4)
+            raise _bad(f"column {name!r} declares {rlen} bytes for {rows} rows of {dt}", path, offset)
         if name in known:
             if known[name] != dt:
-                raise _bad(f"column {name!r} must have dtype {known[name]}, found {dt}", path, offset + 4)
+                raise _bad(f"column {name!r} must have dtype {known[name]}, found {dt}", path, offset)
         elif not name.startswith("x-"):
             raise UnsupportedError(
                 f"chunk has required column {name!r} unknown to this reader (unknown ignorable columns start "
-                f"with 'x-'): upgrade trainhist", code="unknown_column", path=path, offset=offset + 4,
+                f"with 'x-'): upgrade trainhist", code="unknown_column", path=path, offset=offset,
             )
         if any(payload[off + slen : off + slen + pad8(slen)]):
-            raise _bad(f"padding after column {name!r} is not zero", path, offset + off + slen)
+            raise _bad(f"padding after column {name!r} is not zero", path, offset)
         end = off + slen + pad8(slen)
         directory[name] = c
     if end != n:
-        raise _bad(f"chunk payload has {n - end} trailing bytes after its last column", path, offset + end)
+        raise _bad(f"chunk payload has {n - end} trailing bytes after its last column", path, offset)
     return Chunk(meta, payload, offset, path, directory)

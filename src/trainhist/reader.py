@@ -452,7 +452,7 @@ class History:
         if crc32c(payload) != e.payload_crc:
             raise _bad("payload CRC32C mismatch in a committed chunk", "bad_payload_crc", self.path, e.offset)
         known = _OBS_KNOWN if e.type == RecordType.OBS else _STEPS_KNOWN
-        ch = decode_chunk(payload, e.offset + RECORD_HEADER_SIZE, self.path, known,
+        ch = decode_chunk(payload, e.offset, self.path, known,
                           _OBS_VARIABLE if e.type == RecordType.OBS else frozenset())
         m = ch.meta
         want_site = e.site if e.type == RecordType.OBS else None
@@ -523,7 +523,8 @@ class History:
         return has, pos, neg, bands, s
 
     def _site_data(self, site: Site, phase: str | None) -> tuple[dict[str, np.ndarray], dict[str, _Exact], tuple]:
-        """All committed rows of a site (one phase), with ``sk_row`` indexing the dense sketch arrays (-1: none)."""
+        """All committed rows of a site (one phase, or every phase for ``"*"``), with ``sk_row`` indexing the dense
+        sketch arrays (-1: none)."""
         from .grid import nbins
 
         parts: list[dict[str, np.ndarray]] = []
@@ -575,7 +576,7 @@ class History:
                 f"site {site.key} has rows in phases {[Phase.name(int(p)) for p in phases]}: name one with phase=",
                 code="phase_ambiguous", path=self.path,
             )
-        if phase is not None:
+        if phase is not None and phase != "*":
             keep = columns["phase"] == Phase.code(phase)
             columns = {n: v[keep] for n, v in columns.items()}
             exact = {k: x.take(keep, columns[k]) for k, x in exact.items()}
@@ -678,14 +679,20 @@ class History:
         return out
 
     def verify(self) -> dict:
-        """Decode every committed chunk (CRC, directory, columns, sketches); raise on the first problem."""
+        """Decode and check every committed byte (chunks, exact sums, sketches, ignored records); raise on the first
+        problem."""
         rows = 0
         for site in self.sites:
-            for phase in Phase.NAMES:
-                s = self.spine(site.path, site.stream, site.facet, phase=phase)
-                s.exact  # decodes and checks every exact-sum value
-                rows += len(s)
-                self.sketch(site.path, site.stream, site.facet, phase=phase)
+            columns, exact, _ = self._site_data(site, "*")
+            for x in exact.values():
+                for i in np.flatnonzero(x.n).tolist():
+                    x.get(i)
+            rows += int(columns["step"].size)
+        for off, _type in self.ignored_records:
+            length, pcrc = struct.unpack_from("<I", self._view, off + 4)[0], struct.unpack_from("<I", self._view, off + 24)[0]
+            problem = self._check_payload(off, length, pcrc, _type)
+            if problem is not None:
+                raise _bad(problem[1], problem[0], self.path, off)
         _ = self.steps
         return {
             "status": self.recovery.status, "sites": len(self.sites), "rows": rows,

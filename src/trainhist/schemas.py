@@ -39,7 +39,10 @@ def validate_manifest(doc: Any, *, path: str | None = None, offset: int | None =
             f"manifest must be an object whose 'kind' is one of {', '.join(KINDS)}; found {kind!r}",
             code="unknown_manifest_kind", path=path, offset=offset,
         )
-    err = jsonschema.exceptions.best_match(_validator(doc["kind"]).iter_errors(doc))
+    validator = _validator(doc["kind"])
+    if validator.is_valid(doc):
+        return doc
+    err = jsonschema.exceptions.best_match(validator.iter_errors(doc))
     if err is not None:
         where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
         raise SchemaError(
