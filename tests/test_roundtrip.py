@@ -551,3 +551,48 @@ def test_append_refuses_a_file_that_is_not_trainhist(tmp_path: Path) -> None:
         HistoryWriter(p, mode="a", **FAST)
     assert ei.value.code == "bad_magic"
     assert p.read_bytes() == b"precious notes, not a history file\n" * 3
+
+
+def test_integers_beyond_2_53_are_refused_not_rounded() -> None:
+    import pytest
+
+    from trainhist import summarize
+
+    assert summarize(np.array([2**53, -(2**53)], np.int64)).max == 2.0**53
+    with pytest.raises(ValueError, match="2\\*\\*53"):
+        summarize(np.array([2**53 + 1], np.int64))
+    with pytest.raises(ValueError):
+        summarize(np.array([2**64 - 1], np.uint64))
+
+
+def test_commit_header_with_zero_payload_is_a_torn_tail(tmp_path) -> None:
+    """A machine crash can persist a record header but not its payload: that is a torn tail, not corruption."""
+    import trainhist
+    from trainhist.framing import RECORD_HEADER_SIZE
+
+    p = tmp_path / "z.thist"
+    with trainhist.HistoryWriter(p) as w:
+        s = w.site("a", "param")
+        w.observe(s, 0, np.arange(3.0))
+        w.commit()
+        w.observe(s, 1, np.arange(3.0))
+    data = bytearray(p.read_bytes())
+    with trainhist.open(p) as h:
+        last = h.committed_bytes
+    # find the commit records, then zero the last one's payload and everything after it (keep its header)
+    import struct
+
+    pos, commits = 32, []
+    while pos < len(data):
+        t, _f, length = struct.unpack_from("<HHI", data, pos)
+        if t == 4:
+            commits.append((pos, length))
+        pos += RECORD_HEADER_SIZE + length + (-length % 8)
+    cpos, clen = commits[-1]
+    first_commit_end = commits[0][0] + RECORD_HEADER_SIZE + commits[0][1] + (-commits[0][1] % 8)
+    data[cpos + RECORD_HEADER_SIZE :] = bytes(len(data) - cpos - RECORD_HEADER_SIZE)
+    p.write_bytes(bytes(data))
+    with trainhist.open(p) as h:
+        assert h.recovery.status == "torn" and "zero-filled" in h.recovery.reason
+        assert h.committed_bytes == first_commit_end < last
+        assert h.spine("a", "param").step.tolist() == [0]

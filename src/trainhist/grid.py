@@ -93,7 +93,10 @@ def as_float_bits(values: np.ndarray, dtype: str | None = None) -> np.ndarray:
     if a.dtype in (np.float32, np.float64):
         return a.reshape(-1)
     if a.dtype.kind in "iub":
-        return a.reshape(-1).astype(np.float64)
+        flat = a.reshape(-1)
+        if a.dtype.itemsize == 8 and flat.size and (int(flat.max()) > 2**53 or int(flat.min()) < -(2**53)):
+            raise ValueError("integer values beyond 2**53 have no exact float64 value: convert them explicitly")
+        return flat.astype(np.float64)
     raise TypeError(f"unsupported dtype {a.dtype}: expected a float16/bfloat16/float32/float64 array")
 
 

@@ -60,6 +60,9 @@ _COMMIT_ENTRY = struct.Struct("<QHHIIIqq")
 _ENTRY_DTYPE = np.dtype([("offset", "<u8"), ("type", "<u2"), ("reserved", "<u2"), ("site", "<u4"),
                          ("segment", "<u4"), ("rows", "<u4"), ("step_min", "<i8"), ("step_max", "<i8")])
 _REC = struct.Struct("<HHIQQII")
+# spec 2.6: when several rows cover one step, failed > unknown > skipped > observed > absent > not_scheduled
+_PRECEDENCE = {Presence.FAILED: 0, Presence.UNKNOWN: 1, Presence.SKIPPED: 2, Presence.OBSERVED: 3, Presence.ABSENT: 4,
+               Presence.NOT_SCHEDULED: 5}
 NO_ID = 0xFFFFFFFF
 
 
@@ -326,6 +329,11 @@ class History:
             if rtype in manifest_or_commit:
                 problem = self._check_payload(pos, length, pcrc, rtype)
                 if problem is not None:
+                    start = pos + RECORD_HEADER_SIZE
+                    if not np.any(np.frombuffer(self._buf, np.uint8, size - start, start)):
+                        # a machine crash persisted the header but not the payload (spec 8)
+                        stop = (pos, "record header followed by a zero-filled tail")
+                        break
                     raise _bad(problem[1], problem[0], path, pos)
             if rtype == RecordType.COMMIT:
                 self._apply_commit(pos, length, seq, pending)
@@ -659,19 +667,18 @@ class History:
         s = self.spine(path, stream, facet, phase=phase)
         site = s.site
         known_steps = set(self.steps["step"].tolist())
-        rows: dict[int, str] = {}
+        rows: dict[int, int] = {}
         for st, pr, span in zip(s.step.tolist(), s.presence.tolist(), s.span.tolist()):
-            name = Presence.name(pr)
             for k in range(st, st + span):
                 prev = rows.get(k)
-                # several rows (micro-batches) at one step: observed wins over gaps, failed stays visible
-                if prev is None or prev != "failed" and (name == "failed" or name == "observed"):
-                    rows[k] = name
+                # several rows (micro-batches) at one step: the precedence of spec 2.6 and 11.4
+                if prev is None or _PRECEDENCE[pr] < _PRECEDENCE[prev]:
+                    rows[k] = pr
         asked = sorted(known_steps | set(rows)) if steps is None else [int(x) for x in steps]
         out = {}
         for k in asked:
             if k in rows:
-                out[k] = rows[k]
+                out[k] = Presence.name(rows[k])
             elif k in known_steps and (site.cadence_spine == 0 or k % site.cadence_spine != 0):
                 out[k] = "not_scheduled"
             else:
