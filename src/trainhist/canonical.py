@@ -23,6 +23,8 @@ from .errors import CorruptError, UnsupportedError
 from .framing import FILE_HEADER_SIZE, READ_VERSION, WRITE_VERSION, FileHeader, RecordHeader, RecordType, crc32c, pad8
 from .grid import nbins
 from .model import (
+    PRIORITY,
+    derive_presence,
     EXACT_COLUMNS,
     OBS_COLUMNS,
     SKETCH_COLUMNS,
@@ -59,20 +61,6 @@ _OBS_VARIABLE = frozenset({"sum_x", "sumsq_x", "sk_counts"})
 _STEPS_KNOWN = {**STEPS_COLUMNS, **STEPS_OPTIONAL_COLUMNS}
 _TALLY_NAMES = list(TALLY_COLUMNS)
 _COUNT_NAMES = ("count", "nan", "pinf", "ninf", "zero")
-
-#: Presence precedence when leaf rows combine (spec 11.4): the state of highest precedence with a non-zero tally
-#: wins. Indexed by presence code: unknown, observed, absent, not_scheduled, failed, skipped.
-PRIORITY = (4, 2, 1, 0, 5, 3)
-_BY_PRIORITY = sorted(range(len(PRIORITY)), key=lambda c: -PRIORITY[c])
-
-
-def derive_presence(tally: np.ndarray) -> np.ndarray:
-    """Presence code of each row of a ``(rows, 6)`` tally: the non-zero state of highest precedence."""
-    out = np.full(tally.shape[0], 255, np.uint8)
-    for code in reversed(_BY_PRIORITY):  # lowest precedence first; higher ones overwrite
-        out[tally[:, code] > 0] = code
-    return out
-
 
 @dataclass
 class Rows:

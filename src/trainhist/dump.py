@@ -14,7 +14,7 @@ from typing import Any
 
 from .dyadic import Dyadic
 from .grid import index_min
-from .model import MICRO_ALL, Phase, Presence
+from .model import MICRO_ALL, TALLY_COLUMNS, Phase, Presence
 from .reader import History
 from .summary import SumMethod
 
@@ -62,6 +62,9 @@ def _rows(h: History, site: Any) -> list[dict]:
                 "phase": phase,
                 "presence": Presence.name(pres),
             }
+            tally = {Presence.name(j): f"u:{int(c[n][i])}" for j, n in enumerate(TALLY_COLUMNS) if c[n][i]}
+            if tally != {Presence.name(pres): "u:1"}:  # a derived row that combined several leaf rows (spec 11.4)
+                row["tally"] = tally
             if pres == Presence.OBSERVED:
                 finite = int(c["count"][i] - c["nan"][i] - c["pinf"][i] - c["ninf"][i])
                 row.update({
@@ -94,7 +97,8 @@ def canonical(h: History) -> dict:
     steps = []
     for r in h.step_truth_rows():
         steps.append({
-            "segment": f"u:{r['segment']}", "step": f"i:{r['step']}", "applied": r["applied"],
+            "segment": f"u:{r['segment']}", "step": f"i:{r['step']}", "span": f"u:{r['span']}",
+            "applied": r["applied"],
             "grad_basis": r["grad_basis"], "clipped": r["clipped"],
             "loss_scale": None if r["loss_scale"] is None else tag_f(r["loss_scale"]),
             "clip_threshold": None if r["clip_threshold"] is None else tag_f(r["clip_threshold"]),
@@ -102,7 +106,8 @@ def canonical(h: History) -> dict:
             "tokens": None if r["tokens"] is None else f"u:{r['tokens']}",
             "samples": None if r["samples"] is None else f"u:{r['samples']}",
         })
-    steps.sort(key=lambda r: (int(r["segment"][2:]), int(r["step"][2:]), json.dumps(r, sort_keys=True)))
+    steps.sort(key=lambda r: (int(r["segment"][2:]), int(r["step"][2:]), int(r["span"][2:]),
+                              json.dumps(r, sort_keys=True)))
     hdr = h.header
     return {
         "format": "trainhist-dump/1",
@@ -119,7 +124,8 @@ def canonical(h: History) -> dict:
         "settings": sorted(h.settings, key=lambda d: json.dumps(d, sort_keys=True)),
         "segments": sorted(
             ({"id": g.id, "first_step": g.first_step, "reason": g.reason, "previous": g.previous,
-              "writer_id": g.writer_id} for g in h.segments), key=lambda d: d["id"],
+              "writer_id": g.writer_id, "origin": g.manifest.get("origin")} for g in h.segments),
+            key=lambda d: d["id"],
         ),
         "sites": sites,
         "steps": steps,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 __all__ = [
     "STREAMS",
     "SHARING",
@@ -18,6 +20,8 @@ __all__ = [
     "STEPS_COLUMNS",
     "TALLY_COLUMNS",
     "STEPS_OPTIONAL_COLUMNS",
+    "PRIORITY",
+    "derive_presence",
 ]
 
 STREAMS = ("activation", "activation_grad", "param", "param_grad", "param_delta", "scalar")
@@ -123,3 +127,17 @@ STEPS_COLUMNS = {
 TALLY_COLUMNS = {f"n_{name}": "u8" for name in Presence.NAMES}
 # Optional steps column of coarsened files: the number of steps the row covers (absent: 1).
 STEPS_OPTIONAL_COLUMNS = {"span": "u4"}
+
+
+#: Presence precedence when rows combine (spec 2.6, 11.4): the state of highest precedence with a non-zero tally
+#: wins. Indexed by presence code: unknown, observed, absent, not_scheduled, failed, skipped.
+PRIORITY = (4, 2, 1, 0, 5, 3)
+_BY_PRIORITY = sorted(range(len(PRIORITY)), key=lambda c: -PRIORITY[c])
+
+
+def derive_presence(tally: np.ndarray) -> np.ndarray:
+    """Presence code of each row of a ``(rows, 6)`` tally: the non-zero state of highest precedence."""
+    out = np.full(tally.shape[0], 255, np.uint8)
+    for code in reversed(_BY_PRIORITY):  # lowest precedence first; higher ones overwrite
+        out[tally[:, code] > 0] = code
+    return out

@@ -36,6 +36,9 @@ from .model import (
     EXACT_COLUMNS,
     MICRO_ALL,
     OBS_COLUMNS,
+    PRIORITY,
+    TALLY_COLUMNS,
+    derive_presence,
     SKETCH_COLUMNS,
     STEPS_COLUMNS,
     STEPS_OPTIONAL_COLUMNS,
@@ -60,9 +63,6 @@ _COMMIT_ENTRY = struct.Struct("<QHHIIIqq")
 _ENTRY_DTYPE = np.dtype([("offset", "<u8"), ("type", "<u2"), ("reserved", "<u2"), ("site", "<u4"),
                          ("segment", "<u4"), ("rows", "<u4"), ("step_min", "<i8"), ("step_max", "<i8")])
 _REC = struct.Struct("<HHIQQII")
-# spec 2.6: when several rows cover one step, failed > unknown > skipped > observed > absent > not_scheduled
-_PRECEDENCE = {Presence.FAILED: 0, Presence.UNKNOWN: 1, Presence.SKIPPED: 2, Presence.OBSERVED: 3, Presence.ABSENT: 4,
-               Presence.NOT_SCHEDULED: 5}
 NO_ID = 0xFFFFFFFF
 
 
@@ -483,6 +483,19 @@ class History:
         if (cols["phase"] >= len(Phase.NAMES)).any() or (cols["presence"] >= len(Presence.NAMES)).any():
             raise UnsupportedError("chunk uses phase or presence codes unknown to this reader",
                                    code="unknown_code", path=path, offset=e.offset)
+        tnames = [n for n in TALLY_COLUMNS if ch.has(n)]
+        if tnames:  # a derived file's per-presence count of combined leaf rows (spec 11.4)
+            if len(tnames) != len(TALLY_COLUMNS):
+                raise _bad(f"chunk has tally columns {tnames} but not all six", "bad_tally", path, e.offset)
+            tally = np.stack([ch.column(n, e.rows) for n in TALLY_COLUMNS], axis=1).astype(np.uint64)
+            if (derive_presence(tally) != cols["presence"]).any():
+                raise _bad("presence column disagrees with the presence the tally columns imply", "bad_tally",
+                           path, e.offset)
+        else:
+            tally = np.zeros((e.rows, len(TALLY_COLUMNS)), np.uint64)
+            tally[np.arange(e.rows), cols["presence"].astype(np.intp)] = 1
+        for j, n in enumerate(TALLY_COLUMNS):
+            cols[n] = tally[:, j]
         exact: dict[str, tuple[np.ndarray, bytes]] = {}
         for name in ("sum", "sumsq"):
             if ch.has(name + "_xn"):
@@ -559,11 +572,11 @@ class History:
             parts.append(cols)
             for k in xparts:
                 xparts[k].append(ex[k])
-        names = list(OBS_COLUMNS) + ["segment", "sk_row", "x_where"]
+        names = list(OBS_COLUMNS) + list(TALLY_COLUMNS) + ["segment", "sk_row", "x_where"]
         if parts:
             columns = {n: np.concatenate([p[n] for p in parts]) for n in names}
         else:
-            columns = {n: np.zeros(0, np.dtype(OBS_COLUMNS.get(n, "i8"))) for n in names}
+            columns = {n: np.zeros(0, np.dtype({**OBS_COLUMNS, **TALLY_COLUMNS}.get(n, "i8"))) for n in names}
         where = columns.pop("x_where")
         exact: dict[str, _Exact] = {}
         for k, chunks in xparts.items():
@@ -621,13 +634,16 @@ class History:
             for e in self._steps:
                 ch = self.chunk(e)
                 cols = {name: ch.column(name, e.rows) for name in STEPS_COLUMNS}
+                cols["span"] = ch.column("span", e.rows) if ch.has("span") else np.ones(e.rows, np.uint32)
+                if (cols["span"] == 0).any():
+                    raise _bad("steps row with span 0", "bad_span", self.path, e.offset)
                 cols["segment"] = np.full(e.rows, e.segment, np.uint32)
                 for name, enum in (("applied", Applied), ("grad_basis", GradBasis), ("clipped", Clipped)):
                     if (cols[name] >= len(enum.NAMES)).any():
                         raise UnsupportedError(f"steps column {name} holds codes unknown to this reader",
                                                code="unknown_code", path=self.path, offset=e.offset)
                 parts.append(cols)
-            names = list(STEPS_COLUMNS) + ["segment"]
+            names = list(STEPS_COLUMNS) + ["span", "segment"]
             if parts:
                 self._steps_table = {n: np.concatenate([p[n] for p in parts]) for n in names}
             else:
@@ -648,7 +664,7 @@ class History:
                 return None if v == U64_UNKNOWN else v
 
             out.append({
-                "step": int(t["step"][i]), "segment": int(t["segment"][i]),
+                "step": int(t["step"][i]), "span": int(t["span"][i]), "segment": int(t["segment"][i]),
                 "applied": Applied.name(int(t["applied"][i])), "grad_basis": GradBasis.name(int(t["grad_basis"][i])),
                 "clipped": Clipped.name(int(t["clipped"][i])), "loss_scale": f("loss_scale"),
                 "clip_threshold": f("clip_threshold"),
@@ -672,7 +688,7 @@ class History:
             for k in range(st, st + span):
                 prev = rows.get(k)
                 # several rows (micro-batches) at one step: the precedence of spec 2.6 and 11.4
-                if prev is None or _PRECEDENCE[pr] < _PRECEDENCE[prev]:
+                if prev is None or PRIORITY[pr] > PRIORITY[prev]:
                     rows[k] = pr
         asked = sorted(known_steps | set(rows)) if steps is None else [int(x) for x in steps]
         out = {}
