@@ -172,10 +172,10 @@ class FastReader:
         if hasattr(History, "_site_data"):
             orig_site = History._site_data
 
-            def site_data(self, site, phase):
-                key = ("site", self.path, site.id, site.key, phase,
+            def site_data(self, site, phase, *, sketches=True):
+                key = ("site", self.path, site.id, site.key, phase, sketches,
                        tuple((tuple(e), payload(self, e)) for e in self._obs.get(site.id, [])))
-                return cached(key, lambda: orig_site(self, site, phase),
+                return cached(key, lambda: orig_site(self, site, phase, sketches=sketches),
                               lambda r: (dict(r[0]), dict(r[1]), r[2]))
 
             mp.setattr(History, "_site_data", site_data)

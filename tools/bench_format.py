@@ -28,6 +28,7 @@ import argparse
 import cProfile
 import dataclasses
 import datetime as dt
+import inspect
 import io
 import os
 import platform
@@ -46,7 +47,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import trainhist  # noqa: E402
-from trainhist import Summary, summarize  # noqa: E402
+from trainhist import Summary, SumMethod, summarize  # noqa: E402
+from trainhist.dyadic import Dyadic  # noqa: E402
 from trainhist.framing import RECORD_HEADER_SIZE  # noqa: E402
 from trainhist.writer import HistoryWriter  # noqa: E402
 
@@ -67,13 +69,25 @@ def strip(s: Summary) -> Summary:
     return dataclasses.replace(s, sketch=None)
 
 
+def as_f64(s: Summary) -> Summary:
+    """The spine as the torch collector writes it: float64 device sums (method f64_accumulate), no sketch."""
+    return dataclasses.replace(s, sketch=None, sum=Dyadic.from_float(s.sum.to_float()),
+                               sumsq=Dyadic.from_float(s.sumsq.to_float()), sum_method=SumMethod.F64)
+
+
+COMMIT_EVERY = inspect.signature(HistoryWriter).parameters["commit_every"].default
+
+
 def write_file(path: Path, pool: dict[int, list[Summary]], sites: int, steps: int, *, sketch: bool = True,
-               target_bytes: int | None = None) -> tuple[float, int, int]:
+               target_bytes: int | None = None, f64_sums: bool = False) -> tuple[float, int, int]:
     """Write ``sites`` x ``steps`` observations (or until ``target_bytes``); returns seconds, rows, bytes."""
-    spool = pool if sketch else {k: [strip(s) for s in v] for k, v in pool.items()}
+    if f64_sums:
+        spool = {k: [as_f64(s) for s in v] for k, v in pool.items()}
+    else:
+        spool = pool if sketch else {k: [strip(s) for s in v] for k, v in pool.items()}
     t0 = time.perf_counter()
     rows = 0
-    with HistoryWriter(path, run_name="bench", fsync="never", commit_every=50, commit_seconds=1e18) as w:
+    with HistoryWriter(path, run_name="bench", fsync="never", commit_every=COMMIT_EVERY, commit_seconds=1e18) as w:
         handles = [w.site(f"model.layers.{i // 4}.{('attn', 'mlp', 'norm', 'out')[i % 4]}", "activation",
                           shape=[4096], dtype="float32") for i in range(sites)]
         scale = [SCALES[(i * 5) % len(SCALES)] for i in range(sites)]
@@ -86,7 +100,7 @@ def write_file(path: Path, pool: dict[int, list[Summary]], sites: int, steps: in
             if target_bytes is None:
                 if step >= steps:
                     break
-            elif step % 50 == 0 and os.path.getsize(path) >= target_bytes:
+            elif step % COMMIT_EVERY == 0 and os.path.getsize(path) >= target_bytes:
                 break
     return time.perf_counter() - t0, rows, os.path.getsize(path)
 
@@ -96,7 +110,7 @@ def write_values(path: Path, sites: int, steps: int) -> tuple[float, int]:
     rng = np.random.default_rng(1)
     xs = [rng.standard_normal(4096).astype(np.float32) * np.float32(0.02) for _ in range(16)]
     t0 = time.perf_counter()
-    with HistoryWriter(path, fsync="never", commit_every=50, commit_seconds=1e18) as w:
+    with HistoryWriter(path, fsync="never", commit_every=COMMIT_EVERY, commit_seconds=1e18) as w:
         handles = [w.site(f"l{i}", "activation") for i in range(sites)]
         for step in range(steps):
             for i, h in enumerate(handles):
@@ -248,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         assert len(set(sizes_on)) == 1 and len(set(sizes_off)) == 1, "file sizes must be deterministic"
         size_on, size_off = sizes_on[0], sizes_off[0]
         spine_b = size_off / n_small
+        write_file(tmp / "small_f64.thist", pool, a.sites, a.steps, sketch=False, f64_sums=True)
+        spine_f64_b = os.path.getsize(tmp / "small_f64.thist") / n_small
         sketch_b = (size_on - size_off) / n_small
         breakdown, overhead = column_breakdown(tmp / "small_on.thist")
 
@@ -300,15 +316,17 @@ def main(argv: list[str] | None = None) -> int:
     p(f"| one series (open + spine + sketch of 1 of {a.sites} sites, {series_rows} rows) from a "
       f"{gsize / 1e6:.0f} MB file | {fmt(t_total, ' s')} | < {TARGETS['series_s']:.0f} s | "
       f"{verdict(total_m < TARGETS['series_s'])} |\n")
-    p(f"| spine bytes / observation | {spine_b:.1f} B | <= {TARGETS['spine_b']:.0f} B | "
-      f"{verdict(spine_b <= TARGETS['spine_b'])} |\n")
+    p(f"| spine bytes / observation, float64 device sums (what the torch collector writes) | {spine_f64_b:.1f} B | "
+      f"<= {TARGETS['spine_b']:.0f} B | {verdict(spine_f64_b <= TARGETS['spine_b'])} |\n")
+    p(f"| spine bytes / observation, exact sums (numpy writer: `sum_x`/`sumsq_x` blobs) | {spine_b:.1f} B | "
+      f"<= {TARGETS['spine_b']:.0f} B | {verdict(spine_b <= TARGETS['spine_b'])} |\n")
     p(f"| sketch bytes / observation | {sketch_b:.1f} B | <= {TARGETS['sketch_b']:.0f} B | "
       f"{verdict(sketch_b <= TARGETS['sketch_b'])} |\n")
     p(f"| writer, precomputed summaries, sketch on | {fmt(w_on, ' obs/s')} | | |\n")
     p(f"| writer, precomputed summaries, sketch off | {fmt(w_off, ' obs/s')} | | |\n")
     p(f"| writer, numpy values (4096 x float32, reduced here) | {fmt(w_val, ' obs/s')} | | |\n\n")
     p("## Details\n\n")
-    p(f"- small files: {a.sites} sites x {a.steps} steps = {n_small} observations, commit every 50 steps; "
+    p(f"- small files: {a.sites} sites x {a.steps} steps = {n_small} observations, commit every {COMMIT_EVERY} steps (the writer's default); "
       f"{size_on / 1e6:.2f} MB with sketches, {size_off / 1e6:.2f} MB without\n")
     p(f"- full-scan read with sketches per CPU second: {fmt(sc_cpu, ' MB/s')}\n")
     p(f"- full-scan read without sketches: {fmt(sc_off, ' MB/s')}; with sketches, rows/s = "

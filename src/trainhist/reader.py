@@ -534,16 +534,18 @@ class History:
         start = np.cumsum(pn + nn) - (pn + nn)  # where each row's values begin in sk_counts
         pos = np.zeros((n_rows, nb), np.uint64)
         neg = np.zeros((n_rows, nb), np.uint64)
-        rows = np.arange(n_rows)
+        row_base = np.arange(n_rows, dtype=np.int64) * nb
         for dense, lo, n, first in ((pos, plo, pn, start), (neg, nlo, nn, start + pn)):
-            if int(n.sum()):
-                r = np.repeat(rows, n)
-                within = np.arange(r.size) - np.repeat(np.cumsum(n) - n, n)
-                dense[r, np.repeat(lo, n) + within] = counts[np.repeat(first, n) + within]
+            total = int(n.sum())
+            if total:
+                k = np.arange(total, dtype=np.int64)
+                before = np.cumsum(n) - n  # values of earlier rows on this side
+                dense.reshape(-1)[np.repeat(row_base + lo - before, n) + k] = counts[np.repeat(first - before, n) + k]
         bands = np.stack([sk[k][has] for k in ("sk_up", "sk_un", "sk_op", "sk_on")], axis=1)
         return has, pos, neg, bands, s
 
-    def _site_data(self, site: Site, phase: str | None) -> tuple[dict[str, np.ndarray], dict[str, _Exact], tuple]:
+    def _site_data(self, site: Site, phase: str | None, *, sketches: bool = True
+                   ) -> tuple[dict[str, np.ndarray], dict[str, _Exact], tuple]:
         """All committed rows of a site (one phase, or every phase for ``"*"``), with ``sk_row`` indexing the dense
         sketch arrays (-1: none)."""
         from .grid import nbins
@@ -556,7 +558,11 @@ class History:
         for e in self._obs.get(site.id, []):
             cols, ex, ch = self._obs_columns(e)
             sk_row = np.full(e.rows, -1, np.int64)
-            if ch.has("sk"):
+            if ch.has("sk") and not sketches:  # row flags only; the dense counts are built by sketch()
+                has = ch.column("sk", e.rows) == 1
+                sk_row[has] = n_sk + np.arange(int(has.sum()))
+                n_sk += int(has.sum())
+            elif ch.has("sk"):
                 has, pos, neg, bands, s = self._sketch_part(e, ch)
                 if scale is not None and s != scale:
                     raise _bad(f"site {site.key} mixes sketch scales {scale} and {s} (spec 7.5)", "mixed_scale",
@@ -610,7 +616,7 @@ class History:
         Column ``sk_row`` gives the row's index in :meth:`sketch` of the same site and phase (-1: no sketch).
         """
         site = self.site(path, stream, facet)
-        columns, exact, (scale, pos, neg, bands) = self._site_data(site, phase)
+        columns, exact, _ = self._site_data(site, phase, sketches=False)
         if phase is not None:  # renumber sketch rows within the phase
             sk = columns["sk_row"]
             columns["sk_row"] = np.where(sk >= 0, np.cumsum(sk >= 0) - 1, -1)
@@ -621,10 +627,11 @@ class History:
         """The rows of one site that carry a sketch, as dense (rows, bins) count matrices."""
         site = self.site(path, stream, facet)
         columns, _, (scale, pos, neg, bands) = self._site_data(site, phase)
-        sel = columns["sk_row"][columns["sk_row"] >= 0]
         keep = columns["sk_row"] >= 0
-        return SketchSeries(site, scale, {k: v[keep] for k, v in columns.items() if k != "sk_row"}, pos[sel],
-                            neg[sel], bands[sel])
+        sel = columns["sk_row"][keep]
+        if sel.size != pos.shape[0]:  # one phase of several: take its rows (else every row is kept, in order)
+            pos, neg, bands = pos[sel], neg[sel], bands[sel]
+        return SketchSeries(site, scale, {k: v[keep] for k, v in columns.items() if k != "sk_row"}, pos, neg, bands)
 
     @property
     def steps(self) -> dict[str, np.ndarray]:

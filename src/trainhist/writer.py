@@ -162,7 +162,7 @@ class HistoryWriter:
         codec: str = "shuffle",
         fsync: str = "commit",
         mode: str = "w",
-        commit_every: int = 50,
+        commit_every: int = 200,
         commit_seconds: float = 30.0,
         settings: dict | None = None,
         salt: int | None = None,

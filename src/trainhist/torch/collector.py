@@ -169,7 +169,7 @@ class Collector:
         delta_elements: int = 4096,
         seed: int = 0,
         writer: object | None = None,
-        commit_every: int = 50,
+        commit_every: int = 200,
         **writer_options: object,
     ) -> None:
         self.streams = tuple(streams)
