@@ -42,6 +42,21 @@ class Sketch:
     over_neg: int = 0
 
     @staticmethod
+    def from_key_counts(counts: np.ndarray) -> "Sketch":
+        """The native-scale sketch from counts indexed by :func:`grid.bin_keys` keys (length ``grid.NKEYS``)."""
+        c = counts.astype(np.uint64)
+        side = grid.KEY_OVER + 1
+        return Sketch(
+            scale=grid.NATIVE_SCALE,
+            pos=c[1 : grid.KEY_OVER].copy(),
+            neg=c[side + 1 : side + grid.KEY_OVER].copy(),
+            under_pos=int(c[grid.KEY_UNDER]),
+            over_pos=int(c[grid.KEY_OVER]),
+            under_neg=int(c[side + grid.KEY_UNDER]),
+            over_neg=int(c[side + grid.KEY_OVER]),
+        )
+
+    @staticmethod
     def empty(scale: int = grid.NATIVE_SCALE) -> "Sketch":
         n = grid.nbins(scale)
         return Sketch(scale, np.zeros(n, np.uint64), np.zeros(n, np.uint64))
@@ -126,14 +141,5 @@ def summarize(values: np.ndarray, *, dtype: str | None = None, sketch: bool = Tr
         s.max = total_order_max(fin)
         s.sum, s.sumsq = exact_sums(fin)
     if sketch:
-        side = grid.KEY_OVER + 1
-        s.sketch = Sketch(
-            scale=grid.NATIVE_SCALE,
-            pos=counts[1 : grid.KEY_OVER].copy(),
-            neg=counts[side + 1 : side + grid.KEY_OVER].copy(),
-            under_pos=int(counts[grid.KEY_UNDER]),
-            over_pos=int(counts[grid.KEY_OVER]),
-            under_neg=int(counts[side + grid.KEY_UNDER]),
-            over_neg=int(counts[side + grid.KEY_OVER]),
-        )
+        s.sketch = Sketch.from_key_counts(counts)
     return s

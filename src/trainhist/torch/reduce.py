@@ -166,16 +166,7 @@ def decode_row(row: np.ndarray, count: int, *, sketch: bool) -> Summary:
         else:  # float64 accumulation overflowed: no bound can be stated
             s.sum, s.sumsq, s.sum_method = ZERO, ZERO, SumMethod.UNKNOWN
     if sketch:
-        c = counts.astype(np.uint64)
-        s.sketch = Sketch(
-            scale=grid.NATIVE_SCALE,
-            pos=c[1 : grid.KEY_OVER].copy(),
-            neg=c[_SIDE + 1 : _SIDE + grid.KEY_OVER].copy(),
-            under_pos=int(c[grid.KEY_UNDER]),
-            over_pos=int(c[grid.KEY_OVER]),
-            under_neg=int(c[_SIDE + grid.KEY_UNDER]),
-            over_neg=int(c[_SIDE + grid.KEY_OVER]),
-        )
+        s.sketch = Sketch.from_key_counts(counts)
     return s
 
 
