@@ -54,12 +54,14 @@ from trainhist.writer import HistoryWriter  # noqa: E402
 
 TARGETS = {"scan_mb_s": 200.0, "series_s": 1.0, "spine_b": 32.0, "sketch_b": 200.0}
 SCALES = list(range(-10, 2))
-POOL = 64
+# More distinct tensors than rows in a chunk (the writer commits every 200 steps): within one chunk no summary
+# repeats, so deflate cannot shrink the file by finding the same sketch twice (real tensors never repeat).
+POOL = 257
 
 
 # -- data ------------------------------------------------------------------------------------------------------------
 def make_pool(seed: int = 0) -> dict[int, list[Summary]]:
-    """Summaries of 64 distinct N(0, 1) float32 tensors (2048..6144 elements) at each power-of-two scale."""
+    """Summaries of POOL distinct N(0, 1) float32 tensors (2048..6144 elements) at each power-of-two scale."""
     rng = np.random.default_rng(seed)
     base = [rng.standard_normal(int(rng.choice([2048, 4096, 6144]))).astype(np.float32) for _ in range(POOL)]
     return {k: [summarize(b * np.float32(2.0**k)) for b in base] for k in SCALES}
