@@ -110,3 +110,34 @@ def test_ledger_grows_mid_step_and_resets():
     data = p.wait()
     assert math.isnan(p.scalar(data, "s")) and int(p.row(data, "a")[:-4].sum()) == 0
     assert led.transfers == 2
+
+
+def test_spine_only_reduction_equals_the_full_one() -> None:
+    """sketch=False skips the bin codes but must give the same spine, special values and signed zeros included."""
+    import math
+
+    import torch
+
+    from trainhist.torch.reduce import Ledger, decode_row, reduce_into
+
+    g = torch.Generator().manual_seed(3)
+    parts = [torch.randn(1000, generator=g), torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45]),
+             torch.tensor([-0.0, -0.0]), torch.tensor([0.0]), torch.tensor([math.nan, math.inf])]
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        for x in parts + [torch.cat(parts)]:
+            x = x.to(dtype)
+            ledger = Ledger(torch.device("cpu"))
+            reduce_into(x, ledger.row("full"))
+            reduce_into(x[: x.numel() // 2], ledger.row("spine"), sketch=False)  # two micro-batches
+            reduce_into(x[x.numel() // 2 :], ledger.row("spine"), sketch=False)
+            p = ledger.transfer()
+            data = p.wait()
+            full = decode_row(p.row(data, "full"), x.numel(), sketch=False)
+            spine = decode_row(p.row(data, "spine"), x.numel(), sketch=False)
+            for f in ("count", "nan", "pinf", "ninf", "zero", "sum_method"):
+                assert getattr(spine, f) == getattr(full, f), (dtype, f)
+            for f in ("min", "max"):
+                a, b = getattr(spine, f), getattr(full, f)
+                assert (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
+            assert spine.sketch is None
+            assert abs(spine.sum.to_float() - full.sum.to_float()) <= 1e-9 * max(1.0, abs(full.sum.to_float()))

@@ -496,7 +496,7 @@ class Collector:
                 t = t.to(self._ledger.device, non_blocking=True)
             n = t.numel()
             if n:
-                reduce_into(t, self._ledger.row(key))
+                reduce_into(t, self._ledger.row(key), sketch=st.sketch.get(key[0], True))
             st.counts[key] = st.counts.get(key, 0) + n
         except Exception as e:  # noqa: BLE001 -- one bad site must not stop training
             self._fail(key, e)

@@ -115,27 +115,45 @@ def _raw_codes(bits: torch.Tensor, w: _Width) -> torch.Tensor:
     return raw
 
 
-def reduce_into(x: torch.Tensor, row: torch.Tensor, *, use_bincount: bool | None = None) -> None:
+# Ledger slots that a spine-only reduction fills: finite non-zero values (all counted in the first positive bin, a
+# total only — decode_row makes no sketch of such a row), +0.0, NaN, +inf, -inf, -0.0.
+_SPINE_SLOTS = (1, grid.KEY_ZERO, grid.KEY_NAN, grid.KEY_PINF, grid.KEY_NINF, COL_NEGZERO)
+_spine_slots: dict[torch.device, torch.Tensor] = {}
+
+
+def reduce_into(x: torch.Tensor, row: torch.Tensor, *, use_bincount: bool | None = None, sketch: bool = True) -> None:
     """Accumulate the counts, finite min/max and float64 sums of ``x`` into the int64 ledger ``row``.
 
     ``row`` must be a contiguous int64 tensor of length ``ROW`` on ``x``'s device. Empty tensors are a no-op.
     ``use_bincount`` picks ``torch.bincount`` (CPU default; on CUDA it would synchronise) or ``index_add_``.
-    Non-finite values are counted and excluded from min, max and the sums; the sign of a zero min/max is
-    resolved from the -0.0/+0.0 counts at decode time.
+    ``sketch=False`` skips the bin codes (the costly part) and counts only what the spine needs; every reduction
+    into one row in one step must use the same ``sketch``. Non-finite values are counted and excluded from min,
+    max and the sums; the sign of a zero min/max is resolved from the -0.0/+0.0 counts at decode time.
     """
     x = _widen(x)
     if x.numel() == 0:
         return
-    w = _F32 if x.dtype == torch.float32 else _F64
-    raw = _raw_codes(x.view(w.itype), w)
-    fold = w.fold_on(x.device)
-    if use_bincount is None:
-        use_bincount = x.device.type == "cpu"
-    if use_bincount:
-        row[:NCOUNT].index_add_(0, fold, torch.bincount(raw, minlength=2 * w.side))
+    if not sketch:
+        zero = x == 0
+        negzero = (zero & torch.signbit(x)).sum()
+        nan, pinf, ninf = torch.isnan(x).sum(), (x == math.inf).sum(), (x == -math.inf).sum()
+        zeros = zero.sum()
+        counts = torch.stack([x.numel() - nan - pinf - ninf - zeros, zeros - negzero, nan, pinf, ninf, negzero])
+        slots = _spine_slots.get(x.device)
+        if slots is None:
+            slots = _spine_slots[x.device] = torch.tensor(_SPINE_SLOTS, dtype=torch.int64, device=x.device)
+        row.index_add_(0, slots, counts)
     else:
-        keys = fold[raw.long()]
-        row[:NCOUNT].index_add_(0, keys, torch.ones_like(keys))
+        w = _F32 if x.dtype == torch.float32 else _F64
+        raw = _raw_codes(x.view(w.itype), w)
+        fold = w.fold_on(x.device)
+        if use_bincount is None:
+            use_bincount = x.device.type == "cpu"
+        if use_bincount:
+            row[:NCOUNT].index_add_(0, fold, torch.bincount(raw, minlength=2 * w.side))
+        else:
+            keys = fold[raw.long()]
+            row[:NCOUNT].index_add_(0, keys, torch.ones_like(keys))
     inf = math.inf
     f = row[COL_MIN : COL_SUMSQ + 1].view(torch.float64)
     f[0:1].clamp_(max=x.nan_to_num(nan=inf, posinf=inf, neginf=inf).min().to(torch.float64))
