@@ -28,7 +28,7 @@ from trainhist.framing import (
     crc32c,
     pad8,
 )
-from trainhist.model import MICRO_ALL, Presence
+from trainhist.model import MICRO_ALL
 from trainhist.summary import Sketch, Summary, SumMethod
 from trainhist.writer import HistoryWriter
 

@@ -19,7 +19,6 @@ import numpy as np
 
 from trainhist.chunk import Codec
 from trainhist.framing import (
-    FILE_HEADER_SIZE,
     READ_VERSION,
     WRITE_VERSION,
     FileHeader,

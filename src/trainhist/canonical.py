@@ -20,9 +20,20 @@ import numpy as np
 from .chunk import Codec, decode_chunk, encode_chunk
 from .dyadic import Dyadic
 from .errors import CorruptError, UnsupportedError
-from .framing import FILE_HEADER_SIZE, READ_VERSION, WRITE_VERSION, FileHeader, RecordHeader, RecordType, crc32c, pad8
+from .framing import (
+    FILE_HEADER_SIZE,
+    READ_VERSION,
+    WRITE_VERSION,
+    FileHeader,
+    RecordHeader,
+    RecordType,
+    crc32c,
+    pack_commit,
+    pad8,
+)
 from .grid import nbins
 from .model import (
+    CANONICAL_NAN,
     PRIORITY,
     derive_presence,
     EXACT_COLUMNS,
@@ -37,7 +48,6 @@ from .model import (
 
 __all__ = [
     "CHUNK_ROWS",
-    "CANONICAL_NAN",
     "PRIORITY",
     "Rows",
     "StepRows",
@@ -52,10 +62,7 @@ __all__ = [
 ]
 
 CHUNK_ROWS = 4096  #: rows per obs/steps chunk of a canonical file (the last chunk of a site-segment may be shorter)
-CANONICAL_NAN_BITS = 0x7FF8000000000000
-CANONICAL_NAN = struct.unpack("<d", struct.pack("<Q", CANONICAL_NAN_BITS))[0]
 NO_ID = 0xFFFFFFFF
-_COMMIT_ENTRY = struct.Struct("<QHHIIIqq")
 _OBS_KNOWN = {**OBS_COLUMNS, **EXACT_COLUMNS, **SKETCH_COLUMNS, **TALLY_COLUMNS}
 _OBS_VARIABLE = frozenset({"sum_x", "sumsq_x", "sk_counts"})
 _STEPS_KNOWN = {**STEPS_COLUMNS, **STEPS_OPTIONAL_COLUMNS}
@@ -417,9 +424,7 @@ class CanonicalWriter:
     def commit(self) -> None:
         if not self._entries:
             return
-        body = struct.pack("<QQ", self._seq, len(self._entries)) + b"".join(
-            _COMMIT_ENTRY.pack(off, t, 0, site, seg, rows, lo, hi) for off, t, site, seg, rows, lo, hi in self._entries
-        )
+        body = pack_commit(self._seq, self._entries)
         self._entries = []
         self._record(RecordType.COMMIT, body)
 

@@ -23,6 +23,9 @@ __all__ = [
     "pad8",
     "FileHeader",
     "RecordHeader",
+    "COMMIT_HEAD",
+    "COMMIT_ENTRY",
+    "pack_commit",
 ]
 
 MAGIC = b"\x89THIST\r\n"
@@ -37,6 +40,8 @@ MAX_MANIFEST_PAYLOAD = 1024 * 1024
 
 _FILE = struct.Struct("<8sHHIIQI")  # magic, read_version, write_version, required, optional, salt, header_crc
 _REC = struct.Struct("<HHIQQII")  # type, flags, length, seq, salt, payload_crc, header_crc
+COMMIT_HEAD = struct.Struct("<QQ")  # seq of the commit record, number of entries (spec 4.3)
+COMMIT_ENTRY = struct.Struct("<QHHIIIqq")  # offset, type, reserved, site, segment, rows, step_min, step_max
 
 
 class RecordType:
@@ -151,3 +156,10 @@ class RecordHeader:
                 f"record payload of {self.length} bytes exceeds the limit of {limit} bytes for type {self.type}",
                 code="record_too_large", path=path, offset=offset,
             )
+
+
+def pack_commit(seq: int, entries: list[tuple[int, int, int, int, int, int, int]]) -> bytes:
+    """Commit payload (spec 4.3) naming ``entries`` = (offset, type, site, segment, rows, step_min, step_max)."""
+    return COMMIT_HEAD.pack(seq, len(entries)) + b"".join(
+        COMMIT_ENTRY.pack(off, t, 0, site, seg, rows, lo, hi) for off, t, site, seg, rows, lo, hi in entries
+    )

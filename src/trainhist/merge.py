@@ -20,8 +20,6 @@ from typing import Any, Iterable
 import numpy as np
 
 from .canonical import (
-    CANONICAL_NAN,
-    CANONICAL_NAN_BITS,
     CHUNK_ROWS,
     CODECS,
     CanonicalWriter,
@@ -42,7 +40,7 @@ from .dyadic import Dyadic
 from .errors import MergeError, UsageError
 from .framing import RECORD_HEADER_SIZE
 from .grid import nbins
-from .model import U64_UNKNOWN, Presence
+from .model import CANONICAL_NAN, CANONICAL_NAN_BITS, U64_UNKNOWN, Presence
 from .reader import History
 
 __all__ = ["merge", "canonicalize", "MergeReport", "BATCH_ROWS", "FD_POOL"]

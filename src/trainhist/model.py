@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = [
+    "CANONICAL_NAN",
+    "CANONICAL_NAN_BITS",
     "STREAMS",
     "SHARING",
     "Presence",
@@ -27,6 +29,8 @@ __all__ = [
 STREAMS = ("activation", "activation_grad", "param", "param_grad", "param_delta", "scalar")
 SHARING = ("shard", "replica")
 
+CANONICAL_NAN_BITS = 0x7FF8000000000000  #: the one NaN a file stores (spec 1): "no finite value", "unknown"
+CANONICAL_NAN = float(np.frombuffer(np.uint64(CANONICAL_NAN_BITS).tobytes(), "<f8")[0])
 MICRO_ALL = 0xFFFFFFFF  #: micro column value meaning "the whole step" (all micro-batches combined)
 U64_UNKNOWN = 0xFFFFFFFFFFFFFFFF  #: unsigned count meaning "unknown" in the steps table
 

@@ -21,6 +21,8 @@ from .chunk import Chunk, decode_chunk
 from .dyadic import Dyadic
 from .errors import CorruptError, FormatError, UnsupportedError, UsageError
 from .framing import (
+    COMMIT_ENTRY,
+    COMMIT_HEAD,
     FILE_HEADER_SIZE,
     FLAG_IGNORABLE,
     MAGIC,
@@ -34,10 +36,8 @@ from .framing import (
 )
 from .model import (
     EXACT_COLUMNS,
-    MICRO_ALL,
     OBS_COLUMNS,
     PRIORITY,
-    TALLY_COLUMNS,
     derive_presence,
     SKETCH_COLUMNS,
     STEPS_COLUMNS,
@@ -58,8 +58,6 @@ __all__ = ["open_history", "History", "Site", "Segment", "Recovery", "SpineSerie
 _OBS_KNOWN = {**OBS_COLUMNS, **EXACT_COLUMNS, **SKETCH_COLUMNS, **TALLY_COLUMNS}
 _STEPS_KNOWN = {**STEPS_COLUMNS, **STEPS_OPTIONAL_COLUMNS}
 _OBS_VARIABLE = frozenset({"sum_x", "sumsq_x", "sk_counts"})
-_COMMIT_HEAD = struct.Struct("<QQ")
-_COMMIT_ENTRY = struct.Struct("<QHHIIIqq")
 _ENTRY_DTYPE = np.dtype([("offset", "<u8"), ("type", "<u2"), ("reserved", "<u2"), ("site", "<u4"),
                          ("segment", "<u4"), ("rows", "<u4"), ("step_min", "<i8"), ("step_max", "<i8")])
 _REC = struct.Struct("<HHIQQII")
@@ -366,15 +364,15 @@ class History:
     def _apply_commit(self, pos: int, length: int, seq: int, pending: list[tuple[int, int, int, int, int]]) -> None:
         path = self.path
         p = self._view[pos + RECORD_HEADER_SIZE : pos + RECORD_HEADER_SIZE + length]
-        if len(p) < _COMMIT_HEAD.size:
+        if len(p) < COMMIT_HEAD.size:
             raise _bad("commit payload shorter than 16 bytes", "bad_commit", path, pos)
-        cseq, n = _COMMIT_HEAD.unpack_from(p, 0)
-        if cseq != seq or len(p) != _COMMIT_HEAD.size + n * _COMMIT_ENTRY.size or n != len(pending):
+        cseq, n = COMMIT_HEAD.unpack_from(p, 0)
+        if cseq != seq or len(p) != COMMIT_HEAD.size + n * COMMIT_ENTRY.size or n != len(pending):
             raise _bad(
                 f"commit lists {n} records (payload {len(p)} bytes, seq {cseq}); {len(pending)} records precede it "
                 f"since the previous commit", "bad_commit", path, pos,
             )
-        entries = np.frombuffer(p, _ENTRY_DTYPE, n, _COMMIT_HEAD.size).tolist()
+        entries = np.frombuffer(p, _ENTRY_DTYPE, n, COMMIT_HEAD.size).tolist()
         segments = {g.id for g in self.segments}
         for i, ((off, rtype, _res, site, seg, rows, lo, hi), (rpos, ptype, plen, pcrc, flags)) in enumerate(
             zip(entries, pending)

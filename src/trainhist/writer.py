@@ -11,7 +11,6 @@ import json
 import math
 import os
 import socket
-import struct
 import time
 import uuid
 from dataclasses import dataclass
@@ -31,26 +30,24 @@ from .framing import (
     RecordHeader,
     RecordType,
     crc32c,
+    pack_commit,
     pad8,
 )
 from .model import (
+    CANONICAL_NAN,
     MICRO_ALL,
     SHARING,
     STREAMS,
     U64_UNKNOWN,
-    Applied,
-    Clipped,
     GradBasis,
     Phase,
     Presence,
 )
 from .schemas import validate_manifest
-from .summary import Sketch, Summary, SumMethod, summarize
+from .summary import Summary, summarize
 
 __all__ = ["HistoryWriter", "SiteHandle"]
 
-CANONICAL_NAN = struct.unpack("<d", struct.pack("<Q", 0x7FF8000000000000))[0]
-_COMMIT_ENTRY = struct.Struct("<QHHIIIqq")
 NO_ID = 0xFFFFFFFF
 
 
@@ -66,15 +63,6 @@ class SiteHandle:
     path: str
     stream: str
     facet: str | None
-
-
-class _Rows:
-    """Rows of one site waiting for the next chunk."""
-
-    __slots__ = ("rows",)
-
-    def __init__(self) -> None:
-        self.rows: list[tuple] = []
 
 
 def encode_obs_rows(rows: list[tuple], site: int, segment: int, codec: int) -> tuple[bytes, int, int]:
@@ -187,7 +175,7 @@ class HistoryWriter:
         self._commit_seconds = commit_seconds
         self._sites: dict[tuple[str, str, str | None], SiteHandle] = {}
         self._site_meta: dict[int, dict] = {}
-        self._buffers: dict[tuple[int, int], _Rows] = {}
+        self._buffers: dict[tuple[int, int], list[tuple]] = {}  # rows per (site, segment)
         self._steps: dict[int, list[tuple]] = {}
         self._entries: list[tuple] = []
         self._closed = False
@@ -326,9 +314,9 @@ class HistoryWriter:
         if self._segment_manifest is not None and self._segment_manifest["first_step"] is None:
             self._segment_manifest["first_step"] = int(step)
         row = (int(step), 1, MICRO_ALL if micro is None else int(micro), Phase.code(phase), presence, summary)
-        buf = self._buffers.setdefault((site.id, self.segment), _Rows())
-        buf.rows.append(row)
-        if len(buf.rows) >= MAX_ROWS // 16:
+        buf = self._buffers.setdefault((site.id, self.segment), [])
+        buf.append(row)
+        if len(buf) >= MAX_ROWS // 16:
             self._flush_site(site.id, self.segment)
 
     def observe(
@@ -418,11 +406,11 @@ class HistoryWriter:
 
     def _flush_site(self, sid: int, segment: int) -> None:
         buf = self._buffers.pop((sid, segment), None)
-        if not buf or not buf.rows:
+        if not buf:
             return
         self._write_segment_manifest()
-        payload, lo, hi = encode_obs_rows(buf.rows, sid, segment, self._codec)
-        self._record(RecordType.OBS, payload, site=sid, segment=segment, rows=len(buf.rows), steps=(lo, hi))
+        payload, lo, hi = encode_obs_rows(buf, sid, segment, self._codec)
+        self._record(RecordType.OBS, payload, site=sid, segment=segment, rows=len(buf), steps=(lo, hi))
 
     def _write_segment_manifest(self) -> None:
         if self._segment_manifest is not None:
@@ -450,10 +438,7 @@ class HistoryWriter:
                          steps=(int(step.min()), int(step.max())))
         self._steps.clear()
         if self._entries:
-            body = struct.pack("<QQ", self._seq, len(self._entries)) + b"".join(
-                _COMMIT_ENTRY.pack(off, t, 0, site, seg, rows, lo, hi) for off, t, site, seg, rows, lo, hi in
-                self._entries
-            )
+            body = pack_commit(self._seq, self._entries)
             self._entries = []
             self._record(RecordType.COMMIT, body)
             self._f.flush()
