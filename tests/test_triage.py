@@ -64,3 +64,11 @@ def test_clean_history_has_no_findings(tmp_path) -> None:
     with trainhist.open(p) as h:
         t = triage(h)
     assert t.findings == [] and "no non-finite" in t.format()
+
+
+def test_cli_reports_io_errors_without_a_traceback(tmp_path, capsys) -> None:
+    assert main(["info", str(tmp_path)]) == 1  # a directory, not a file
+    err = capsys.readouterr().err
+    assert err.startswith("trainhist: error [io_error]") and "Traceback" not in err
+    assert main(["verify", str(tmp_path / "missing.thist")]) == 1
+    assert "[not_found]" in capsys.readouterr().err

@@ -195,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"trainhist: error [not_found] {e.filename}: no such file", file=sys.stderr)
         return EXIT_INVALID
+    except OSError as e:  # permission denied, a directory, disk full: say so, no traceback
+        print(f"trainhist: error [io_error] {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_INVALID
     except BrokenPipeError:
         return EXIT_OK
 
