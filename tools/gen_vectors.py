@@ -640,6 +640,44 @@ def gen_valid(s: Suite) -> dict[str, bytes]:
     edit_chunk(first(recs, RecordType.OBS), mixed)
     s.read(v, "codec_mixed", "raw, deflate (fixed-Huffman and stored blocks) and shuffle-deflate columns in one chunk",
            ["7.3"], build(recs)[0])
+    # the lightweight codecs (7.3): the full file with every column the reference writer's "packed" choice, and
+    # the basic file with each codec forced where it applies (constant and wide frames of reference, patched
+    # exceptions, binary32 with the canonical NaN)
+    from trainhist.chunk import Codec as _Codec, _encode_f32, _encode_for, _encode_patched, _pack_column
+    import numpy as _np
+    from trainhist.chunk import DTYPES as _DT
+
+    def packed(m: dict, cs: list[Col]) -> None:
+        for x in cs:
+            if x.codec == 0 and x.dt != "bytes":
+                x.codec, x.block = _pack_column(x.dt, _np.frombuffer(x.block, _DT[x.dt]), x.block)
+
+    recs = parse(base["full"])
+    for r in recs:
+        if r.type in (RecordType.OBS, RecordType.STEPS):
+            edit_chunk(r, packed)
+    s.read(v, "codec_packed", "the `full` file with each column stored by the writer's packed choice: frame of "
+           "reference (3), binary32 (4), patched bytes (5) or raw", ["7.3"], build(recs)[0])
+
+    def forced(m: dict, cs: list[Col]) -> None:
+        for x in cs:
+            a = _np.frombuffer(x.block, _DT[x.dt])
+            if x.name == "sk_counts":
+                x.codec, x.block = 5, _encode_patched(a, x.dt)
+            elif x.name in ("step", "micro", "count", "sk_up"):
+                x.codec, x.block = 3, _encode_for(a, x.dt)
+            elif x.name == "span":  # a frame of reference at w = 4 (wider than needed): base 0, offsets = spans
+                x.codec, x.block = 3, struct.pack("<Q", 0) + a.astype("<u4").tobytes()
+            elif x.dt == "f8" and _encode_f32(a) is not None:
+                x.codec, x.block = 4, _encode_f32(a)
+
+    recs = parse(base["full"])
+    for r in recs:
+        if r.type in (RecordType.OBS, RecordType.STEPS):
+            edit_chunk(r, forced)
+    s.read(v, "codec_lightweight", "the `full` file with codecs 3-5 forced where they apply: constant frames of "
+           "reference (w = 0, e.g. micro = 0xFFFFFFFF), a w = 4 frame, patched sketch counts, binary32 min/max with "
+           "the canonical NaN", ["7.3"], build(recs)[0])
     # sketch ranges wider than the non-zero bins: readers accept any range
     recs = parse(base["basic"])
 
@@ -877,8 +915,42 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
                lambda m, cs: (m, cs + [Col(f"x-{k}", "u1", 0, b"\0", 1) for k in range(65 - len(cs))]))
     chunk_case("unknown_dtype", "a column of dtype f4 (not in the registry)", ["7.2", "7.4"], "unknown_dtype",
                add_col("x-f", "f4", b"\0\0\0\0"))
-    chunk_case("unknown_codec", "a column with codec 3", ["7.3", "7.4"], "unknown_codec",
-               lambda m, cs: setattr(col(cs, "count"), "codec", 3))
+    chunk_case("unknown_codec", "a column with codec 6", ["7.3", "7.4"], "unknown_codec",
+               lambda m, cs: setattr(col(cs, "count"), "codec", 6))
+
+    # the lightweight codecs 3-5 (spec 7.3): each broken rule on the 1-row `count` (u8) or `min` (f8) column
+    def block(name: str, codec: int, data: bytes) -> Callable:
+        def fn(m: dict, cs: list[Col]) -> None:
+            x = col(cs, name)
+            x.block, x.codec = data, codec
+        return fn
+
+    for vname, desc, name, codec, data in [
+        ("for_bad_width", "frame of reference: 8 + 3 bytes for 1 value (w = 3 is not 0, 1, 2, 4 or 8)", "count", 3,
+         struct.pack("<Q", 0) + b"\1\0\0"),
+        ("for_short", "frame of reference: a 4-byte block (no room for the 8-byte base)", "count", 3, b"\0" * 4),
+        ("for_wraps", "frame of reference: base 2^64-1 plus offset 1 (wraps modulo 2^64; must be refused)", "count",
+         3, struct.pack("<QB", 2**64 - 1, 1)),
+        ("for_u1_out_of_range", "frame of reference on the u1 `presence` column: base 256 (w = 0)", "presence", 3,
+         struct.pack("<Q", 256)),
+        ("for_on_f8", "frame of reference on the f8 `min` column (applies to integer dtypes only)", "min", 3,
+         struct.pack("<Q", 0)),
+        ("f32_nan_payload", "binary32 `min` column holding the NaN 0x7FC00001 (only 0x7FC00000 is allowed)", "min", 4,
+         struct.pack("<I", 0x7FC00001)),
+        ("f32_size", "binary32 `min` column of 8 bytes for 1 value", "min", 4, b"\0" * 8),
+        ("f32_on_u8", "binary32 on the u8 `count` column (applies to f8 only)", "count", 4, b"\0" * 4),
+        ("patched_missing_exception", "patched `count`: the code 255 with no exception stored", "count", 5,
+         b"\xff"),
+        ("patched_extra_exception", "patched `count`: one exception (300) but no code 255", "count", 5,
+         struct.pack("<QB", 300, 2)),
+        ("patched_small_exception", "patched `count`: an exception of 2 (exceptions must be >= 255)", "count", 5,
+         struct.pack("<QB", 2, 255)),
+        ("patched_ragged", "patched `count`: 4 bytes of exceptions (not a multiple of the item size 8)", "count", 5,
+         b"\0" * 4 + b"\2"),
+        ("patched_on_u1", "patched bytes on the u1 `presence` column (applies to u2, u4, u8 only)", "presence", 5,
+         b"\1"),
+    ]:
+        chunk_case(vname, desc, ["7.3", "7.4"], "bad_column_data", block(name, codec, data))
     chunk_case("wrong_dtype", "the `count` column stored as i8 instead of u8", ["7.4"], "bad_chunk",
                lambda m, cs: setattr(col(cs, "count"), "dt", "i8"))
 

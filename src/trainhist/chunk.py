@@ -1,7 +1,8 @@
 """Columnar chunk payloads (spec section 7): a msgpack directory, then 8-aligned little-endian column blocks.
 
 Raw columns are read with ``np.frombuffer`` straight from the file map (no copy); deflated columns are inflated
-once, bounded by their declared raw length.
+once, bounded by their declared raw length; the lightweight codecs (frame of reference, binary32 narrowing,
+patched bytes: spec 7.3) are decoded with a few numpy operations and widened to the column's registered dtype.
 """
 
 from __future__ import annotations
@@ -38,12 +39,18 @@ _CODE_OF = {v.str: k for k, v in DTYPES.items() if k != "bytes"}
 
 
 class Codec:
-    """Column codecs (spec 7.3)."""
+    """Column codecs (spec 7.3): the stored codes, and ``PACKED``, a writer's choice of one per column."""
 
     RAW = 0
     DEFLATE = 1  #: zlib stream (RFC 1950) of the raw bytes
     SHUFFLE_DEFLATE = 2  #: byte-transpose by item size, then a zlib stream
-    BY_NAME = {"raw": RAW, "zlib": DEFLATE, "shuffle": SHUFFLE_DEFLATE}
+    FOR = 3  #: frame of reference: an 8-byte base, then one unsigned offset of 0, 1, 2, 4 or 8 bytes per value
+    F32 = 4  #: f8 values that are all exactly binary32, stored as binary32
+    PATCHED = 5  #: unsigned values as one byte each, 0xFF escaping to a full-width exception stored first
+    STORED = (RAW, DEFLATE, SHUFFLE_DEFLATE, FOR, F32, PATCHED)
+    #: not a stored code: ``encode_chunk`` picks, per column, the smallest of raw, FOR, F32 and PATCHED
+    PACKED = 256
+    BY_NAME = {"raw": RAW, "zlib": DEFLATE, "shuffle": SHUFFLE_DEFLATE, "packed": PACKED}
 
 
 def _shuffle(raw: bytes, itemsize: int) -> bytes:
@@ -58,16 +65,88 @@ def _unshuffle(data: bytes, itemsize: int) -> bytes:
     return np.frombuffer(data, np.uint8).reshape(itemsize, -1).T.tobytes()
 
 
+_INT_CODES = ("u1", "u2", "u4", "u8", "i1", "i2", "i4", "i8")
+_UNSIGNED = {"u1": 255, "u2": 0xFFFF, "u4": 0xFFFFFFFF, "u8": 0xFFFFFFFFFFFFFFFF}
+_RANGE = {**{k: (0, v) for k, v in _UNSIGNED.items()},
+          **{f"i{b}": (-(1 << (8 * b - 1)), (1 << (8 * b - 1)) - 1) for b in (1, 2, 4, 8)}}
+_FOR_WIDTHS = {0: None, 1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+#: which stored codecs apply to which dtype codes (spec 7.3)
+APPLIES = {
+    Codec.RAW: frozenset(DTYPES), Codec.DEFLATE: frozenset(DTYPES), Codec.SHUFFLE_DEFLATE: frozenset(DTYPES),
+    Codec.FOR: frozenset(_INT_CODES), Codec.F32: frozenset({"f8"}), Codec.PATCHED: frozenset({"u2", "u4", "u8"}),
+}
+_CANONICAL_NAN32 = 0x7FC00000
+
+
+def _encode_for(arr: np.ndarray, dt: str) -> bytes | None:
+    """Frame of reference: base = the least value, offsets at the narrowest width that holds the range."""
+    if arr.size == 0:
+        return None
+    lo, hi = int(arr.min()), int(arr.max())
+    span = hi - lo
+    w = next(w for w in (0, 1, 2, 4, 8) if span < (1 << (8 * w)))
+    base = struct.pack("<q" if dt.startswith("i") else "<Q", lo)
+    if w == 0:
+        return base
+    off = arr.astype(np.int64 if dt.startswith("i") else np.uint64) - (np.int64(lo) if dt.startswith("i") else np.uint64(lo))
+    return base + off.astype(_FOR_WIDTHS[w]).tobytes()
+
+
+def _encode_f32(arr: np.ndarray) -> bytes | None:
+    """binary32 when every value (NaN bit patterns included) survives the round trip exactly."""
+    if arr.size == 0:
+        return None
+    with np.errstate(all="ignore"):
+        n = arr.astype("<f4")
+    if not np.array_equal(n.astype("<f8").view("<u8"), arr.view("<u8")):
+        return None
+    return n.tobytes()
+
+
+def _encode_patched(arr: np.ndarray, dt: str) -> bytes | None:
+    """One byte per value below 255; 0xFF escapes to the next full-width exception, stored before the bytes."""
+    if arr.size == 0:
+        return None
+    big = arr >= 255
+    codes = np.where(big, 255, arr).astype(np.uint8)
+    return arr[big].astype(DTYPES[dt]).tobytes() + codes.tobytes()
+
+
+def _pack_column(dt: str, arr: np.ndarray | bytes, raw: bytes) -> tuple[int, bytes]:
+    """The smallest of raw and the lightweight codecs that apply to ``dt`` (raw on ties: it is read in place)."""
+    best, stored = Codec.RAW, raw
+    if isinstance(arr, (bytes, bytearray)) or dt == "bytes":
+        return best, stored
+    a = np.ascontiguousarray(arr, DTYPES[dt])
+    cands: list[tuple[int, bytes | None]] = []
+    if dt == "f8":
+        cands.append((Codec.F32, _encode_f32(a)))
+    else:
+        cands.append((Codec.FOR, _encode_for(a, dt)))
+        if dt in ("u2", "u4", "u8"):
+            cands.append((Codec.PATCHED, _encode_patched(a, dt)))
+    for c, blk in cands:
+        if blk is not None and len(blk) + pad8(len(blk)) < len(stored) + pad8(len(stored)):
+            best, stored = c, blk
+    return best, stored
+
+
 def encode_chunk(meta: dict, columns: dict[str, tuple[str, np.ndarray | bytes]], codec: int) -> bytes:
     """Payload of a chunk: ``meta`` plus columns given as ``name -> (dtype code, array or bytes)`` in order.
 
     ``codec`` applies to every column; columns of 1-byte items use plain deflate instead of shuffle.
+    ``Codec.PACKED`` picks per column the smallest (after padding) of raw, FOR, F32 and PATCHED, raw on ties.
     """
     blocks = []
     cols = []
     for name, (dt, arr) in columns.items():
         raw = arr if isinstance(arr, (bytes, bytearray)) else np.ascontiguousarray(arr, DTYPES[dt]).tobytes()
         c = codec
+        if c == Codec.PACKED:
+            c, stored = _pack_column(dt, arr, raw)
+            cols.append([name, dt, c, 0, len(stored), len(raw)])
+            blocks.append(stored)
+            continue
         if c == Codec.SHUFFLE_DEFLATE and DTYPES[dt].itemsize == 1:
             c = Codec.DEFLATE
         if c == Codec.DEFLATE:
@@ -121,12 +200,19 @@ class Chunk:
         return name in self._dir
 
     def column(self, name: str, rows: int | None = None) -> np.ndarray:
-        """The column as a numpy array; ``rows`` checks the element count of fixed-width columns."""
+        """The column as a numpy array of its registered dtype; ``rows`` checks the element count of fixed-width
+        columns."""
         name_, dt, codec, off, slen, rlen = self._dir[name]
         dtype = DTYPES[dt]
         data = self.payload[off : off + slen]
         if codec == Codec.RAW:
-            raw: bytes | memoryview = data
+            arr = np.frombuffer(data, dtype)
+        elif codec == Codec.FOR:
+            arr = self._for(name, dt, data, rlen // dtype.itemsize)
+        elif codec == Codec.F32:
+            arr = self._f32(name, data, rlen // 8)
+        elif codec == Codec.PATCHED:
+            arr = self._patched(name, dt, data, rlen // dtype.itemsize)
         else:
             try:
                 d = zlib.decompressobj()
@@ -134,19 +220,71 @@ class Chunk:
                 if len(raw) != rlen or d.unconsumed_tail or not d.eof or d.unused_data:
                     raise zlib.error("length mismatch")
             except zlib.error as e:
-                raise CorruptError(
-                    f"column {name!r}: deflate stream invalid or not exactly {rlen} bytes ({e})",
-                    code="bad_column_data", path=self.path, offset=self.offset,
-                ) from None
+                raise self._data(name, f"deflate stream invalid or not exactly {rlen} bytes ({e})") from None
             if codec == Codec.SHUFFLE_DEFLATE:
                 raw = _unshuffle(raw, dtype.itemsize)
-        arr = np.frombuffer(raw, dtype)
+            arr = np.frombuffer(raw, dtype)
         if rows is not None and arr.size != rows:
             raise CorruptError(
                 f"column {name!r} holds {arr.size} values, the chunk declares {rows} rows",
                 code="bad_column_length", path=self.path, offset=self.offset,
             )
         return arr
+
+    def _data(self, name: str, msg: str) -> CorruptError:
+        return CorruptError(f"column {name!r}: {msg}", code="bad_column_data", path=self.path, offset=self.offset)
+
+    def _for(self, name: str, dt: str, data: memoryview, n: int) -> np.ndarray:
+        """Frame of reference (spec 7.3, codec 3): base + offset, checked to lie in the dtype's range."""
+        slen = len(data)
+        w, rem = divmod(slen - 8, n) if n else (-1, 0)
+        if slen < 8 or rem or w not in _FOR_WIDTHS:
+            raise self._data(name, f"frame-of-reference block of {slen} bytes for {n} values: not 8 + n x (0, 1, "
+                                   f"2, 4 or 8) bytes")
+        signed = dt[0] == "i"
+        (base,) = struct.unpack_from("<q" if signed else "<Q", data, 0)
+        lo, hi = _RANGE[dt]
+        if w == 0:
+            if not lo <= base <= hi:
+                raise self._data(name, f"frame-of-reference base {base} outside the range of {dt}")
+            return np.full(n, base, DTYPES[dt])
+        off = np.frombuffer(data, _FOR_WIDTHS[w], n, 8)
+        top = base + int(off.max())
+        if not lo <= base or top > hi:
+            raise self._data(name, f"frame-of-reference values {base}..{top} outside the range of {dt}")
+        out = off.astype(np.uint64)
+        out += np.uint64(base & 0xFFFFFFFFFFFFFFFF)  # exact: every sum lies in the range just checked
+        if signed:
+            out = out.view(np.int64)
+        return out if dt in ("u8", "i8") else out.astype(DTYPES[dt])
+
+    def _f32(self, name: str, data: memoryview, n: int) -> np.ndarray:
+        """binary32 values widened exactly (spec 7.3, codec 4); the only NaN allowed is 0x7FC00000."""
+        if len(data) != 4 * n:
+            raise self._data(name, f"binary32 block of {len(data)} bytes for {n} values")
+        a = np.frombuffer(data, "<f4")
+        nan = np.isnan(a)
+        if nan.any() and (a.view("<u4")[nan] != _CANONICAL_NAN32).any():
+            raise self._data(name, "binary32 block holds a NaN other than 0x7FC00000")
+        return a.astype(np.float64)
+
+    def _patched(self, name: str, dt: str, data: memoryview, n: int) -> np.ndarray:
+        """Patched bytes (spec 7.3, codec 5): k exceptions of the item size, then n bytes, 0xFF escaping."""
+        size = DTYPES[dt].itemsize
+        k, rem = divmod(len(data) - n, size)
+        if len(data) < n or rem:
+            raise self._data(name, f"patched block of {len(data)} bytes for {n} values of {dt}")
+        codes = np.frombuffer(data, np.uint8, n, k * size)
+        out = codes.astype(DTYPES[dt])
+        if k or len(data) > n:
+            esc = np.flatnonzero(codes == 255)
+            exc = np.frombuffer(data, DTYPES[dt], k)
+            if esc.size != k or (k and int(exc.min()) < 255):
+                raise self._data(name, f"patched block: {esc.size} escape bytes, {k} exceptions (each >= 255)")
+            out[esc] = exc
+        elif (codes == 255).any():
+            raise self._data(name, "patched block: escape bytes without exceptions")
+        return out
 
 
 def _bad(msg: str, path: str | None, offset: int, code: str = "bad_chunk") -> CorruptError:
@@ -201,9 +339,12 @@ def decode_chunk(
         if dt not in DTYPES:
             raise UnsupportedError(f"column {name!r} has unknown dtype {dt!r}", code="unknown_dtype", path=path,
                                    offset=offset)
-        if codec not in (Codec.RAW, Codec.DEFLATE, Codec.SHUFFLE_DEFLATE):
+        if codec not in APPLIES:
             raise UnsupportedError(f"column {name!r} uses unknown codec {codec}", code="unknown_codec", path=path,
                                    offset=offset)
+        if dt not in APPLIES[codec]:
+            raise _bad(f"column {name!r}: codec {codec} does not apply to dtype {dt}", path, offset,
+                       "bad_column_data")
         if off != end or off % 8 or slen < 0 or off + slen > n:
             raise _bad(
                 f"column {name!r} at offset {off} (+{slen}) is not the next 8-aligned block ({end}) inside the "
