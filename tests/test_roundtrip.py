@@ -76,7 +76,7 @@ def tensors() -> list[tuple[str, np.ndarray, str | None]]:
     ]
 
 
-@pytest.mark.parametrize("codec", ["shuffle", "zlib", "raw"])
+@pytest.mark.parametrize("codec", ["packed", "shuffle", "zlib", "raw"])
 def test_spine_and_sketch_roundtrip(tmp_path: Path, codec: str) -> None:
     p = tmp_path / "rt.thist"
     want: dict[str, list[Summary]] = {}

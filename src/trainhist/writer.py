@@ -147,7 +147,7 @@ class HistoryWriter:
         rank: int = 0,
         world_size: int = 1,
         host: str | None = None,
-        codec: str = "shuffle",
+        codec: str = "packed",
         fsync: str = "commit",
         mode: str = "w",
         commit_every: int = 200,
