@@ -325,6 +325,9 @@ def decode_chunk(
     if len(cols) > MAX_COLUMNS:
         raise LimitError(f"chunk declares {len(cols)} columns; at most {MAX_COLUMNS}", code="too_many_columns",
                          path=path, offset=offset)
+    fast = _fast_directory(payload, n, mlen, rows, cols, known, variable)
+    if fast is not None:
+        return Chunk(meta, payload, offset, path, fast)
     directory: dict[str, list] = {}
     end = 4 + mlen + pad8(4 + mlen)
     for c in cols:
@@ -371,4 +374,47 @@ def decode_chunk(
         directory[name] = c
     if end != n:
         raise _bad(f"chunk payload has {n - end} trailing bytes after its last column", path, offset)
+    if len(_SIGNATURES) > 4096:
+        _SIGNATURES.clear()
+    _SIGNATURES[(tuple((c[0], c[1], c[2]) for c in cols), id(known), variable)] = (known, [
+        -DTYPES[c[1]].itemsize if c[0] in variable else DTYPES[c[1]].itemsize for c in cols])
     return Chunk(meta, payload, offset, path, directory)
+
+
+# (column (name, dtype, codec) triples, id of the known-columns map, variable names) of directories that passed
+# the full validation -> (that map, item size per column, negated for variable columns). A directory with the same
+# triples needs only the checks that depend on offsets and sizes.
+_SIGNATURES: dict[tuple, tuple[dict, list[int]]] = {}
+
+
+def _fast_directory(payload: memoryview, n: int, mlen: int, rows: int, cols: list, known: dict[str, str],
+                    variable: frozenset[str]) -> dict[str, list] | None:
+    """The directory of a chunk whose column triples were validated before, if every per-chunk check (entry
+    types, offsets, sizes, padding) passes; None sends the chunk through the full validation, which names the
+    first problem."""
+    try:
+        info = _SIGNATURES.get((tuple([(c[0], c[1], c[2]) for c in cols]), id(known), variable))
+    except (TypeError, KeyError, IndexError):
+        return None
+    if info is None or info[0] is not known:
+        return None
+    end = 4 + mlen
+    end += -end % 8
+    directory = {}
+    limit = 64 * MAX_ROWS * 8
+    for c, size in zip(cols, info[1]):
+        if type(c) is not list or len(c) != 6:
+            return None
+        _, _, codec, off, slen, rlen = c
+        if type(codec) is not int or type(off) is not int or type(slen) is not int or type(rlen) is not int:
+            return None
+        if off != end or slen < 0 or off + slen > n or (codec == 0 and slen != rlen) or rlen > limit:
+            return None
+        if (rlen != rows * size) if size > 0 else rlen % -size:
+            return None
+        p = -slen % 8
+        end = off + slen + p
+        if p and any(payload[end - p : end]):
+            return None
+        directory[c[0]] = c
+    return directory if end == n else None

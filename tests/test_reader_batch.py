@@ -1,0 +1,151 @@
+"""The reader's batched site decode (all chunks of a site at once) against the per-chunk path of spec 8: the same
+rows, exact sums and sketches for files that mix codecs, frame-of-reference widths, sketch and exact columns
+across chunks; the same typed error and record offset when a chunk is damaged; decode once for spine + sketch."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import trainhist
+from trainhist.chunk import Codec
+from trainhist.errors import CorruptError
+from trainhist.framing import RECORD_HEADER_SIZE, RecordType, crc32c
+from trainhist.writer import HistoryWriter
+
+FAST = dict(fsync="never", commit_every=10**9, commit_seconds=1e18)
+
+
+def build(p: Path) -> None:
+    rng = np.random.default_rng(3)
+    for k, codec in enumerate(("raw", "packed", "shuffle", "packed")):
+        with HistoryWriter(p, mode="a", codec=codec, **FAST) as w:
+            a = w.site("a", "activation")
+            g = w.site("g", "param_grad")
+            s = w.site("s", "activation", cadence_sketch=0)
+            for step in range(k * 40, k * 40 + 40):
+                x = (rng.standard_normal(64 + step) * 2.0 ** (step % 9 - 4)).astype(np.float32)
+                if step % 7 == 3:
+                    x[0] = np.nan
+                w.observe(a, step, x, sketch=step % 3 != 0)
+                if step % 5 == 0:
+                    w.mark(g, step, "absent")
+                else:
+                    w.observe(g, step, x.astype(np.float64) * 1e300 if step % 11 == 0 else x, phase="pre_clip")
+                    w.observe(g, step, x[:10], phase="post_clip", micro=step % 2)
+                w.observe(s, step, x, sketch=False)
+                if step % 13 == 12:
+                    w.commit()
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    p = tmp_path_factory.mktemp("batch") / "mixed.thist"
+    build(p)
+    return p
+
+
+def test_batch_equals_per_chunk(mixed: Path) -> None:
+    with trainhist.open(mixed) as h:
+        codecs = {c[2] for es in h._obs.values() for e in es for c in h.chunk(e)._dir.values()}
+        assert {Codec.RAW, Codec.DEFLATE, Codec.SHUFFLE_DEFLATE, Codec.FOR, Codec.F32, Codec.PATCHED} <= codecs
+        for site in h.sites:
+            bc, bx, bs = h._site_batch(site)
+            cc, cx, cs = h._site_chunks(site, True)
+            assert bc.keys() == cc.keys()
+            for k in cc:
+                assert bc[k].dtype == cc[k].dtype and np.array_equal(np.ascontiguousarray(bc[k]).view(np.uint8), np.ascontiguousarray(cc[k]).view(np.uint8)), k
+            for k in cx:
+                assert np.array_equal(bx[k].n, cx[k].n) and bx[k].blob == cx[k].blob
+                assert [bx[k].get(i) for i in range(len(bc["step"]))] == [cx[k].get(i) for i in range(len(cc["step"]))]
+            assert bs.scale == cs.scale and np.array_equal(bs.bands, cs.bands)
+            for side in (0, 1):
+                assert np.array_equal(bs.dense(side), cs.dense(side))
+
+
+def test_public_api_unchanged(mixed: Path) -> None:
+    with trainhist.open(mixed) as h:
+        sp = h.spine("a")
+        sk = h.sketch("a")
+        assert len(sk) == int((sp.sk_row >= 0).sum()) > 0
+        for i in (0, len(sk) // 2, len(sk) - 1):
+            one = sk.sketch(i)
+            assert np.array_equal(one.pos, sk.pos[i]) and np.array_equal(one.neg, sk.neg[i])
+            assert one.total() if hasattr(one, "total") else True
+        assert sk.pos.shape == sk.neg.shape == (len(sk), 256) and sk.pos.dtype == np.uint64
+        pre = h.sketch("g", "param_grad", phase="pre_clip")
+        post = h.sketch("g", "param_grad", phase="post_clip")
+        assert len(pre) + len(post) == len(h.sketch("g", "param_grad", phase="*"))
+        with pytest.raises(ValueError):  # cached decoded columns are shared, so they are read-only
+            sp.step[0] = 5
+
+
+def _records(data: bytes, rtype: int) -> list[int]:
+    out, pos = [], 32
+    while pos < len(data):
+        t, _f, length = struct.unpack_from("<HHI", data, pos)
+        if t == rtype:
+            out.append(pos)
+        pos += RECORD_HEADER_SIZE + length + (-length % 8)
+    return out
+
+
+def _rewrite(data: bytearray, pos: int, payload: bytes) -> None:
+    """Replace a record's payload (same length) and fix its payload and header CRCs."""
+    length = struct.unpack_from("<I", data, pos + 4)[0]
+    assert len(payload) == length
+    data[pos + RECORD_HEADER_SIZE : pos + RECORD_HEADER_SIZE + length] = payload
+    struct.pack_into("<I", data, pos + 24, crc32c(payload))
+    struct.pack_into("<I", data, pos + 28, crc32c(bytes(data[pos : pos + 28])))
+
+
+@pytest.mark.parametrize("damage", ["for_wrap", "patched_exception", "f32_nan", "step_range"])
+def test_damaged_middle_chunk_same_error_and_offset(tmp_path: Path, damage: str) -> None:
+    import msgpack
+
+    p = tmp_path / "f.thist"
+    with HistoryWriter(p, commit_every=10, **{k: v for k, v in FAST.items() if k != "commit_every"}) as w:
+        a = w.site("a", "activation")
+        rng = np.random.default_rng(0)
+        for step in range(50):
+            x = rng.standard_normal(5000 + step).astype(np.float32) * 1000
+            x[:400] = 1.0  # one bin above 254: a patched exception per row
+            w.observe(a, step, x)
+    data = bytearray(p.read_bytes())
+    target = _records(bytes(data), RecordType.OBS)[2]
+    start = target + RECORD_HEADER_SIZE
+    length = struct.unpack_from("<I", data, target + 4)[0]
+    payload = bytearray(data[start : start + length])
+    (mlen,) = struct.unpack_from("<I", payload)
+    d = {c[0]: c for c in msgpack.unpackb(bytes(payload[4 : 4 + mlen]))["cols"]}
+    if damage == "for_wrap":
+        name, dt, codec, off, slen, rlen = d["count"]
+        assert codec == Codec.FOR and slen > 8
+        struct.pack_into("<Q", payload, off, 2**64 - 1)
+    elif damage == "patched_exception":
+        name, dt, codec, off, slen, rlen = d["sk_counts"]
+        assert codec == Codec.PATCHED and slen - rlen // 8 >= 8
+        struct.pack_into("<Q", payload, off, 7)
+    elif damage == "f32_nan":
+        name, dt, codec, off, slen, rlen = d["min"]
+        assert codec == Codec.F32
+        struct.pack_into("<I", payload, off, 0x7FC00001)
+    else:
+        name, dt, codec, off, slen, rlen = d["step"]
+        assert codec == Codec.FOR
+        struct.pack_into("<q", payload, off, struct.unpack_from("<q", payload, off)[0] + 1)
+    _rewrite(data, target, bytes(payload))
+    p.write_bytes(bytes(data))
+    want = "bad_chunk" if damage == "step_range" else "bad_column_data"
+    if damage == "patched_exception":  # sketch columns are checked when sketches are read (spec 8: lazily)
+        with trainhist.open(p) as h:
+            assert len(h.spine("a")) == 50
+    for fn in (lambda h: h.sketch("a"), lambda h: h.verify()) + (
+            () if damage == "patched_exception" else (lambda h: h.spine("a"),)):
+        with trainhist.open(p) as h:
+            with pytest.raises(CorruptError) as ei:
+                fn(h)
+            assert (ei.value.code, ei.value.offset) == (want, target)
