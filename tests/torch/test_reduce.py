@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch_helpers import bits, ref_summary
 
 from trainhist.summary import SumMethod
-from trainhist.torch.reduce import Ledger, decode_row, reduce_into
+from trainhist.torch.reduce import COL_MIN, Ledger, decode_row, merge_row, reduce_into
 
 SPECIALS = [0.0, -0.0, math.nan, math.inf, -math.inf, 1e-45, -1e-45, 2.0**-48, -(2.0**-48), 2.0**16, 2.0**16 + 64,
             65504.0, -65504.0, 3e38, -1e-300, 1.0, -1.0, 2.0**0.25, 1.1892071]
@@ -108,7 +108,8 @@ def test_ledger_grows_mid_step_and_resets():
     led.reset()
     p = led.transfer()
     data = p.wait()
-    assert math.isnan(p.scalar(data, "s")) and int(p.row(data, "a")[:-4].sum()) == 0
+    r = p.row(data, "a")
+    assert math.isnan(p.scalar(data, "s")) and int(r[:COL_MIN].sum()) == 0
     assert led.transfers == 2
 
 
@@ -141,3 +142,65 @@ def test_spine_only_reduction_equals_the_full_one() -> None:
                 assert (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
             assert spine.sketch is None
             assert abs(spine.sum.to_float() - full.sum.to_float()) <= 1e-9 * max(1.0, abs(full.sum.to_float()))
+
+
+def run_spine(tensors: list[torch.Tensor]):
+    led = Ledger("cpu")
+    led.reset()
+    for t in tensors:
+        reduce_into(t, led.row("k"), sketch=False)
+    p = led.transfer()
+    return decode_row(p.row(p.wait(), "k"), sum(t.numel() for t in tensors), sketch=False)
+
+
+def check_spine(got, ref) -> None:
+    ref.sketch = None
+    check(got, ref)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=64), st.integers(1, 3))
+def test_spine_any_float32_bit_pattern(words, chunks):
+    """The spine-only kernel (raw counts decoded on the host) on arbitrary bits, over several micro-batches."""
+    a = np.array(words, dtype=np.uint32).view(np.float32)
+    parts = [torch.from_numpy(c.copy()) for c in np.array_split(a, chunks) if c.size]
+    check_spine(run_spine(parts), ref_summary([torch.from_numpy(a)]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=64))
+def test_spine_any_float64_bit_pattern(words):
+    a = np.array(words, dtype=np.uint64).view(np.float64)
+    check_spine(run_spine([torch.from_numpy(a)]), ref_summary([torch.from_numpy(a)]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32])
+def test_chunked_and_strided_inputs(monkeypatch, dtype):
+    """Tensors larger than CHUNK are reduced chunk by chunk, non-contiguous ones through the scratch copy."""
+    import trainhist.torch.reduce as rd
+
+    monkeypatch.setattr(rd, "CHUNK", 37)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(300, generator=g, dtype=torch.float64) * 100
+    x[::17] = torch.tensor([0.0, -0.0, math.nan, math.inf, -math.inf, 1e-300] * 3)[: x[::17].numel()]
+    x = x.to(dtype)
+    for t in (x, x.view(20, 15).t(), x[:30]):
+        check(run([t]), ref_summary([t.contiguous()]))
+        check_spine(run_spine([t]), ref_summary([t.contiguous()]))
+
+
+@pytest.mark.parametrize("sketch", [True, False])
+def test_merge_row_equals_reducing_into_the_row(sketch):
+    g = torch.Generator().manual_seed(9)
+    a = torch.cat([torch.randn(100, generator=g), torch.tensor([-0.0, math.nan, math.inf])])
+    b = torch.cat([torch.randn(50, generator=g) - 3, torch.tensor([0.0, -math.inf])])
+    led = Ledger("cpu")
+    reduce_into(a, led.row("a"), sketch=sketch)
+    reduce_into(b, led.row("b"), sketch=sketch)
+    merge_row(led.row("b"), led.row("a"))
+    p = led.transfer()
+    got = decode_row(p.row(p.wait(), "b"), a.numel() + b.numel(), sketch=sketch)
+    ref = ref_summary([torch.cat([a, b])])
+    if not sketch:
+        ref.sketch = None
+    check(got, ref)

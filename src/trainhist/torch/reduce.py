@@ -1,10 +1,17 @@
 """On-device reduction of a tensor into one row of the step ledger, and the host-side decode of that row.
 
-A row is ``ROW`` int64 entries: the ``NKEYS`` grid-key counts (spec 6.3 layout: bins, under/overflow per sign, zero,
-NaN, +inf, -inf; the zero key counting +0.0 only), the count of -0.0, a spare slot, then the finite minimum and
-maximum and the float64 sum and sum of squares of the finite values, stored bit-cast in the int64 buffer. Reducing
-again into the same row merges exactly: counts add, min/max clamp, sums add (float64 accumulation,
-``SumMethod.F64``); the sign of a zero minimum or maximum is resolved from the zero counts at decode time.
+A row is ``ROW`` int64 entries. A *sketch* row holds the ``NKEYS`` grid-key counts (spec 6.3 layout: bins,
+under/overflow per sign, zero, NaN, +inf, -inf; the zero key counting +0.0 only), the count of -0.0 and a spare
+slot. A *spine* row (``sketch=False``) leaves those zero and holds five raw counts instead, from which
+:func:`decode_row` derives the spine counts exactly (see :data:`COL_SPINE`). Both then hold the finite minimum, the
+*negated* finite maximum (so that one ``minimum`` merges both) and the float64 sum and sum of squares of the finite
+values, stored bit-cast in the int64 buffer. Reducing again into the same row merges exactly: counts add, min/max
+clamp, sums add (float64 accumulation, ``SumMethod.F64``); the sign of a zero minimum or maximum is resolved from
+the zero counts at decode time.
+
+Cost discipline: every full-size intermediate is written into a per-device scratch buffer (``out=``), never a
+fresh allocation (on a CPU a fresh multi-megabyte tensor costs more in page faults than the pass that fills it);
+tensors above ``CHUNK`` elements are reduced chunk by chunk so that the scratch stays bounded.
 
 Nothing here synchronises with the device: the only host transfer is :meth:`Ledger.transfer`, once per step.
 """
@@ -12,6 +19,7 @@ Nothing here synchronises with the device: the only host transfer is :meth:`Ledg
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import torch
@@ -20,16 +28,19 @@ from .. import grid
 from ..dyadic import ZERO, Dyadic
 from ..summary import Sketch, SumMethod, Summary
 
-__all__ = ["ROW", "reduce_into", "decode_row", "Ledger", "PendingTransfer"]
+__all__ = ["ROW", "CHUNK", "reduce_into", "merge_row", "decode_row", "Ledger", "PendingTransfer"]
 
 NK = grid.NKEYS
 COL_NEGZERO = NK  # count of -0.0 (the grid's zero key counts +0.0 only here; decode adds them)
 COL_SPARE = NK + 1  # target of impossible raw codes: always 0
-COL_MIN = NK + 2  # float64 bits
-COL_MAX = NK + 3
-COL_SUM = NK + 4
-COL_SUMSQ = NK + 5
-ROW = NK + 6
+#: spine rows, five raw counts: finite non-zero values; those and -0.0; every value but +0.0; finite non-zero,
+#: -0.0 and NaN; finite non-zero, -0.0 and +inf
+COL_SPINE = NK + 2
+COL_MIN = NK + 7  # float64 bits; every column before this one is an additive int64 count
+COL_MAX = NK + 8  # float64 bits of the NEGATED maximum
+COL_SUM = NK + 9
+COL_SUMSQ = NK + 10
+ROW = NK + 11
 NCOUNT = NK + 2
 
 _SIDE = grid.KEY_OVER + 1
@@ -88,37 +99,63 @@ _F32 = _Width(torch.int32, 23, 8, grid.THRESH_F32)
 _F64 = _Width(torch.int64, 52, 11, grid.THRESH_F64)
 
 
+CHUNK = 1 << 22  #: elements reduced per pass; larger tensors are reduced chunk by chunk (bounded scratch)
+_tls = threading.local()
+
+
+def _scratch(device: torch.device, dtype: torch.dtype, n: int, slot: str) -> torch.Tensor:
+    """A reusable flat buffer of ``n`` elements (per device, thread, dtype and slot), grown geometrically."""
+    bufs = getattr(_tls, "bufs", None)
+    if bufs is None:
+        bufs = _tls.bufs = {}
+    key = (device, dtype, slot)
+    b = bufs.get(key)
+    if b is None or b.numel() < n:
+        size = n if b is None else min(max(n, 2 * b.numel()), CHUNK)
+        b = bufs[key] = torch.empty(size, dtype=dtype, device=device)
+    return b[:n]
+
+
 def _widen(x: torch.Tensor) -> torch.Tensor:
-    """Flat float32/float64 view of ``x``: half types are widened exactly to float32, integers to float64."""
+    """Flat contiguous float32/float64 view of ``x``: half types are widened exactly to float32, integers to
+    float64; non-contiguous or widened values are copied into a scratch buffer (valid until the next reduction)."""
     x = x.detach()
-    if x.dtype in (torch.float16, torch.bfloat16):
-        x = x.float()
-    elif x.dtype not in (torch.float32, torch.float64):
-        if x.is_complex():
-            raise TypeError(f"cannot summarise a complex tensor ({x.dtype})")
-        x = x.to(torch.float64)
-    return x.reshape(-1)
+    if x.dtype in (torch.float32, torch.float64):
+        dt = x.dtype
+    elif x.dtype in (torch.float16, torch.bfloat16):
+        dt = torch.float32
+    elif x.is_complex():
+        raise TypeError(f"cannot summarise a complex tensor ({x.dtype})")
+    else:
+        dt = torch.float64
+    if dt == x.dtype and x.is_contiguous():
+        return x.view(-1)
+    if x.numel() > CHUNK:
+        return x.to(dt).reshape(-1)
+    return _scratch(x.device, dt, x.numel(), "w").view(x.shape).copy_(x).view(-1)
 
 
 def _raw_codes(bits: torch.Tensor, w: _Width) -> torch.Tensor:
-    """Raw code of every element (see :class:`_Width`), computed with integer adds and shifts only."""
+    """Raw code of every element (see :class:`_Width`), computed with integer adds and shifts only (in scratch)."""
+    dev, it, n = bits.device, bits.dtype, bits.numel()
     top = w.nbits - 1
-    frac = bits & w.fracmask
-    exp = (bits & w.magmask) >> w.mbits
-    raw = exp << 2
+    frac = torch.bitwise_and(bits, w.fracmask, out=_scratch(dev, it, n, "frac"))
+    exp = torch.bitwise_and(bits, w.magmask, out=_scratch(dev, it, n, "exp"))
+    torch.bitwise_right_shift(exp, w.mbits, out=exp)
+    raw = torch.bitwise_left_shift(exp, 2, out=_scratch(dev, it, n, "raw"))
     raw += 1
+    tmp = _scratch(dev, it, n, "tmp")
     for t in w.thresh:  # (t - frac) >> top is -1 exactly when frac > t
-        raw -= (t - frac) >> top
-    raw += (frac - 1) >> top  # -1 when the fraction is zero
-    raw -= ((w.e - 2 - exp) >> top) * w.shift  # exponent all ones: inf or NaN
-    raw += (bits >> top) & w.side  # sign
+        torch.bitwise_right_shift(torch.sub(t, frac, out=tmp), top, out=tmp)
+        raw -= tmp
+    torch.bitwise_right_shift(torch.sub(frac, 1, out=tmp), top, out=tmp)  # -1 when the fraction is zero
+    raw += tmp
+    torch.bitwise_right_shift(torch.sub(w.e - 2, exp, out=tmp), top, out=tmp)  # exponent all ones: inf or NaN
+    raw.sub_(tmp, alpha=w.shift)
+    torch.bitwise_right_shift(bits, top, out=tmp)
+    tmp &= w.side  # sign
+    raw += tmp
     return raw
-
-
-# Ledger slots that a spine-only reduction fills: finite non-zero values (all counted in the first positive bin, a
-# total only — decode_row makes no sketch of such a row), +0.0, NaN, +inf, -inf, -0.0.
-_SPINE_SLOTS = (1, grid.KEY_ZERO, grid.KEY_NAN, grid.KEY_PINF, grid.KEY_NINF, COL_NEGZERO)
-_spine_slots: dict[torch.device, torch.Tensor] = {}
 
 
 def reduce_into(x: torch.Tensor, row: torch.Tensor, *, use_bincount: bool | None = None, sketch: bool = True) -> None:
@@ -131,52 +168,89 @@ def reduce_into(x: torch.Tensor, row: torch.Tensor, *, use_bincount: bool | None
     max and the sums; the sign of a zero min/max is resolved from the -0.0/+0.0 counts at decode time.
     """
     x = _widen(x)
-    if x.numel() == 0:
+    n = x.numel()
+    if n == 0:
         return
-    if not sketch:
-        zero = x == 0
-        negzero = (zero & torch.signbit(x)).sum()
-        nan, pinf, ninf = torch.isnan(x).sum(), (x == math.inf).sum(), (x == -math.inf).sum()
-        zeros = zero.sum()
-        counts = torch.stack([x.numel() - nan - pinf - ninf - zeros, zeros - negzero, nan, pinf, ninf, negzero])
-        slots = _spine_slots.get(x.device)
-        if slots is None:
-            slots = _spine_slots[x.device] = torch.tensor(_SPINE_SLOTS, dtype=torch.int64, device=x.device)
-        row.index_add_(0, slots, counts)
+    if use_bincount is None:
+        use_bincount = x.device.type == "cpu"
+    for i in range(0, n, CHUNK):
+        _reduce_chunk(x[i : i + CHUNK] if n > CHUNK else x, row, use_bincount, sketch)
+
+
+def _reduce_chunk(x: torch.Tensor, row: torch.Tensor, use_bincount: bool, sketch: bool) -> None:
+    dev, n, f64 = x.device, x.numel(), x.dtype == torch.float64
+    w = _F64 if f64 else _F32
+    bits = x.view(w.itype)
+    z = torch.nan_to_num(x, 0.0, 0.0, 0.0, out=_scratch(dev, x.dtype, n, "z"))  # finite values, the rest +0.0
+    if not sketch:  # count_nonzero over int views and nan_to_num are the cheap passes (no bool tensors)
+        y = _scratch(dev, x.dtype, n, "y")
+        row[COL_SPINE : COL_SPINE + 5].add_(torch.stack([
+            torch.count_nonzero(z),  # finite non-zero
+            torch.count_nonzero(z.view(w.itype)),  # finite non-zero and -0.0
+            torch.count_nonzero(bits),  # everything but +0.0
+            torch.count_nonzero(torch.nan_to_num(x, 1.0, 0.0, 0.0, out=y).view(w.itype)),  # ... and NaN
+            torch.count_nonzero(torch.nan_to_num(x, 0.0, 1.0, 0.0, out=y).view(w.itype)),  # ... and +inf
+        ]))
     else:
-        w = _F32 if x.dtype == torch.float32 else _F64
-        raw = _raw_codes(x.view(w.itype), w)
-        fold = w.fold_on(x.device)
-        if use_bincount is None:
-            use_bincount = x.device.type == "cpu"
+        raw = _raw_codes(bits, w)
+        fold = w.fold_on(dev)
         if use_bincount:
             row[:NCOUNT].index_add_(0, fold, torch.bincount(raw, minlength=2 * w.side))
         else:
             keys = fold[raw.long()]
             row[:NCOUNT].index_add_(0, keys, torch.ones_like(keys))
     inf = math.inf
+    u = _scratch(dev, x.dtype, n, "u")
+    mn = torch.nan_to_num(x, inf, inf, inf, out=u).amin()
+    mx = torch.nan_to_num(x, -inf, -inf, -inf, out=u).amax()
+    z64 = z if f64 else _scratch(dev, torch.float64, n, "z64").copy_(z)
     f = row[COL_MIN : COL_SUMSQ + 1].view(torch.float64)
-    f[0:1].clamp_(max=x.nan_to_num(nan=inf, posinf=inf, neginf=inf).min().to(torch.float64))
-    f[1:2].clamp_(min=x.nan_to_num(nan=-inf, posinf=-inf, neginf=-inf).max().to(torch.float64))
-    z = x.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).to(torch.float64)
-    f[2:4].add_(torch.stack([z.sum(), torch.dot(z, z)]))
+    torch.minimum(f[0:2], torch.stack([mn, mx.neg()]).to(torch.float64), out=f[0:2])
+    f[2:4].add_(torch.stack([z64.sum(), torch.dot(z64, z64)]))
+
+
+def merge_row(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Merge ledger row ``src`` into ``dst`` exactly, as if ``src``'s reductions had been made into ``dst``."""
+    dst[:COL_MIN].add_(src[:COL_MIN])
+    f, g = dst[COL_MIN:].view(torch.float64), src[COL_MIN:].view(torch.float64)
+    torch.minimum(f[0:2], g[0:2], out=f[0:2])
+    f[2:4].add_(g[2:4])
 
 
 def decode_row(row: np.ndarray, count: int, *, sketch: bool) -> Summary:
-    """The :class:`Summary` of a transferred ledger row whose reductions covered ``count`` elements in all."""
-    counts = row[:NK].copy()
-    negzero = int(row[COL_NEGZERO])
+    """The :class:`Summary` of a transferred ledger row whose reductions covered ``count`` elements in all.
+
+    ``sketch=True`` needs a row reduced with ``sketch=True``; a sketch row also decodes to its spine alone.
+    """
     if row[COL_SPARE] != 0:
         raise RuntimeError("ledger row has counts in its impossible slot")
-    poszero = int(counts[grid.KEY_ZERO])
-    counts[grid.KEY_ZERO] += negzero
-    total = int(counts.sum())
+    keyed = int(row[:NCOUNT].sum())
+    if count and keyed == count:  # a sketch row: grid-key counts
+        counts = row[:NK].copy()
+        negzero = int(row[COL_NEGZERO])
+        poszero = int(counts[grid.KEY_ZERO])
+        counts[grid.KEY_ZERO] += negzero
+        total = int(counts.sum())
+        nan, pinf, ninf, zero = (int(counts[k]) for k in (grid.KEY_NAN, grid.KEY_PINF, grid.KEY_NINF, grid.KEY_ZERO))
+    else:  # a spine row: raw counts (see COL_SPINE)
+        if keyed:
+            raise RuntimeError(f"ledger row counts {keyed} values but {count} were reduced into it")
+        if sketch and count:
+            raise RuntimeError("a sketch was asked of a spine-only ledger row")
+        counts = np.zeros(NK, dtype=np.int64)  # count == 0: an empty sketch
+        fin_nz, fin_nzbits, nzbits, with_nan, with_pinf = (int(v) for v in row[COL_SPINE : COL_SPINE + 5])
+        negzero, poszero, nonfinite = fin_nzbits - fin_nz, count - nzbits, nzbits - fin_nzbits
+        nan, pinf = with_nan - fin_nzbits, with_pinf - fin_nzbits
+        ninf, zero = nonfinite - nan - pinf, poszero + negzero
+        if min(fin_nz, negzero, poszero, nan, pinf, ninf) < 0:
+            raise RuntimeError(f"ledger spine row is inconsistent with {count} values reduced into it")
+        total = fin_nz + zero + nonfinite
     if total != count:
         raise RuntimeError(f"ledger row counts {total} values but {count} were reduced into it")
-    nan, pinf, ninf, zero = (int(counts[k]) for k in (grid.KEY_NAN, grid.KEY_PINF, grid.KEY_NINF, grid.KEY_ZERO))
     s = Summary(count=count, nan=nan, pinf=pinf, ninf=ninf, zero=zero, sum_method=SumMethod.F64)
     if count - nan - pinf - ninf > 0:
-        mn, mx, sm, sq = (float(v) for v in row[COL_MIN : COL_SUMSQ + 1].view(np.float64))
+        mn, nmx, sm, sq = (float(v) for v in row[COL_MIN : COL_SUMSQ + 1].view(np.float64))
+        mx = -nmx
         s.min = (-0.0 if negzero else 0.0) if mn == 0 else mn  # -0.0 < +0.0 (IEEE totalOrder)
         s.max = (0.0 if poszero else -0.0) if mx == 0 else mx
         if math.isfinite(sm) and math.isfinite(sq):
@@ -229,7 +303,7 @@ class Ledger:
         off = self.rows.get(key)
         if off is None:
             init = np.zeros(ROW, dtype=np.int64)
-            init[COL_MIN : COL_MAX + 1] = np.array([math.inf, -math.inf]).view(np.int64)
+            init[COL_MIN : COL_MAX + 1] = np.array([math.inf, math.inf]).view(np.int64)  # min, -max
             off = self.rows[key] = self._grow(init)
         return self.buf[off : off + ROW]
 
