@@ -27,6 +27,7 @@ import math
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -48,7 +49,7 @@ from .plan import (
     select,
     unwrap,
 )
-from .reduce import Ledger, PendingTransfer, decode_row, reduce_into
+from .reduce import Ledger, PendingTransfer, decode_row, merge_row, reduce_into
 
 __all__ = ["Collector", "StepTruth"]
 
@@ -102,6 +103,8 @@ class _Step:
     pending: PendingTransfer | None = None
     decoded: dict[tuple, object] = field(default_factory=dict)
     late_only: bool = False  # carries only tensor scalars of earlier steps (the transfer at close)
+    reductions: dict[tuple, int] = field(default_factory=dict)  # key -> reductions into its row this step
+    seen: dict[tuple, tuple] = field(default_factory=dict)  # tensor identity -> (weakref, version, key)
 
 
 def _per_stream(value: int | Mapping[str, int], name: str) -> dict[str, int]:
@@ -483,7 +486,7 @@ class Collector:
                 self._safe(self._writer.scalar, name, int(step), float(v))
 
     # -- reductions -----------------------------------------------------------------------------------------
-    def _reduce(self, key: tuple, t: torch.Tensor) -> None:
+    def _reduce(self, key: tuple, t: torch.Tensor, alias: bool = False) -> None:
         st = self._state
         if st is None or key in st.failed:
             return
@@ -492,14 +495,39 @@ class Collector:
             site = (key[1], key[0], key[2])
             if site not in self._dtypes:
                 self._dtypes[site] = _dtype_name(t)
-            if t.device != self._ledger.device:
-                t = t.to(self._ledger.device, non_blocking=True)
             n = t.numel()
             if n:
-                reduce_into(t, self._ledger.row(key), sketch=st.sketch.get(key[0], True))
+                row = self._ledger.row(key)
+                if not (alias and self._merge_alias(st, key, t, row)):
+                    if t.device != self._ledger.device:
+                        t = t.to(self._ledger.device, non_blocking=True)
+                    reduce_into(t, row, sketch=st.sketch.get(key[0], True))
+                st.reductions[key] = st.reductions.get(key, 0) + 1
             st.counts[key] = st.counts.get(key, 0) + n
         except Exception as e:  # noqa: BLE001 -- one bad site must not stop training
             self._fail(key, e)
+
+    def _merge_alias(self, st: _Step, key: tuple, t: torch.Tensor, row: torch.Tensor) -> bool:
+        """Reuse an earlier reduction of the very same tensor (same memory, layout and version) in this step.
+
+        A module often returns a tensor another module already returned (a container returns its last child's
+        output, dropout in eval mode or with p=0 its input), and gradient hooks of one tensor see one gradient.
+        The earlier row is merged in only while it holds that reduction alone; the earlier tensor is still
+        alive (weak reference), so its memory cannot have been reused by another tensor.
+        """
+        try:
+            ident = (key[0], t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype,
+                     t.device)
+        except Exception:  # noqa: BLE001 -- a tensor without plain storage: no aliasing shortcut
+            return False
+        hit = st.seen.get(ident)
+        if hit is not None:
+            ref, version, first = hit
+            if ref() is not None and version == t._version and first != key and st.reductions.get(first) == 1:
+                merge_row(row, self._ledger.row(first))
+                return True
+        st.seen[ident] = (weakref.ref(t), t._version, key)
+        return False
 
     def _fail(self, key: tuple, e: BaseException) -> None:
         st = self._state
@@ -521,12 +549,12 @@ class Collector:
         act, grad = st.due["activation"], st.due["activation_grad"]
         for facet, t in flatten_output(output):
             if act and not in_backward:
-                self._reduce(("activation", path, facet, "default"), t)
+                self._reduce(("activation", path, facet, "default"), t, alias=True)
             if grad and t.requires_grad:
                 t.register_hook(partial(self._on_grad, ("activation_grad", path, facet, "default")))
 
     def _on_grad(self, key: tuple, grad: torch.Tensor) -> None:
-        self._reduce(key, grad)
+        self._reduce(key, grad, alias=True)
 
     def _param_names(self, params: Iterable[torch.Tensor] | None) -> list[str]:
         if params is None:
