@@ -1,9 +1,11 @@
 """Canonical low-level I/O for derived files (spec section 11): row batches as numpy columns, their decoding
 from a source chunk and their encoding into a canonical chunk, and a writer that lays records out canonically.
 
-A :class:`Rows` batch holds every field of an obs row, with the sketch as dense ``(rows, bins)`` count arrays and
-the per-presence tally of leaf rows (``TALLY_COLUMNS``). Rows whose tally has no ``observed`` leaf carry no
-numbers: they are zeroed on decode, so every numeric field combines with them as with an identity.
+A :class:`Rows` batch holds every field of an obs row: the exact sums as :class:`~trainhist.exactvec.ExactCol`
+limb arrays, the sketch either as the stored ranges (:class:`Sparse`, as decoded) or as dense ``(rows, bins)``
+count arrays, and the per-presence tally of leaf rows (``TALLY_COLUMNS``). Rows whose tally has no ``observed``
+leaf carry no numbers: they are zeroed on decode, so every numeric field combines with them as with an identity.
+Chunks are read one by one (:func:`read_obs`) and checked and decoded many at a time (:func:`decode_obs_batch`).
 """
 
 from __future__ import annotations
@@ -12,13 +14,12 @@ import hashlib
 import json
 import math
 import os
-import struct
 from dataclasses import dataclass
 
 import numpy as np
 
 from .chunk import Codec, decode_chunk, encode_chunk
-from .dyadic import Dyadic
+from .exactvec import ExactCol, decode_exact, encode_exact
 from .errors import CorruptError, UnsupportedError
 from .framing import (
     FILE_HEADER_SIZE,
@@ -70,26 +71,55 @@ _TALLY_NAMES = list(TALLY_COLUMNS)
 _COUNT_NAMES = ("count", "nan", "pinf", "ninf", "zero")
 
 @dataclass
+class Sparse:
+    """Stored sketch ranges of a batch of rows, as in the chunk: per row and sign (pos, neg) the first bin and
+    the number of bins, and every range's counts concatenated in that order."""
+
+    lo: np.ndarray  # (rows, 2) int64
+    n: np.ndarray  # (rows, 2) int64
+    counts: np.ndarray  # uint64
+    cmax: int  # the largest count (0 when none)
+
+    def dense(self, nb: int) -> tuple[np.ndarray, np.ndarray]:
+        rows = self.lo.shape[0]
+        d = np.zeros(2 * rows * nb, np.uint64)
+        if self.counts.size:
+            n = self.n.ravel()
+            base = np.arange(2 * rows, dtype=np.int64) * nb + self.lo.ravel() - (np.cumsum(n) - n)
+            d[np.repeat(base, n) + np.arange(self.counts.size)] = self.counts
+        d = d.reshape(rows, 2, nb)
+        return d[:, 0, :], d[:, 1, :]
+
+
+@dataclass
 class Rows:
     """A batch of obs rows of one site as columns (see the module docstring)."""
 
     cols: dict[str, np.ndarray]  # OBS_COLUMNS names (presence derived from tally), plus "src" (int32 input index)
-    sum_x: np.ndarray  # object: Dyadic where the f8 "sum" column is not exact, else None
-    sumsq_x: np.ndarray
+    sum_x: ExactCol  # the exact value of every row's sum
+    sumsq_x: ExactCol
     tally: np.ndarray  # (rows, 6) uint64
     has_sk: np.ndarray  # bool
-    pos: np.ndarray | None  # (rows, nbins) uint64, None when no row has a sketch
+    pos: np.ndarray | None  # (rows, nbins) uint64, None when no row has a sketch (or the sketch is sparse)
     neg: np.ndarray | None
     bands: np.ndarray | None  # (rows, 4): under_pos, under_neg, over_pos, over_neg
     scale: int | None
+    sparse: Sparse | None = None  # the sketch as stored ranges, instead of pos/neg (decoded batches)
 
     def __len__(self) -> int:
         return int(self.cols["step"].size)
 
+    def densify(self) -> "Rows":
+        if self.sparse is not None:
+            self.pos, self.neg = self.sparse.dense(nbins(self.scale))
+            self.sparse = None
+        return self
+
     def take(self, idx: np.ndarray | slice) -> "Rows":
+        self.densify()
         return Rows(
-            {k: v[idx] for k, v in self.cols.items()}, self.sum_x[idx], self.sumsq_x[idx], self.tally[idx],
-            self.has_sk[idx], None if self.pos is None else self.pos[idx],
+            {k: v[idx] for k, v in self.cols.items()}, self.sum_x.take(idx), self.sumsq_x.take(idx),
+            self.tally[idx], self.has_sk[idx], None if self.pos is None else self.pos[idx],
             None if self.neg is None else self.neg[idx], None if self.bands is None else self.bands[idx],
             self.scale,
         )
@@ -99,26 +129,34 @@ class Rows:
         parts = [p for p in parts if len(p)]
         if len(parts) == 1:
             return parts[0]
-        scales = {p.scale for p in parts if p.pos is not None}
+        scales = {p.scale for p in parts if p.pos is not None or p.sparse is not None}
         scale = scales.pop() if scales else None
         assert not scales, "callers check the sketch scale before concatenating"
         cols = {k: np.concatenate([p.cols[k] for p in parts]) for k in parts[0].cols}
-        if scale is None:
-            pos = neg = bands = None
-        else:
-            nb = nbins(scale)
-
-            def dense(p: Rows, a: np.ndarray | None) -> np.ndarray:
-                return a if a is not None else np.zeros((len(p), nb), np.uint64)
-
-            pos = np.concatenate([dense(p, p.pos) for p in parts])
-            neg = np.concatenate([dense(p, p.neg) for p in parts])
+        pos = neg = bands = sparse = None
+        if scale is not None:
             bands = np.concatenate([p.bands if p.bands is not None else np.zeros((len(p), 4), np.uint64)
                                     for p in parts])
+            if all(p.pos is None for p in parts):  # sparse or no sketch: stay sparse
+                z = np.zeros((0,), np.uint64)
+                sp = [p.sparse if p.sparse is not None else
+                      Sparse(np.zeros((len(p), 2), np.int64), np.zeros((len(p), 2), np.int64), z, 0) for p in parts]
+                sparse = Sparse(np.concatenate([q.lo for q in sp]), np.concatenate([q.n for q in sp]),
+                                np.concatenate([q.counts for q in sp]), max(q.cmax for q in sp))
+            else:
+                nb = nbins(scale)
+                for p in parts:
+                    p.densify()
+
+                def dense(p: Rows, a: np.ndarray | None) -> np.ndarray:
+                    return a if a is not None else np.zeros((len(p), nb), np.uint64)
+
+                pos = np.concatenate([dense(p, p.pos) for p in parts])
+                neg = np.concatenate([dense(p, p.neg) for p in parts])
         return Rows(
-            cols, np.concatenate([p.sum_x for p in parts]), np.concatenate([p.sumsq_x for p in parts]),
+            cols, ExactCol.concat([p.sum_x for p in parts]), ExactCol.concat([p.sumsq_x for p in parts]),
             np.concatenate([p.tally for p in parts]), np.concatenate([p.has_sk for p in parts]), pos, neg, bands,
-            scale,
+            scale, sparse,
         )
 
 
@@ -169,37 +207,6 @@ def dyadic_is_float(m: int, e: int) -> bool:
     return n <= 53 and e >= -1074 and e + n <= 1024
 
 
-def _exact(ch, name: str, rows: int, f: np.ndarray, path: str, offset: int) -> np.ndarray:
-    out = np.full(rows, None, dtype=object)
-    if not ch.has(name + "_xn"):
-        return out
-    lens = ch.column(name + "_xn", rows)
-    blob = bytes(ch.column(name + "_x"))
-    if int(lens.sum(dtype=np.uint64)) != len(blob):
-        raise _bad(f"{name}_x holds {len(blob)} bytes, {name}_xn sums to {int(lens.sum())}", path, offset,
-                   "bad_column_length")
-    fl = f.tolist()
-    pos = 0
-    from_bytes = int.from_bytes
-    for i, n in enumerate(lens.tolist()):
-        if not n:
-            continue
-        if n < 5:
-            raise _bad(f"{name}_x row {i}: a dyadic needs at least 5 bytes", path, offset, "bad_exact_value")
-        e = from_bytes(blob[pos : pos + 4], "little", signed=True)
-        m = from_bytes(blob[pos + 4 : pos + n], "little", signed=True)
-        pos += n
-        if (m == 0 and e != 0) or (m != 0 and not m & 1) or n - 4 != (m if m >= 0 else ~m).bit_length() // 8 + 1:
-            raise _bad(f"{name}_x row {i}: dyadic encoding is not canonical (mantissa must be odd and "
-                       "minimal-length)", path, offset, "bad_exact_value")
-        if dyadic_float(m, e) != fl[i]:
-            raise _bad(f"{name} row {i} is not the correctly rounded value of {name}_x", path, offset,
-                       "bad_exact_value")
-        if not dyadic_is_float(m, e):
-            out[i] = Dyadic(m, e)
-    return out
-
-
 def blank(r: Rows, mask: np.ndarray) -> None:
     """Clear the numbers of the rows in ``mask`` (rows that are not observed carry none, spec 2.6)."""
     if not mask.any():
@@ -212,18 +219,42 @@ def blank(r: Rows, mask: np.ndarray) -> None:
     for k in ("sum", "sumsq"):
         cols[k][mask] = 0.0
     cols["method"][mask] = 0
-    r.sum_x[mask] = None
-    r.sumsq_x[mask] = None
+    r.sum_x.blank(mask)
+    r.sumsq_x.blank(mask)
     r.has_sk[mask] = False
+    if r.sparse is not None:  # zero the stored counts of those rows (the ranges stay)
+        sp = r.sparse
+        sp.counts = sp.counts.copy()
+        sp.counts[np.repeat(np.repeat(mask, 2), sp.n.ravel())] = 0
+        r.bands[mask] = 0
     if r.pos is not None:
         r.pos[mask] = 0
         r.neg[mask] = 0
         r.bands[mask] = 0
 
 
-def decode_obs(payload: memoryview, *, path: str, offset: int, site: int, segment: int, rows: int, step_min: int,
-               step_max: int, src: int) -> Rows:
-    """Validate and decode one committed obs chunk (``offset``: file offset of its record header)."""
+@dataclass
+class ObsChunk:
+    """The columns of one committed obs chunk, checked as far as the chunk alone allows (:func:`read_obs`);
+    :func:`decode_obs_batch` checks and decodes many of them together."""
+
+    path: str
+    offset: int
+    rows: int
+    step_min: int
+    step_max: int
+    src: int
+    cols: dict[str, np.ndarray]
+    tally: list[np.ndarray] | None
+    exact: dict[str, tuple[np.ndarray, np.ndarray] | None]
+    sk: dict[str, np.ndarray] | None
+    counts: np.ndarray | None
+    scale: int | None
+
+
+def read_obs(payload: memoryview, *, path: str, offset: int, site: int, segment: int, rows: int, step_min: int,
+             step_max: int, src: int) -> ObsChunk:
+    """Parse one committed obs chunk (``offset``: file offset of its record header) and check its directory."""
     ch = decode_chunk(payload, offset, path, _OBS_KNOWN, _OBS_VARIABLE)
     m = ch.meta
     if m.get("rows") != rows or m.get("segment") != segment or m.get("site") != site:
@@ -233,66 +264,142 @@ def decode_obs(payload: memoryview, *, path: str, offset: int, site: int, segmen
     if missing:
         raise _bad(f"chunk lacks required columns {missing}", path, offset, "missing_column")
     cols = {name: ch.column(name, rows) for name in OBS_COLUMNS}
-    if int(cols["step"].min()) != step_min or int(cols["step"].max()) != step_max:
-        raise _bad("chunk steps disagree with the commit entry's step range", path, offset)
-    if (cols["phase"] >= len(Phase.NAMES)).any() or (cols["presence"] >= len(Presence.NAMES)).any():
-        raise UnsupportedError("chunk uses phase or presence codes unknown to this reader", code="unknown_code",
-                               path=path, offset=offset)
     tnames = [n for n in _TALLY_NAMES if ch.has(n)]
+    tally = None
     if tnames:
         if len(tnames) != len(_TALLY_NAMES):
             raise _bad(f"chunk has tally columns {tnames} but not all of {_TALLY_NAMES}", path, offset,
                        "bad_tally")
-        tally = np.stack([ch.column(n, rows) for n in _TALLY_NAMES], axis=1).astype(np.uint64)
-        if (derive_presence(tally) != cols["presence"]).any():
-            raise _bad("presence column disagrees with the presence the tally columns imply", path, offset,
-                       "bad_tally")
-    else:
-        tally = np.zeros((rows, len(_TALLY_NAMES)), np.uint64)
-        tally[np.arange(rows), cols["presence"].astype(np.intp)] = 1
-    cols = {k: v.copy() for k, v in cols.items()}
-    sum_x = _exact(ch, "sum", rows, cols["sum"], path, offset)
-    sumsq_x = _exact(ch, "sumsq", rows, cols["sumsq"], path, offset)
-    has = np.zeros(rows, bool)
-    pos = neg = bands = None
-    scale = None
+        tally = [ch.column(n, rows) for n in _TALLY_NAMES]
+    exact = {name: (ch.column(name + "_xn", rows), ch.column(name + "_x")) if ch.has(name + "_xn") else None
+             for name in ("sum", "sumsq")}
+    sk = counts = scale = None
     if ch.has("sk"):
         scale = m.get("scale")
         if not isinstance(scale, int) or isinstance(scale, bool) or scale not in (0, 1, 2):
             raise _bad(f"chunk with sketches declares scale {scale!r}; expected 0, 1 or 2", path, offset,
                        "bad_scale")
-        nb = nbins(scale)
         sk = {k: ch.column(k, rows) for k in SKETCH_COLUMNS if k != "sk_counts"}
         counts = ch.column("sk_counts")
-        if (sk["sk"] > 1).any():
-            raise _bad("sk column holds values other than 0 and 1", path, offset, "bad_sketch")
-        has = sk["sk"] == 1
-        if (~has & ((sk["sk_pn"] > 0) | (sk["sk_nn"] > 0))).any():
-            raise _bad("a row without a sketch declares sketch bins", path, offset, "bad_sketch")
-        lo = np.stack([sk["sk_plo"], sk["sk_nlo"]], axis=1).astype(np.int64).ravel()  # row-major: pos, neg
-        n = np.stack([sk["sk_pn"], sk["sk_nn"]], axis=1).astype(np.int64).ravel()
-        if (lo + n > nb).any() or int(n.sum()) != counts.size:
-            raise _bad(f"sketch ranges exceed {nb} bins or disagree with the {counts.size} values of sk_counts",
-                       path, offset, "bad_sketch")
-        dense = np.zeros((2 * rows, nb), np.uint64)
-        if counts.size:
-            seg = np.repeat(np.arange(2 * rows), n)
-            within = np.arange(counts.size) - np.repeat(np.cumsum(n) - n, n)
-            dense[seg, np.repeat(lo, n) + within] = counts
-        dense = dense.reshape(rows, 2, nb)
-        pos, neg = dense[:, 0, :], dense[:, 1, :]
-        bands = np.stack([sk[k] for k in ("sk_up", "sk_un", "sk_op", "sk_on")], axis=1).astype(np.uint64)
+    return ObsChunk(path, offset, rows, step_min, step_max, src, cols, tally, exact, sk, counts, scale)
+
+
+def decode_obs(payload: memoryview, *, path: str, offset: int, site: int, segment: int, rows: int, step_min: int,
+               step_max: int, src: int) -> Rows:
+    """Validate and decode one committed obs chunk (``offset``: file offset of its record header)."""
+    return decode_obs_batch([read_obs(payload, path=path, offset=offset, site=site, segment=segment, rows=rows,
+                                      step_min=step_min, step_max=step_max, src=src)])
+
+
+def decode_obs_batch(parts: list[ObsChunk]) -> Rows:
+    """Check and decode chunks of one site that share a sketch scale (or have none) into one batch of rows.
+
+    Every check runs on the whole batch at once; a failure names the chunk (its record's offset) and the row in
+    it, as the per-chunk check would."""
+    scales = {p.scale for p in parts if p.scale is not None}
+    assert len(scales) <= 1, "callers group chunks by sketch scale"
+    scale = scales.pop() if scales else None
+    sizes = np.array([p.rows for p in parts], np.int64)
+    row0 = np.cumsum(sizes) - sizes
+    total = int(sizes.sum())
+
+    def where(i: int) -> tuple[ObsChunk, int]:
+        k = int(np.searchsorted(row0, i, side="right")) - 1
+        return parts[k], i - int(row0[k])
+
+    def fail(mask: np.ndarray, msg: str, code: str = "bad_chunk") -> CorruptError:
+        p, i = where(int(np.flatnonzero(mask)[0]))
+        return _bad(msg.format(row=i), p.path, p.offset, code)
+
+    def locate(i: int) -> tuple[str, int, int]:
+        p, j = where(i)
+        return p.path, p.offset, j
+
+    one = len(parts) == 1
+    cols = {k: (parts[0].cols[k].copy() if one else np.concatenate([p.cols[k] for p in parts]))
+            for k in OBS_COLUMNS}
+    step = cols["step"]
+    lo_s, hi_s = np.minimum.reduceat(step, row0), np.maximum.reduceat(step, row0)
+    bad = (lo_s != [p.step_min for p in parts]) | (hi_s != [p.step_max for p in parts])
+    if bad.any():
+        p = parts[int(np.flatnonzero(bad)[0])]
+        raise _bad("chunk steps disagree with the commit entry's step range", p.path, p.offset)
+    unknown = (cols["phase"] >= len(Phase.NAMES)) | (cols["presence"] >= len(Presence.NAMES))
+    if unknown.any():
+        p, _ = where(int(np.flatnonzero(unknown)[0]))
+        raise UnsupportedError("chunk uses phase or presence codes unknown to this reader", code="unknown_code",
+                               path=p.path, offset=p.offset)
+    tally = np.zeros((total, len(_TALLY_NAMES)), np.uint64)
+    explicit = np.zeros(total, bool)
+    for p, r0 in zip(parts, row0.tolist()):
+        if p.tally is not None:
+            tally[r0:r0 + p.rows] = np.stack(p.tally, axis=1)
+            explicit[r0:r0 + p.rows] = True
+    implicit = ~explicit
+    tally[np.flatnonzero(implicit), cols["presence"][implicit].astype(np.intp)] = 1
     presence = derive_presence(tally)
-    r = Rows(cols, sum_x, sumsq_x, tally, has, pos, neg, bands, scale)
-    blank(r, presence != Presence.OBSERVED)  # spec 2.6: only observed rows carry numbers
-    if r.pos is not None and not r.has_sk.any():
-        r.pos = r.neg = r.bands = None
+    if explicit.any():
+        wrong = explicit & (presence != cols["presence"])
+        if wrong.any():
+            raise fail(wrong, "presence column disagrees with the presence the tally columns imply", "bad_tally")
+    observed = presence == Presence.OBSERVED
+    exact = []
+    for name in ("sum", "sumsq"):
+        lens = blob = None
+        if any(p.exact[name] is not None for p in parts):
+            lens = np.concatenate([p.exact[name][0] if p.exact[name] is not None else np.zeros(p.rows, np.uint32)
+                                   for p in parts])
+            blobs = [p.exact[name][1] for p in parts if p.exact[name] is not None]
+            for p in parts:  # each chunk's lengths must match its own blob
+                if p.exact[name] is not None and int(p.exact[name][0].sum(dtype=np.uint64)) != p.exact[name][1].size:
+                    raise _bad(f"{name}_x holds {p.exact[name][1].size} bytes, {name}_xn sums to "
+                               f"{int(p.exact[name][0].sum(dtype=np.uint64))}", p.path, p.offset, "bad_column_length")
+            blob = blobs[0] if len(blobs) == 1 else np.concatenate(blobs)
+        exact.append(decode_exact(name, cols[name], lens, blob, observed, locate))
+    has = np.zeros(total, bool)
+    sparse = bands = None
+    if scale is not None:
+        nb = nbins(scale)
+
+        def skcol(k: str, dt) -> np.ndarray:
+            if one:
+                return parts[0].sk[k]
+            return np.concatenate([p.sk[k] if p.sk is not None else np.zeros(p.rows, dt) for p in parts])
+
+        skf = skcol("sk", np.uint8)
+        if (skf > 1).any():
+            raise fail(skf > 1, "sk column holds values other than 0 and 1", "bad_sketch")
+        has = skf == 1
+        plo, nlo = skcol("sk_plo", np.uint16), skcol("sk_nlo", np.uint16)
+        pn, nn = skcol("sk_pn", np.uint16), skcol("sk_nn", np.uint16)
+        stray = ~has & ((pn > 0) | (nn > 0))
+        if stray.any():
+            raise fail(stray, "a row without a sketch declares sketch bins", "bad_sketch")
+        lo = np.stack([plo, nlo], axis=1).astype(np.int64)  # row-major: pos, neg
+        n = np.stack([pn, nn], axis=1).astype(np.int64)
+        per_chunk = np.add.reduceat(n.sum(axis=1), row0)
+        csize = np.array([0 if p.counts is None else p.counts.size for p in parts])
+        badr = (lo + n > nb).any(axis=1)
+        badc = per_chunk != csize
+        if badr.any() or badc.any():
+            p = where(int(np.flatnonzero(badr)[0]))[0] if badr.any() else parts[int(np.flatnonzero(badc)[0])]
+            raise _bad(f"sketch ranges exceed {nb} bins or disagree with the "
+                       f"{0 if p.counts is None else p.counts.size} values of sk_counts", p.path, p.offset,
+                       "bad_sketch")
+        cl = [p.counts for p in parts if p.counts is not None and p.counts.size]
+        counts = cl[0] if len(cl) == 1 else (np.concatenate(cl) if cl else np.zeros(0, np.uint64))
+        sparse = Sparse(lo, n, counts, int(counts.max()) if counts.size else 0)
+        bands = np.stack([skcol(k, np.uint64) for k in ("sk_up", "sk_un", "sk_op", "sk_on")], axis=1).astype(np.uint64)
+    r = Rows(cols, exact[0], exact[1], tally, has, None, None, bands, scale, sparse)
+    blank(r, ~observed)  # spec 2.6: only observed rows carry numbers
+    if r.sparse is not None and not r.has_sk.any():
+        r.sparse = r.bands = None
         r.scale = None
     for k in ("min", "max"):  # every NaN is "no finite value": canonical bits
         c = cols[k]
         c[np.isnan(c)] = CANONICAL_NAN
     cols["presence"] = presence
-    cols["src"] = np.full(rows, src, np.int32)
+    cols["src"] = np.repeat(np.array([p.src for p in parts], np.int32), sizes)
     return r
 
 
@@ -317,28 +424,14 @@ def decode_steps(payload: memoryview, *, path: str, offset: int, segment: int, r
 
 
 # -- encoding ------------------------------------------------------------------------------------------------
-def _exact_blobs(f: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, bytes] | None:
-    idx = [i for i, d in enumerate(x.tolist()) if d is not None]
-    if not idx:
-        return None
-    lens = np.zeros(f.size, np.uint32)
-    blobs = []
-    pack = struct.Struct("<i").pack
-    for i in idx:
-        m, e = x[i]
-        b = pack(e) + m.to_bytes((m if m >= 0 else ~m).bit_length() // 8 + 1, "little", signed=True)
-        lens[i] = len(b)
-        blobs.append(b)
-    return lens, b"".join(blobs)
-
-
 def encode_obs(r: Rows, site: int, segment: int, codec: int) -> tuple[bytes, int, int]:
     """Canonical chunk payload of a sorted batch of combined rows; returns payload, first and last step."""
     n = len(r)
     c = r.cols
     cols: dict[str, tuple[str, np.ndarray | bytes]] = {name: (dt, c[name]) for name, dt in OBS_COLUMNS.items()}
+    r.densify()
     for name, x in (("sum", r.sum_x), ("sumsq", r.sumsq_x)):
-        e = _exact_blobs(c[name], x)
+        e = encode_exact(x)
         if e is not None:
             cols[name + "_xn"] = ("u4", e[0])
             cols[name + "_x"] = ("bytes", e[1])
@@ -443,4 +536,4 @@ class CanonicalWriter:
         self._f.close()
 
 
-CODECS = {"shuffle": Codec.SHUFFLE_DEFLATE, "raw": Codec.RAW}
+CODECS = {"packed": Codec.PACKED, "shuffle": Codec.SHUFFLE_DEFLATE, "raw": Codec.RAW}

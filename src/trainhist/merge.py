@@ -28,15 +28,15 @@ from .canonical import (
     blank,
     canonical_salt,
     check_payload,
-    decode_obs,
+    ObsChunk,
+    decode_obs_batch,
+    read_obs,
     decode_steps,
     derive_presence,
-    dyadic_float,
-    dyadic_is_float,
     encode_obs,
     encode_steps,
 )
-from .dyadic import Dyadic
+from .exactvec import group_sum, py_is_float
 from .errors import MergeError, UsageError
 from .framing import RECORD_HEADER_SIZE
 from .grid import nbins
@@ -178,79 +178,9 @@ def _from_order_key(k: np.ndarray) -> np.ndarray:
     return (k ^ ((k >> 63) & _LOW63)).view(np.float64)
 
 
-def _sum_exact(f: np.ndarray, x: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Exact group sums of values given as float64 plus, where the float is not exact, a Dyadic."""
-    out_f = f[starts].copy()
-    out_x = x[starts].copy()
-    multi = np.flatnonzero(sizes > 1)
-    if multi.size == 0:
-        return out_f, out_x
-    done = np.zeros(multi.size, bool)
-    # fast path: groups of plain floats whose aligned integer mantissas fit in int64 together
-    st, sz = starts[multi], sizes[multi]
-    member_group = np.repeat(np.arange(multi.size), sz)
-    idx = np.repeat(st, sz) + (np.arange(member_group.size) - np.repeat(np.cumsum(sz) - sz, sz))
-    fv = f[idx]
-    plain = np.array([v is None for v in x[idx].tolist()], bool) & np.isfinite(fv)
-    mant, ex = np.frexp(np.where(plain, fv, 0.0))
-    m = (mant * 2.0**53).astype(np.int64)  # exact: |mant| < 1 has at most 53 significant bits
-    e = ex.astype(np.int64) - 53
-    nzm = m != 0
-    tz = np.zeros_like(m)
-    if nzm.any():
-        low = m[nzm] & -m[nzm]
-        tz[nzm] = np.round(np.log2(low.astype(np.float64))).astype(np.int64)
-    m = m >> tz
-    e = np.where(nzm, e + tz, np.iinfo(np.int64).max // 4)
-    bits = np.where(nzm, np.floor(np.log2(np.maximum(np.abs(m), 1).astype(np.float64))).astype(np.int64) + 1, 0)
-    gmin = np.minimum.reduceat(e, np.cumsum(sz) - sz)
-    shift = np.where(nzm, e - gmin[member_group], 0)
-    need = np.where(nzm, shift + bits, 0)
-    budget = 62 - np.ceil(np.log2(sz)).astype(np.int64)
-    ok_member = plain & (need <= budget[member_group])
-    ok_group = np.logical_and.reduceat(ok_member, np.cumsum(sz) - sz)
-    if ok_group.any():
-        mm = np.where(ok_group[member_group], m << np.where(ok_group[member_group], shift, 0), 0)
-        tot = np.add.reduceat(mm, np.cumsum(sz) - sz)
-        gexp = np.where(tot != 0, gmin, 0)
-        small = ok_group & (np.abs(tot) < (1 << 53))
-        # |tot| < 2**53 and every member a multiple of 2**-1074: the sum is a float, and ldexp gives it exactly
-        vals = np.ldexp(tot.astype(np.float64), np.clip(gexp, -2000, 2000).astype(np.int32))
-        g = multi[small]
-        out_f[g] = vals[small]
-        out_x[g] = None
-        done |= small
-    fl = f.tolist()
-    xl = x.tolist()
-    for j in np.flatnonzero(~done).tolist():
-        s0 = int(st[j])
-        ms, es = [], []
-        for i in range(s0, s0 + int(sz[j])):
-            d = xl[i]
-            if d is None:
-                v = fl[i]
-                if v == 0.0:
-                    continue
-                num, den = v.as_integer_ratio()
-                ms.append(num)
-                es.append(1 - den.bit_length())
-            else:
-                ms.append(d[0])
-                es.append(d[1])
-        g = int(multi[j])
-        if not ms:
-            out_f[g], out_x[g] = 0.0, None
-            continue
-        emin = min(es)
-        tot = sum(m << (e - emin) for m, e in zip(ms, es))
-        if tot == 0:
-            out_f[g], out_x[g] = 0.0, None
-            continue
-        tz = (tot & -tot).bit_length() - 1
-        m, e = tot >> tz, emin + tz
-        out_f[g] = dyadic_float(m, e)
-        out_x[g] = None if dyadic_is_float(m, e) else Dyadic(m, e)
-    return out_f, out_x
+def _exact_key(d: Any) -> tuple:
+    """Sort key of an exact value for :meth:`_Engine._row_key`: () when it is a float, else (m, e)."""
+    return () if py_is_float(d.m, d.e) else (d.m, d.e)
 
 
 def _groups(keys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -320,6 +250,7 @@ class _Engine:
         self.site_map: dict[tuple[int, int], int] = {}  # (source idx, source site id) -> output site id
         self.site_keys = keys
         self.site_sharing: list[str] = []
+        self.site_members: list[list[tuple[_Source, Any]]] = []  # (input, its site) per output site
         for new_id, key in enumerate(keys):
             members = by_key[key]
             docs = [site.manifest for _, site in members]
@@ -344,6 +275,7 @@ class _Engine:
             self.site_sharing.append(doc["sharing"])
             for src, site in members:
                 self.site_map[(src.idx, site.id)] = new_id
+            self.site_members.append(members)
         self.report.sites = len(keys)
 
     def _plan_segments(self) -> None:
@@ -381,28 +313,44 @@ class _Engine:
         data = self.pool.pread(src.path, e.length, e.offset + RECORD_HEADER_SIZE)
         return check_payload(data, e.payload_crc, src.path, e.offset)
 
-    def _decode_obs(self, src: _Source, e: Any, out_site: int) -> Rows:
-        r = decode_obs(self._payload(src, e), path=src.path, offset=e.offset, site=e.site, segment=e.segment,
-                       rows=e.rows, step_min=e.step_min, step_max=e.step_max, src=src.idx)
-        self.report.rows_in += len(r)
-        if r.scale is not None:
+    def _decode_batch(self, batch: list[tuple[_Source, Any]], out_site: int) -> Rows:
+        """The rows of a batch of chunks of one output site, checked and decoded together where their sketch
+        scales allow (chunks that need downscaling, or that declare a scale but hold no sketch, one by one)."""
+        together: list[ObsChunk] = []
+        alone: list[Rows] = []
+        for src, e in batch:
+            p = read_obs(self._payload(src, e), path=src.path, offset=e.offset, site=e.site, segment=e.segment,
+                         rows=e.rows, step_min=e.step_min, step_max=e.step_max, src=src.idx)
+            self.report.rows_in += p.rows
+            sc = p.scale if p.sk is not None and bool(p.sk["sk"].any()) else None
+            if sc is None:
+                if p.scale is None:
+                    together.append(p)
+                else:
+                    alone.append(decode_obs_batch([p]))
+                continue
+            target = sc if self.scale is None else min(sc, self.scale)
             want = self.site_scale.get(out_site)
-            if self.scale is not None and r.scale > self.scale:
-                r = self._downscale(r, r.scale - self.scale, src)
-            elif want is not None and r.scale != want:
+            if want is not None and target != want:
                 raise MergeError(
                     f"site {_site_name(self.site_keys[out_site])}: sketches at scale {want} "
-                    f"({2 ** want} bins per octave) in {self.scale_file[out_site]} and at scale {r.scale} in "
+                    f"({2 ** want} bins per octave) in {self.scale_file[out_site]} and at scale {sc} in "
                     f"{src.path}; coarsen both to the coarser scale first", code="incompatible_grid", path=src.path,
                 )
-            if out_site not in self.site_scale:
-                self.site_scale[out_site] = r.scale
+            if want is None:
+                self.site_scale[out_site] = target
                 self.scale_file[out_site] = src.path
-        return r
+            if target != sc:
+                alone.append(self._downscale(decode_obs_batch([p]), sc - target, src))
+            else:
+                together.append(p)
+        rows = ([decode_obs_batch(together)] if together else []) + alone
+        return Rows.concat(rows) if len(rows) > 1 else rows[0]
 
     def _downscale(self, r: Rows, by: int, src: _Source) -> Rows:
         """Sketch bins at scale ``s - by``: bin ``i`` goes to ``i >> by`` (grid.downscale_index); the window maps
         onto itself, so under/overflow are unchanged."""
+        r.densify()
         n = len(r)
         k = 1 << by
         nb = nbins(r.scale - by)
@@ -423,8 +371,19 @@ class _Engine:
     def _ctx_files(self, src: np.ndarray) -> str:
         return ", ".join(self.paths[i] for i in sorted(set(src.tolist())) if i >= 0)
 
-    def _add(self, r: Rows, starts: np.ndarray, sizes: np.ndarray, where: str) -> Rows:
-        c = r.cols
+    def _add(self, r: Rows, order: np.ndarray, starts: np.ndarray, sizes: np.ndarray, where: str) -> Rows:
+        """Sum the groups ``starts``/``sizes`` of the rows of ``r`` taken in ``order``."""
+        sp = r.sparse
+        nb = None if r.scale is None else nbins(r.scale)
+        if sp is not None and sp.cmax * int(sizes.max()) >= _U64:
+            r.densify()  # a sum may overflow: the dense path finds it
+            sp = None
+        has_sk_in = r.has_sk
+        pos_in, neg_in, bands_in = r.pos, r.neg, r.bands
+        c = {k: v[order] for k, v in r.cols.items()}
+        r = Rows(c, r.sum_x.take(order), r.sumsq_x.take(order), r.tally[order], has_sk_in[order],
+                 None if pos_in is None else pos_in[order], None if neg_in is None else neg_in[order],
+                 None if bands_in is None else bands_in[order], r.scale)
         out: dict[str, np.ndarray] = {k: c[k][starts] for k in ("step", "span", "micro", "phase")}
         out["src"] = np.minimum.reduceat(c["src"], starts)
 
@@ -456,11 +415,27 @@ class _Engine:
         out["min"][gmin == _I64_MAX] = CANONICAL_NAN
         out["max"] = _from_order_key(gmax).copy()
         out["max"][gmax == _I64_MIN] = CANONICAL_NAN
-        out["sum"], sum_x = _sum_exact(c["sum"], r.sum_x, starts, sizes)
-        out["sumsq"], sumsq_x = _sum_exact(c["sumsq"], r.sumsq_x, starts, sizes)
+        out["sum"], sum_x = group_sum(c["sum"], r.sum_x, starts, sizes)
+        out["sumsq"], sumsq_x = group_sum(c["sumsq"], r.sumsq_x, starts, sizes)
         has = np.logical_or.reduceat(r.has_sk, starts)
         pos = neg = bands = None
-        if r.pos is not None:
+        if sp is not None:
+            # scatter-add the stored ranges straight into the groups' dense sketches (no sum reaches 2**64)
+            g = len(starts)
+            group_of = np.empty(len(order), np.int64)
+            group_of[order] = np.repeat(np.arange(g, dtype=np.int64), sizes)
+            acc = np.zeros(g * 2 * nb, np.uint64)
+            if sp.counts.size:
+                n = sp.n.ravel()
+                base = ((group_of[:, None] * (2 * nb) + np.array([0, nb]) + sp.lo).ravel()
+                        - (np.cumsum(n) - n))
+                np.add.at(acc, np.repeat(base, n) + np.arange(sp.counts.size), sp.counts)
+            acc = acc.reshape(g, 2, nb)
+            pos, neg = acc[:, 0, :], acc[:, 1, :]
+            bands, over = _sum_u64(r.bands, starts, sizes)
+            if over is not None:
+                raise overflow(over, "a sketch under/overflow count")
+        elif r.pos is not None:
             pos, over = _sum_u64(r.pos, starts, sizes)
             if over is not None:
                 raise overflow(over, "a sketch bin")
@@ -491,7 +466,7 @@ class _Engine:
             diff |= (r.pos != r.pos[first]).any(axis=1) | (r.neg != r.neg[first]).any(axis=1)
             diff |= (r.bands != r.bands[first]).any(axis=1)
         for x in (r.sum_x, r.sumsq_x):
-            diff |= np.array([a != b for a, b in zip(x.tolist(), x[first].tolist())], bool)
+            diff |= x.differs(first)
         keep = starts.copy()
         if diff.any():
             bad_groups = np.unique(np.searchsorted(starts, np.flatnonzero(diff), side="right") - 1)
@@ -519,17 +494,19 @@ class _Engine:
         sk = () if r.pos is None else (r.pos[i].tolist(), r.neg[i].tolist(), r.bands[i].tolist())
         return (r.tally[i].tolist(), [int(c[k][i]) for k in ("count", "nan", "pinf", "ninf", "zero", "method")],
                 [int(c[k][i:i + 1].view(np.uint64)[0]) for k in ("min", "max", "sum", "sumsq")],
-                [tuple(x[i]) if x[i] is not None else () for x in (r.sum_x, r.sumsq_x)], bool(r.has_sk[i]), sk)
+                [_exact_key(x.get(i)) for x in (r.sum_x, r.sumsq_x)], bool(r.has_sk[i]), sk)
 
     def _combine(self, r: Rows, sharing: str, where: str) -> Rows:
         c = r.cols
         if sharing == "replica" or self.N == 1:
             order, starts, sizes = _groups([c["step"], c["span"], c["phase"], c["micro"]])
-            r = r.take(order)
             if sharing == "replica":
+                r = r.take(order)
                 r = self._replica(r, starts, sizes, where) if (sizes > 1).any() else r
             elif (sizes > 1).any():
-                r = self._add(r, starts, sizes, where)
+                r = self._add(r, order, starts, sizes, where)
+            else:
+                r = r.take(order)
             if self.N == 1:
                 return r
             c = r.cols
@@ -546,8 +523,7 @@ class _Engine:
         c["step"] = c["step"] - off
         c["span"] = np.full(len(r), n, np.uint32)
         order, starts, sizes = _groups([c["step"], c["phase"], c["micro"]])
-        r = r.take(order)
-        return self._add(r, starts, sizes, where) if (sizes > 1).any() else r
+        return self._add(r, order, starts, sizes, where) if (sizes > 1).any() else r.take(order)
 
     # -- steps ---------------------------------------------------------------------------------------------
     def _combine_steps(self, r: StepRows, where: str, files: str) -> StepRows:
@@ -667,21 +643,16 @@ class _Engine:
         # obs: site by site, segment by segment, in step order
         for out_site, key in enumerate(self.site_keys):
             per_seg: dict[int, list] = {}
-            for s in self.sources:
-                for site in s.sites:
-                    if site.key != key:
-                        continue
-                    for e in s.obs.get(site.id, []):
-                        seg = self.seg_map[(s.idx, e.segment)]
-                        per_seg.setdefault(seg, []).append(
-                            (self._window(e.step_min), self._window(e.step_max), s.idx, s, e))
+            for s, site in self.site_members[out_site]:
+                for e in s.obs.get(site.id, []):
+                    seg = self.seg_map[(s.idx, e.segment)]
+                    per_seg.setdefault(seg, []).append((self._window(e.step_min), self._window(e.step_max), s.idx, s, e))
             sharing = self.site_sharing[out_site]
             for seg in sorted(per_seg):
                 where = f"site {_site_name(key)}, segment {seg}"
                 buf: list[Rows] = []
                 for batch in self._sweep(per_seg[seg]):
-                    parts = [self._decode_obs(s, e, out_site) for s, e in batch]
-                    r = self._combine(Rows.concat(parts), sharing, where)
+                    r = self._combine(self._decode_batch(batch, out_site), sharing, where)
                     buf.append(r)
                     buf = self._emit_obs(w, buf, out_site, seg, final=False)
                 self._emit_obs(w, buf, out_site, seg, final=True)

@@ -1,0 +1,457 @@
+"""Vectorised exact dyadic columns for merge and coarsen (spec 5.3 and 11.2).
+
+A column of exact values ``m * 2**e`` is held as :class:`ExactCol`: an int64 exponent per row and the mantissa as
+``L`` 32-bit limbs in an int64 matrix, two's complement with the top limb signed (every lower limb in
+``[0, 2**32)``). Every value is canonical (``m`` odd, or ``m = 0`` and ``e = 0``), so equal values have equal
+limbs and exponents. Values whose canonical encoding needs more than ``4 * MAX_LIMBS`` mantissa bytes are *wide*:
+they are kept as :class:`~trainhist.dyadic.Dyadic` objects in ``w`` (their limbs and exponent are zero) and handled
+by the Python path, as are group sums whose aligned span exceeds ``MAX_ACC`` limbs and results that round to a
+subnormal float. Everything else (decode with its checks, group sums, rounding to float64, encode) is done with
+whole-array integer arithmetic, and gives the same bits as the Python path: the tests compare the two.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Callable
+
+import numpy as np
+
+from .dyadic import Dyadic
+from .errors import CorruptError
+
+__all__ = ["ExactCol", "MAX_LIMBS", "MAX_ACC", "decode_exact", "group_sum", "encode_exact", "py_float", "py_is_float"]
+
+MAX_LIMBS = 8  #: mantissas of up to 8 x 32 bits (32 encoded bytes) are vectorised; wider ones are Python ints
+MAX_ACC = 64  #: widest aligned group sum (limbs) done with arrays; wider spans use Python ints
+_MASK = np.int64(0xFFFFFFFF)
+_BIG = np.int64(1 << 62)
+
+
+def py_float(m: int, e: int) -> float:
+    """Correctly rounded float64 of ``m * 2**e`` (+-inf beyond the range)."""
+    try:
+        return m / (1 << -e) if e < 0 else float(m << e)
+    except OverflowError:
+        return float("inf") if m > 0 else float("-inf")
+
+
+def py_is_float(m: int, e: int) -> bool:
+    """Whether canonical ``m * 2**e`` (m odd or zero) is exactly a finite float64."""
+    if m == 0:
+        return True
+    n = (m if m > 0 else -m).bit_length()
+    return n <= 53 and e >= -1074 and e + n <= 1024
+
+
+# -- limb helpers (all on int64 matrices, one row per value) --------------------------------------------------
+def _normalize(t: np.ndarray) -> np.ndarray:
+    """Propagate carries in place: every limb but the top in [0, 2**32); the top keeps the sign."""
+    for k in range(t.shape[1] - 1):
+        c = t[:, k] >> 32
+        t[:, k] &= _MASK
+        t[:, k + 1] += c
+    return t
+
+
+def _widen(m: np.ndarray, width: int) -> np.ndarray:
+    """The same normalized values in ``width`` limbs (sign-extended)."""
+    n, w0 = m.shape
+    if w0 >= width:
+        return m
+    out = np.zeros((n, width), np.int64)
+    out[:, :w0] = m
+    top = m[:, w0 - 1]
+    out[:, w0 - 1] = top & _MASK
+    neg = top < 0
+    if neg.any():
+        out[neg, w0:width - 1] = _MASK
+        out[neg, width - 1] = -1
+    return out
+
+
+def _magnitude(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(negative?, |m| as normalized non-negative limbs)."""
+    neg = m[:, -1] < 0
+    if not neg.any():
+        return neg, m
+    a = m.copy()
+    a[neg] = -a[neg]
+    return neg, _normalize(a)
+
+
+def _bitlen(v: np.ndarray) -> np.ndarray:
+    """Bit length of non-negative int64 values below 2**53."""
+    return np.frexp(v.astype(np.float64))[1].astype(np.int64)
+
+
+def _nbits_tz(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Bit length and trailing zero bits of non-negative normalized limbs (0 and 0 for zero)."""
+    n, w = a.shape
+    nz = a != 0
+    anynz = nz.any(axis=1)
+    rows = np.arange(n)
+    h = w - 1 - nz[:, ::-1].argmax(axis=1)
+    nbits = np.where(anynz, 32 * h + _bitlen(a[rows, h]), 0)
+    z = nz.argmax(axis=1)
+    low = a[rows, z]
+    low = low & -low
+    tz = np.where(anynz, 32 * z + _bitlen(low) - 1, 0)
+    return nbits, tz
+
+
+def _shr(a: np.ndarray, t: np.ndarray, width: int) -> np.ndarray:
+    """Non-negative normalized limbs shifted right by ``t`` bits (per row), as ``width`` limbs."""
+    n, w = a.shape
+    ap = np.concatenate([a, np.zeros((n, width + 1), np.int64)], axis=1)
+    q, r = (t // 32)[:, None], (t % 32)[:, None]
+    k = np.arange(width)[None, :]
+    lo = np.take_along_axis(ap, q + k, axis=1)
+    hi = np.take_along_axis(ap, q + k + 1, axis=1)
+    return ((lo >> r) | (hi << (32 - r))) & _MASK
+
+
+def _round(neg: np.ndarray, a: np.ndarray, e: np.ndarray, nbits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Correctly rounded float64 of ``+-a * 2**e`` and a mask of the rows it cannot give (subnormal results).
+
+    The top 63 bits of the magnitude, with every lower bit ORed into the last one (a sticky bit), convert to
+    float64 with a single rounding to nearest even; scaling by a power of two is then exact for normal results.
+    """
+    n, w = a.shape
+    p = nbits - 63
+    big = p > 0
+    ps = np.where(big, p, 0)
+    q, r = ps // 32, ps % 32
+    ap = np.concatenate([a, np.zeros((n, 3), np.int64)], axis=1).view(np.uint64)
+    rows = np.arange(n)
+    l0, l1, l2 = ap[rows, q], ap[rows, q + 1], ap[rows, q + 2]
+    ru = r.astype(np.uint64)
+    v = (l0 >> ru) | (l1 << (np.uint64(32) - ru))
+    v |= np.where(r == 0, np.uint64(0), l2 << ((np.uint64(64) - ru) & np.uint64(63)))
+    sticky = (l0 & ((np.uint64(1) << ru) - np.uint64(1))) != 0
+    if w > 1:
+        cnz = np.cumsum(a != 0, axis=1)
+        sticky |= (q > 0) & (cnz[rows, np.maximum(q - 1, 0)] > 0)
+    v = np.where(big, v | sticky.astype(np.uint64), v)
+    fl = v.astype(np.int64).astype(np.float64)
+    with np.errstate(over="ignore"):
+        f = np.ldexp(fl, np.clip(e + ps, -4000, 4000).astype(np.int32))
+    f = np.where(neg, -f, f)
+    bad = (nbits > 0) & (e + nbits - 1 < -1022)
+    return f, bad
+
+
+def _to_int(row: np.ndarray) -> int:
+    """Python int of one row of normalized two's complement limbs."""
+    return int.from_bytes(row.astype("<u4").tobytes(), "little", signed=True)
+
+
+def _from_int(m: int, width: int) -> np.ndarray:
+    """Normalized limbs of ``m`` (which fits in ``width`` limbs)."""
+    b = m.to_bytes(4 * width, "little", signed=True)
+    v = np.frombuffer(b, "<u4").astype(np.int64)
+    if v[-1] >= 1 << 31:
+        v[-1] -= 1 << 32
+    return v
+
+
+def _mant_bytes(m: int) -> int:
+    return (m if m >= 0 else ~m).bit_length() // 8 + 1
+
+
+class ExactCol:
+    """Exact values of one column of a row batch (see the module docstring)."""
+
+    __slots__ = ("e", "m", "w")
+
+    def __init__(self, e: np.ndarray, m: np.ndarray, w: np.ndarray | None = None) -> None:
+        self.e = e
+        self.m = m
+        self.w = w if w is not None and any(x is not None for x in w.tolist()) else None
+
+    @staticmethod
+    def zeros(n: int) -> "ExactCol":
+        return ExactCol(np.zeros(n, np.int64), np.zeros((n, 2), np.int64))
+
+    @staticmethod
+    def from_floats(f: np.ndarray) -> "ExactCol":
+        """Exact values of finite floats (the caller zeroes non-finite ones first)."""
+        mant, ex = np.frexp(f)
+        m = (mant * 2.0**53).astype(np.int64)  # exact: 53 significant bits at most
+        e = ex.astype(np.int64) - 53
+        nz = m != 0
+        low = m & -m
+        tz = np.where(nz, _bitlen(np.where(nz, low, 1)) - 1, 0)
+        m = m >> tz
+        e = np.where(nz, e + tz, 0)
+        limbs = np.empty((f.size, 2), np.int64)
+        limbs[:, 0] = m & _MASK
+        limbs[:, 1] = m >> 32
+        return ExactCol(e, limbs)
+
+    def __len__(self) -> int:
+        return int(self.e.size)
+
+    def take(self, idx) -> "ExactCol":
+        return ExactCol(self.e[idx], self.m[idx], None if self.w is None else self.w[idx])
+
+    @staticmethod
+    def concat(parts: list["ExactCol"]) -> "ExactCol":
+        if len(parts) == 1:
+            return parts[0]
+        width = max(p.m.shape[1] for p in parts)
+        e = np.concatenate([p.e for p in parts])
+        m = np.concatenate([_widen(p.m, width) for p in parts])
+        w = None
+        if any(p.w is not None for p in parts):
+            w = np.concatenate([p.w if p.w is not None else np.full(len(p), None, object) for p in parts])
+        return ExactCol(e, m, w)
+
+    def blank(self, mask: np.ndarray) -> None:
+        """Set the rows in ``mask`` to zero."""
+        self.e[mask] = 0
+        self.m[mask] = 0
+        if self.w is not None:
+            self.w[mask] = None
+
+    def get(self, i: int) -> Dyadic:
+        if self.w is not None and self.w[i] is not None:
+            return self.w[i]
+        return Dyadic(_to_int(self.m[i]), int(self.e[i]))
+
+    def differs(self, other_idx: np.ndarray) -> np.ndarray:
+        """Per row: whether its value differs from that of row ``other_idx[row]``."""
+        d = (self.e != self.e[other_idx]) | (self.m != self.m[other_idx]).any(axis=1)
+        if self.w is not None:
+            wl, wo = self.w.tolist(), self.w[other_idx].tolist()
+            d |= np.array([a != b for a, b in zip(wl, wo)], bool)
+        return d
+
+    def set_py(self, i: int, m: int, e: int) -> None:
+        """Store canonical ``m * 2**e`` in row ``i`` (narrow or wide)."""
+        if _mant_bytes(m) > 4 * MAX_LIMBS:
+            if self.w is None:
+                self.w = np.full(len(self), None, object)
+            self.w[i] = Dyadic(m, e)
+            self.e[i] = 0
+            self.m[i] = 0
+            return
+        need = (_mant_bytes(m) + 3) // 4
+        if need > self.m.shape[1]:
+            self.m = _widen(self.m, need)
+        self.m[i] = _from_int(m, self.m.shape[1])
+        self.e[i] = e
+        if self.w is not None:
+            self.w[i] = None
+
+
+# -- decode ----------------------------------------------------------------------------------------------------
+def decode_exact(name: str, f: np.ndarray, lens: np.ndarray | None, blob: np.ndarray | None, observed: np.ndarray,
+                 locate: Callable[[int], tuple[str | None, int, int]]) -> ExactCol:
+    """The exact values of one sum column of a chunk, with the checks of spec 5.3.
+
+    ``f``: the f64 column; ``lens``/``blob``: the ``_xn``/``_x`` columns (None when absent). Rows with a blob are
+    checked (canonical encoding, f64 correctly rounded); rows without one take the f64 value, which must be finite
+    in observed rows. Rows that are not observed are zero. ``locate(row)`` gives the path, record offset and row
+    in its chunk that an error names.
+    """
+
+    def bad(i: int, msg: str) -> CorruptError:
+        path, offset, j = locate(int(i))
+        return CorruptError(msg.format(row=j), code="bad_exact_value", path=path, offset=offset)
+
+    n = f.size
+    has = np.zeros(n, bool) if lens is None else lens != 0
+    plain = observed & ~has
+    bad_f = plain & ~np.isfinite(f)
+    if bad_f.any():
+        i = int(np.flatnonzero(bad_f)[0])
+        raise bad(i, f"{name} row {{row}} is {f[i]!r} without an exact {name}_x value")
+    out = ExactCol.from_floats(np.where(plain, f, 0.0))
+    if not has.any():
+        return out
+    lens = lens.astype(np.int64)
+    if int(lens.sum()) != blob.size:  # (callers check each chunk's own lengths first)
+        raise CorruptError(f"{name}_x holds {blob.size} bytes, {name}_xn sums to {int(lens.sum())}",
+                           code="bad_column_length", path=locate(0)[0], offset=locate(0)[1])
+    short = has & (lens < 5)
+    if short.any():
+        raise bad(np.flatnonzero(short)[0], f"{name}_x row {{row}}: a dyadic needs at least 5 bytes")
+    starts = np.cumsum(lens) - lens
+    ix = np.flatnonzero(has)
+    st, ml = starts[ix], lens[ix] - 4
+    eb = blob[st[:, None] + np.arange(4)[None, :]]
+    e = np.ascontiguousarray(eb).view("<i4").ravel().astype(np.int64)
+    wide = ml > 4 * MAX_LIMBS
+    nar = ~wide
+    if nar.any():
+        i_n, st_n, ml_n, e_n = ix[nar], st[nar], ml[nar], e[nar]
+        width = max(2, (int(ml_n.max()) + 3) // 4)
+        j = np.arange(4 * width)[None, :]
+        top = blob[st_n + 4 + ml_n - 1]
+        fill = np.where(top >= 0x80, 0xFF, 0).astype(np.uint8)
+        valid = j < ml_n[:, None]
+        src = np.minimum(st_n[:, None] + 4 + j, blob.size - 1)
+        mb = np.where(valid, blob[src], fill[:, None]).astype(np.uint8)
+        nxt = blob[st_n + 4 + np.maximum(ml_n - 2, 0)]
+        redundant = (ml_n > 1) & (((top == 0) & (nxt < 0x80)) | ((top == 0xFF) & (nxt >= 0x80)))
+        mzero = (ml_n == 1) & (top == 0)
+        noncanon = redundant | (mzero & (e_n != 0)) | (~mzero & ((mb[:, 0] & 1) == 0))
+        if noncanon.any():
+            raise bad(i_n[np.flatnonzero(noncanon)[0]], f"{name}_x row {{row}}: dyadic encoding is not canonical "
+                      "(mantissa must be odd and minimal-length)")
+        limbs = mb.view("<u4").astype(np.int64)
+        t = limbs[:, -1]
+        limbs[:, -1] = np.where(t >= 1 << 31, t - (1 << 32), t)
+        neg, a = _magnitude(limbs)
+        nbits, _ = _nbits_tz(a)
+        fr, sub = _round(neg, a, e_n, nbits)
+        ok = (fr == f[i_n]) | sub
+        if not ok.all():
+            raise bad(i_n[np.flatnonzero(~ok)[0]], f"{name} row {{row}} is not the correctly rounded value of {name}_x")
+        for k in np.flatnonzero(sub).tolist():
+            if py_float(_to_int(limbs[k]), int(e_n[k])) != f[i_n[k]]:
+                raise bad(i_n[k], f"{name} row {{row}} is not the correctly rounded value of {name}_x")
+        out.m = _widen(out.m, width)
+        out.m[i_n] = limbs
+        out.e[i_n] = e_n
+    if wide.any():
+        w = np.full(n, None, object)
+        for i, s0, k, ex in zip(ix[wide].tolist(), st[wide].tolist(), ml[wide].tolist(), e[wide].tolist()):
+            m = int.from_bytes(blob[s0 + 4 : s0 + 4 + k].tobytes(), "little", signed=True)
+            if not m & 1 or k != _mant_bytes(m):
+                raise bad(i, f"{name}_x row {{row}}: dyadic encoding is not canonical (mantissa must be odd and "
+                          "minimal-length)")
+            if py_float(m, ex) != f[i]:
+                raise bad(i, f"{name} row {{row}} is not the correctly rounded value of {name}_x")
+            w[i] = Dyadic(m, ex)
+        out.w = w
+        out.e[ix[wide]] = 0
+        out.m[ix[wide]] = 0
+    return out
+
+
+# -- group sums ------------------------------------------------------------------------------------------------
+def group_sum(f: np.ndarray, x: ExactCol, starts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, ExactCol]:
+    """Exact sums of groups of consecutive rows (``starts``/``sizes``): the rounded f64 and the exact values.
+
+    A group of one row passes through unchanged."""
+    out = x.take(starts)
+    out_f = f[starts].copy()
+    multi = np.flatnonzero(sizes > 1)
+    if multi.size == 0:
+        return out_f, out
+    sz = sizes[multi]
+    mstart = np.cumsum(sz) - sz  # group starts among the members
+    mg = np.repeat(np.arange(multi.size), sz)
+    idx = np.repeat(starts[multi] - mstart, sz) + np.arange(mg.size)
+    e, m = x.e[idx], x.m[idx]
+    width = m.shape[1]
+    nonzero = (m != 0).any(axis=1)
+    gmin = np.minimum.reduceat(np.where(nonzero, e, _BIG), mstart)
+    allzero = gmin == _BIG
+    s = np.where(nonzero, e - np.where(allzero, 0, gmin)[mg], 0)
+    acc_w = np.maximum.reduceat(s, mstart) // 32 + width + 2
+    slow = acc_w > MAX_ACC
+    if x.w is not None:
+        wide_m = np.array([v is not None for v in x.w[idx].tolist()], bool)
+        slow |= np.logical_or.reduceat(wide_m, mstart)
+    fast = ~slow
+    if fast.any():
+        sel = fast[mg]
+        A = int(acc_w[fast].max())
+        fm = np.flatnonzero(sel)
+        sf, mf = s[fm], m[fm]
+        q, r = sf // 32, sf % 32
+        acc = np.zeros((fm.size, A), np.int64)
+        flat = acc.reshape(-1)
+        base = np.arange(fm.size) * A + q
+        for k in range(width):
+            v = mf[:, k] << r
+            flat[base + k] += v & _MASK
+            flat[base + k + 1] += v >> 32
+        fstart = np.cumsum(sz[fast]) - sz[fast]
+        t = _normalize(np.add.reduceat(acc, fstart, axis=0))
+        neg, a = _magnitude(t)
+        nbits, tz = _nbits_tz(a)
+        g0 = np.where(allzero[fast], 0, gmin[fast])
+        fr, sub = _round(neg, a, g0, nbits)
+        zero = nbits == 0
+        eo = np.where(zero, 0, g0 + tz)
+        mbytes = (nbits - tz) // 8 + 1
+        wide_out = mbytes > 4 * MAX_LIMBS
+        need = int(((mbytes[~wide_out] + 3) // 4).max()) if (~wide_out).any() else 2
+        ow = max(width, need, 2)
+        mc = _shr(a, tz, max(A, ow))
+        mc[neg] = -mc[neg]
+        mc = _normalize(mc)[:, :ow].copy()
+        if mc.shape[1] < max(A, ow):  # the cut top limb is signed
+            tt = mc[:, -1] & _MASK
+            mc[:, -1] = np.where(tt >= 1 << 31, tt - (1 << 32), tt)
+        gi = multi[fast]
+        out.m = _widen(out.m, ow)
+        out.m[gi] = np.where(wide_out[:, None], 0, mc)
+        out.e[gi] = np.where(wide_out, 0, eo)
+        if out.w is not None:
+            out.w[gi] = None
+        out_f[gi] = fr
+        for k in np.flatnonzero(sub | wide_out).tolist():
+            g = int(gi[k])
+            mm = _to_int(np.concatenate([a[k], [0]]))
+            mm = -mm if neg[k] else mm
+            mm >>= int(tz[k])
+            ee = int(eo[k])
+            out_f[g] = py_float(mm, ee)
+            if wide_out[k]:
+                out.set_py(g, mm, ee)
+    for j in np.flatnonzero(slow).tolist():
+        g = int(multi[j])
+        s0 = int(starts[g])
+        tot_m, tot_e = 0, 0
+        vals = [x.get(i) for i in range(s0, s0 + int(sizes[g]))]
+        vals = [v for v in vals if v.m]
+        if vals:
+            emin = min(v.e for v in vals)
+            tot = sum(v.m << (v.e - emin) for v in vals)
+            if tot:
+                tz_ = (tot & -tot).bit_length() - 1
+                tot_m, tot_e = tot >> tz_, emin + tz_
+        out_f[g] = py_float(tot_m, tot_e)
+        out.set_py(g, tot_m, tot_e)
+    return out_f, out
+
+
+# -- encode ----------------------------------------------------------------------------------------------------
+def encode_exact(x: ExactCol) -> tuple[np.ndarray, bytes] | None:
+    """The ``_xn`` and ``_x`` columns for the rows whose value is not exactly a finite float64 (None: no row)."""
+    n = len(x)
+    neg, a = _magnitude(x.m)
+    nbits, _ = _nbits_tz(a)
+    isf = (nbits <= 53) & (x.e >= -1074) & (x.e + nbits <= 1024)
+    need = ~isf
+    if x.w is not None:
+        wide = np.array([v is not None for v in x.w.tolist()], bool)
+        need |= wide
+    else:
+        wide = None
+    if not need.any():
+        return None
+    lens = np.zeros(n, np.uint32)
+    mb = nbits // 8 + 1
+    rows = np.flatnonzero(need)
+    if wide is None or not wide.any():
+        width = x.m.shape[1]
+        mat = np.empty((rows.size, 4 + 4 * width), np.uint8)
+        mat[:, :4] = x.e[rows].astype("<i4").view(np.uint8).reshape(-1, 4)
+        mat[:, 4:] = x.m[rows].astype("<u4").view(np.uint8).reshape(-1, 4 * width)
+        ln = 4 + mb[rows]
+        lens[rows] = ln
+        return lens, mat[np.arange(4 + 4 * width)[None, :] < ln[:, None]].tobytes()
+    blobs = []
+    pack = struct.Struct("<i").pack
+    for i in rows.tolist():
+        d = x.get(i)
+        b = pack(d.e) + d.m.to_bytes(_mant_bytes(d.m), "little", signed=True)
+        lens[i] = len(b)
+        blobs.append(b)
+    return lens, b"".join(blobs)
