@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--across-runs", action="store_true", help="sum segments of different runs (default: keep apart)")
     c.add_argument("--report-divergence", action="store_true",
                    help="keep one of differing replica rows and list them, instead of failing")
-    c.add_argument("--codec", choices=("shuffle", "raw"), default="shuffle")
+    c.add_argument("--codec", choices=("packed", "shuffle", "raw"), default="packed")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=_cmd_merge)
     c = sub.add_parser("coarsen", help="sum rows over step windows and/or halve sketch resolution (spec section 11)")
@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", required=True, metavar="OUT")
     c.add_argument("--steps", type=int, default=1, help="window width in steps (default 1: keep)")
     c.add_argument("--bins-per-octave", type=int, choices=(4, 2, 1), default=4)
-    c.add_argument("--codec", choices=("shuffle", "raw"), default="shuffle")
+    c.add_argument("--codec", choices=("packed", "shuffle", "raw"), default="packed")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=_cmd_coarsen)
     c = sub.add_parser("triage", help="where and when the history first went wrong (non-finite, failed, skipped)")

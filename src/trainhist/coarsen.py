@@ -20,7 +20,7 @@ BINS_PER_OCTAVE = {4: 2, 2: 1, 1: 0}  #: bins per octave -> sketch scale
 
 
 def coarsen(input: str | os.PathLike, output: str | os.PathLike, *, steps: int = 1, bins_per_octave: int = 4,
-            replica_divergence: str = "error", codec: str = "shuffle") -> MergeReport:
+            replica_divergence: str = "error", codec: str = "packed") -> MergeReport:
     """Write the canonical file of ``input`` with rows summed over ``steps``-step windows and sketches at no
     more than ``bins_per_octave`` (4, 2 or 1) bins per octave.
 

@@ -691,13 +691,14 @@ def _json(d: dict) -> str:
 
 
 def merge(inputs: list[str | os.PathLike], output: str | os.PathLike, *, across_runs: bool = False,
-          replica_divergence: str = "error", codec: str = "shuffle") -> MergeReport:
+          replica_divergence: str = "error", codec: str = "packed") -> MergeReport:
     """Merge histories of disjoint sets of writers into one canonical file at ``output`` (spec section 11).
 
     Rows with the same site, segment, step, span, micro-batch and phase combine: shard sites add exactly,
     replica sites keep one row (differing replicas raise ``replica_divergence``, or with
     ``replica_divergence="report"`` keep a deterministic one and list the difference in the report). Segments of
-    different runs stay apart unless ``across_runs``. ``codec`` is ``"shuffle"`` (default) or ``"raw"``.
+    different runs stay apart unless ``across_runs``. ``codec`` (spec 11.9) is ``"packed"`` (default),
+    ``"shuffle"`` (shuffle-deflate: smaller, slower) or ``"raw"``.
     """
     if isinstance(inputs, (str, os.PathLike)):
         raise UsageError("merge() takes a list of input paths")
@@ -705,6 +706,6 @@ def merge(inputs: list[str | os.PathLike], output: str | os.PathLike, *, across_
                    replica_divergence=replica_divergence, codec=codec).run()
 
 
-def canonicalize(input: str | os.PathLike, output: str | os.PathLike, *, codec: str = "shuffle") -> MergeReport:
+def canonicalize(input: str | os.PathLike, output: str | os.PathLike, *, codec: str = "packed") -> MergeReport:
     """The canonical form of one file: the same as ``merge([input], output)``."""
     return merge([input], output, codec=codec)
