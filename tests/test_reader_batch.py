@@ -52,18 +52,24 @@ def test_batch_equals_per_chunk(mixed: Path) -> None:
     with trainhist.open(mixed) as h:
         codecs = {c[2] for es in h._obs.values() for e in es for c in h.chunk(e)._dir.values()}
         assert {Codec.RAW, Codec.DEFLATE, Codec.SHUFFLE_DEFLATE, Codec.FOR, Codec.F32, Codec.PATCHED} <= codecs
+        together = h._batch(h.sites)  # every site in one batch, and each site alone
         for site in h.sites:
-            bc, bx, bs = h._site_batch(site)
-            cc, cx, cs = h._site_chunks(site, True)
-            assert bc.keys() == cc.keys()
-            for k in cc:
-                assert bc[k].dtype == cc[k].dtype and np.array_equal(np.ascontiguousarray(bc[k]).view(np.uint8), np.ascontiguousarray(cc[k]).view(np.uint8)), k
-            for k in cx:
-                assert np.array_equal(bx[k].n, cx[k].n) and bx[k].blob == cx[k].blob
-                assert [bx[k].get(i) for i in range(len(bc["step"]))] == [cx[k].get(i) for i in range(len(cc["step"]))]
-            assert bs.scale == cs.scale and np.array_equal(bs.bands, cs.bands)
-            for side in (0, 1):
-                assert np.array_equal(bs.dense(side), cs.dense(side))
+            for bc, bx, bs in (together[site.id], h._batch([site])[site.id]):
+                check_same(h, site, bc, bx, bs)
+
+
+def check_same(h, site, bc, bx, bs) -> None:
+    cc, cx, cs = h._site_chunks(site, True)
+    assert bc.keys() == cc.keys()
+    for k in cc:
+        a, b = np.ascontiguousarray(bc[k]), np.ascontiguousarray(cc[k])
+        assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8)), k
+    for k in cx:
+        assert np.array_equal(bx[k].n, cx[k].n) and np.array_equal(bx[k].off, cx[k].off)
+        assert [bx[k].get(i) for i in range(len(bc["step"]))] == [cx[k].get(i) for i in range(len(cc["step"]))]
+    assert bs.scale == cs.scale and np.array_equal(bs.bands, cs.bands)
+    for side in (0, 1):
+        assert np.array_equal(bs.dense(side), cs.dense(side))
 
 
 def test_public_api_unchanged(mixed: Path) -> None:

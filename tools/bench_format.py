@@ -11,11 +11,17 @@ median with min..max):
    of a 4096-element float32 tensor);
 2. **bytes per observation** on disk: the same rows written with sketches on and off; the spine costs
    ``size_off / rows``, the sketch ``(size_on - size_off) / rows``; plus a per-column breakdown;
-3. **full-scan read** MB/s: ``trainhist.open`` + ``spine`` and ``sketch`` of every site;
+3. **full-scan read** MB/s of file bytes: ``trainhist.open`` + ``spine`` and ``sketch`` of every site, in site
+   order, through the public API; the target is judged on the big file (item 4: a realistic size, where fixed
+   costs such as opening and validating 200 site manifests do not dominate), and reported for the small file too;
 4. **one series from a big file**: a file of at least ``--big-mb`` MB (200 sites x N steps of float32 tensors with
-   N(0, sigma) values of 2048-6144 elements, sketches on, commit every 50 steps) is generated once in a temp
-   directory; then ``open`` + ``spine`` + ``sketch`` of one site (first, middle, last site in turn). The file was
-   just written, so it is in the page cache (no root to drop caches): these are warm-cache numbers.
+   N(0, sigma) values of 2048-6144 elements, sketches on, the writer's default commit cadence) is generated once in
+   a temp directory; then ``open`` + ``spine`` + ``sketch`` of one site (first, middle, last site in turn), and
+   full scans of it. The file was just written, so it is in the page cache (no root to drop caches): these are
+   warm-cache numbers.
+
+Every file is written with the writer's default codec (``packed``: frame of reference, binary32, patched bytes,
+or raw per column; spec 7.3).
 
 Precomputed summaries come from a pool of 64 distinct tensors x 12 power-of-two scales (sigma = 2**-10 .. 2**1),
 so consecutive rows of a site differ (as real steps do) while generation stays fast. Where a target is missed,
@@ -275,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         gsec, grows, gsize = write_file(big, pool, a.sites, 0, sketch=True, target_bytes=int(a.big_mb * 1e6))
         big_steps = grows // a.sites
         t_open, t_series, t_total, t_cpu = [], [], [], []
+        big_scan, big_scan_cpu, big_loads = [], [], []
         picks = [0, a.sites // 2, a.sites - 1]
         series_rows = 0
         for r in range(reps):
@@ -285,11 +292,18 @@ def main(argv: list[str] | None = None) -> int:
                 t_open.append(o)
                 t_series.append(s)
                 t_total.append(o + s)
+            log(f"# rep {r + 1}/{reps}: full scan of the big file", file=sys.stderr)
+            big_loads.append(os.getloadavg()[0])
+            ssec, scpu, srows = scan(big)
+            assert srows == grows
+            big_scan.append(gsize / ssec / 1e6)
+            big_scan_cpu.append(gsize / scpu / 1e6)
 
         # profiles (separate runs, not timed above)
         log("# profiling ...", file=sys.stderr)
         prof_series = profile(lambda: one_series(big, a.sites // 2))
         prof_scan = profile(lambda: scan(tmp / "small_on.thist"))
+        prof_big_scan = profile(lambda: scan(big))
         prof_write = profile(lambda: write_file(tmp / "prof.thist", pool, a.sites, min(a.steps, 50)))
         load1 = os.getloadavg()
     finally:
@@ -298,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     def verdict(ok: bool) -> str:
         return "met" if ok else "**missed**"
 
-    scan_m = statistics.median(sc_on)
+    scan_m = statistics.median(big_scan)
     total_m = statistics.median(t_total)
     cmd = "python " + " ".join([os.path.relpath(__file__, Path.cwd())] + (argv if argv is not None else sys.argv[1:]))
     rep = io.StringIO()
@@ -313,8 +327,10 @@ def main(argv: list[str] | None = None) -> int:
       f"{load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f}: other processes may share the machine, so reads are also "
       f"given per CPU second of this process (less sensitive to sharing than wall time)\n\n")
     p("## Summary\n\n| metric | result | target | |\n|---|---|---|---|\n")
-    p(f"| full-scan read (open + spine + sketch of every site) | {fmt(sc_on, ' MB/s')} | >= "
-      f"{TARGETS['scan_mb_s']:.0f} MB/s | {verdict(scan_m >= TARGETS['scan_mb_s'])} |\n")
+    p(f"| full-scan read (open + spine + sketch of every site) of the {gsize / 1e6:.0f} MB file, wall | "
+      f"{fmt(big_scan, ' MB/s')} | >= {TARGETS['scan_mb_s']:.0f} MB/s | {verdict(scan_m >= TARGETS['scan_mb_s'])} |\n")
+    p(f"| the same per CPU second of the reading process | {fmt(big_scan_cpu, ' MB/s')} | >= "
+      f"{TARGETS['scan_mb_s']:.0f} MB/s | {verdict(statistics.median(big_scan_cpu) >= TARGETS['scan_mb_s'])} |\n")
     p(f"| one series (open + spine + sketch of 1 of {a.sites} sites, {series_rows} rows) from a "
       f"{gsize / 1e6:.0f} MB file | {fmt(t_total, ' s')} | < {TARGETS['series_s']:.0f} s | "
       f"{verdict(total_m < TARGETS['series_s'])} |\n")
@@ -330,9 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     p("## Details\n\n")
     p(f"- small files: {a.sites} sites x {a.steps} steps = {n_small} observations, commit every {COMMIT_EVERY} steps (the writer's default); "
       f"{size_on / 1e6:.2f} MB with sketches, {size_off / 1e6:.2f} MB without\n")
-    p(f"- full-scan read with sketches per CPU second: {fmt(sc_cpu, ' MB/s')}\n")
-    p(f"- full-scan read without sketches: {fmt(sc_off, ' MB/s')}; with sketches, rows/s = "
-      f"{scan_m * 1e6 / (size_on / n_small):.3g}\n")
+    p(f"- full scan of the big file: rows/s = {grows / (gsize / 1e6 / scan_m):.3g} (wall), "
+      f"{grows / (gsize / 1e6 / statistics.median(big_scan_cpu)):.3g} (per CPU second); 1-minute load average "
+      f"before each scan {', '.join(f'{x:.1f}' for x in big_loads)} (2 CPUs)\n")
+    p(f"- full scan of the small file (fixed costs dominate: 200 site manifests, 2 chunks per site): with sketches "
+      f"{fmt(sc_on, ' MB/s')} wall, {fmt(sc_cpu, ' MB/s')} per CPU second; without sketches {fmt(sc_off, ' MB/s')}\n")
     p(f"- big file: {gsize / 1e6:.1f} MB, {a.sites} sites x {big_steps} steps = {grows} observations, written in "
       f"{gsec:.0f} s ({grows / gsec:.3g} obs/s)\n")
     p(f"- one series, split: open {fmt(t_open, ' s')}; spine + sketch of the site {fmt(t_series, ' s')}; "
@@ -348,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         p(f"| {k} | {v:.2f} |\n" if k != "rows per chunk" else f"| ({k}: {v:.0f}) | |\n")
     p("\n### Where the time goes (cProfile, sorted by own time)\n\n")
     p(f"One series from the big file:\n\n```\n{prof_series}\n```\n\n")
+    p(f"Full scan of the big file:\n\n```\n{prof_big_scan}\n```\n\n")
     p(f"Full scan of the small file with sketches:\n\n```\n{prof_scan}\n```\n\n")
     p(f"Writer (precomputed summaries):\n\n```\n{prof_write}\n```\n")
     text = rep.getvalue()

@@ -13,11 +13,13 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, NamedTuple
 
+import msgpack
 import numpy as np
 
-from .chunk import _FOR_WIDTHS, _RANGE, DTYPES, Chunk, Codec, decode_chunk
+from .chunk import _FOR_WIDTHS, _RANGE, APPLIES, DTYPES, MAX_COLUMNS, MAX_META, MAX_ROWS, Chunk, Codec, decode_chunk
 from .dyadic import Dyadic
 from .errors import CorruptError, FormatError, UnsupportedError, UsageError
 from .framing import (
@@ -231,18 +233,43 @@ class SpineSeries:
         )
 
 
+class _Patched:
+    """Sketch counts as stored by the patched-bytes codec (spec 7.3), already checked: one byte per value and the
+    exceptions; widened to u64 on first use, so a scan that does not look at the bins never widens them."""
+
+    def __init__(self, codes: np.ndarray, exc: np.ndarray) -> None:
+        self.codes, self.exc = codes, exc
+        self._wide: np.ndarray | None = None
+
+    @property
+    def size(self) -> int:
+        return int(self.codes.size)
+
+    def widen(self) -> np.ndarray:
+        if self._wide is None:
+            out = self.codes.astype(np.uint64)
+            if self.exc.size:
+                out[np.flatnonzero(self.codes == 255)] = self.exc
+            self._wide = out
+        return self._wide
+
+
 class _Sparse(NamedTuple):
     """Sketch rows as stored: per row the positive range ``(plo, pn)`` and the negative range ``(nlo, nn)`` of bin
     counts, which begin at ``start`` in ``counts`` (positive first); the bands per row."""
 
     scale: int
-    counts: np.ndarray  # u64
+    counts: "np.ndarray | _Patched"  # u64 values, or their stored bytes widened on demand (:meth:`values`)
     start: np.ndarray  # i64 per row
     plo: np.ndarray  # i64 per row
     pn: np.ndarray
     nlo: np.ndarray
     nn: np.ndarray
     bands: np.ndarray  # (rows, 4) u64
+
+    def values(self) -> np.ndarray:
+        c = self.counts
+        return c.widen() if isinstance(c, _Patched) else c
 
     def take(self, sel: np.ndarray) -> "_Sparse":
         return _Sparse(self.scale, self.counts, self.start[sel], self.plo[sel], self.pn[sel], self.nlo[sel],
@@ -261,7 +288,7 @@ class _Sparse(NamedTuple):
             return parts[0]
         shift = np.cumsum([0] + [p.counts.size for p in parts[:-1]])
         return _Sparse(
-            parts[0].scale, np.concatenate([p.counts for p in parts]),
+            parts[0].scale, np.concatenate([p.values() for p in parts]),
             np.concatenate([p.start + k for p, k in zip(parts, shift.tolist())]),
             *(np.concatenate([getattr(p, f) for p in parts]) for f in ("plo", "pn", "nlo", "nn", "bands")),
         )
@@ -280,7 +307,7 @@ class _Sparse(NamedTuple):
             k = np.arange(total, dtype=np.int64)
             before = np.cumsum(n) - n  # values of earlier rows on this side
             base = np.arange(rows, dtype=np.int64) * nb
-            out.reshape(-1)[np.repeat(base + lo - before, n) + k] = self.counts[np.repeat(first - before, n) + k]
+            out.reshape(-1)[np.repeat(base + lo - before, n) + k] = self.values()[np.repeat(first - before, n) + k]
         return out
 
 
@@ -326,9 +353,17 @@ class SketchSeries:
         nb = nbins(self.scale)
         st, plo, pn, nlo, nn = (int(sp.start[i]), int(sp.plo[i]), int(sp.pn[i]), int(sp.nlo[i]), int(sp.nn[i]))
         pos, neg = np.zeros(nb, np.uint64), np.zeros(nb, np.uint64)
-        pos[plo : plo + pn] = sp.counts[st : st + pn]
-        neg[nlo : nlo + nn] = sp.counts[st + pn : st + pn + nn]
+        counts = sp.values()
+        pos[plo : plo + pn] = counts[st : st + pn]
+        neg[nlo : nlo + nn] = counts[st + pn : st + pn + nn]
         return Sketch(self.scale, pos, neg, int(b[0]), int(b[1]), int(b[2]), int(b[3]))
+
+
+# (column names, dtypes) of obs chunk directories that passed every check of History.chunk -> item size per
+# column (negated for variable-length columns)
+_LAYOUTS_OK: dict[tuple, list[int]] = {}
+_DT_INDEX = {d: i for i, d in enumerate(DTYPES)}
+_APPLIES = np.array([[d in APPLIES.get(c, ()) for c in range(max(Codec.STORED) + 1)] for d in DTYPES])
 
 
 class _Fallback(Exception):
@@ -336,43 +371,62 @@ class _Fallback(Exception):
 
 
 _TALLY_SET = frozenset(TALLY_COLUMNS)
+#: reading sites in id order decodes the next ones with the current one, up to this many bytes of chunks or sites
+_READAHEAD_BYTES = 32 << 20
+_READAHEAD_SITES = 64
 
 
-def _gather(chunks: list[Chunk], name: str, dt: str, ns: list[int]) -> np.ndarray:
-    """Column ``name`` of every chunk (``ns[i]`` values in chunk ``i``; zeros where a chunk lacks the column),
+def _gather(view: memoryview, col: "_Col", dt: str, ns: list[int]) -> np.ndarray:
+    """A column of every chunk of a site (``ns[i]`` values in chunk ``i``; zeros where a chunk lacks it),
     concatenated in order. Consecutive chunks with one codec (and frame-of-reference width) are decoded at once:
     their blocks are joined and decoded with one set of numpy operations, checked as in spec 7.3; a failed
     check raises :class:`_Fallback`."""
-    specs = [ch._dir.get(name) for ch in chunks]
-    keys = [-1 if sp is None else (sp[2] if sp[2] != Codec.FOR else (3, (sp[4] - 8) // n if n else -1))
-            for sp, n in zip(specs, ns)]
-    if keys.count(keys[0]) == len(keys):
-        return _decode_run(chunks, specs, ns, keys[0], dt)
+    codec = col.codec
+    if col.uniform:
+        if codec[0] == Codec.FOR:
+            n = ns[0]
+            w = (col.slen[0] - 8) // n if n else -1
+            key = (3, w)
+            if col.slen != [8 + w * m for m in ns]:
+                return _gather_runs(view, col, dt, ns)
+        else:
+            key = codec[0]
+        return _decode_run(view, col.start, col.slen, ns, key, dt, col, 0)
+    return _gather_runs(view, col, dt, ns)
+
+
+def _gather_runs(view: memoryview, col: "_Col", dt: str, ns: list[int]) -> np.ndarray:
+    keys = [c if c != Codec.FOR else (3, (sl - 8) // n if n else -1) for c, sl, n in zip(col.codec, col.slen, ns)]
     parts, a = [], 0
     for b in range(1, len(keys) + 1):
         if b == len(keys) or keys[b] != keys[a]:
-            parts.append(_decode_run(chunks[a:b], specs[a:b], ns[a:b], keys[a], dt))
+            parts.append(_decode_run(view, col.start[a:b], col.slen[a:b], ns[a:b], keys[a], dt, col, a))
             a = b
     return np.concatenate(parts)
 
 
-def _decode_run(chunks: list[Chunk], specs: list, ns: list[int], key: Any, dt: str) -> np.ndarray:
+def _join(view: memoryview, start: list[int], end: list[int]) -> bytes | memoryview:
+    if len(start) == 1:
+        return view[start[0] : end[0]]
+    return b"".join([view[a:b] for a, b in zip(start, end)])
+
+
+def _decode_run(view: memoryview, start: list[int], slen: list[int], ns: list[int], key: Any, dt: str,
+                col: "_Col", first: int) -> np.ndarray:
     dtype = DTYPES[dt]
     if key == -1:
         return np.zeros(sum(ns), dtype)
     codec = key if isinstance(key, int) else key[0]
+    end = [a + b for a, b in zip(start, slen)]
     if codec == Codec.RAW:
-        if len(chunks) == 1:
-            sp = specs[0]
-            return np.frombuffer(chunks[0].payload[sp[3] : sp[3] + sp[4]], dtype)
-        return np.frombuffer(b"".join([ch.payload[sp[3] : sp[3] + sp[4]] for ch, sp in zip(chunks, specs)]), dtype)
+        return np.frombuffer(_join(view, start, end), dtype)
     if codec == Codec.FOR:
         w = key[1]
-        if w not in _FOR_WIDTHS or any(sp[4] != 8 + n * w or n < 1 for sp, n in zip(specs, ns)):
+        if w not in _FOR_WIDTHS or min(ns) < 1 or any(sl != 8 + n * w for sl, n in zip(slen, ns)):
             raise _Fallback
         signed = dt[0] == "i"
-        bases = np.frombuffer(b"".join([ch.payload[sp[3] : sp[3] + 8] for ch, sp in zip(chunks, specs)]),
-                              "<i8" if signed else "<u8")
+        base_end = [a + 8 for a in start]
+        bases = np.frombuffer(_join(view, start, base_end), "<i8" if signed else "<u8")
         lo, hi = _RANGE[dt]
         bl = bases.tolist()
         if w == 0:
@@ -380,10 +434,8 @@ def _decode_run(chunks: list[Chunk], specs: list, ns: list[int], key: Any, dt: s
                 raise _Fallback
             out = np.repeat(bases, ns)
         else:
-            offs = np.frombuffer(b"".join([ch.payload[sp[3] + 8 : sp[3] + sp[4]] for ch, sp in zip(chunks, specs)]),
-                                 _FOR_WIDTHS[w])
-            first = np.cumsum([0] + ns[:-1])
-            ml = np.maximum.reduceat(offs, first).tolist()
+            offs = np.frombuffer(_join(view, base_end, end), _FOR_WIDTHS[w])
+            ml = np.maximum.reduceat(offs, np.cumsum([0] + ns[:-1])).tolist()
             if min(bl) < lo or any(b + m > hi for b, m in zip(bl, ml)):
                 raise _Fallback
             out = offs.astype(np.uint64)
@@ -392,37 +444,107 @@ def _decode_run(chunks: list[Chunk], specs: list, ns: list[int], key: Any, dt: s
                 out = out.view(np.int64)
         return out if dt in ("u8", "i8") else out.astype(dtype)
     if codec == Codec.F32:
-        if any(sp[4] != 4 * n for sp, n in zip(specs, ns)):
+        if any(sl != 4 * n for sl, n in zip(slen, ns)):
             raise _Fallback
-        a = np.frombuffer(b"".join([ch.payload[sp[3] : sp[3] + sp[4]] for ch, sp in zip(chunks, specs)]), "<f4")
+        a = np.frombuffer(_join(view, start, end), "<f4")
         nan = np.isnan(a)
         if nan.any() and (a.view("<u4")[nan] != 0x7FC00000).any():
             raise _Fallback
         return a.astype(np.float64)
     if codec == Codec.PATCHED:
-        size = dtype.itemsize
-        ks = []
-        for sp, n in zip(specs, ns):
-            k, rem = divmod(sp[4] - n, size)
-            if sp[4] < n or rem:
-                raise _Fallback
-            ks.append(k)
-        codes = np.frombuffer(b"".join([ch.payload[sp[3] + k * size : sp[3] + sp[4]]
-                                        for ch, sp, k in zip(chunks, specs, ks)]), np.uint8)
+        codes, exc, esc = _patched_parts(view, start, slen, ns, dtype.itemsize, dt)
         out = codes.astype(dtype)
-        esc = np.flatnonzero(codes == 255)
-        total = sum(ks)
-        if esc.size != total:
-            raise _Fallback
-        if total:
-            exc = np.frombuffer(b"".join([ch.payload[sp[3] : sp[3] + k * size]
-                                          for ch, sp, k in zip(chunks, specs, ks)]), dtype)
-            ends = np.cumsum([0] + ns)
-            if int(exc.min()) < 255 or np.diff(np.searchsorted(esc, ends)).tolist() != ks:
-                raise _Fallback
+        if exc.size:
             out[esc] = exc
         return out
-    return np.concatenate([ch.column(sp[0]) for ch, sp in zip(chunks, specs)])  # deflate: one chunk at a time
+    # deflate codecs: one chunk at a time, through Chunk.column
+    return np.concatenate([col.chunk(first + i).column(col.name) for i in range(len(start))])
+
+
+def _patched_parts(view: memoryview, start: list[int], slen: list[int], ns: list[int], size: int, dt: str
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Codes, exceptions and escape positions of patched-bytes blocks, checked (spec 7.3): sizes, escapes per block, exceptions."""
+    ks = []
+    for sl, n in zip(slen, ns):
+        k, rem = divmod(sl - n, size)
+        if sl < n or rem:
+            raise _Fallback
+        ks.append(k)
+    mid = [a + k * size for a, k in zip(start, ks)]
+    codes = np.frombuffer(_join(view, mid, [a + b for a, b in zip(start, slen)]), np.uint8)
+    esc = np.flatnonzero(codes == 255)
+    if esc.size != sum(ks):
+        raise _Fallback
+    exc = np.frombuffer(_join(view, start, mid), DTYPES[dt]) if esc.size else np.zeros(0, DTYPES[dt])
+    if esc.size and (int(exc.min()) < 255 or np.diff(np.searchsorted(esc, np.cumsum([0] + ns))).tolist() != ks):
+        raise _Fallback
+    return codes, exc, esc
+
+
+class _Col:
+    """One column's directory entries over a site's chunks: codec (-1 where a chunk lacks the column), the
+    block's file offset, stored and raw lengths."""
+
+    def __init__(self, layout: "_Layout", name: str, codec: list[int], start: list[int], slen: list[int],
+                 rlen: list[int], idx: list[int]) -> None:
+        self.layout, self.name, self.codec, self.start, self.slen, self.rlen = layout, name, codec, start, slen, rlen
+        self.idx = idx  # chunk index of each entry
+        self.uniform = codec.count(codec[0]) == len(codec)
+
+    @property
+    def present(self) -> list[bool]:
+        return [c >= 0 for c in self.codec]
+
+    def subset(self) -> "_Col":
+        """The chunks that have the column."""
+        keep = [i for i, c in enumerate(self.codec) if c >= 0]
+        return _Col(self.layout, self.name, [self.codec[i] for i in keep], [self.start[i] for i in keep],
+                    [self.slen[i] for i in keep], [self.rlen[i] for i in keep], [self.idx[i] for i in keep])
+
+    def chunk(self, i: int) -> Chunk:
+        return self.layout.history.chunk(self.layout.entries[self.idx[i]])
+
+
+class _Layout:
+    """The directories of a site's obs chunks, checked for all chunks at once (see ``History._layout``)."""
+
+    def __init__(self, history: "History", entries: list[_Entry], metas: list[dict], names: list[str],
+                 table: np.ndarray, ncols: np.ndarray, payload: np.ndarray) -> None:
+        self.history, self.entries, self.metas = history, entries, metas
+        self._names, self._table, self._ncols, self._payload = names, table, ncols, payload
+        self._first = np.cumsum(ncols) - ncols
+        k = int(ncols[0])
+        self.uniform_k = k if (ncols == k).all() and names == names[:k] * len(entries) else 0
+        self._index: dict[str, np.ndarray] | None = None
+
+    def _rows_of(self, name: str) -> np.ndarray:
+        """Row of ``name`` in the table for each chunk, -1 where absent."""
+        k = self.uniform_k
+        if k:
+            try:
+                j = self._names.index(name, 0, k)
+            except ValueError:
+                return np.full(len(self.entries), -1, np.int64)
+            return self._first + j
+        if self._index is None:
+            idx: dict[str, np.ndarray] = {}
+            for i, (a, n) in enumerate(zip(self._first.tolist(), self._ncols.tolist())):
+                for j, nm in enumerate(self._names[a : a + n]):
+                    idx.setdefault(nm, np.full(len(self.entries), -1, np.int64))[i] = a + j
+            self._index = idx
+        return self._index.get(name, np.full(len(self.entries), -1, np.int64))
+
+    def col(self, name: str) -> _Col:
+        r = self._rows_of(name)
+        have = r >= 0
+        t = self._table[np.where(have, r, 0)]
+        codec = np.where(have, t[:, 0], -1)
+        start = self._payload + t[:, 1]
+        return _Col(self, name, codec.tolist(), start.tolist(), np.where(have, t[:, 2], 0).tolist(),
+                    np.where(have, t[:, 3], 0).tolist(), list(range(len(self.entries))))
+
+    def has_any(self, names: frozenset[str]) -> bool:
+        return not names.isdisjoint(self._names)
 
 
 def _bad(msg: str, code: str, path: str, offset: int) -> CorruptError:
@@ -452,7 +574,8 @@ class History:
         self._obs: dict[int, list[_Entry]] = {}
         self._steps: list[_Entry] = []
         self._steps_table: dict[str, np.ndarray] | None = None
-        self._cache: tuple[int, tuple] | None = None  # (site id, decoded rows) of the last site read
+        self._cache: dict[int, tuple] = {}  # site id -> decoded rows: the last site read and those read ahead
+        self._last_site: int | None = None
         self.committed_records = 0
         self.read_only = False
         self._scan()
@@ -647,6 +770,100 @@ class History:
             raise _bad(f"chunk lacks required columns {missing}", "missing_column", self.path, e.offset)
         return ch
 
+    def _layout(self, entries: list[_Entry]) -> _Layout:
+        """The directories of a site's obs chunks with every check of :meth:`chunk` (CRC, directory against the
+        commit entry, spec 7.4): each layout of column names and dtypes through :meth:`chunk` once, then codecs,
+        offsets, sizes and padding of all chunks at once. Raises (anything) where :meth:`chunk` must name the
+        problem."""
+        view = self._view
+        metas: list[dict] = []
+        cols_list: list[list] = []
+        dir_end: list[int] = []
+        unpackb = msgpack.unpackb
+        for e in entries:
+            start = e.offset + RECORD_HEADER_SIZE
+            payload = view[start : start + e.length]
+            if crc32c(payload) != e.payload_crc or e.length < 4 or e.rows > MAX_ROWS:
+                raise _Fallback
+            mlen = int.from_bytes(payload[:4], "little")
+            if mlen > MAX_META or 4 + mlen > e.length:
+                raise _Fallback
+            meta = unpackb(bytes(payload[4 : 4 + mlen]), raw=False, strict_map_key=True, max_bin_len=0,
+                           max_ext_len=0, max_str_len=4096, max_array_len=4096, max_map_len=64)
+            cols = meta["cols"]
+            if (type(cols) is not list or type(meta["rows"]) is not int or meta["rows"] != e.rows
+                    or meta.get("segment") != e.segment or meta.get("site") != e.site or len(cols) > MAX_COLUMNS):
+                raise _Fallback
+            metas.append(meta)
+            cols_list.append(cols)
+            d = 4 + mlen
+            dir_end.append(d + (-d % 8))
+        n_entries = sum(map(len, cols_list))
+        # entries that are not 6-element lists misalign the slices below: an int where a name belongs, or a name
+        # where an int belongs, which the layout and integer checks refuse
+        vals = list(chain.from_iterable(chain.from_iterable(cols_list)))
+        if len(vals) != 6 * n_entries:
+            raise _Fallback
+        names, dts = vals[0::6], vals[1::6]
+        ints = vals[2::6] + vals[3::6] + vals[4::6] + vals[5::6]
+        if set(map(type, ints)) != {int}:
+            raise _Fallback
+        m = len(names)
+        t = np.array(ints, np.int64).reshape(4, m).T  # codec, offset, stored, raw; OverflowError: chunk() decides
+        ncols = np.array([len(c) for c in cols_list], np.int64)
+        first = np.cumsum(ncols) - ncols
+        k = int(ncols[0])
+        n_chunks = len(entries)
+        if (ncols == k).all() and names == names[:k] * n_chunks and dts == dts[:k] * n_chunks:
+            groups = {(tuple(names[:k]), tuple(dts[:k])): 0}
+            which = None
+        else:
+            groups, which = {}, []
+            for i, (a, n) in enumerate(zip(first.tolist(), ncols.tolist())):
+                which.append(groups.setdefault((tuple(names[a : a + n]), tuple(dts[a : a + n])), i))
+        size_of: dict[tuple, list[int]] = {}
+        for key, i in groups.items():
+            info = _LAYOUTS_OK.get(key)
+            if info is None:
+                self.chunk(entries[i])  # the full checks of spec 7.4, once per layout
+                info = _LAYOUTS_OK[key] = [-DTYPES[dt].itemsize if nm in _OBS_VARIABLE else DTYPES[dt].itemsize
+                                           for nm, dt in zip(*key)]
+            size_of[key] = info
+        if which is None:
+            (key,) = groups
+            size = np.tile(np.array(size_of[key], np.int64), n_chunks)
+            dtc = np.tile(np.array([_DT_INDEX[d] for d in key[1]], np.int64), n_chunks)
+        else:
+            keys = {i: key for key, i in groups.items()}
+            size = np.array([z for i in which for z in size_of[keys[i]]], np.int64)
+            dtc = np.array([_DT_INDEX[d] for d in dts], np.int64)
+        codec, off, slen, rlen = t[:, 0], t[:, 1], t[:, 2], t[:, 3]
+        if ((codec < 0).any() or (codec >= _APPLIES.shape[1]).any() or not _APPLIES[dtc, codec].all()
+                or (slen < 0).any() or (rlen > 64 * MAX_ROWS * 8).any() or ((codec == 0) & (slen != rlen)).any()):
+            raise _Fallback
+        rows = np.repeat(np.array([e.rows for e in entries], np.int64), ncols)
+        fixed = size > 0
+        if (fixed & (rlen != rows * size)).any() or (~fixed & (rlen % np.abs(size) != 0)).any():
+            raise _Fallback
+        padded = slen + (-slen % 8)
+        excl = np.cumsum(padded) - padded
+        base = np.array(dir_end, np.int64)
+        if (off != np.repeat(base - excl[first], ncols) + excl).any():
+            raise _Fallback
+        last = first + ncols - 1
+        if (base + excl[last] + padded[last] - excl[first] != np.array([e.length for e in entries], np.int64)).any():
+            raise _Fallback
+        payload_at = np.array([e.offset + RECORD_HEADER_SIZE for e in entries], np.int64)
+        pad = padded - slen
+        some = pad > 0
+        if some.any():
+            at = np.repeat(payload_at, ncols)[some] + off[some] + slen[some]
+            n = pad[some]
+            j = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+            if np.frombuffer(self._buf, np.uint8)[np.repeat(at, n) + j].any():
+                raise _Fallback
+        return _Layout(self, entries, metas, names, t, ncols, payload_at)
+
     def _obs_columns(self, e: _Entry) -> tuple[dict[str, np.ndarray], dict[str, tuple[np.ndarray, bytes]], Chunk]:
         ch = self.chunk(e)
         cols = {name: ch.column(name, e.rows) for name in OBS_COLUMNS}
@@ -718,19 +935,35 @@ class History:
         that fails, tally columns, mixed scales — sends the site through the per-chunk path, which names the
         first problem exactly as spec 8 asks (the record's offset).
         """
-        data = self._cache[1] if self._cache is not None and self._cache[0] == site.id else None
+        data = self._cache.get(site.id)
         if data is None:
-            try:
-                data = self._site_batch(site)
-            except Exception:  # noqa: BLE001 - the per-chunk path below decides, and names the error
-                data = None
-            if data is not None:
-                self._cache = (site.id, data)
+            group = [site]
+            if self._last_site == site.id - 1 and self._obs.get(site.id):  # reading sites in order: read ahead
+                budget = _READAHEAD_BYTES - sum(e.length for e in self._obs[site.id])
+                for nxt in self.sites[site.id + 1 :]:
+                    if budget <= 0 or len(group) >= _READAHEAD_SITES:
+                        break
+                    es = self._obs.get(nxt.id)
+                    if es:
+                        budget -= sum(e.length for e in es)
+                        group.append(nxt)
+            self._cache = {}
+            for attempt in ([group, [site]] if len(group) > 1 else [group]):
+                try:
+                    if not self._obs.get(site.id):
+                        raise _Fallback
+                    self._cache = self._batch(attempt)
+                    break
+                except Exception:  # noqa: BLE001 - the per-chunk path below decides, and names the error
+                    continue
+            data = self._cache.get(site.id)
+        self._last_site = site.id
         if data is None:
             data = self._site_chunks(site, sketches)
         columns, exact, sparse = data
         columns = dict(columns)
-        phases = np.unique(columns["phase"])
+        ph = columns["phase"]
+        phases = np.unique(ph) if ph.size and ph.min() != ph.max() else ph[:1]
         if phase is None and phases.size > 1:
             raise UsageError(
                 f"site {site.key} has rows in phases {[Phase.name(int(p)) for p in phases]}: name one with phase=",
@@ -790,21 +1023,21 @@ class History:
         sparse = _Sparse.concat(sparts) if sparts else _Sparse.empty(2 if scale is None else scale)
         return columns, exact, sparse if sketches else None
 
-    def _site_batch(self, site: Site) -> tuple[dict[str, np.ndarray], dict[str, _Exact], _Sparse]:
-        """Every chunk of the site decoded together, with the checks of the per-chunk path made on whole columns;
-        raises (anything) where the per-chunk path must decide."""
+    def _batch(self, group: list[Site]) -> dict[int, tuple[dict[str, np.ndarray], dict[str, _Exact], _Sparse]]:
+        """Every chunk of the sites in ``group`` (each with rows) decoded together, the checks of the per-chunk
+        path made on whole columns, then split per site; raises (anything) where the per-chunk path must decide."""
         from .grid import nbins
 
-        entries = self._obs.get(site.id, [])
-        if not entries:
-            raise _Fallback
-        chunks = [self.chunk(e) for e in entries]
-        if any(not _TALLY_SET.isdisjoint(ch._dir) for ch in chunks):
+        per_site = [self._obs[s.id] for s in group]
+        entries = [e for es in per_site for e in es]
+        lay = self._layout(entries)
+        if lay.has_any(_TALLY_SET):
             raise _Fallback  # derived files: the per-chunk path checks tallies
+        view = self._view
         rows = [e.rows for e in entries]
         rows_a = np.array(rows, np.int64)
         starts = np.cumsum(rows_a) - rows_a
-        cols = {name: _gather(chunks, name, dt, rows) for name, dt in OBS_COLUMNS.items()}
+        cols = {name: _gather(view, lay.col(name), dt, rows) for name, dt in OBS_COLUMNS.items()}
         step = cols["step"]
         if (np.minimum.reduceat(step, starts).tolist() != [e.step_min for e in entries]
                 or np.maximum.reduceat(step, starts).tolist() != [e.step_max for e in entries]):
@@ -817,30 +1050,48 @@ class History:
         for j, name in enumerate(TALLY_COLUMNS):
             cols[name] = tally[:, j]
         cols["segment"] = np.repeat(np.array([e.segment for e in entries], np.uint32), rows_a)
-        xparts: dict[str, list[tuple[np.ndarray, bytes]]] = {}
+        # site k holds rows [row_at[k], row_at[k + 1]) and chunks [chunk_at[k], chunk_at[k + 1])
+        chunk_at = np.cumsum([0] + [len(es) for es in per_site]).tolist()
+        row_at = np.concatenate([starts, [n]])[chunk_at].tolist()
+        xcols: dict[str, tuple[np.ndarray, bytes, list[int]]] = {}
         for name in ("sum", "sumsq"):
-            have = [ch.has(name + "_xn") for ch in chunks]
-            if not any(have):
-                xparts[name] = [(np.zeros(n, np.int64), b"")]
+            xn, x = lay.col(name + "_xn"), lay.col(name + "_x")
+            if xn.present != x.present:
+                raise _Fallback
+            if not any(xn.present):
+                xcols[name] = (np.zeros(n, np.int64), b"", [0] * len(row_at))
                 continue
-            lens = _gather(chunks, name + "_xn", "u4", rows).astype(np.int64)
-            sizes = [ch._dir[name + "_x"][5] if h else 0 for ch, h in zip(chunks, have)]
-            if np.add.reduceat(lens, starts).tolist() != sizes:
+            lens = _gather(view, xn, "u4", rows).astype(np.int64)
+            if np.add.reduceat(lens, starts).tolist() != x.rlen:
                 raise _Fallback
-            sub = [ch for ch, h in zip(chunks, have) if h]
-            blob = _gather(sub, name + "_x", "bytes", [ch._dir[name + "_x"][5] for ch in sub])
-            xparts[name] = [(lens, blob.tobytes())]
-        have = [ch.has("sk") for ch in chunks]
+            sub = x.subset()
+            blob = _gather(view, sub, "bytes", sub.rlen).tobytes()
+            xcols[name] = (lens, blob, np.concatenate([[0], np.cumsum(lens)])[row_at].tolist())
+        skc = lay.col("sk")
+        have = skc.present
         sk_row = np.full(n, -1, np.int64)
+        sparse_of: list[_Sparse] = [_Sparse.empty()] * len(group)
         if any(have):
-            scales = {ch.meta.get("scale") for ch, h in zip(chunks, have) if h}
-            scale = scales.pop()
-            if scales or type(scale) is not int or scale not in (0, 1, 2):
+            scale_of = []  # per chunk: its sites' scale (2 for sites without sketches)
+            for k, es in enumerate(per_site):
+                a, b = chunk_at[k], chunk_at[k + 1]
+                scales = {m.get("scale") for m, h in zip(lay.metas[a:b], have[a:b]) if h}
+                sc = scales.pop() if scales else 2
+                if scales or type(sc) is not int or sc not in (0, 1, 2):
+                    raise _Fallback
+                scale_of.append(sc)
+            sk = {k: _gather(view, lay.col(k), dt, rows) for k, dt in SKETCH_COLUMNS.items() if k != "sk_counts"}
+            cc = lay.col("sk_counts")
+            if cc.present != have:
                 raise _Fallback
-            nb = nbins(scale)
-            sk = {k: _gather(chunks, k, dt, rows) for k, dt in SKETCH_COLUMNS.items() if k != "sk_counts"}
-            sub = [ch for ch, h in zip(chunks, have) if h]
-            counts = _gather(sub, "sk_counts", "u8", [ch._dir["sk_counts"][5] // 8 for ch in sub])
+            sub = cc.subset()
+            ns = [r // 8 for r in sub.rlen]
+            esc = None
+            if sub.uniform and sub.codec[0] == Codec.PATCHED:  # kept as stored; widened when bins are read
+                codes, exc, esc = _patched_parts(view, sub.start, sub.slen, ns, 8, "u8")
+                counts: np.ndarray = codes
+            else:
+                counts = _gather(view, sub, "u8", ns)
             flag = sk["sk"]
             if (flag > 1).any():
                 raise _Fallback
@@ -848,24 +1099,41 @@ class History:
             pn_all, nn_all = sk["sk_pn"].astype(np.int64), sk["sk_nn"].astype(np.int64)
             if (~hs & ((pn_all > 0) | (nn_all > 0))).any():
                 raise _Fallback
-            per_chunk = [ch._dir["sk_counts"][5] // 8 if h else 0 for ch, h in zip(chunks, have)]
+            per_chunk = [r // 8 for r in cc.rlen]
             if np.add.reduceat(pn_all + nn_all, starts).tolist() != per_chunk:
                 raise _Fallback
+            nb = np.repeat(np.array([nbins(sc) for sc in scale_of], np.int64),
+                           np.diff(np.array(row_at, np.int64)))[hs]
             pn, nn = pn_all[hs], nn_all[hs]
             plo, nlo = sk["sk_plo"][hs].astype(np.int64), sk["sk_nlo"][hs].astype(np.int64)
             if (plo + pn > nb).any() or (nlo + nn > nb).any():
                 raise _Fallback
-            sizes_ = pn + nn
+            size_ = pn + nn
+            start = np.cumsum(size_) - size_
             bands = np.stack([sk[k][hs] for k in ("sk_up", "sk_un", "sk_op", "sk_on")], axis=1)
-            sparse = _Sparse(scale, counts, np.cumsum(sizes_) - sizes_, plo, pn, nlo, nn, bands)
-            sk_row[hs] = np.arange(pn.size)
-        else:
-            sparse = _Sparse.empty()
+            sk_at = np.concatenate([[0], np.cumsum(hs)])[row_at].tolist()  # sketch rows of site k
+            c_at = np.cumsum([0] + per_chunk)[chunk_at].tolist()  # its values in counts
+            e_at = np.searchsorted(esc, c_at).tolist() if esc is not None else None
+            for k in range(len(group)):
+                s0, s1, c0, c1 = sk_at[k], sk_at[k + 1], c_at[k], c_at[k + 1]
+                if esc is not None:
+                    vals: np.ndarray | _Patched = _Patched(counts[c0:c1], exc[e_at[k] : e_at[k + 1]])
+                else:
+                    vals = counts[c0:c1]
+                sparse_of[k] = _Sparse(scale_of[k], vals, start[s0:s1] - c0, plo[s0:s1], pn[s0:s1], nlo[s0:s1],
+                                       nn[s0:s1], bands[s0:s1])
+                sk_row[row_at[k] : row_at[k + 1]][hs[row_at[k] : row_at[k + 1]]] = np.arange(s1 - s0)
         cols["sk_row"] = sk_row
         for v in cols.values():
             v.flags.writeable = False
         where = np.repeat(np.array([e.offset for e in entries], np.int64), rows_a)
-        return cols, self._finish(cols, where, xparts), sparse
+        out = {}
+        for k, site in enumerate(group):
+            r0, r1 = row_at[k], row_at[k + 1]
+            c = {name: v[r0:r1] for name, v in cols.items()}
+            xparts = {name: [(lens[r0:r1], blob[b[k] : b[k + 1]])] for name, (lens, blob, b) in xcols.items()}
+            out[site.id] = (c, self._finish(c, where[r0:r1], xparts), sparse_of[k])
+        return out
 
     def spine(self, path: str, stream: str = "activation", facet: str | None = None, *,
               phase: str | None = None) -> SpineSeries:
