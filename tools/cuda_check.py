@@ -3,8 +3,9 @@
     python tools/cuda_check.py --out benchmarks/cuda.md            # on a GPU machine
     python tools/cuda_check.py --device cpu --quick                # rehearsal of the same code paths on the CPU
 
-1. Bit-exactness: the on-device reduction (``reduce_into`` + one transfer + ``decode_row``) against the numpy
-   reference ``trainhist.summarize`` on the same tensors — counts, every bin, min and max must be equal bit for bit
+1. Bit-exactness: the on-device reduction (``reduce_into`` + one transfer + ``decode_row``; the sketch kernel and
+   the spine-only kernel) against the numpy reference ``trainhist.summarize`` on the same tensors — counts, every
+   bin, min and max must be equal bit for bit
    (float16, bfloat16, float32, float64; special values, subnormals, bin edges, sizes from 0 to 4M).
 2. No hidden host sync: a real training step of a HF GPT-2 is run under ``torch.cuda.set_sync_debug_mode("warn")``
    with and without the collector; the collector may add no synchronising call (its one deliberate transfer is a
@@ -73,15 +74,18 @@ def check_exact(device: str, quick: bool) -> tuple[int, list[str]]:
         ledger = Ledger(torch.device(device))
         # on the CPU rehearsal, take the kernel path CUDA takes (index_add_, not bincount)
         reduce_into(t.to(device), ledger.row(name), use_bincount=False)
+        reduce_into(t.to(device), ledger.row((name, "spine")), sketch=False)  # the spine-only kernel
         pending = ledger.transfer()
-        got = decode_row(pending.row(pending.wait(), name), t.numel(), sketch=True)
+        data = pending.wait()
+        got = decode_row(pending.row(data, name), t.numel(), sketch=True)
+        spine = decode_row(pending.row(data, (name, "spine")), t.numel(), sketch=False)
         ref = reference(t)
-        same = (
-            (got.count, got.nan, got.pinf, got.ninf, got.zero) == (ref.count, ref.nan, ref.pinf, ref.ninf, ref.zero)
-            and np.float64(got.min).tobytes() == np.float64(ref.min).tobytes()
-            and np.float64(got.max).tobytes() == np.float64(ref.max).tobytes()
-            and got.sketch == ref.sketch
-        )
+        same = all(
+            (g.count, g.nan, g.pinf, g.ninf, g.zero) == (ref.count, ref.nan, ref.pinf, ref.ninf, ref.zero)
+            and np.float64(g.min).tobytes() == np.float64(ref.min).tobytes()
+            and np.float64(g.max).tobytes() == np.float64(ref.max).tobytes()
+            for g in (got, spine)
+        ) and got.sketch == ref.sketch
         if not same:
             failures.append(name)
         print(f"  {'ok  ' if same else 'FAIL'} {name}", flush=True)
@@ -103,7 +107,7 @@ def check_sync(device: str) -> tuple[int, int]:
         col = None
         with tempfile.TemporaryDirectory() as d:
             if instrumented:
-                col = Collector(model, Path(d) / "s.thist", sketch_every=1)
+                col = Collector(model, Path(d) / "s.thist", every=1, sketch_every=1)
                 col.discover({"input_ids": x, "labels": x})
                 col.attach(optimizer=opt)
 

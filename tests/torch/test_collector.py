@@ -29,7 +29,7 @@ def test_mlp_matches_numpy_reference(tmp_path):
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     path = tmp_path / "mlp.thist"
-    col = Collector(model, path, sketch_every=2, delta_elements=100)
+    col = Collector(model, path, every=1, sketch_every=2, delta_elements=100)
     col.discover(torch.randn(4, 8))
     col.attach(optimizer=opt)
     mods = {ROOT if n == "" else n: m for n, m in model.named_modules()}
@@ -87,7 +87,7 @@ def test_mlp_matches_numpy_reference(tmp_path):
 def test_one_host_transfer_per_step_and_no_per_site_syncs(tmp_path, monkeypatch):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    col = Collector(model, tmp_path / "t.thist", sketch_every=1)
+    col = Collector(model, tmp_path / "t.thist", every=1, sketch_every=1)
     col.discover(torch.randn(2, 8))
     col.attach(optimizer=opt)
     calls = {"item": 0, "cpu": 0, "tolist": 0, "numpy": 0, "__float__": 0}
@@ -123,7 +123,7 @@ def test_one_host_transfer_per_step_and_no_per_site_syncs(tmp_path, monkeypatch)
 
 def test_hooks_do_not_sync_during_forward_and_backward(tmp_path, monkeypatch):
     model = mlp()
-    col = Collector(model, tmp_path / "t.thist")
+    col = Collector(model, tmp_path / "t.thist", every=1)
     col.attach()
     n = {"sync": 0}
     for name in ("item", "cpu", "tolist", "numpy", "__float__", "__bool__"):
@@ -146,7 +146,7 @@ def test_clipping_phases_norms_and_truth(tmp_path):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     path = tmp_path / "c.thist"
-    col = Collector(model, path, streams=("param_grad",))
+    col = Collector(model, path, streams=("param_grad",), every=1)
     col.attach(optimizer=opt)
     pre, post, norms = {}, {}, {}
     for step in range(2):
@@ -176,7 +176,7 @@ def test_gradscaler_skipped_step_records_skipped_delta_and_basis(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     path = tmp_path / "s.thist"
-    col = Collector(model, path, streams=("param_grad", "param_delta"))
+    col = Collector(model, path, streams=("param_grad", "param_delta"), every=1)
     col.attach(optimizer=opt, scaler=scaler)
     w0 = model[0].weight.detach().clone()
     for step in range(3):
@@ -214,7 +214,7 @@ def test_scaled_basis_when_clipping_before_unscale(tmp_path):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
-    col = Collector(model, tmp_path / "b.thist", streams=("param_grad",))
+    col = Collector(model, tmp_path / "b.thist", streams=("param_grad",), every=1)
     col.attach(optimizer=opt, scaler=scaler)
     with col.step(0):
         scaler.scale(model(torch.randn(4, 8)).sum()).backward()
@@ -227,7 +227,7 @@ def test_scaled_basis_when_clipping_before_unscale(tmp_path):
 
 def test_truth_overrides_detection(tmp_path):
     model = mlp()
-    col = Collector(model, tmp_path / "t.thist", streams=("activation",))
+    col = Collector(model, tmp_path / "t.thist", streams=("activation",), every=1)
     with col.step(0, truth=StepTruth(applied=False, micro_batches=7, tokens=5, samples=3, grad_basis="scaled",
                                       loss_scale=8.0, clipped=True, clip_threshold=2.0)):
         model(torch.randn(2, 8))
@@ -254,7 +254,7 @@ class Gate(torch.nn.Module):
 def test_absent_and_failed_sites(tmp_path, monkeypatch):
     model = Gate()
     path = tmp_path / "a.thist"
-    col = Collector(model, path, streams=("activation",))
+    col = Collector(model, path, streams=("activation",), every=1)
     col.discover(torch.randn(2, 4))
     for step in range(3):
         model.use = step != 1
@@ -291,7 +291,7 @@ def test_writer_error_warns_once_and_training_goes_on(tmp_path):
                 raise OSError(28, "No space left on device")
             return fail
 
-    col = Collector(model, writer=FullDisk())
+    col = Collector(model, writer=FullDisk(), every=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(3):
@@ -306,7 +306,7 @@ def test_writer_error_warns_once_and_training_goes_on(tmp_path):
 def test_nan_injected_by_another_forward_hook_is_attributed_to_its_module(tmp_path):
     model = mlp()
     path = tmp_path / "n.thist"
-    col = Collector(model, path, streams=("activation",))
+    col = Collector(model, path, streams=("activation",), every=1)
     col.attach()
 
     def inject(module, args, out):  # registered after the collector's hook: must still be seen
@@ -339,7 +339,7 @@ def test_inplace_relu_and_kwargs_only_inputs(tmp_path):
     torch.manual_seed(0)
     model = KwOnly()
     path = tmp_path / "k.thist"
-    col = Collector(model, path, streams=("activation", "activation_grad"))
+    col = Collector(model, path, streams=("activation", "activation_grad"), every=1)
     col.discover({"x": torch.randn(3, 4)})
     x = torch.randn(3, 4)
     with col.step(0):
@@ -378,7 +378,7 @@ def test_activation_checkpoint_recompute_not_double_counted(tmp_path, reentrant)
     plain(x).square().sum().backward()
     spy.remove()
     path = tmp_path / "ck.thist"
-    col = Collector(model, path, streams=("activation", "activation_grad"))
+    col = Collector(model, path, streams=("activation", "activation_grad"), every=1)
     with col.step(0):
         model(x).square().sum().backward()
     col.close()
@@ -393,7 +393,7 @@ def test_activation_checkpoint_recompute_not_double_counted(tmp_path, reentrant)
 def test_new_segment_and_late_tensor_scalars(tmp_path):
     model = mlp()
     path = tmp_path / "seg.thist"
-    col = Collector(model, path, streams=("param",))
+    col = Collector(model, path, streams=("param",), every=1)
     losses = []
     for step in range(4):
         with col.step(step, new_segment=step == 2):
@@ -429,3 +429,75 @@ def test_cadence_and_settings(tmp_path):
     (settings,) = [d["settings"] for d in h.settings]
     assert settings["collector"] == "trainhist.torch" and settings["every"]["param"] == 3
     assert settings["param_delta"]["elements"] == 4096
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_aliased_outputs_are_reduced_once_and_recorded_for_every_site(tmp_path, monkeypatch, micro):
+    """A container returning its last child's output and eval-mode dropout returning its input: the same tensor
+    (and one gradient) seen by several sites is reduced once and merged; every site still equals the reference."""
+    import trainhist.torch.collector as cm
+
+    merges = {"n": 0}
+    real = cm.merge_row
+
+    def counting(dst, src):
+        merges["n"] += 1
+        real(dst, src)
+
+    monkeypatch.setattr(cm, "merge_row", counting)
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), inner, torch.nn.Identity())
+    inner[1].eval()  # returns its input
+    path = tmp_path / "alias.thist"
+    col = Collector(model, path, streams=("activation", "activation_grad"), every=1, sketch_every=2)
+    col.discover(torch.randn(2, 8))
+    col.attach()
+    spy = Spy({ROOT if n == "" else n: m for n, m in model.named_modules()})
+    for step in range(3):
+        spy.step = step
+        with col.step(step):
+            for _ in range(micro):
+                model(torch.randn(4, 8)).square().mean().backward()
+    spy.remove()
+    col.close()
+    assert merges["n"] > 0
+    h = trainhist.open(path)
+    for (s, name, facet), ts in spy.acts.items():
+        assert_row(h, name, "activation", s, ref_summary(ts), facet=facet, sketch=s % 2 == 0)
+    for (s, name, facet), gs in spy.grads.items():
+        assert_row(h, name, "activation_grad", s, ref_summary(gs), facet=facet, sketch=s % 2 == 0)
+
+
+def test_default_cadence_records_the_gradient_norm_every_step(tmp_path):
+    """Defaults: per-site spines every DEFAULT_EVERY steps, sketches every DEFAULT_SKETCH_EVERY, and the global
+    gradient norm (a run-level scalar) every step, equal to clip_grad_norm_'s own norm."""
+    from trainhist.torch.collector import DEFAULT_EVERY, DEFAULT_SKETCH_EVERY
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    path = tmp_path / "default.thist"
+    col = Collector(model, path)
+    col.attach(optimizer=opt)
+    norms = []
+    n = DEFAULT_EVERY + 2
+    for step in range(n):
+        with col.step(step):
+            loss = model(torch.randn(4, 8)).square().mean()
+            if step == DEFAULT_EVERY + 1:
+                loss = loss * math.nan
+            loss.backward()
+            norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
+            opt.step()
+            opt.zero_grad()
+    col.close()
+    h = trainhist.open(path)
+    assert list(h.spine("0", "activation").step) == [0, DEFAULT_EVERY]
+    assert list(h.spine("0.weight", "param_grad").step) == [0, DEFAULT_EVERY]
+    assert list(h.sketch("0", "activation").columns["step"]) == [0]
+    assert DEFAULT_SKETCH_EVERY % DEFAULT_EVERY == 0
+    g = h.spine("grad_norm", "scalar")
+    assert list(g.step) == list(range(n))
+    got = np.asarray(g.max, dtype=np.float64)
+    np.testing.assert_allclose(got[:-1], norms[:-1], rtol=1e-5)
+    assert math.isnan(got[-1])  # the step the gradient went non-finite, though no spine was due

@@ -24,7 +24,7 @@ WORKER = textwrap.dedent("""
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(), torch.nn.Linear(12, 2)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    col = Collector(model, sys.argv[1], sketch_every=1)
+    col = Collector(model, sys.argv[1], every=1, sketch_every=1)
     col.attach(optimizer=opt)
     g = torch.Generator().manual_seed(100 + rank)  # each rank sees its own data
     for step in range(3):

@@ -32,7 +32,7 @@ def test_hf_gpt2_with_accumulation_and_clipping(tmp_path):
     model = GPT2LMHeadModel(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     path = tmp_path / "gpt2.thist"
-    col = Collector(model, path, sketch_every=2)
+    col = Collector(model, path, every=1, sketch_every=2)
     ids = torch.randint(0, 64, (2, 16))
     out = col.discover({"input_ids": ids, "labels": ids})
     assert out.logits.shape == (2, 16, 64)
@@ -71,7 +71,7 @@ def test_cnn_with_batchnorm_eval_forwards_not_recorded(tmp_path):
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     path = tmp_path / "cnn.thist"
-    col = Collector(model, path, sketch_every=1)
+    col = Collector(model, path, every=1, sketch_every=1)
     col.discover(torch.randn(2, 3, 8, 8))
     col.attach(optimizer=opt)
     spy = Spy({n: m for n, m in model.named_modules() if n})
@@ -101,7 +101,7 @@ def test_cpu_autocast_bfloat16_with_gradscaler(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=1)
     path = tmp_path / "amp.thist"
-    col = Collector(model, path, sketch_every=1)
+    col = Collector(model, path, every=1, sketch_every=1)
     col.attach(optimizer=opt, scaler=scaler)
     spy = Spy({n: m for n, m in model.named_modules() if n})
     grads = {}

@@ -24,7 +24,7 @@ TRAIN = textwrap.dedent("""
         state = torch.load(ckpt, weights_only=True)
         model.load_state_dict(state["model"]); opt.load_state_dict(state["opt"])
         start, mode = int(state["step"]) + 1, "a"
-    col = Collector(model, path, mode=mode, fsync="commit", commit_every=1)
+    col = Collector(model, path, mode=mode, fsync="commit", commit_every=1, every=1, sketch_every=10)
     col.attach(optimizer=opt)
     for step in range(start, last + 1):
         with col.step(step):

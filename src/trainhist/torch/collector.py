@@ -54,6 +54,9 @@ from .reduce import Ledger, PendingTransfer, decode_row, merge_row, reduce_into
 __all__ = ["Collector", "StepTruth"]
 
 _GRAD_BASES = ("scaled", "unscaled")
+#: default cadences (steps) of the per-site spines and sketches; see the Collector docstring for the trade-off
+DEFAULT_EVERY = 25
+DEFAULT_SKETCH_EVERY = 50
 # id of the autograd graph task running on this thread, -1 outside backward (activation-checkpoint recompute
 # runs forwards inside backward)
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
@@ -93,6 +96,7 @@ class _Step:
     dev_scalars: list[tuple[int, str, tuple]] = field(default_factory=list)
     host_scalars: list[tuple[int, str, float]] = field(default_factory=list)
     micro: int = 0
+    norm_done: bool = False
     clip_seen: bool = False
     clip_threshold: float | None = None
     bases: set[str | None] = field(default_factory=set)
@@ -112,7 +116,7 @@ def _per_stream(value: int | Mapping[str, int], name: str) -> dict[str, int]:
         bad = set(value) - set(STREAMS)
         if bad:
             raise UsageError(f"{name}: unknown stream(s) {sorted(bad)}; streams are {', '.join(STREAMS)}")
-        out = {s: int(value.get(s, 1 if name == "every" else 10)) for s in STREAMS}
+        out = {s: int(value.get(s, DEFAULT_EVERY if name == "every" else DEFAULT_SKETCH_EVERY)) for s in STREAMS}
     else:
         out = {s: int(value) for s in STREAMS}
     if any(v < 0 for v in out.values()):
@@ -156,8 +160,21 @@ class Collector:
     prefixes or fnmatch patterns (``None`` = every module and parameter). ``every`` / ``sketch_every``: spine and
     sketch cadence in steps, an int or a per-stream mapping (0 = never). ``delta_elements``: size of the seeded
     ``param_delta`` subvector. ``commit_every``: logged steps per commit — a crash loses at most the steps since
-    the last commit (the writer also commits after ``commit_seconds``, default 30 s). Give ``path`` (``{rank}`` is substituted; under several ranks ``.rank<r>`` is
-    inserted otherwise) or an open ``writer``; other keyword arguments go to :class:`~trainhist.HistoryWriter`.
+    the last commit (the writer also commits after ``commit_seconds``, default 30 s). Give ``path`` (``{rank}`` is
+    substituted; under several ranks ``.rank<r>`` is inserted otherwise) or an open ``writer``; other keyword
+    arguments go to :class:`~trainhist.HistoryWriter`.
+
+    Cadence and cost (defaults ``every=25``, ``sketch_every=50``). Every step, whatever the cadence, the collector
+    records the run-level scalars: the global gradient norm (one batched reduction over all gradients; NaN or inf
+    at the very step a gradient goes non-finite), the learning rates, the loss scale and step time, and whatever
+    the loop passes to :meth:`scalars` (the loss). The per-site spines of every selected site and stream are
+    recorded every 25 steps and the sketches every 50. Recording the spine of every site every step is a full pass
+    over every activation, activation gradient, parameter and gradient: on a CPU that costs about half of the
+    training step itself (``benchmarks/overhead.md``), sketches about as much again; at the default cadence the
+    overhead stays within a few percent. The trade-off: the step of the first non-finite gradient (and, from
+    the loss, of the forward) is exact, but the *site* where it first appeared is seen only at the next spine step,
+    by which time it may have spread downstream. To attribute a fault to its site and step exactly, record
+    every step (``every=1``) around the suspect range or on a small run — the triage then names both.
     """
 
     def __init__(
@@ -167,8 +184,8 @@ class Collector:
         *,
         streams: Iterable[str] = STREAMS,
         sites: str | Iterable[str] | None = None,
-        every: int | Mapping[str, int] = 1,
-        sketch_every: int | Mapping[str, int] = 10,
+        every: int | Mapping[str, int] = DEFAULT_EVERY,
+        sketch_every: int | Mapping[str, int] = DEFAULT_SKETCH_EVERY,
         delta_elements: int = 4096,
         seed: int = 0,
         writer: object | None = None,
@@ -425,7 +442,7 @@ class Collector:
                 self._state = None
 
     def _exit(self, st: _Step) -> None:
-        if st.due["param_grad"] and not st.clip_seen:
+        if not st.clip_seen:
             self._capture_grads("default", None)
         if st.due["param"]:
             for name in self._sel_params:
@@ -572,7 +589,11 @@ class Collector:
 
     def _capture_grads(self, phase: str, params: Iterable[torch.Tensor] | None) -> None:
         st = self._state
-        if st is None or not st.due["param_grad"]:
+        if st is None:
+            return
+        if phase == "default" and not st.norm_done and not (st.due["param_grad"] and self._all_trainable_selected()):
+            self._total_grad_norm(st)
+        if not st.due["param_grad"]:
             return
         seen = False
         for name in self._param_names(params):
@@ -586,6 +607,23 @@ class Collector:
                 self._reduce(key, g)
         if seen:
             st.bases.add(self._basis(st))
+
+    def _total_grad_norm(self, st: _Step) -> None:
+        """The global gradient norm as a device scalar, on steps where the param_grad spines do not give it.
+
+        One batched reduction over every trainable parameter's gradient (``torch.nn.utils.get_total_norm``, the
+        norm ``clip_grad_norm_`` computes), read at the step's single transfer: a cheap whole-model check that
+        shows a non-finite gradient at the step it happens, whatever the per-site cadence.
+        """
+        grads = [local_tensor(p.grad) for p in self._params.values() if p.requires_grad and p.grad is not None]
+        if not grads:
+            return
+        st.norm_done = True
+        try:
+            norm = torch.nn.utils.get_total_norm(grads, 2.0)
+            self._put_scalar(st, st.step, "grad_norm", norm.detach().to(torch.float64))
+        except Exception as e:  # noqa: BLE001 -- a scalar must not stop training
+            self._warn_once("grad_norm", f"trainhist: the global gradient norm failed: {e!r}")
 
     def _clip(self, orig: object, parameters: object, max_norm: float, *args: object, **kwargs: object) -> object:
         st = self._state

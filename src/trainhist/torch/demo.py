@@ -74,7 +74,7 @@ def _run(args: argparse.Namespace) -> int:
         return torch.stack([tokens[s : s + SEQ] for s in start.tolist()])
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    col = Collector(model, args.out, run_name="trainhist-demo", sketch_every=5,
+    col = Collector(model, args.out, run_name="trainhist-demo", every=1, sketch_every=5,
                     config={"model": "gpt2-tiny", **{k: v for k, v in vars(args).items() if k != "out"}})
     first = batch()
     col.discover({"input_ids": first, "labels": first})
