@@ -158,18 +158,19 @@ def test_decode_refuses_bad_encodings():
 
 
 # -- sketches near 2**64 through the whole merge --------------------------------------------------------------
-def _shards(d: str, counts: list[dict[int, int]]) -> list[str]:
+def _shards(d: str, counts: list[dict[int, int]], sites: int = 1) -> list[str]:
     run = uuid.uuid4().hex
     paths = []
     for rank, bins in enumerate(counts):
         p = os.path.join(d, f"r{rank}.th")
         with trainhist.HistoryWriter(p, run_id=run, rank=rank, world_size=len(counts), fsync="never") as w:
-            s = w.site("a", "activation")
-            for step in range(3):
-                sk = Sketch.empty()
-                for k, v in bins.items():
-                    sk.pos[k] = v
-                w.observe(s, step, summary=Summary(count=2**62, min=1.0, max=2.0, sketch=sk))  # counts add, no overflow
+            for name in ["a", "0", "b"][:sites]:  # the bins go to site "a", the others get a little
+                s = w.site(name, "activation")
+                for step in range(3):
+                    sk = Sketch.empty()
+                    for k, v in (bins if name == "a" else {3: 1}).items():
+                        sk.pos[k] = v
+                    w.observe(s, step, summary=Summary(count=2**62, min=1.0, max=2.0, sketch=sk))  # counts: no overflow
         paths.append(p)
     return paths
 
@@ -206,3 +207,30 @@ def test_rounding_ties_and_sticky_bits():
         vals.append(canon(m if rng.random() < 0.5 else -m, e))
     f, x = decode(vals)  # raises unless every f64 matches the vectorised rounding
     assert [bits(v) for v in f.tolist()] == [bits(v.to_float()) for v in vals]
+
+
+def test_worker_processes_give_the_same_bytes_and_errors():
+    with tempfile.TemporaryDirectory() as d:
+        run = uuid.uuid4().hex
+        paths = []
+        rng = np.random.default_rng(3)
+        for rank in range(3):
+            p = os.path.join(d, f"w{rank}.th")
+            with trainhist.HistoryWriter(p, run_id=run, rank=rank, world_size=3, fsync="never", commit_every=4) as w:
+                sites = [w.site(f"s{i}", "activation") for i in range(5)]
+                for step in range(9):
+                    for s in sites:
+                        w.observe(s, step, (rng.standard_normal(50) * 1e3).astype(np.float32))
+            paths.append(p)
+        outs = []
+        for n in (1, 2, 3):
+            out = os.path.join(d, f"m{n}.th")
+            rep = trainhist.merge(paths, out, workers=n)
+            assert rep.rows_in == 3 * 5 * 9 and rep.rows_out == 5 * 9
+            outs.append(open(out, "rb").read())
+        assert outs[0] == outs[1] == outs[2]
+        a = _shards(d, [{10: 2**63}, {10: 2**63}], sites=3)
+        with pytest.raises(MergeError) as ei:  # raised in a worker, raised again in the caller with its details
+            trainhist.merge(a, os.path.join(d, "bad.th"), workers=2)
+        assert ei.value.code == "count_overflow" and ei.value.path == a[0] and "sketch bin" in str(ei.value)
+        assert not os.path.exists(os.path.join(d, "bad.th"))

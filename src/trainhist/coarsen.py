@@ -20,14 +20,15 @@ BINS_PER_OCTAVE = {4: 2, 2: 1, 1: 0}  #: bins per octave -> sketch scale
 
 
 def coarsen(input: str | os.PathLike, output: str | os.PathLike, *, steps: int = 1, bins_per_octave: int = 4,
-            replica_divergence: str = "error", codec: str = "packed") -> MergeReport:
+            replica_divergence: str = "error", codec: str = "packed", workers: int | None = None) -> MergeReport:
     """Write the canonical file of ``input`` with rows summed over ``steps``-step windows and sketches at no
     more than ``bins_per_octave`` (4, 2 or 1) bins per octave.
 
     ``steps`` is the window width in training steps; rows that already cover several steps (``span``) must fit
-    inside one window. Sketches already at or below ``bins_per_octave`` are kept as they are.
+    inside one window. Sketches already at or below ``bins_per_octave`` are kept as they are. ``workers`` as for
+    :func:`trainhist.merge`.
     """
     if bins_per_octave not in BINS_PER_OCTAVE:
         raise UsageError(f"bins_per_octave must be 4, 2 or 1, got {bins_per_octave!r}")
     return _Engine([input], output, steps=steps, scale=BINS_PER_OCTAVE[bins_per_octave], across_runs=False,
-                   replica_divergence=replica_divergence, codec=codec).run()
+                   replica_divergence=replica_divergence, codec=codec, workers=workers).run()

@@ -11,6 +11,7 @@ and a coarser sketch scale.
 from __future__ import annotations
 
 import math
+import multiprocessing as mp
 import os
 import time
 from collections import OrderedDict
@@ -35,9 +36,11 @@ from .canonical import (
     derive_presence,
     encode_obs,
     encode_steps,
+    ranges,
 )
 from .exactvec import group_sum, py_is_float
-from .errors import MergeError, UsageError
+from . import errors
+from .errors import MergeError, TrainhistError, UsageError
 from .framing import RECORD_HEADER_SIZE
 from .grid import nbins
 from .model import CANONICAL_NAN, CANONICAL_NAN_BITS, U64_UNKNOWN, Presence
@@ -47,6 +50,8 @@ __all__ = ["merge", "canonicalize", "MergeReport", "BATCH_ROWS", "FD_POOL"]
 
 BATCH_ROWS = 8192  #: input rows decoded together before they are combined (memory: ~4 KiB per sketched row)
 FD_POOL = 64  #: input files held open at once
+AUTO_WORKERS_BYTES = 64 << 20  #: with ``workers=None``, inputs of at least this many bytes use worker processes
+MAX_WORKERS = 8  #: with ``workers=None``, at most this many workers (and no more than the CPUs)
 _U64 = 1 << 64
 _I64_MAX = np.iinfo(np.int64).max
 _I64_MIN = np.iinfo(np.int64).min
@@ -202,13 +207,16 @@ def _groups(keys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 # -- the engine ----------------------------------------------------------------------------------------------
 class _Engine:
     def __init__(self, paths: list[str], output: str, *, steps: int, scale: int | None, across_runs: bool,
-                 replica_divergence: str, codec: str) -> None:
+                 replica_divergence: str, codec: str, workers: int | None = None) -> None:
         if replica_divergence not in ("error", "report"):
             raise UsageError(f"replica_divergence must be 'error' or 'report', got {replica_divergence!r}")
         if codec not in CODECS:
             raise UsageError(f"codec must be one of {', '.join(CODECS)}, got {codec!r}")
         if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= 0xFFFFFFFF:
             raise UsageError(f"steps must be an integer in 1..{0xFFFFFFFF}, got {steps!r}")
+        if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
+            raise UsageError(f"workers must be a positive integer or None, got {workers!r}")
+        self.workers = workers
         self.paths = [os.fspath(p) for p in paths]
         self.output = os.fspath(output)
         self.N = steps
@@ -429,7 +437,7 @@ class _Engine:
                 n = sp.n.ravel()
                 base = ((group_of[:, None] * (2 * nb) + np.array([0, nb]) + sp.lo).ravel()
                         - (np.cumsum(n) - n))
-                np.add.at(acc, np.repeat(base, n) + np.arange(sp.counts.size), sp.counts)
+                np.add.at(acc, ranges(base, n), sp.counts)
             acc = acc.reshape(g, 2, nb)
             pos, neg = acc[:, 0, :], acc[:, 1, :]
             bands, over = _sum_u64(r.bands, starts, sizes)
@@ -576,11 +584,49 @@ class _Engine:
         if batch:
             yield batch
 
+    def _n_workers(self) -> int:
+        if "fork" not in mp.get_all_start_methods():  # workers inherit the plan by fork
+            return 1
+        if self.workers is not None:
+            return self.workers
+        if self.report.bytes_in < AUTO_WORKERS_BYTES:
+            return 1
+        return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
+
+    def _site(self, out_site: int) -> dict:
+        """The obs records of one output site, segment by segment, in step order, and what went into them."""
+        rows_in = self.report.rows_in
+        divergences = len(self.report.divergences)
+        per_seg: dict[int, list] = {}
+        for s, site in self.site_members[out_site]:
+            for e in s.obs.get(site.id, []):
+                seg = self.seg_map[(s.idx, e.segment)]
+                per_seg.setdefault(seg, []).append((self._window(e.step_min), self._window(e.step_max), s.idx, s, e))
+        sharing = self.site_sharing[out_site]
+        records: list[tuple] = []
+        for seg in sorted(per_seg):
+            where = f"site {_site_name(self.site_keys[out_site])}, segment {seg}"
+            buf: list[Rows] = []
+            for batch in self._sweep(per_seg[seg]):
+                r = self._combine(self._decode_batch(batch, out_site), sharing, where)
+                buf.append(r)
+                buf = self._emit_obs(records, buf, out_site, seg, final=False)
+            self._emit_obs(records, buf, out_site, seg, final=True)
+        return {"records": records, "rows_in": self.report.rows_in - rows_in,
+                "divergences": self.report.divergences[divergences:]}
+
+    def _write_site(self, w: CanonicalWriter, res: dict) -> None:
+        for payload, site, seg, rows, lo, hi in res["records"]:
+            w.obs(payload, site, seg, rows, lo, hi)
+            self.report.rows_out += rows
+        w.commit()
+
     def _window(self, step: int) -> int:
         return (step // self.N) * self.N
 
     # -- output --------------------------------------------------------------------------------------------
-    def _emit_obs(self, w: CanonicalWriter, buf: list[Rows], site: int, seg: int, final: bool) -> list[Rows]:
+    def _emit_obs(self, out: list[tuple], buf: list[Rows], site: int, seg: int, final: bool) -> list[Rows]:
+        """Encode whole chunks of ``buf`` (and, when ``final``, the rest) as records appended to ``out``."""
         total = sum(len(b) for b in buf)
         if total < CHUNK_ROWS and not (final and total):
             return buf
@@ -590,8 +636,7 @@ class _Engine:
         while n - pos >= CHUNK_ROWS or (final and pos < n):
             part = r.take(slice(pos, min(pos + CHUNK_ROWS, n)))
             payload, lo, hi = encode_obs(part, site, seg, self.codec)
-            w.obs(payload, site, seg, len(part), lo, hi)
-            self.report.rows_out += len(part)
+            out.append((payload, site, seg, len(part), lo, hi))
             pos += len(part)
         return [r.take(slice(pos, n))] if pos < n else []
 
@@ -640,23 +685,26 @@ class _Engine:
         for d in self.segment_docs:
             w.manifest(d)
         w.commit()
-        # obs: site by site, segment by segment, in step order
-        for out_site, key in enumerate(self.site_keys):
-            per_seg: dict[int, list] = {}
-            for s, site in self.site_members[out_site]:
-                for e in s.obs.get(site.id, []):
-                    seg = self.seg_map[(s.idx, e.segment)]
-                    per_seg.setdefault(seg, []).append((self._window(e.step_min), self._window(e.step_max), s.idx, s, e))
-            sharing = self.site_sharing[out_site]
-            for seg in sorted(per_seg):
-                where = f"site {_site_name(key)}, segment {seg}"
-                buf: list[Rows] = []
-                for batch in self._sweep(per_seg[seg]):
-                    r = self._combine(self._decode_batch(batch, out_site), sharing, where)
-                    buf.append(r)
-                    buf = self._emit_obs(w, buf, out_site, seg, final=False)
-                self._emit_obs(w, buf, out_site, seg, final=True)
-            w.commit()
+        # obs: site by site (sites are independent: with workers, each site is built in a worker process and its
+        # records are written here in site order, so the bytes do not depend on the number of workers)
+        sites = range(len(self.site_keys))
+        n = self._n_workers()
+        if n > 1 and len(sites) > 1:
+            global _ENGINE
+            _ENGINE = self
+            try:
+                with mp.get_context("fork").Pool(n, initializer=_worker_init) as pool:
+                    for res in pool.imap(_worker_site, sites):
+                        res = _unwrap(res)
+                        self.report.rows_in += res["rows_in"]
+                        room = 1000 - len(self.report.divergences)
+                        self.report.divergences.extend(res["divergences"][:max(room, 0)])
+                        self._write_site(w, res)
+            finally:
+                _ENGINE = None
+        else:
+            for out_site in sites:
+                self._write_site(w, self._site(out_site))
         # step truth, segment by segment
         per_seg = {}
         for s in self.sources:
@@ -684,6 +732,32 @@ class _Engine:
         w.commit()
 
 
+# -- worker processes ----------------------------------------------------------------------------------------
+_ENGINE: "_Engine | None" = None  # the engine a forked worker inherits
+
+
+def _worker_init() -> None:
+    assert _ENGINE is not None
+    _ENGINE.pool = _Pool(FD_POOL)  # descriptors of its own (pread needs no shared offset, but keep them apart)
+    _ENGINE.report.divergences = []
+
+
+def _worker_site(out_site: int) -> tuple:
+    """Build one site in a worker; a trainhist error comes back as data and is raised again in the parent."""
+    assert _ENGINE is not None
+    try:
+        return ("ok", _ENGINE._site(out_site))
+    except TrainhistError as e:
+        return ("error", type(e).__name__, e.message, e.code, e.path, e.offset)
+
+
+def _unwrap(res: tuple) -> dict:
+    if res[0] == "ok":
+        return res[1]
+    _, cls, message, code, path, offset = res
+    raise getattr(errors, cls)(message, code=code, path=path, offset=offset)
+
+
 def _json(d: dict) -> str:
     from .canonical import manifest_bytes
 
@@ -691,19 +765,21 @@ def _json(d: dict) -> str:
 
 
 def merge(inputs: list[str | os.PathLike], output: str | os.PathLike, *, across_runs: bool = False,
-          replica_divergence: str = "error", codec: str = "packed") -> MergeReport:
+          replica_divergence: str = "error", codec: str = "packed", workers: int | None = None) -> MergeReport:
     """Merge histories of disjoint sets of writers into one canonical file at ``output`` (spec section 11).
 
     Rows with the same site, segment, step, span, micro-batch and phase combine: shard sites add exactly,
     replica sites keep one row (differing replicas raise ``replica_divergence``, or with
     ``replica_divergence="report"`` keep a deterministic one and list the difference in the report). Segments of
     different runs stay apart unless ``across_runs``. ``codec`` (spec 11.9) is ``"packed"`` (default),
-    ``"shuffle"`` (shuffle-deflate: smaller, slower) or ``"raw"``.
+    ``"shuffle"`` (shuffle-deflate: smaller, slower) or ``"raw"``. Sites are built in ``workers`` processes
+    (forked; ``None``: one per CPU, up to ``MAX_WORKERS``, for inputs of at least ``AUTO_WORKERS_BYTES``, else
+    in this process); the output bytes do not depend on it.
     """
     if isinstance(inputs, (str, os.PathLike)):
         raise UsageError("merge() takes a list of input paths")
     return _Engine(list(inputs), output, steps=1, scale=None, across_runs=across_runs,
-                   replica_divergence=replica_divergence, codec=codec).run()
+                   replica_divergence=replica_divergence, codec=codec, workers=workers).run()
 
 
 def canonicalize(input: str | os.PathLike, output: str | os.PathLike, *, codec: str = "packed") -> MergeReport:
