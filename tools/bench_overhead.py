@@ -5,8 +5,10 @@
 
 Model: a HF transformers GPT-2 with random init sized for a 2-core CPU. Every configuration trains the same model
 from the same initial weights on the same synthetic tokens. Within one repetition every configuration runs once,
-in a rotated order; each configuration's median step time is divided by the baseline's median step time of the
-same repetition. The A/A row (the baseline run a second time) shows the noise band of the machine.
+in a rotated order; each configuration's step time (median over the timed steps; the mean over one whole cadence
+period for the default configuration, which records at a cadence) is divided by the baseline's of the same
+repetition, both in wall-clock and in process CPU time. The A/A row (the baseline run a second time) shows the
+noise band of the machine; the load average is reported because the machine may be shared.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import math
 import os
 import platform
 import statistics
@@ -31,7 +34,8 @@ CONFIGS = [
     ("baseline (A/A)", "no instrumentation, run again: the noise band"),
     ("trainhist spine, all sites, every step", "5 streams, every module and parameter; spine every step, no sketches"),
     ("trainhist sketches, all sites, every step", "5 streams, every module and parameter; spine + sketch every step"),
-    ("trainhist default", "Collector defaults: 5 streams, spine every step, sketches every 10 steps"),
+    ("trainhist default", "Collector defaults: 5 streams, every module and parameter; spine every 25 steps, sketches "
+     "every 50, global gradient norm every step; mean over one whole 50-step period"),
     ("trainhist params+grads sketches, every step", "param + param_grad only (the peers' coverage), spine + sketch every step"),
     ("wandb.watch(log='all', log_freq=1)", "offline mode; histograms of every parameter and gradient every step"),
     ("TensorBoard add_histogram", "every parameter and gradient every step"),
@@ -111,27 +115,43 @@ def instrument(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, tm
     raise ValueError(name)
 
 
-def run_config(name: str, init_state: dict, args: argparse.Namespace, data: list[torch.Tensor], tmp: Path) -> float:
-    """Median seconds per step of ``name`` (after warm-up steps)."""
+def period(name: str) -> int:
+    """Timed steps a configuration needs: one whole cadence period for the default (0: use ``--steps``)."""
+    if name == "trainhist default":
+        from trainhist.torch.collector import DEFAULT_EVERY, DEFAULT_SKETCH_EVERY
+
+        return math.lcm(DEFAULT_EVERY, DEFAULT_SKETCH_EVERY)
+    return 0
+
+
+def run_config(name: str, init_state: dict, args: argparse.Namespace, data: list[torch.Tensor],
+               tmp: Path) -> dict[str, tuple[float, float]]:
+    """Wall-clock and process-CPU seconds per step of ``name`` after the warm-up steps, as median and mean: the
+    timed steps are ``--steps`` steps, or one whole cadence period for a configuration that records at a cadence
+    (whose cost is the average over the period: a median would miss the recording steps)."""
     model = make_model(args)
     model.load_state_dict(init_state)
     model.to(args.device)
-    data = [x.to(args.device) for x in data]
+    per = period(name)
+    n = args.warmup + (per or args.steps)
+    data = [data[i % len(data)].to(args.device) for i in range(n)]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    times = []
+    times, cpu = [], []
     with instrument(name, model, opt, tmp, data[0]) as (wrap, log):
         for step, x in enumerate(data):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             with wrap(step):
                 out = model(input_ids=x, labels=x)
                 out.loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             log(step, float(out.loss.detach()))  # the loop's own loss read (a sync on CUDA, in every configuration)
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             if step >= args.warmup:
                 times.append(dt)
-    return statistics.median(times)
+                cpu.append(dc)
+    return {"median": (statistics.median(times), statistics.median(cpu)),
+            "mean": (statistics.fmean(times), statistics.fmean(cpu))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (default 1: on a shared 2-CPU machine every parallel op of a "
+                    "two-thread run waits for a descheduled sibling, which swamps the comparison)")
     ap.add_argument("--only", nargs="*", help="substrings of configuration names to run (baselines always run)")
     ap.add_argument("--quick", action="store_true", help="skip the peers (wandb, TensorBoard)")
     ap.add_argument("--out", help="write the markdown table here")
@@ -154,42 +177,62 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         configs = [c for c in configs if c[0].startswith("baseline") or any(s in c[0] for s in args.only)]
     names = [c[0] for c in configs]
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    loads: list[float] = []
     init_state = copy.deepcopy(make_model(args).state_dict())
     data = batches(args, args.warmup + args.steps)
     ratios: dict[str, list[float]] = {n: [] for n in names}
+    cpu_ratios: dict[str, list[float]] = {n: [] for n in names}
     step_s: dict[str, list[float]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as d:
         for rep in range(args.reps):
             order = names[rep % len(names):] + names[: rep % len(names)]
-            got = {}
+            got, gotc, runs = {}, {}, {}
+            loads.append(os.getloadavg()[0])
             for name in order:
-                got[name] = run_config(name, init_state, args, data, Path(d))
-                print(f"rep {rep} {name:48s} {got[name] * 1e3:8.1f} ms/step", flush=True)
+                r = run_config(name, init_state, args, data, Path(d))
+                runs[name] = r
+                got[name], gotc[name] = r["mean" if period(name) else "median"]
+                loads.append(os.getloadavg()[0])
+                print(f"rep {rep} {name:48s} {got[name] * 1e3:8.1f} ms/step  {gotc[name] * 1e3:8.1f} ms cpu  "
+                      f"load {loads[-1]:.2f}", flush=True)
             for name in names:
+                base = runs["baseline"]["mean" if period(name) else "median"]  # like with like
                 step_s[name].append(got[name])
-                ratios[name].append(got[name] / got["baseline"])
+                ratios[name].append(got[name] / base[0])
+                cpu_ratios[name].append(gotc[name] / base[1])
+    load_after = os.getloadavg()
     lines = [
         "# Overhead of recording a training loop",
         "",
         f"Generated by `python tools/bench_overhead.py {' '.join(sys.argv[1:] if argv is None else argv)}` on {platform.machine()} "
-        f"({os.cpu_count()} CPUs), torch {torch.__version__}, {time.strftime('%Y-%m-%d')}.",
+        f"({os.cpu_count()} CPUs), torch {torch.__version__} with {args.threads} intra-op thread(s), "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Load average (1/5/15 min) before the run "
+        f"{'/'.join(f'{v:.2f}' for v in load_before)}, after {'/'.join(f'{v:.2f}' for v in load_after)} "
+        f"(the machine is shared; other jobs ran during the measurement); 1-minute load sampled after each "
+        f"configuration: {min(loads):.2f} to {max(loads):.2f}, median {statistics.median(loads):.2f}.",
         "",
         f"Model: transformers GPT-2, {args.layers} layers, width {args.width}, sequence {args.seq}, batch {args.batch}, "
         f"vocabulary {args.vocab}, random init, AdamW; device {args.device}. {args.reps} repetitions, each running every "
         f"configuration once in rotated order ({args.warmup} warm-up + {args.steps} timed steps each). Ratio = a "
-        "configuration's median step time / the baseline's in the same repetition; shown as median [min, max] "
-        "over repetitions.",
+        "configuration's step time / the baseline's in the same repetition (median over the timed steps; for the "
+        "default, which records at a cadence, the mean over one whole cadence period, recording steps included, "
+        "divided by the baseline's mean); "
+        "shown as median [min, max] over repetitions. The CPU-time ratio uses the process CPU time of each step instead of wall-clock time: "
+        "less sensitive to other jobs taking the CPUs, it is the cost of the work itself.",
         "",
-        "| configuration | coverage | ms/step (median) | ratio to baseline |",
-        "|---|---|---|---|",
+        "| configuration | coverage | ms/step (wall, median over reps) | ratio to baseline (wall) | ratio (CPU time) |",
+        "|---|---|---|---|---|",
     ]
     for name, cov in configs:
-        r = ratios[name]
+        r, c = ratios[name], cpu_ratios[name]
         lines.append(f"| {name} | {cov} | {statistics.median(step_s[name]) * 1e3:.1f} | "
-                     f"{statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}] |")
-    aa = ratios["baseline (A/A)"]
-    lines += ["", f"Noise band (A/A): {min(aa):.3f} to {max(aa):.3f}; a ratio inside it is not distinguishable "
-              "from no overhead on this machine."]
+                     f"{statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}] | "
+                     f"{statistics.median(c):.3f} [{min(c):.3f}, {max(c):.3f}] |")
+    aa, aac = ratios["baseline (A/A)"], cpu_ratios["baseline (A/A)"]
+    lines += ["", f"Noise band (A/A): wall {min(aa):.3f} to {max(aa):.3f}, CPU time {min(aac):.3f} to {max(aac):.3f}; "
+              "a ratio inside it is not distinguishable from no overhead on this machine."]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
