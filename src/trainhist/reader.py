@@ -234,22 +234,22 @@ class SpineSeries:
 
 
 class _Patched:
-    """Sketch counts as stored by the patched-bytes codec (spec 7.3), already checked: one byte per value and the
-    exceptions; widened to u64 on first use, so a scan that does not look at the bins never widens them."""
+    """Sketch counts as stored by the patched-bytes codec (spec 7.3), already checked: the code bytes of each block
+    (ranges of the file) and the exceptions; widened to u64 on first use, so a scan that does not look at the bins
+    never copies or widens them."""
 
-    def __init__(self, codes: np.ndarray, exc: np.ndarray) -> None:
-        self.codes, self.exc = codes, exc
+    def __init__(self, view: memoryview, start: list[int], end: list[int], exc: np.ndarray) -> None:
+        self.view, self.start, self.end, self.exc = view, start, end, exc
+        self.size = sum(end) - sum(start)
         self._wide: np.ndarray | None = None
-
-    @property
-    def size(self) -> int:
-        return int(self.codes.size)
 
     def widen(self) -> np.ndarray:
         if self._wide is None:
-            out = self.codes.astype(np.uint64)
+            codes = np.frombuffer(_join(self.view, self.start, self.end), np.uint8) if self.start else \
+                np.zeros(0, np.uint8)
+            out = codes.astype(np.uint64)
             if self.exc.size:
-                out[np.flatnonzero(self.codes == 255)] = self.exc
+                out[np.flatnonzero(codes == 255)] = self.exc
             self._wide = out
         return self._wide
 
@@ -265,7 +265,7 @@ class _Sparse(NamedTuple):
     pn: np.ndarray
     nlo: np.ndarray
     nn: np.ndarray
-    bands: np.ndarray  # (rows, 4) u64
+    bands: tuple[np.ndarray, ...]  # under_pos, under_neg, over_pos, over_neg: u64 per row
 
     def values(self) -> np.ndarray:
         c = self.counts
@@ -273,12 +273,12 @@ class _Sparse(NamedTuple):
 
     def take(self, sel: np.ndarray) -> "_Sparse":
         return _Sparse(self.scale, self.counts, self.start[sel], self.plo[sel], self.pn[sel], self.nlo[sel],
-                       self.nn[sel], self.bands[sel])
+                       self.nn[sel], tuple(b[sel] for b in self.bands))
 
     @staticmethod
     def empty(scale: int = 2) -> "_Sparse":
         z = np.zeros(0, np.int64)
-        return _Sparse(scale, np.zeros(0, np.uint64), z, z, z, z, z, np.zeros((0, 4), np.uint64))
+        return _Sparse(scale, np.zeros(0, np.uint64), z, z, z, z, z, (np.zeros(0, np.uint64),) * 4)
 
     @staticmethod
     def concat(parts: list["_Sparse"]) -> "_Sparse":
@@ -290,7 +290,8 @@ class _Sparse(NamedTuple):
         return _Sparse(
             parts[0].scale, np.concatenate([p.values() for p in parts]),
             np.concatenate([p.start + k for p, k in zip(parts, shift.tolist())]),
-            *(np.concatenate([getattr(p, f) for p in parts]) for f in ("plo", "pn", "nlo", "nn", "bands")),
+            *(np.concatenate([getattr(p, f) for p in parts]) for f in ("plo", "pn", "nlo", "nn")),
+            tuple(np.concatenate([p.bands[j] for p in parts]) for j in range(4)),
         )
 
     def dense(self, side: int) -> np.ndarray:
@@ -319,7 +320,6 @@ class SketchSeries:
         self.site = site
         self.scale = sparse.scale
         self.columns = columns
-        self.bands = sparse.bands  # (rows, 4): under_pos, under_neg, over_pos, over_neg
         self._sparse = sparse
         self._dense: dict[int, np.ndarray] = {}
 
@@ -328,6 +328,13 @@ class SketchSeries:
 
     def __len__(self) -> int:
         return int(self._sparse.start.size)
+
+    @property
+    def bands(self) -> np.ndarray:
+        """(rows, 4) u64: under_pos, under_neg, over_pos, over_neg."""
+        if 2 not in self._dense:
+            self._dense[2] = np.stack(self._sparse.bands, axis=1)
+        return self._dense[2]
 
     @property
     def pos(self) -> np.ndarray:
@@ -349,7 +356,8 @@ class SketchSeries:
     def sketch(self, i: int) -> Sketch:
         from .grid import nbins
 
-        sp, b = self._sparse, self.bands[i]
+        sp = self._sparse
+        b = [int(c[i]) for c in sp.bands]
         nb = nbins(self.scale)
         st, plo, pn, nlo, nn = (int(sp.start[i]), int(sp.plo[i]), int(sp.pn[i]), int(sp.nlo[i]), int(sp.nn[i]))
         pos, neg = np.zeros(nb, np.uint64), np.zeros(nb, np.uint64)
@@ -459,6 +467,27 @@ def _decode_run(view: memoryview, start: list[int], slen: list[int], ns: list[in
         return out
     # deflate codecs: one chunk at a time, through Chunk.column
     return np.concatenate([col.chunk(first + i).column(col.name) for i in range(len(start))])
+
+
+def _patched_checked(view: memoryview, start: list[int], slen: list[int], ns: list[int]
+                     ) -> tuple[list[int], list[int], np.ndarray, list[int]]:
+    """Patched-bytes u8 blocks checked as in spec 7.3 without joining their codes: (code ranges, their ends, the
+    exceptions, exceptions before each block)."""
+    ks = []
+    for sl, n in zip(slen, ns):
+        k, rem = divmod(sl - n, 8)
+        if sl < n or rem:
+            raise _Fallback
+        ks.append(k)
+    mid = [a + k * 8 for a, k in zip(start, ks)]
+    end = [a + b for a, b in zip(start, slen)]
+    buf = np.frombuffer(view, np.uint8)
+    if [int(np.count_nonzero(buf[a:b] == 255)) for a, b in zip(mid, end)] != ks:
+        raise _Fallback
+    exc = np.frombuffer(_join(view, start, mid), "<u8") if sum(ks) else np.zeros(0, np.uint64)
+    if exc.size and int(exc.min()) < 255:
+        raise _Fallback
+    return mid, end, exc, np.cumsum([0] + ks).tolist()
 
 
 def _patched_parts(view: memoryview, start: list[int], slen: list[int], ns: list[int], size: int, dt: str
@@ -788,7 +817,7 @@ class History:
             mlen = int.from_bytes(payload[:4], "little")
             if mlen > MAX_META or 4 + mlen > e.length:
                 raise _Fallback
-            meta = unpackb(bytes(payload[4 : 4 + mlen]), raw=False, strict_map_key=True, max_bin_len=0,
+            meta = unpackb(payload[4 : 4 + mlen], raw=False, strict_map_key=True, max_bin_len=0,
                            max_ext_len=0, max_str_len=4096, max_array_len=4096, max_map_len=64)
             cols = meta["cols"]
             if (type(cols) is not list or type(meta["rows"]) is not int or meta["rows"] != e.rows
@@ -922,7 +951,7 @@ class History:
             raise _bad(f"sketch ranges exceed {nb} bins or do not use exactly the {counts.size} values of sk_counts",
                        "bad_sketch", self.path, e.offset)
         start = np.cumsum(pn + nn) - (pn + nn)  # where each row's values begin in sk_counts
-        bands = np.stack([sk[k][has] for k in ("sk_up", "sk_un", "sk_op", "sk_on")], axis=1)
+        bands = tuple(sk[k][has] for k in ("sk_up", "sk_un", "sk_op", "sk_on"))
         return has, _Sparse(s, counts, start, plo, pn, nlo, nn, bands)
 
     def _site_data(self, site: Site, phase: str | None, *, sketches: bool = True
@@ -1065,8 +1094,9 @@ class History:
             if np.add.reduceat(lens, starts).tolist() != x.rlen:
                 raise _Fallback
             sub = x.subset()
-            blob = _gather(view, sub, "bytes", sub.rlen).tobytes()
-            xcols[name] = (lens, blob, np.concatenate([[0], np.cumsum(lens)])[row_at].tolist())
+            blob = bytes(_join(view, sub.start, [a + b for a, b in zip(sub.start, sub.slen)])) \
+                if sub.uniform and sub.codec[0] == Codec.RAW else _gather(view, sub, "bytes", sub.rlen).tobytes()
+            xcols[name] = (lens, blob, np.concatenate([[0], np.cumsum(lens)])[row_at].tolist())  # type: ignore
         skc = lay.col("sk")
         have = skc.present
         sk_row = np.full(n, -1, np.int64)
@@ -1087,9 +1117,10 @@ class History:
             sub = cc.subset()
             ns = [r // 8 for r in sub.rlen]
             esc = None
+            lazy = None
             if sub.uniform and sub.codec[0] == Codec.PATCHED:  # kept as stored; widened when bins are read
-                codes, exc, esc = _patched_parts(view, sub.start, sub.slen, ns, 8, "u8")
-                counts: np.ndarray = codes
+                lazy = _patched_checked(view, sub.start, sub.slen, ns)
+                counts: np.ndarray = np.zeros(0, np.uint64)
             else:
                 counts = _gather(view, sub, "u8", ns)
             flag = sk["sk"]
@@ -1102,26 +1133,31 @@ class History:
             per_chunk = [r // 8 for r in cc.rlen]
             if np.add.reduceat(pn_all + nn_all, starts).tolist() != per_chunk:
                 raise _Fallback
-            nb = np.repeat(np.array([nbins(sc) for sc in scale_of], np.int64),
-                           np.diff(np.array(row_at, np.int64)))[hs]
-            pn, nn = pn_all[hs], nn_all[hs]
-            plo, nlo = sk["sk_plo"][hs].astype(np.int64), sk["sk_nlo"][hs].astype(np.int64)
+            nbs = {nbins(sc) for sc in scale_of}
+            nb = nbs.pop() if len(nbs) == 1 else np.repeat(
+                np.array([nbins(sc) for sc in scale_of], np.int64), np.diff(np.array(row_at, np.int64)))[hs]
+            every = bool(hs.all())  # usual: every row has a sketch, so no row needs to be taken out
+            pick = (lambda a: a) if every else (lambda a: a[hs])
+            pn, nn = pick(pn_all), pick(nn_all)
+            plo, nlo = pick(sk["sk_plo"]).astype(np.int64), pick(sk["sk_nlo"]).astype(np.int64)
             if (plo + pn > nb).any() or (nlo + nn > nb).any():
                 raise _Fallback
             size_ = pn + nn
             start = np.cumsum(size_) - size_
-            bands = np.stack([sk[k][hs] for k in ("sk_up", "sk_un", "sk_op", "sk_on")], axis=1)
+            bands = tuple(pick(sk[k]) for k in ("sk_up", "sk_un", "sk_op", "sk_on"))
             sk_at = np.concatenate([[0], np.cumsum(hs)])[row_at].tolist()  # sketch rows of site k
             c_at = np.cumsum([0] + per_chunk)[chunk_at].tolist()  # its values in counts
-            e_at = np.searchsorted(esc, c_at).tolist() if esc is not None else None
+            sub_at = np.cumsum([0] + [int(h) for h in have])[chunk_at].tolist()  # its chunks among those with sketches
             for k in range(len(group)):
                 s0, s1, c0, c1 = sk_at[k], sk_at[k + 1], c_at[k], c_at[k + 1]
-                if esc is not None:
-                    vals: np.ndarray | _Patched = _Patched(counts[c0:c1], exc[e_at[k] : e_at[k + 1]])
+                if lazy is not None:
+                    mid, end, exc, e_at = lazy
+                    a, b = sub_at[k], sub_at[k + 1]
+                    vals: np.ndarray | _Patched = _Patched(view, mid[a:b], end[a:b], exc[e_at[a] : e_at[b]])
                 else:
                     vals = counts[c0:c1]
                 sparse_of[k] = _Sparse(scale_of[k], vals, start[s0:s1] - c0, plo[s0:s1], pn[s0:s1], nlo[s0:s1],
-                                       nn[s0:s1], bands[s0:s1])
+                                       nn[s0:s1], tuple(b[s0:s1] for b in bands))
                 sk_row[row_at[k] : row_at[k + 1]][hs[row_at[k] : row_at[k + 1]]] = np.arange(s1 - s0)
         cols["sk_row"] = sk_row
         for v in cols.values():
@@ -1155,6 +1191,8 @@ class History:
         columns, _, sparse = self._site_data(site, phase)
         assert sparse is not None
         keep = columns["sk_row"] >= 0
+        if keep.size == sparse.start.size and keep.all():  # every row has a sketch: the columns as they are
+            return SketchSeries(site, {k: v for k, v in columns.items() if k != "sk_row"}, sparse)
         sel = columns["sk_row"][keep]
         if sel.size != sparse.start.size:  # one phase of several: take its rows (else every row is kept, in order)
             sparse = sparse.take(sel)
