@@ -371,6 +371,7 @@ class SketchSeries:
 # column (negated for variable-length columns)
 _LAYOUTS_OK: dict[tuple, list[int]] = {}
 _DT_INDEX = {d: i for i, d in enumerate(DTYPES)}
+_META_KEYS = frozenset({b"site", b"segment", b"rows", b"scale", b"cols"})
 _APPLIES = np.array([[d in APPLIES.get(c, ()) for c in range(max(Codec.STORED) + 1)] for d in DTYPES])
 
 
@@ -538,12 +539,13 @@ class _Layout:
     """The directories of a site's obs chunks, checked for all chunks at once (see ``History._layout``)."""
 
     def __init__(self, history: "History", entries: list[_Entry], metas: list[dict], names: list[str],
-                 table: np.ndarray, ncols: np.ndarray, payload: np.ndarray) -> None:
+                 table: np.ndarray, ncols: np.ndarray, payload: np.ndarray, uniform_k: int) -> None:
+        """``names``: the column names of the first chunk when every chunk has the same ``uniform_k`` columns,
+        else of every chunk, in table order; ``metas`` as unpacked with byte-string keys."""
         self.history, self.entries, self.metas = history, entries, metas
         self._names, self._table, self._ncols, self._payload = names, table, ncols, payload
         self._first = np.cumsum(ncols) - ncols
-        k = int(ncols[0])
-        self.uniform_k = k if (ncols == k).all() and names == names[:k] * len(entries) else 0
+        self.uniform_k = uniform_k
         self._index: dict[str, np.ndarray] | None = None
 
     def _rows_of(self, name: str) -> np.ndarray:
@@ -817,11 +819,14 @@ class History:
             mlen = int.from_bytes(payload[:4], "little")
             if mlen > MAX_META or 4 + mlen > e.length:
                 raise _Fallback
-            meta = unpackb(payload[4 : 4 + mlen], raw=False, strict_map_key=True, max_bin_len=0,
+            # strings as bytes (no UTF-8 decoding): names and dtypes must equal those of a layout that passed
+            # chunk(), and the map may hold only the keys of spec 7.2, so nothing chunk() refuses gets through
+            meta = unpackb(payload[4 : 4 + mlen], raw=True, strict_map_key=True, max_bin_len=0,
                            max_ext_len=0, max_str_len=4096, max_array_len=4096, max_map_len=64)
-            cols = meta["cols"]
-            if (type(cols) is not list or type(meta["rows"]) is not int or meta["rows"] != e.rows
-                    or meta.get("segment") != e.segment or meta.get("site") != e.site or len(cols) > MAX_COLUMNS):
+            cols = meta[b"cols"]
+            if (type(cols) is not list or type(meta[b"rows"]) is not int or meta[b"rows"] != e.rows
+                    or meta.get(b"segment") != e.segment or meta.get(b"site") != e.site or len(cols) > MAX_COLUMNS
+                    or not meta.keys() <= _META_KEYS):
                 raise _Fallback
             metas.append(meta)
             cols_list.append(cols)
@@ -855,17 +860,18 @@ class History:
             info = _LAYOUTS_OK.get(key)
             if info is None:
                 self.chunk(entries[i])  # the full checks of spec 7.4, once per layout
-                info = _LAYOUTS_OK[key] = [-DTYPES[dt].itemsize if nm in _OBS_VARIABLE else DTYPES[dt].itemsize
-                                           for nm, dt in zip(*key)]
+                info = _LAYOUTS_OK[key] = [
+                    -DTYPES[dt.decode()].itemsize if nm.decode() in _OBS_VARIABLE else DTYPES[dt.decode()].itemsize
+                    for nm, dt in zip(*key)]
             size_of[key] = info
         if which is None:
             (key,) = groups
             size = np.tile(np.array(size_of[key], np.int64), n_chunks)
-            dtc = np.tile(np.array([_DT_INDEX[d] for d in key[1]], np.int64), n_chunks)
+            dtc = np.tile(np.array([_DT_INDEX[d.decode()] for d in key[1]], np.int64), n_chunks)
         else:
             keys = {i: key for key, i in groups.items()}
             size = np.array([z for i in which for z in size_of[keys[i]]], np.int64)
-            dtc = np.array([_DT_INDEX[d] for d in dts], np.int64)
+            dtc = np.array([_DT_INDEX[d.decode()] for d in dts], np.int64)
         codec, off, slen, rlen = t[:, 0], t[:, 1], t[:, 2], t[:, 3]
         if ((codec < 0).any() or (codec >= _APPLIES.shape[1]).any() or not _APPLIES[dtc, codec].all()
                 or (slen < 0).any() or (rlen > 64 * MAX_ROWS * 8).any() or ((codec == 0) & (slen != rlen)).any()):
@@ -891,7 +897,8 @@ class History:
             j = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
             if np.frombuffer(self._buf, np.uint8)[np.repeat(at, n) + j].any():
                 raise _Fallback
-        return _Layout(self, entries, metas, names, t, ncols, payload_at)
+        shown = [nm.decode() for nm in (names[:k] if which is None else names)]
+        return _Layout(self, entries, metas, shown, t, ncols, payload_at, k if which is None else 0)
 
     def _obs_columns(self, e: _Entry) -> tuple[dict[str, np.ndarray], dict[str, tuple[np.ndarray, bytes]], Chunk]:
         ch = self.chunk(e)
@@ -1105,7 +1112,7 @@ class History:
             scale_of = []  # per chunk: its sites' scale (2 for sites without sketches)
             for k, es in enumerate(per_site):
                 a, b = chunk_at[k], chunk_at[k + 1]
-                scales = {m.get("scale") for m, h in zip(lay.metas[a:b], have[a:b]) if h}
+                scales = {m.get(b"scale") for m, h in zip(lay.metas[a:b], have[a:b]) if h}
                 sc = scales.pop() if scales else 2
                 if scales or type(sc) is not int or sc not in (0, 1, 2):
                     raise _Fallback
