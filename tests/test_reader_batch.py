@@ -108,7 +108,7 @@ def _rewrite(data: bytearray, pos: int, payload: bytes) -> None:
     struct.pack_into("<I", data, pos + 28, crc32c(bytes(data[pos : pos + 28])))
 
 
-@pytest.mark.parametrize("damage", ["for_wrap", "patched_exception", "f32_nan", "step_range"])
+@pytest.mark.parametrize("damage", ["for_wrap", "patched_exception", "f32_nan", "step_range", "step_overflow"])
 def test_damaged_middle_chunk_same_error_and_offset(tmp_path: Path, damage: str) -> None:
     import msgpack
 
@@ -139,6 +139,10 @@ def test_damaged_middle_chunk_same_error_and_offset(tmp_path: Path, damage: str)
         name, dt, codec, off, slen, rlen = d["min"]
         assert codec == Codec.F32
         struct.pack_into("<I", payload, off, 0x7FC00001)
+    elif damage == "step_overflow":  # i8 frame of reference: base + the largest offset passes 2**63 - 1
+        name, dt, codec, off, slen, rlen = d["step"]
+        assert codec == Codec.FOR and slen > 8
+        struct.pack_into("<q", payload, off, 2**63 - 2)
     else:
         name, dt, codec, off, slen, rlen = d["step"]
         assert codec == Codec.FOR

@@ -431,29 +431,31 @@ def _decode_run(view: memoryview, start: list[int], slen: list[int], ns: list[in
         return np.frombuffer(_join(view, start, end), dtype)
     if codec == Codec.FOR:
         w = key[1]
-        if w not in _FOR_WIDTHS or min(ns) < 1 or any(sl != 8 + n * w for sl, n in zip(slen, ns)):
+        ns_a = np.array(ns, np.int64)
+        if w not in _FOR_WIDTHS or ns_a.min() < 1 or (np.array(slen, np.int64) != 8 + ns_a * w).any():
             raise _Fallback
         signed = dt[0] == "i"
         base_end = [a + 8 for a in start]
         bases = np.frombuffer(_join(view, start, base_end), "<i8" if signed else "<u8")
         lo, hi = _RANGE[dt]
-        bl = bases.tolist()
+        if (bases.min() < lo) or (bases.max() > hi):  # numpy compares i8 with i8 and u8 with u8 ranges exactly
+            raise _Fallback
         if w == 0:
-            if min(bl) < lo or max(bl) > hi:
-                raise _Fallback
-            out = np.repeat(bases, ns)
-        else:
-            offs = np.frombuffer(_join(view, base_end, end), _FOR_WIDTHS[w])
-            ml = np.maximum.reduceat(offs, np.cumsum([0] + ns[:-1])).tolist()
-            if min(bl) < lo or any(b + m > hi for b, m in zip(bl, ml)):
-                raise _Fallback
-            out = offs.astype(np.uint64)
-            out += np.repeat(bases.view(np.uint64), ns)  # exact: every sum lies in the range just checked
-            if signed:
-                out = out.view(np.int64)
+            out = np.repeat(bases if dt in ("u8", "i8") else bases.astype(dtype), ns_a)
+            return out
+        offs = np.frombuffer(_join(view, base_end, end), _FOR_WIDTHS[w])
+        top = np.maximum.reduceat(offs, np.cumsum(ns_a) - ns_a).astype(np.uint64)
+        # hi - base, exact in u64 because lo <= base <= hi; every value base + offset must not pass hi
+        room = np.uint64(hi & 0xFFFFFFFFFFFFFFFF) - bases.view(np.uint64)
+        if (top > room).any():
+            raise _Fallback
+        out = offs.astype(np.uint64)
+        out += np.repeat(bases.view(np.uint64), ns_a)  # exact: every sum lies in the range just checked
+        if signed:
+            out = out.view(np.int64)
         return out if dt in ("u8", "i8") else out.astype(dtype)
     if codec == Codec.F32:
-        if any(sl != 4 * n for sl, n in zip(slen, ns)):
+        if (np.array(slen, np.int64) != 4 * np.array(ns, np.int64)).any():
             raise _Fallback
         a = np.frombuffer(_join(view, start, end), "<f4")
         nan = np.isnan(a)
