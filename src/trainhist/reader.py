@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
+from crc32c import crc32c as _crc  # the same function as framing.crc32c, without a Python call around it
 
 from .chunk import _FOR_WIDTHS, _RANGE, APPLIES, DTYPES, MAX_COLUMNS, MAX_META, MAX_ROWS, Chunk, Codec, decode_chunk
 from .dyadic import Dyadic
@@ -549,6 +550,7 @@ class _Layout:
         self._first = np.cumsum(ncols) - ncols
         self.uniform_k = uniform_k
         self._index: dict[str, np.ndarray] | None = None
+        self._by_col: tuple[list, list, list, list] | None = None
 
     def _rows_of(self, name: str) -> np.ndarray:
         """Row of ``name`` in the table for each chunk, -1 where absent."""
@@ -568,6 +570,21 @@ class _Layout:
         return self._index.get(name, np.full(len(self.entries), -1, np.int64))
 
     def col(self, name: str) -> _Col:
+        k = self.uniform_k
+        if k:  # every chunk has the same columns: one transposition gives every column's lists
+            if self._by_col is None:
+                n = len(self.entries)
+                t = self._table
+                start = self._payload[:, None] + t[:, 1].reshape(n, k)
+                self._by_col = (t[:, 0].reshape(n, k).T.tolist(), start.T.tolist(), t[:, 2].reshape(n, k).T.tolist(),
+                                t[:, 3].reshape(n, k).T.tolist())
+            try:
+                j = self._names.index(name, 0, k)
+            except ValueError:
+                n = len(self.entries)
+                return _Col(self, name, [-1] * n, [0] * n, [0] * n, [0] * n, list(range(n)))
+            c, a, sl, r = self._by_col
+            return _Col(self, name, c[j], a[j], sl[j], r[j], list(range(len(self.entries))))
         r = self._rows_of(name)
         have = r >= 0
         t = self._table[np.where(have, r, 0)]
@@ -639,7 +656,7 @@ class History:
                 stop = (pos, "file ends inside a record header")
                 break
             rtype, flags, length, rseq, rsalt, pcrc, hcrc = unpack(raw, pos)
-            if crc32c(buf[pos : pos + 28]) != hcrc or rsalt != salt:
+            if _crc(buf[pos : pos + 28]) != hcrc or rsalt != salt:
                 if not np.any(np.frombuffer(self._buf, np.uint8, size - pos, pos)):
                     stop = (pos, "zero-filled tail (space the file system allocated but never wrote)")
                     break
@@ -816,7 +833,7 @@ class History:
         for e in entries:
             start = e.offset + RECORD_HEADER_SIZE
             payload = view[start : start + e.length]
-            if crc32c(payload) != e.payload_crc or e.length < 4 or e.rows > MAX_ROWS:
+            if _crc(payload) != e.payload_crc or e.length < 4 or e.rows > MAX_ROWS:
                 raise _Fallback
             mlen = int.from_bytes(payload[:4], "little")
             if mlen > MAX_META or 4 + mlen > e.length:
