@@ -415,9 +415,17 @@ def _gather_runs(view: memoryview, col: "_Col", dt: str, ns: list[int]) -> np.nd
     return np.concatenate(parts)
 
 
-def _join(view: memoryview, start: list[int], end: list[int]) -> bytes | memoryview:
-    if len(start) == 1:
+def _join(view: memoryview, start: list[int], end: list[int]) -> bytes | memoryview | np.ndarray:
+    """The bytes ``[start[i], end[i])`` of the file, concatenated: small blocks (a few bytes per chunk, such as the
+    bases of frame-of-reference blocks) by one indexed gather, larger ones by joining slices."""
+    n = len(start)
+    if n == 1:
         return view[start[0] : end[0]]
+    s = np.array(start, np.int64)
+    size = np.array(end, np.int64) - s
+    total = int(size.sum())
+    if total <= 64 * n:
+        return np.frombuffer(view, np.uint8)[np.repeat(s - (np.cumsum(size) - size), size) + np.arange(total)]
     return b"".join([view[a:b] for a, b in zip(start, end)])
 
 
@@ -450,11 +458,13 @@ def _decode_run(view: memoryview, start: list[int], slen: list[int], ns: list[in
         room = np.uint64(hi & 0xFFFFFFFFFFFFFFFF) - bases.view(np.uint64)
         if (top > room).any():
             raise _Fallback
-        out = offs.astype(np.uint64)
-        out += np.repeat(bases.view(np.uint64), ns_a)  # exact: every sum lies in the range just checked
-        if signed:
-            out = out.view(np.int64)
-        return out if dt in ("u8", "i8") else out.astype(dtype)
+        if dt in ("u8", "i8"):
+            out = np.repeat(bases.view(np.uint64), ns_a)
+            np.add(out, offs, out=out, casting="unsafe")  # exact: every sum lies in the range just checked
+            return out.view(np.int64) if signed else out
+        out = np.repeat(bases.astype(dtype), ns_a)  # narrow dtypes: base and every sum fit the dtype (checked)
+        np.add(out, offs, out=out, casting="unsafe")
+        return out
     if codec == Codec.F32:
         if (np.array(slen, np.int64) != 4 * np.array(ns, np.int64)).any():
             raise _Fallback
