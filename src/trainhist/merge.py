@@ -585,8 +585,8 @@ class _Engine:
             yield batch
 
     def _n_workers(self) -> int:
-        if "fork" not in mp.get_all_start_methods():  # workers inherit the plan by fork
-            return 1
+        if "fork" not in mp.get_all_start_methods() or mp.current_process().daemon:
+            return 1  # workers inherit the plan by fork; a daemonic process may not have children
         if self.workers is not None:
             return self.workers
         if self.report.bytes_in < AUTO_WORKERS_BYTES:
