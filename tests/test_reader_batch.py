@@ -159,3 +159,63 @@ def test_damaged_middle_chunk_same_error_and_offset(tmp_path: Path, damage: str)
             with pytest.raises(CorruptError) as ei:
                 fn(h)
             assert (ei.value.code, ei.value.offset) == (want, target)
+
+
+def _dirs(h, entries):
+    out = []
+    for e in entries:
+        p = h._view[e.offset + RECORD_HEADER_SIZE : e.offset + RECORD_HEADER_SIZE + e.length]
+        out.append(p[4 : 4 + int.from_bytes(p[:4], "little")])
+    return out
+
+
+def _same_directories(h, entries) -> bool:
+    from trainhist.reader import _directories_by_template, _directories_unpacked
+
+    d = _dirs(h, entries)
+    a, b = _directories_by_template(d, entries), _directories_unpacked(d, entries)
+    if a is None:
+        return False
+    assert a[0] == b[0] and a[1] == b[1] and a[4] == b[4]
+    assert np.array_equal(a[2], b[2]) and np.array_equal(a[3], b[3])
+    return True
+
+
+def test_directory_templates(mixed: Path, tmp_path: Path) -> None:
+    with trainhist.open(mixed) as h:
+        for site in h.sites:
+            _same_directories(h, h._obs[site.id])
+        _same_directories(h, [e for s in h.sites for e in h._obs[s.id]])
+    # 130 sites: ids from 128 on take two bytes (another directory length, another template)
+    p = tmp_path / "many.thist"
+    with HistoryWriter(p, commit_every=4, **{k: v for k, v in FAST.items() if k != "commit_every"}) as w:
+        sites = [w.site(f"s{i}", "activation") for i in range(130)]
+        for step in range(9):
+            for s in sites:
+                w.observe(s, step, np.arange(5.0) * step)
+    with trainhist.open(p) as h:
+        entries = [e for s in h.sites for e in h._obs[s.id]]
+        assert _same_directories(h, entries)
+        assert len({len(d) for d in _dirs(h, entries)}) > 1
+        assert len(h.spine("s129")) == 9
+
+
+def test_directory_template_refuses_other_types() -> None:
+    import msgpack
+
+    from trainhist.reader import _Entry, _directories_by_template, _int_positions
+
+    def d(rows, codec, cols=None):
+        cols = cols or [["step", "i8", codec, 40, 8 + rows, 8 * rows]]
+        return msgpack.packb({"site": 0, "segment": 0, "rows": rows, "cols": cols})
+
+    good = d(3, 3)
+    e = _Entry(0, 2, 0, 0, 3, 0, 2, 0, 0)
+    assert _directories_by_template([good, d(3, 0)], [e, e]) is not None
+    # a boolean, a float, a negative integer or nil where the template has a positive fixint: no template match
+    for bad in (good.replace(b"\x03\x28", b"\xc3\x28"), good.replace(b"\x03\x28", b"\xe3\x28")):
+        assert len(bad) == len(good)
+        assert _directories_by_template([good, bad], [e, e]) is None
+    assert _int_positions(msgpack.packb({"a": 1.5})) is None
+    assert _int_positions(msgpack.packb({"a": None})) is None
+    assert _int_positions(msgpack.packb([1, 2]) + b"\x00") is None  # trailing bytes

@@ -368,6 +368,178 @@ class SketchSeries:
         return Sketch(self.scale, pos, neg, int(b[0]), int(b[1]), int(b[2]), int(b[3]))
 
 
+
+_UNPACK_OPTIONS = dict(raw=True, strict_map_key=True, max_bin_len=0, max_ext_len=0, max_str_len=4096,
+                       max_array_len=4096, max_map_len=64)
+
+
+def _check_meta(meta: Any, e: _Entry) -> list:
+    """The ``cols`` of a directory unpacked with byte strings, if it agrees with the commit entry and holds only
+    the keys of spec 7.2; names and dtypes must then equal those of a layout that passed ``History.chunk``, so
+    nothing ``chunk`` refuses gets through."""
+    cols = meta[b"cols"]
+    if (type(cols) is not list or type(meta[b"rows"]) is not int or meta[b"rows"] != e.rows
+            or meta.get(b"segment") != e.segment or meta.get(b"site") != e.site or len(cols) > MAX_COLUMNS
+            or not meta.keys() <= _META_KEYS):
+        raise _Fallback
+    return cols
+
+
+def _directories_unpacked(dirs: list[memoryview], entries: list[_Entry]) -> tuple:
+    """(names, dtypes, (columns, 4) table of codec/offset/stored/raw, columns per chunk, scales) of the
+    directories, each unpacked by msgpack."""
+    unpackb = msgpack.unpackb
+    cols_list, scales = [], []
+    for d, e in zip(dirs, entries):
+        meta = unpackb(d, **_UNPACK_OPTIONS)
+        cols_list.append(_check_meta(meta, e))
+        scales.append(meta.get(b"scale"))
+    n_entries = sum(map(len, cols_list))
+    # entries that are not 6-element lists misalign the slices below: an int where a name belongs, or a name
+    # where an int belongs, which the layout and integer checks refuse
+    vals = list(chain.from_iterable(chain.from_iterable(cols_list)))
+    if len(vals) != 6 * n_entries:
+        raise _Fallback
+    ints = vals[2::6] + vals[3::6] + vals[4::6] + vals[5::6]
+    if set(map(type, ints)) != {int}:
+        raise _Fallback
+    t = np.array(ints, np.int64).reshape(4, n_entries).T  # OverflowError beyond 2**63: chunk() decides
+    return vals[0::6], vals[1::6], t, np.array([len(c) for c in cols_list], np.int64), scales
+
+
+_INT_WIDTH = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
+
+
+def _int_positions(d: bytes) -> list[tuple[int, int]] | None:
+    """Where the integers of a MessagePack object are: (position of the value bytes, width; 0 for a positive
+    fixint, whose byte is the value), if the object uses only maps, arrays, strings and unsigned integers and
+    ends exactly at the end of ``d``; else None."""
+    out: list[tuple[int, int]] = []
+    pos, pending, n = 0, 1, len(d)
+    while pending:
+        if pos >= n:
+            return None
+        b = d[pos]
+        pending -= 1
+        if b <= 0x7F:
+            out.append((pos, 0))
+            pos += 1
+        elif b <= 0x8F:
+            pending += 2 * (b & 0x0F)
+            pos += 1
+        elif b <= 0x9F:
+            pending += b & 0x0F
+            pos += 1
+        elif b <= 0xBF:
+            pos += 1 + (b & 0x1F)
+        elif b in _INT_WIDTH:
+            out.append((pos + 1, _INT_WIDTH[b]))
+            pos += 1 + _INT_WIDTH[b]
+        elif b == 0xD9 and pos + 1 < n:
+            pos += 2 + d[pos + 1]
+        elif b in (0xDA, 0xDC, 0xDE) and pos + 2 < n:
+            k = int.from_bytes(d[pos + 1 : pos + 3], "big")
+            if b == 0xDA:
+                pos += 3 + k
+            else:
+                pending += k if b == 0xDC else 2 * k
+                pos += 3
+        else:
+            return None
+    return out if pos == n else None
+
+
+def _directories_by_template(dirs: list[memoryview], entries: list[_Entry]) -> tuple | None:
+    """What :func:`_directories_unpacked` returns, without unpacking every directory: directories of one length
+    are compared with the first of them, unpacked, as a template. A directory whose bytes equal the template's
+    everywhere except in the value bytes of its integers (same type bytes, a positive fixint still one) is the
+    same MessagePack structure with other integers, which are read for all such directories at once. None when
+    some directory does not match (the caller unpacks them all)."""
+    n = len(dirs)
+    lengths = np.fromiter((len(d) for d in dirs), np.int64, n)
+    todo = [np.flatnonzero(lengths == length) for length in np.unique(lengths).tolist()]
+    per_chunk_names: list = [None] * n
+    per_chunk_dts: list = [None] * n
+    scales: list = [None] * n
+    ncols = np.zeros(n, np.int64)
+    parts = []
+    templates = 0
+    while todo:
+        idx = todo.pop()
+        templates += 1
+        if templates > 16:
+            return None
+        first = int(idx[0])
+        tpl = bytes(dirs[first])
+        meta = msgpack.unpackb(tpl, **_UNPACK_OPTIONS)
+        cols = _check_meta(meta, entries[first])
+        where = _int_positions(tpl)
+        if where is None or any(type(c) is not list or len(c) != 6 or type(c[0]) is not bytes
+                                or type(c[1]) is not bytes for c in cols):
+            return None
+        # the integers in byte order: one per map value that is an integer, four per column entry
+        order: list = []
+        for key, value in meta.items():
+            if key == b"cols":
+                order.extend((j, f) for j in range(len(cols)) for f in range(4))
+                if any(type(v) is not int for c in cols for v in c[2:]):
+                    return None
+            elif type(value) is int:
+                order.append(key)
+            else:
+                return None
+        if len(order) != len(where):
+            return None
+        k = len(cols)
+        length = len(tpl)
+        dmat = np.frombuffer(b"".join([dirs[i] for i in idx.tolist()]), np.uint8).reshape(idx.size, length)
+        literal = np.ones(length, bool)
+        for p, w in where:
+            literal[p : p + max(w, 1)] = False
+        ref = np.frombuffer(tpl, np.uint8)
+        fix = [j for j, (p, w) in enumerate(where) if w == 0]
+        fixcol = dmat[:, [where[j][0] for j in fix]]
+        match = (dmat[:, literal] == ref[literal]).all(axis=1) & (fixcol <= 0x7F).all(axis=1)
+        if not match.all():  # another structure of the same length: its own template, later
+            todo.append(idx[~match])
+            idx, dmat, fixcol = idx[match], dmat[match], fixcol[match]
+        vals = np.zeros((idx.size, len(where)), np.uint64)
+        if fix:
+            vals[:, fix] = fixcol
+        for w in (1, 2, 4, 8):
+            js = [j for j, (p, ww) in enumerate(where) if ww == w]
+            if js:
+                acc = np.zeros((idx.size, len(js)), np.uint64)
+                for b in range(w):
+                    acc = (acc << np.uint64(8)) | dmat[:, [where[j][0] + b for j in js]]
+                vals[:, js] = acc
+        if (vals >> np.uint64(63)).any():
+            return None  # beyond i64: chunk() decides
+        vals = vals.view(np.int64)
+        pos_of = {o: j for j, o in enumerate(order)}
+        rows = np.array([entries[i].rows for i in idx.tolist()], np.int64)
+        seg = np.array([entries[i].segment for i in idx.tolist()], np.int64)
+        site = np.array([entries[i].site for i in idx.tolist()], np.int64)
+        for key, want in ((b"rows", rows), (b"segment", seg), (b"site", site)):
+            if key not in pos_of or (vals[:, pos_of[key]] != want).any():
+                return None
+        sc = vals[:, pos_of[b"scale"]].tolist() if b"scale" in pos_of else [None] * idx.size
+        names_t = tuple(c[0] for c in cols)
+        dts_t = tuple(c[1] for c in cols)
+        for i, v in zip(idx.tolist(), sc):
+            per_chunk_names[i], per_chunk_dts[i], scales[i] = names_t, dts_t, v
+        ncols[idx] = k
+        table = vals[:, [pos_of[(j, f)] for j in range(k) for f in range(4)]].reshape(idx.size * k, 4)
+        parts.append((idx, k, table))
+    first_row = np.cumsum(ncols) - ncols
+    t = np.zeros((int(ncols.sum()), 4), np.int64)
+    for idx, k, table in parts:
+        t[(first_row[idx][:, None] + np.arange(k)).ravel()] = table
+    names = list(chain.from_iterable(per_chunk_names))
+    dts = list(chain.from_iterable(per_chunk_dts))
+    return names, dts, t, ncols, scales
+
+
 # (column names, dtypes) of obs chunk directories that passed every check of History.chunk -> item size per
 # column (negated for variable-length columns)
 _LAYOUTS_OK: dict[tuple, list[int]] = {}
@@ -551,11 +723,11 @@ class _Col:
 class _Layout:
     """The directories of a site's obs chunks, checked for all chunks at once (see ``History._layout``)."""
 
-    def __init__(self, history: "History", entries: list[_Entry], metas: list[dict], names: list[str],
+    def __init__(self, history: "History", entries: list[_Entry], scales: list, names: list[str],
                  table: np.ndarray, ncols: np.ndarray, payload: np.ndarray, uniform_k: int) -> None:
         """``names``: the column names of the first chunk when every chunk has the same ``uniform_k`` columns,
-        else of every chunk, in table order; ``metas`` as unpacked with byte-string keys."""
-        self.history, self.entries, self.metas = history, entries, metas
+        else of every chunk, in table order; ``scales``: each directory's ``scale`` value (None: no key)."""
+        self.history, self.entries, self.scales = history, entries, scales
         self._names, self._table, self._ncols, self._payload = names, table, ncols, payload
         self._first = np.cumsum(ncols) - ncols
         self.uniform_k = uniform_k
@@ -836,10 +1008,8 @@ class History:
         offsets, sizes and padding of all chunks at once. Raises (anything) where :meth:`chunk` must name the
         problem."""
         view = self._view
-        metas: list[dict] = []
-        cols_list: list[list] = []
+        dirs: list[memoryview] = []
         dir_end: list[int] = []
-        unpackb = msgpack.unpackb
         for e in entries:
             start = e.offset + RECORD_HEADER_SIZE
             payload = view[start : start + e.length]
@@ -848,32 +1018,14 @@ class History:
             mlen = int.from_bytes(payload[:4], "little")
             if mlen > MAX_META or 4 + mlen > e.length:
                 raise _Fallback
-            # strings as bytes (no UTF-8 decoding): names and dtypes must equal those of a layout that passed
-            # chunk(), and the map may hold only the keys of spec 7.2, so nothing chunk() refuses gets through
-            meta = unpackb(payload[4 : 4 + mlen], raw=True, strict_map_key=True, max_bin_len=0,
-                           max_ext_len=0, max_str_len=4096, max_array_len=4096, max_map_len=64)
-            cols = meta[b"cols"]
-            if (type(cols) is not list or type(meta[b"rows"]) is not int or meta[b"rows"] != e.rows
-                    or meta.get(b"segment") != e.segment or meta.get(b"site") != e.site or len(cols) > MAX_COLUMNS
-                    or not meta.keys() <= _META_KEYS):
-                raise _Fallback
-            metas.append(meta)
-            cols_list.append(cols)
+            dirs.append(payload[4 : 4 + mlen])
             d = 4 + mlen
             dir_end.append(d + (-d % 8))
-        n_entries = sum(map(len, cols_list))
-        # entries that are not 6-element lists misalign the slices below: an int where a name belongs, or a name
-        # where an int belongs, which the layout and integer checks refuse
-        vals = list(chain.from_iterable(chain.from_iterable(cols_list)))
-        if len(vals) != 6 * n_entries:
-            raise _Fallback
-        names, dts = vals[0::6], vals[1::6]
-        ints = vals[2::6] + vals[3::6] + vals[4::6] + vals[5::6]
-        if set(map(type, ints)) != {int}:
-            raise _Fallback
-        m = len(names)
-        t = np.array(ints, np.int64).reshape(4, m).T  # codec, offset, stored, raw; OverflowError: chunk() decides
-        ncols = np.array([len(c) for c in cols_list], np.int64)
+        fast = _directories_by_template(dirs, entries)
+        if fast is not None:
+            names, dts, t, ncols, scales = fast
+        else:
+            names, dts, t, ncols, scales = _directories_unpacked(dirs, entries)
         first = np.cumsum(ncols) - ncols
         k = int(ncols[0])
         n_chunks = len(entries)
@@ -927,7 +1079,7 @@ class History:
             if np.frombuffer(self._buf, np.uint8)[np.repeat(at, n) + j].any():
                 raise _Fallback
         shown = [nm.decode() for nm in (names[:k] if which is None else names)]
-        return _Layout(self, entries, metas, shown, t, ncols, payload_at, k if which is None else 0)
+        return _Layout(self, entries, scales, shown, t, ncols, payload_at, k if which is None else 0)
 
     def _obs_columns(self, e: _Entry) -> tuple[dict[str, np.ndarray], dict[str, tuple[np.ndarray, bytes]], Chunk]:
         ch = self.chunk(e)
@@ -1141,7 +1293,7 @@ class History:
             scale_of = []  # per chunk: its sites' scale (2 for sites without sketches)
             for k, es in enumerate(per_site):
                 a, b = chunk_at[k], chunk_at[k + 1]
-                scales = {m.get(b"scale") for m, h in zip(lay.metas[a:b], have[a:b]) if h}
+                scales = {sc for sc, h in zip(lay.scales[a:b], have[a:b]) if h}
                 sc = scales.pop() if scales else 2
                 if scales or type(sc) is not int or sc not in (0, 1, 2):
                     raise _Fallback
