@@ -3,6 +3,13 @@
 The reader follows the normative algorithm of spec section 8: walk the record headers, trust nothing it cannot
 check, and end in one of three outcomes — clean end, torn tail after the last commit (the prefix is recovered
 and what was dropped is reported), or corruption before the last commit (a typed error naming the offset).
+
+Rows are read in batches (``History._batch``): the chunks of one site, or of the next sites when sites are read
+in order, have their directories read together (``_directories_by_template``: one directory unpacked per
+structure, the integers of the others read from their bytes at once) and checked on whole arrays
+(``History._layout``), and each column of all of them is decoded with one set of numpy operations (``_gather``).
+Whenever a batch check fails, the site is read again chunk by chunk (``History._site_chunks``), which raises
+the error spec 8 names, with the offset of the first damaged record.
 """
 
 from __future__ import annotations
