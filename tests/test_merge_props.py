@@ -9,6 +9,7 @@ precomputed Summaries with counts near 2**60 and exact sums that are not floats.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import math
 import os
@@ -484,8 +485,10 @@ def test_many_shards_with_small_descriptor_pool(monkeypatch):
                 for step in range(10):
                     w.observe(s, step, np.full(3, float(r)))
             paths.append(p)
+        gc.collect()  # files of earlier tests still awaiting collection would otherwise close during the merge
         fds_before = len(os.listdir("/proc/self/fd"))
         m = d.merge(paths)
+        gc.collect()
         assert len(os.listdir("/proc/self/fd")) == fds_before
         s = trainhist.open(m).spine("x")
         assert s.count.tolist() == [120] * 10 and s.max.tolist() == [39.0] * 10
