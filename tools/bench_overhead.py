@@ -225,10 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         f"Model: transformers GPT-2, {args.layers} layers, width {args.width}, sequence {args.seq}, batch {args.batch}, "
         f"vocabulary {args.vocab}, random init, AdamW; device {args.device}. {args.reps} repetitions, each running every "
         f"configuration once in rotated order ({args.warmup} warm-up + "
-        f"{'one whole default cadence period of timed steps (means), baselines included' if args.paired_period else f'{args.steps} timed steps'} each). Ratio = a "
-        "configuration's step time / the baseline's in the same repetition (median over the timed steps; for the "
-        "default, which records at a cadence, the mean over one whole cadence period, recording steps included, "
-        "divided by the baseline's mean); "
+        f"{'timed steps: one whole period of the default cadence' if args.paired_period else f'{args.steps} timed steps'} each). Ratio = a "
+        "configuration's step time / the baseline's in the same repetition ("
+        + ("the mean over the timed steps, for every configuration); " if args.paired_period else
+           "median over the timed steps; for the default, which records at a cadence, the mean over one whole "
+           "cadence period, recording steps included, divided by the baseline's mean); ") + 
         "shown as median [min, max] over repetitions. The CPU-time ratio uses the process CPU time of each step instead of wall-clock time: "
         "less sensitive to other jobs taking the CPUs, it is the cost of the work itself.",
         "",
