@@ -317,6 +317,54 @@ def decode_obs_batch(parts: list[ObsChunk]) -> Rows:
     scales = {p.scale for p in parts if p.scale is not None}
     assert len(scales) <= 1, "callers group chunks by sketch scale"
     scale = scales.pop() if scales else None
+    one = len(parts) == 1
+    cols = {k: (parts[0].cols[k].copy() if one else np.concatenate([p.cols[k] for p in parts]))
+            for k in OBS_COLUMNS}
+    tally = None
+    if any(p.tally is not None for p in parts):
+        tally = np.zeros((sum(p.rows for p in parts), len(_TALLY_NAMES)), np.uint64)
+        r0 = 0
+        for p in parts:
+            if p.tally is not None:
+                tally[r0:r0 + p.rows] = np.stack(p.tally, axis=1)
+            r0 += p.rows
+    explicit = np.array([p.tally is not None for p in parts])
+    exact = {}
+    for name in ("sum", "sumsq"):
+        if any(p.exact[name] is not None for p in parts):
+            lens = np.concatenate([p.exact[name][0] if p.exact[name] is not None else np.zeros(p.rows, np.uint32)
+                                   for p in parts])
+            blobs = [p.exact[name][1] for p in parts if p.exact[name] is not None]
+            blob = blobs[0] if len(blobs) == 1 else np.concatenate(blobs)
+            lsum = [int(p.exact[name][0].sum(dtype=np.uint64)) if p.exact[name] is not None else 0 for p in parts]
+            bsize = [p.exact[name][1].size if p.exact[name] is not None else 0 for p in parts]
+            exact[name] = (lens, blob, lsum, bsize)
+        else:
+            exact[name] = None
+    sk = counts = None
+    if scale is not None:
+        sk = {}
+        for k, dt in SKETCH_COLUMNS.items():
+            if k != "sk_counts":
+                sk[k] = parts[0].sk[k] if one else np.concatenate(
+                    [p.sk[k] if p.sk is not None else np.zeros(p.rows, dt) for p in parts])
+        cl = [p.counts for p in parts if p.counts is not None and p.counts.size]
+        counts = cl[0] if len(cl) == 1 else (np.concatenate(cl) if cl else np.zeros(0, np.uint64))
+    csize = [0 if p.counts is None else p.counts.size for p in parts]
+    return decode_obs_columns(parts, cols, tally, explicit, exact, sk, counts, csize, scale)
+
+
+def decode_obs_columns(parts: list[ObsChunk], cols: dict[str, np.ndarray], tally: np.ndarray | None,
+                       explicit: np.ndarray, exact: dict[str, tuple | None], sk: dict[str, np.ndarray] | None,
+                       counts: np.ndarray | None, csize: list[int], scale: int | None) -> Rows:
+    """:func:`decode_obs_batch` on columns already decoded and concatenated over the chunks ``parts`` (whose
+    ``path``, ``offset``, ``rows``, ``step_min``, ``step_max`` and ``src`` alone are read): ``cols`` the
+    OBS_COLUMNS (writable, owned by the result), ``tally`` the (rows, 6) tally columns or None, ``explicit``
+    which chunks have them, ``exact[name]`` None or (``_xn`` lengths with zeros where a chunk lacks them, the
+    joined ``_x`` blobs, each chunk's sum of lengths, each chunk's blob size), ``sk`` the sketch columns (zeros
+    where a chunk lacks them) and ``counts`` the joined ``sk_counts`` (``csize`` values per chunk) when ``scale``
+    is not None. Every check runs on the whole batch; a failure names the chunk and row as the per-chunk check
+    would."""
     sizes = np.array([p.rows for p in parts], np.int64)
     row0 = np.cumsum(sizes) - sizes
     total = int(sizes.sum())
@@ -333,9 +381,6 @@ def decode_obs_batch(parts: list[ObsChunk]) -> Rows:
         p, j = where(i)
         return p.path, p.offset, j
 
-    one = len(parts) == 1
-    cols = {k: (parts[0].cols[k].copy() if one else np.concatenate([p.cols[k] for p in parts]))
-            for k in OBS_COLUMNS}
     step = cols["step"]
     lo_s, hi_s = np.minimum.reduceat(step, row0), np.maximum.reduceat(step, row0)
     bad = (lo_s != [p.step_min for p in parts]) | (hi_s != [p.step_max for p in parts])
@@ -347,12 +392,9 @@ def decode_obs_batch(parts: list[ObsChunk]) -> Rows:
         p, _ = where(int(np.flatnonzero(unknown)[0]))
         raise UnsupportedError("chunk uses phase or presence codes unknown to this reader", code="unknown_code",
                                path=p.path, offset=p.offset)
-    tally = np.zeros((total, len(_TALLY_NAMES)), np.uint64)
-    explicit = np.zeros(total, bool)
-    for p, r0 in zip(parts, row0.tolist()):
-        if p.tally is not None:
-            tally[r0:r0 + p.rows] = np.stack(p.tally, axis=1)
-            explicit[r0:r0 + p.rows] = True
+    if tally is None:
+        tally = np.zeros((total, len(_TALLY_NAMES)), np.uint64)
+    explicit = np.repeat(np.asarray(explicit, bool), sizes)
     implicit = ~explicit
     tally[np.flatnonzero(implicit), cols["presence"][implicit].astype(np.intp)] = 1
     presence = derive_presence(tally)
@@ -361,54 +403,45 @@ def decode_obs_batch(parts: list[ObsChunk]) -> Rows:
         if wrong.any():
             raise fail(wrong, "presence column disagrees with the presence the tally columns imply", "bad_tally")
     observed = presence == Presence.OBSERVED
-    exact = []
+    xcols = []
     for name in ("sum", "sumsq"):
         lens = blob = None
-        if any(p.exact[name] is not None for p in parts):
-            lens = np.concatenate([p.exact[name][0] if p.exact[name] is not None else np.zeros(p.rows, np.uint32)
-                                   for p in parts])
-            blobs = [p.exact[name][1] for p in parts if p.exact[name] is not None]
-            for p in parts:  # each chunk's lengths must match its own blob
-                if p.exact[name] is not None and int(p.exact[name][0].sum(dtype=np.uint64)) != p.exact[name][1].size:
-                    raise _bad(f"{name}_x holds {p.exact[name][1].size} bytes, {name}_xn sums to "
-                               f"{int(p.exact[name][0].sum(dtype=np.uint64))}", p.path, p.offset, "bad_column_length")
-            blob = blobs[0] if len(blobs) == 1 else np.concatenate(blobs)
-        exact.append(decode_exact(name, cols[name], lens, blob, observed, locate))
+        if exact[name] is not None:
+            lens, blob, lsum, bsize = exact[name]
+            for p, ls, bs in zip(parts, lsum, bsize):  # each chunk's lengths must match its own blob
+                if ls != bs:
+                    raise _bad(f"{name}_x holds {bs} bytes, {name}_xn sums to {ls}", p.path, p.offset,
+                               "bad_column_length")
+        xcols.append(decode_exact(name, cols[name], lens, blob, observed, locate))
     has = np.zeros(total, bool)
     sparse = bands = None
     if scale is not None:
         nb = nbins(scale)
 
-        def skcol(k: str, dt) -> np.ndarray:
-            if one:
-                return parts[0].sk[k]
-            return np.concatenate([p.sk[k] if p.sk is not None else np.zeros(p.rows, dt) for p in parts])
-
-        skf = skcol("sk", np.uint8)
+        skf = sk["sk"]
         if (skf > 1).any():
             raise fail(skf > 1, "sk column holds values other than 0 and 1", "bad_sketch")
         has = skf == 1
-        plo, nlo = skcol("sk_plo", np.uint16), skcol("sk_nlo", np.uint16)
-        pn, nn = skcol("sk_pn", np.uint16), skcol("sk_nn", np.uint16)
+        plo, nlo = sk["sk_plo"], sk["sk_nlo"]
+        pn, nn = sk["sk_pn"], sk["sk_nn"]
         stray = ~has & ((pn > 0) | (nn > 0))
         if stray.any():
             raise fail(stray, "a row without a sketch declares sketch bins", "bad_sketch")
         lo = np.stack([plo, nlo], axis=1).astype(np.int64)  # row-major: pos, neg
         n = np.stack([pn, nn], axis=1).astype(np.int64)
         per_chunk = np.add.reduceat(n.sum(axis=1), row0)
-        csize = np.array([0 if p.counts is None else p.counts.size for p in parts])
+        csize = np.array(csize, np.int64)
         badr = (lo + n > nb).any(axis=1)
         badc = per_chunk != csize
         if badr.any() or badc.any():
-            p = where(int(np.flatnonzero(badr)[0]))[0] if badr.any() else parts[int(np.flatnonzero(badc)[0])]
-            raise _bad(f"sketch ranges exceed {nb} bins or disagree with the "
-                       f"{0 if p.counts is None else p.counts.size} values of sk_counts", p.path, p.offset,
-                       "bad_sketch")
-        cl = [p.counts for p in parts if p.counts is not None and p.counts.size]
-        counts = cl[0] if len(cl) == 1 else (np.concatenate(cl) if cl else np.zeros(0, np.uint64))
+            k = int(np.searchsorted(row0, int(np.flatnonzero(badr)[0]), side="right")) - 1 if badr.any() \
+                else int(np.flatnonzero(badc)[0])
+            p = parts[k]
+            raise _bad(f"sketch ranges exceed {nb} bins or disagree with the {int(csize[k])} values of sk_counts",
+                       p.path, p.offset, "bad_sketch")
         sparse = Sparse(lo, n, counts, int(counts.max()) if counts.size else 0)
-        bands = np.stack([skcol(k, np.uint64) for k in ("sk_up", "sk_un", "sk_op", "sk_on")], axis=1).astype(np.uint64)
-    r = Rows(cols, exact[0], exact[1], tally, has, None, None, bands, scale, sparse)
+        bands = np.stack([sk[k] for k in ("sk_up", "sk_un", "sk_op", "sk_on")], axis=1).astype(np.uint64)
+    r = Rows(cols, xcols[0], xcols[1], tally, has, None, None, bands, scale, sparse)
     blank(r, ~observed)  # spec 2.6: only observed rows carry numbers
     if r.sparse is not None and not r.has_sk.any():
         r.sparse = r.bands = None

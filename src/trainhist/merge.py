@@ -31,6 +31,7 @@ from .canonical import (
     check_payload,
     ObsChunk,
     decode_obs_batch,
+    decode_obs_columns,
     read_obs,
     decode_steps,
     derive_presence,
@@ -44,6 +45,10 @@ from .errors import MergeError, TrainhistError, UsageError
 from .framing import RECORD_HEADER_SIZE
 from .grid import nbins
 from .model import CANONICAL_NAN, CANONICAL_NAN_BITS, U64_UNKNOWN, Presence
+from .batchdecode import Fallback, check_chunk, gather, join, layout
+from .chunk import Codec
+from .framing import crc32c
+from .model import OBS_COLUMNS, SKETCH_COLUMNS, TALLY_COLUMNS
 from .reader import History
 
 __all__ = ["merge", "canonicalize", "MergeReport", "BATCH_ROWS", "FD_POOL"]
@@ -205,6 +210,135 @@ def _groups(keys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 # -- the engine ----------------------------------------------------------------------------------------------
+class _BatchColumns:
+    """The columns of a batch of input chunks decoded together (:func:`_batch_columns`), concatenated in batch
+    order; :meth:`decode` checks and decodes some of the chunks as :func:`canonical.decode_obs_batch` would."""
+
+    def __init__(self, parts: list[ObsChunk], cols: dict[str, np.ndarray], tally: np.ndarray | None,
+                 explicit: list[bool], exact: dict[str, tuple | None], sk: dict[str, np.ndarray] | None,
+                 counts: np.ndarray, csize: list[int], scales: list[int | None], any_sk: list[bool]) -> None:
+        self.parts, self.cols, self.tally, self.explicit, self.exact = parts, cols, tally, explicit, exact
+        self.sk, self.counts, self.csize, self.scales, self.any_sk = sk, counts, csize, scales, any_sk
+
+    def decode(self, idx: list[int]) -> Rows:
+        parts = [self.parts[i] for i in idx]
+        scales = {self.scales[i] for i in idx if self.scales[i] is not None}
+        assert len(scales) <= 1, "callers group chunks by sketch scale"
+        scale = scales.pop() if scales else None
+        n = len(self.parts)
+        if len(idx) == n:
+            cols, tally, sk = dict(self.cols), self.tally, self.sk
+            exact = {k: None if x is None else (x[0], x[1], x[2], x[2]) for k, x in self.exact.items()}
+            counts, csize = self.counts, self.csize
+        else:
+            sizes = np.array([p.rows for p in self.parts], np.int64)
+            r0 = (np.cumsum(sizes) - sizes).tolist()
+            sl = [slice(r0[i], r0[i] + self.parts[i].rows) for i in idx]
+
+            def take(a: np.ndarray) -> np.ndarray:
+                return np.concatenate([a[s] for s in sl])
+
+            cols = {k: take(v) for k, v in self.cols.items()}
+            tally = None if self.tally is None else take(self.tally)
+            sk = None if self.sk is None else {k: take(v) for k, v in self.sk.items()}
+            exact = {}
+            for k, x in self.exact.items():
+                if x is None or not any(x[2][i] for i in idx):
+                    exact[k] = None if x is None or not any(x[3][i] for i in idx) else \
+                        (take(x[0]), np.zeros(0, np.uint8), [0] * len(idx), [0] * len(idx))
+                    continue
+                b0 = np.cumsum([0] + x[2]).tolist()
+                blob = np.concatenate([x[1][b0[i] : b0[i + 1]] for i in idx])
+                exact[k] = (take(x[0]), blob, [x[2][i] for i in idx], [x[2][i] for i in idx])
+            c0 = np.cumsum([0] + self.csize).tolist()
+            counts = np.concatenate([self.counts[c0[i] : c0[i + 1]] for i in idx] + [np.zeros(0, np.uint64)])
+            csize = [self.csize[i] for i in idx]
+            cols = {k: v.copy() for k, v in cols.items()}
+        if len(idx) == n:
+            cols = {k: v if v.flags.writeable else v.copy() for k, v in cols.items()}
+        if scale is None:
+            sk = counts = None
+        return decode_obs_columns(parts, cols, tally, [self.explicit[i] for i in idx], exact, sk, counts, csize,
+                                  scale)
+
+
+def _batch_columns(batch: list[tuple[_Source, Any]], raw: list[bytes]) -> _BatchColumns:
+    """Every column of the chunks of ``batch`` (``raw``: their payloads, CRC-checked), through the reader's batched
+    decoder; raises (anything) where the per-chunk path must decide."""
+    gap = RECORD_HEADER_SIZE
+    pieces: list[bytes] = [bytes(gap)]
+    entries = []
+    at = gap
+    for (_, e), data in zip(batch, raw):
+        entries.append(e._replace(offset=at - gap))
+        pad = -len(data) % 8
+        pieces.append(data)
+        if pad:
+            pieces.append(bytes(pad))
+        at += len(data) + pad
+    view = memoryview(b"".join(pieces))
+
+    def chunk_of(e: Any) -> Any:
+        return check_chunk(view[e.offset + gap : e.offset + gap + e.length], e, "<batch>")
+
+    lay = layout(view, entries, chunk_of, crc=False)
+    rows = [e.rows for e in entries]
+    rows_a = np.array(rows, np.int64)
+    starts = np.cumsum(rows_a) - rows_a
+    cols = {name: gather(view, lay.col(name), dt, rows) for name, dt in OBS_COLUMNS.items()}
+    tcols = [lay.col(name) for name in TALLY_COLUMNS]
+    tp = [c.present for c in tcols]
+    explicit = tp[0]
+    if any(q != explicit for q in tp):
+        raise Fallback
+    tally = None
+    if any(explicit):
+        tally = np.stack([gather(view, c, dt, rows) for c, dt in zip(tcols, TALLY_COLUMNS.values())],
+                         axis=1).astype(np.uint64)
+    exact: dict[str, tuple | None] = {}
+    for name in ("sum", "sumsq"):
+        xn, x = lay.col(name + "_xn"), lay.col(name + "_x")
+        if xn.present != x.present:
+            raise Fallback
+        if not any(xn.present):
+            exact[name] = None
+            continue
+        lens = gather(view, xn, "u4", rows)
+        if np.add.reduceat(lens.astype(np.int64), starts).tolist() != x.rlen:
+            raise Fallback
+        sub = x.subset()
+        blob = bytes(join(view, sub.start, [a + b for a, b in zip(sub.start, sub.slen)])) \
+            if sub.uniform and sub.codec[0] == Codec.RAW else gather(view, sub, "bytes", sub.rlen).tobytes()
+        exact[name] = (lens, np.frombuffer(blob, np.uint8), list(x.rlen), xn.present)
+    have = lay.col("sk").present
+    sk = None
+    counts = np.zeros(0, np.uint64)
+    csize = [0] * len(entries)
+    scales: list[int | None] = [None] * len(entries)
+    any_sk = [False] * len(entries)
+    if any(have):
+        for i, h in enumerate(have):
+            if h:
+                sc = lay.scales[i]
+                if type(sc) is not int or sc not in (0, 1, 2):
+                    raise Fallback
+                scales[i] = sc
+        skc = {k: lay.col(k) for k in SKETCH_COLUMNS}
+        if any(c.present != have for c in skc.values()):
+            raise Fallback
+        sk = {k: gather(view, c, SKETCH_COLUMNS[k], rows) for k, c in skc.items() if k != "sk_counts"}
+        cc = skc["sk_counts"]
+        if any(r % 8 for r in cc.rlen):
+            raise Fallback
+        sub = cc.subset()
+        counts = gather(view, sub, "u8", [r // 8 for r in sub.rlen])
+        csize = [r // 8 for r in cc.rlen]
+        any_sk = np.logical_or.reduceat(sk["sk"] != 0, starts).tolist()
+    parts = [ObsChunk(src.path, e.offset, e.rows, e.step_min, e.step_max, src.idx, {}, None, {}, None, None, sc)
+             for (src, e), sc in zip(batch, scales)]
+    return _BatchColumns(parts, cols, tally, explicit, exact, sk, counts, csize, scales, any_sk)
+
+
 class _Engine:
     def __init__(self, paths: list[str], output: str, *, steps: int, scale: int | None, across_runs: bool,
                  replica_divergence: str, codec: str, workers: int | None = None) -> None:
@@ -323,36 +457,92 @@ class _Engine:
 
     def _decode_batch(self, batch: list[tuple[_Source, Any]], out_site: int) -> Rows:
         """The rows of a batch of chunks of one output site, checked and decoded together where their sketch
-        scales allow (chunks that need downscaling, or that declare a scale but hold no sketch, one by one)."""
+        scales allow (chunks that need downscaling, or that declare a scale but hold no sketch, one by one).
+
+        The payloads are read (and CRC-checked) first, then decoded by the batched machinery of the reader
+        (:mod:`trainhist.batchdecode`: directories by template, each column of all chunks at once). When any
+        check of that path fails, or a payload cannot be read or fails its CRC, the chunks are decoded one by
+        one in order (:meth:`_decode_each`), which raises the error of spec 8 with the input's path and the
+        record's offset, exactly as before."""
+        raw = self._read_payloads(batch)
+        if len(raw) == len(batch):
+            try:
+                dec = _batch_columns(batch, raw)
+            except Exception:  # noqa: BLE001 - the per-chunk path below decides, and names the error
+                dec = None
+            if dec is not None:
+                return self._decode_columns(batch, dec, out_site)
+        return self._decode_each(batch, raw, out_site)
+
+    def _read_payloads(self, batch: list[tuple[_Source, Any]]) -> list[bytes]:
+        """The payloads of the chunks of ``batch``, CRC-checked, up to the first that cannot be read or fails its
+        CRC (the per-chunk path reads that one again, in order, and names the error)."""
+        raw: list[bytes] = []
+        for src, e in batch:
+            try:
+                data = self.pool.pread(src.path, e.length, e.offset + RECORD_HEADER_SIZE)
+            except TrainhistError:
+                break
+            if crc32c(data) != e.payload_crc:
+                break
+            raw.append(data)
+        return raw
+
+    def _route(self, src: _Source, p_scale: int | None, sc: int | None, out_site: int) -> int | None:
+        """How a chunk joins its batch: None with the others, -1 alone, else alone and downscaled by that much
+        (``p_scale``: the scale its directory declares when it has sketch columns; ``sc``: that scale when some
+        row holds a sketch)."""
+        if sc is None:
+            return None if p_scale is None else -1
+        target = sc if self.scale is None else min(sc, self.scale)
+        want = self.site_scale.get(out_site)
+        if want is not None and target != want:
+            raise MergeError(
+                f"site {_site_name(self.site_keys[out_site])}: sketches at scale {want} "
+                f"({2 ** want} bins per octave) in {self.scale_file[out_site]} and at scale {sc} in "
+                f"{src.path}; coarsen both to the coarser scale first", code="incompatible_grid", path=src.path,
+            )
+        if want is None:
+            self.site_scale[out_site] = target
+            self.scale_file[out_site] = src.path
+        return sc - target if target != sc else None
+
+    def _decode_each(self, batch: list[tuple[_Source, Any]], raw: list[bytes], out_site: int) -> Rows:
+        """The per-chunk path: each chunk parsed and checked alone, in order (``raw``: payloads already read and
+        CRC-checked, for the first chunks)."""
         together: list[ObsChunk] = []
         alone: list[Rows] = []
-        for src, e in batch:
-            p = read_obs(self._payload(src, e), path=src.path, offset=e.offset, site=e.site, segment=e.segment,
+        for i, (src, e) in enumerate(batch):
+            payload = memoryview(raw[i]) if i < len(raw) else self._payload(src, e)
+            p = read_obs(payload, path=src.path, offset=e.offset, site=e.site, segment=e.segment,
                          rows=e.rows, step_min=e.step_min, step_max=e.step_max, src=src.idx)
             self.report.rows_in += p.rows
             sc = p.scale if p.sk is not None and bool(p.sk["sk"].any()) else None
-            if sc is None:
-                if p.scale is None:
-                    together.append(p)
-                else:
-                    alone.append(decode_obs_batch([p]))
-                continue
-            target = sc if self.scale is None else min(sc, self.scale)
-            want = self.site_scale.get(out_site)
-            if want is not None and target != want:
-                raise MergeError(
-                    f"site {_site_name(self.site_keys[out_site])}: sketches at scale {want} "
-                    f"({2 ** want} bins per octave) in {self.scale_file[out_site]} and at scale {sc} in "
-                    f"{src.path}; coarsen both to the coarser scale first", code="incompatible_grid", path=src.path,
-                )
-            if want is None:
-                self.site_scale[out_site] = target
-                self.scale_file[out_site] = src.path
-            if target != sc:
-                alone.append(self._downscale(decode_obs_batch([p]), sc - target, src))
-            else:
+            how = self._route(src, p.scale, sc, out_site)
+            if how is None:
                 together.append(p)
+            elif how < 0:
+                alone.append(decode_obs_batch([p]))
+            else:
+                alone.append(self._downscale(decode_obs_batch([p]), how, src))
         rows = ([decode_obs_batch(together)] if together else []) + alone
+        return Rows.concat(rows) if len(rows) > 1 else rows[0]
+
+    def _decode_columns(self, batch: list[tuple[_Source, Any]], dec: "_BatchColumns", out_site: int) -> Rows:
+        """:meth:`_decode_each` on the columns of the batched path: the same routing, the same checks in the
+        same order (those of each chunk alone passed already)."""
+        together: list[int] = []
+        alone: list[Rows] = []
+        for i, (src, e) in enumerate(batch):
+            self.report.rows_in += e.rows
+            how = self._route(src, dec.scales[i], dec.scales[i] if dec.any_sk[i] else None, out_site)
+            if how is None:
+                together.append(i)
+            elif how < 0:
+                alone.append(dec.decode([i]))
+            else:
+                alone.append(self._downscale(dec.decode([i]), how, src))
+        rows = ([dec.decode(together)] if together else []) + alone
         return Rows.concat(rows) if len(rows) > 1 else rows[0]
 
     def _downscale(self, r: Rows, by: int, src: _Source) -> Rows:
