@@ -72,3 +72,34 @@ def test_cli_reports_io_errors_without_a_traceback(tmp_path, capsys) -> None:
     assert err.startswith("trainhist: error [io_error]") and "Traceback" not in err
     assert main(["verify", str(tmp_path / "missing.thist")]) == 1
     assert "[not_found]" in capsys.readouterr().err
+
+
+def test_site_spines_at_a_cadence_bracket_the_origin(tmp_path) -> None:
+    # the Collector's default: a per-step scalar (grad_norm) and site spines every 5 steps; the NaN starts at step 7
+    p = tmp_path / "t.thist"
+    ok = np.ones(4, np.float32)
+    bad = np.array([np.nan, 1, 1, 1], np.float32)
+    with trainhist.HistoryWriter(p) as w:
+        a = w.site("h.0", "activation", cadence_spine=5)
+        for step in range(12):
+            w.scalar("grad_norm", step, float("nan") if step >= 7 else 1.0)
+            if step % 5 == 0:
+                w.observe(a, step, bad if step >= 7 else ok)
+    with trainhist.open(p) as h:
+        t = triage(h)
+    first = t.first_nonfinite
+    assert first.step == 7 and first.site == "grad_norm"
+    site = next(f for f in t.findings if f.kind == "first_nonfinite_site")
+    assert site.step == 10 and site.site == "h.0"
+    assert "previous observation, at step 5" in site.text and "steps 6..9 were not observed" in site.text
+
+
+def test_no_bracket_when_the_site_was_observed_the_step_before(tmp_path) -> None:
+    p = tmp_path / "t.thist"
+    with trainhist.HistoryWriter(p) as w:
+        a = w.site("h.0", "activation")
+        for step in range(3):
+            w.observe(a, step, np.array([np.inf if step == 2 else 1.0]))
+    with trainhist.open(p) as h:
+        t = triage(h)
+    assert t.first_nonfinite.step == 2 and "first_nonfinite_site" not in [f.kind for f in t.findings]

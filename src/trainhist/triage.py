@@ -27,7 +27,7 @@ _PASS_NAME = {"activation": "forward", "activation_grad": "backward", "param_gra
 class Finding:
     """One thing a person should look at."""
 
-    kind: str  # first_nonfinite, nonfinite, failed, skipped_step, unknown_applied, segment
+    kind: str  # first_nonfinite, first_nonfinite_site, nonfinite, failed, skipped_step, unknown_applied, segment
     step: int | None
     site: str | None
     text: str
@@ -62,10 +62,35 @@ def _label(site: object, phase: str) -> str:
     return f"`{site.path}{facet}` {_PASS_NAME[site.stream]} ({site.stream}){ph}"
 
 
+def _what(nan: int, inf: int) -> str:
+    return ", ".join(x for x in (f"{nan} NaN" if nan else "", f"{inf} inf" if inf else "") if x)
+
+
+def _gap(e: tuple) -> bool:
+    """Whether the site was unobserved on the step before its first non-finite row (a cadence gap)."""
+    return e[7] is not None and e[7] != e[0] - 1
+
+
+def _site_finding(e: tuple) -> Finding:
+    """The first site-level non-finite observation, bracketed by the site's previous (finite) observation.
+
+    With spines at a cadence the site first seen non-finite may be downstream of the origin, so the finding says
+    which steps were not observed rather than attributing the origin to it.
+    """
+    step, _, _, phase, site, nan, inf, before = e
+    where = f"the first site with non-finite values is {_label(site, phase)} at step {step} ({_what(nan, inf)})"
+    if before is not None and before != step - 1:
+        where += (f"; its previous observation, at step {before}, was finite and steps {before + 1}..{step - 1} "
+                  f"were not observed there, so the values may have turned non-finite earlier, or first upstream of "
+                  f"this site (record every step to pin it)")
+    return Finding("first_nonfinite_site", step, site.path, where)
+
+
 def triage(h: History) -> Triage:
     """Scan every site's spine of ``h`` and the step table; return the findings, most important first."""
     report = Triage(h.path)
-    events: list[tuple[int, int, int, str, object, int, int]] = []  # step, pass, order, phase, site, nan, inf
+    # step, pass, order, phase, site, nan, inf, the site's previous observed step
+    events: list[tuple[int, int, int, str, object, int, int, int | None]] = []
     failed: dict[str, list[int]] = {}
     n_sites = len(h.sites)
     for site in h.sites:
@@ -76,19 +101,24 @@ def triage(h: History) -> Triage:
             obs = s.observed
             bad = obs & ((s.nan > 0) | (s.pinf > 0) | (s.ninf > 0))
             order = n_sites - site.id if site.stream == "activation_grad" else site.id
+            obs_steps = s.step[obs]
             for i in np.flatnonzero(bad).tolist():
+                k = int(np.searchsorted(obs_steps, s.step[i]))  # observed rows before this one
+                before = int(obs_steps[k - 1]) if k else None
                 events.append((int(s.step[i]), _PASS[site.stream], order, phase, site, int(s.nan[i]),
-                               int(s.pinf[i] + s.ninf[i])))
+                               int(s.pinf[i] + s.ninf[i]), before))
             fails = np.flatnonzero(s.presence == Presence.FAILED)
             if fails.size:
                 failed[_label(site, phase)] = s.step[fails].tolist()
     events.sort(key=lambda e: (e[0], e[1], e[2]))
     if events:
-        step, _, _, phase, site, nan, inf = events[0]
-        what = ", ".join(x for x in (f"{nan} NaN" if nan else "", f"{inf} inf" if inf else "") if x)
+        step, _, _, phase, site, nan, inf, _ = events[0]
         report.findings.append(Finding("first_nonfinite", step, site.path,
                                        f"the first non-finite value was in {_label(site, phase)} at step {step} "
-                                       f"({what})"))
+                                       f"({_what(nan, inf)})"))
+        first_site = next((e for e in events if e[4].stream != "scalar"), None)
+        if first_site is not None and (site.stream == "scalar" or _gap(first_site)):
+            report.findings.append(_site_finding(first_site))
         sites_hit = {(e[4].id, e[3]) for e in events}
         report.findings.append(Finding("nonfinite", None, None,
                                        f"{len(events)} observations on {len(sites_hit)} site/phase pairs held "
