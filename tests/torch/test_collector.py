@@ -469,22 +469,31 @@ def test_aliased_outputs_are_reduced_once_and_recorded_for_every_site(tmp_path, 
         assert_row(h, name, "activation_grad", s, ref_summary(gs), facet=facet, sketch=s % 2 == 0)
 
 
-def test_default_cadence_records_the_gradient_norm_every_step(tmp_path):
-    """Defaults: per-site spines every DEFAULT_EVERY steps, sketches every DEFAULT_SKETCH_EVERY, and the global
-    gradient norm (a run-level scalar) every step, equal to clip_grad_norm_'s own norm."""
-    from trainhist.torch.collector import DEFAULT_EVERY, DEFAULT_SKETCH_EVERY
+def test_defaults_are_spine_every_step_and_sparser_sketches(tmp_path):
+    """Issue 4: the spine every step by default, sketches sparser."""
+    col = Collector(mlp(), tmp_path / "d.thist")
+    try:
+        assert set(col.every.values()) == {1} and set(col.sketch_every.values()) == {10}
+    finally:
+        col.close()
+
+
+def test_a_cadence_still_records_the_gradient_norm_every_step(tmp_path):
+    """At a cadence: per-site spines every 5 steps, sketches every 10, and the global gradient norm (a run-level
+    scalar) every step, equal to clip_grad_norm_'s own norm."""
+    every, sketch_every = 5, 10
 
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     path = tmp_path / "default.thist"
-    col = Collector(model, path)
+    col = Collector(model, path, every=every, sketch_every=sketch_every)
     col.attach(optimizer=opt)
     norms = []
-    n = DEFAULT_EVERY + 2
+    n = every + 2
     for step in range(n):
         with col.step(step):
             loss = model(torch.randn(4, 8)).square().mean()
-            if step == DEFAULT_EVERY + 1:
+            if step == every + 1:
                 loss = loss * math.nan
             loss.backward()
             norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
@@ -492,10 +501,10 @@ def test_default_cadence_records_the_gradient_norm_every_step(tmp_path):
             opt.zero_grad()
     col.close()
     h = trainhist.open(path)
-    assert list(h.spine("0", "activation").step) == [0, DEFAULT_EVERY]
-    assert list(h.spine("0.weight", "param_grad").step) == [0, DEFAULT_EVERY]
+    assert list(h.spine("0", "activation").step) == [0, every]
+    assert list(h.spine("0.weight", "param_grad").step) == [0, every]
     assert list(h.sketch("0", "activation").columns["step"]) == [0]
-    assert DEFAULT_SKETCH_EVERY % DEFAULT_EVERY == 0
+    assert sketch_every % every == 0
     g = h.spine("grad_norm", "scalar")
     assert list(g.step) == list(range(n))
     got = np.asarray(g.max, dtype=np.float64)

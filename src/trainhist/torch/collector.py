@@ -54,9 +54,10 @@ from .reduce import Ledger, PendingTransfer, decode_row, merge_row, reduce_into
 __all__ = ["Collector", "StepTruth"]
 
 _GRAD_BASES = ("scaled", "unscaled")
-#: default cadences (steps) of the per-site spines and sketches; see the Collector docstring for the trade-off
-DEFAULT_EVERY = 25
-DEFAULT_SKETCH_EVERY = 50
+#: default cadences (steps) of the per-site spines and sketches (issue 4: spine every step, sketches sparser); see
+#: the Collector docstring for the cost and for a cheaper cadence
+DEFAULT_EVERY = 1
+DEFAULT_SKETCH_EVERY = 10
 # id of the autograd graph task running on this thread, -1 outside backward (activation-checkpoint recompute
 # runs forwards inside backward)
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
@@ -164,17 +165,16 @@ class Collector:
     substituted; under several ranks ``.rank<r>`` is inserted otherwise) or an open ``writer``; other keyword
     arguments go to :class:`~trainhist.HistoryWriter`.
 
-    Cadence and cost (defaults ``every=25``, ``sketch_every=50``). Every step, whatever the cadence, the collector
-    records the run-level scalars: the global gradient norm (one batched reduction over all gradients; NaN or inf
-    at the very step a gradient goes non-finite), the learning rates, the loss scale and step time, and whatever
-    the loop passes to :meth:`scalars` (the loss). The per-site spines of every selected site and stream are
-    recorded every 25 steps and the sketches every 50. Recording the spine of every site every step is a full pass
-    over every activation, activation gradient, parameter and gradient: on a CPU that costs about half of the
-    training step itself (``benchmarks/overhead.md``), sketches about as much again; at the default cadence the
-    overhead stays within a few percent. The trade-off: the step of the first non-finite gradient (and, from
-    the loss, of the forward) is exact, but the *site* where it first appeared is seen only at the next spine step,
-    by which time it may have spread downstream. To attribute a fault to its site and step exactly, record
-    every step (``every=1``) around the suspect range or on a small run — the triage then names both.
+    Cadence and cost (defaults ``every=1``, ``sketch_every=10``). The spine of every selected site and stream is
+    recorded every step and the sketches every 10 steps, so the triage names the site, pass and step of the first
+    non-finite value exactly. Every step the collector also records the run-level scalars: the global gradient norm
+    (one batched reduction over all gradients), the learning rates, the loss scale and step time, and whatever the
+    loop passes to :meth:`scalars` (the loss). The spine of every site every step is a full pass over every
+    activation, activation gradient, parameter and gradient: on a CPU a large share of the training step itself
+    (``benchmarks/overhead.md`` has the measured ratios). Where that is too much, record the per-site spines at a
+    cadence (e.g. ``every=25, sketch_every=50``, measured in the same table): the scalars still give the exact
+    *step* of the first non-finite gradient or loss, but the *site* is seen only at the next spine step, possibly
+    after the values spread downstream (the triage then brackets it), or narrow ``sites=`` / ``streams=``.
     """
 
     def __init__(

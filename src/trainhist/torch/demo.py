@@ -74,8 +74,8 @@ def _run(args: argparse.Namespace) -> int:
         return torch.stack([tokens[s : s + SEQ] for s in start.tolist()])
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    # a tiny model: recording every site every step is affordable, and lets the triage name the faulty site at the
-    # very step it went wrong (the defaults record spines every 25 steps; see the Collector docstring)
+    # spines every step (the default) let the triage name the faulty site at the very step it went wrong; a tiny
+    # model affords sketches every 5 steps (the default is every 10) for denser figures
     col = Collector(model, args.out, run_name="trainhist-demo", every=1, sketch_every=5,
                     config={"model": "gpt2-tiny", **{k: v for k, v in vars(args).items() if k != "out"}})
     first = batch()
