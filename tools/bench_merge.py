@@ -8,7 +8,11 @@ work on the machine slows it down). Writes (``--write``) or appends (``--append`
 ``benchmarks/merge.md``.
 
     .venv/bin/python tools/bench_merge.py --shards 8 --mb 100 --codec raw --commit-every 200 --write
-    .venv/bin/python tools/bench_merge.py --shards 8 --mb 100 --append     # the writer's default codec
+    .venv/bin/python tools/bench_merge.py --shards 8 --mb 100 --append     # the writer's defaults
+
+Without ``--codec`` and ``--commit-every`` the shards are written with the writer's defaults: neither the codec
+nor the commit cadence is passed to ``HistoryWriter`` (so ``packed``, and a commit every 200 steps or 30 s,
+whichever comes first); only ``fsync="never"`` is set, which changes how long generation takes, not the bytes.
 """
 
 from __future__ import annotations
@@ -61,9 +65,11 @@ print(json.dumps(out))
 # (label, functions whose cumulative time it is); the stages do not overlap
 STAGES = [
     ("open the inputs (manifests, commit entries; reader)", ["merge.py:_scan"]),
-    ("read and CRC-check chunk payloads (pread)", ["merge.py:_payload"]),
-    ("parse chunk directories and columns (`read_obs`, `chunk.decode_chunk`)", ["canonical.py:read_obs"]),
-    ("check and decode a batch (`decode_obs_batch`: exact sums, sketch ranges)", ["canonical.py:decode_obs_batch"]),
+    ("read and CRC-check chunk payloads (pread)", ["merge.py:_read_payloads", "merge.py:_payload"]),
+    ("decode chunk directories and columns (batched: `merge._batch_columns` on `batchdecode`; per chunk: "
+     "`read_obs`)", ["merge.py:_batch_columns", "canonical.py:read_obs"]),
+    ("check and decode a batch (`decode_obs_columns`: exact sums, sketch ranges)",
+     ["canonical.py:decode_obs_columns"]),
     ("combine rows (`_combine`: exact group sums, sketch scatter-add, counts)", ["merge.py:_combine"]),
     ("encode output chunks (`encode_obs`, codec)", ["canonical.py:encode_obs"]),
     ("step truth (decode, combine, encode)", ["canonical.py:decode_steps", "merge.py:_combine_steps",
@@ -85,15 +91,18 @@ def _summaries(seed: int, n: int = 64) -> list:
     return out
 
 
-def _gen(args: tuple) -> tuple[str, int, int]:
+def _gen(args: tuple) -> tuple[str, int, int, list[int]]:
+    """Write one shard; (path, bytes, obs rows, rows of every obs chunk)."""
     path, run_id, rank, world, target, codec, every = args
     import trainhist
 
     sums = _summaries(rank)
     rng = np.random.default_rng(100 + rank)
     kw = {} if codec == "default" else {"codec": codec}
-    with trainhist.HistoryWriter(path, run_id=run_id, rank=rank, world_size=world, fsync="never",
-                                 commit_every=10**9, commit_seconds=1e9, host="bench", **kw) as w:
+    if every is not None:  # explicit cadence: commits only where this loop asks
+        kw.update(commit_every=10**9, commit_seconds=1e9)
+    with trainhist.HistoryWriter(path, run_id=run_id, rank=rank, world_size=world, fsync="never", host="bench",
+                                 **kw) as w:
         sites = [w.site(f"layers.{i // 4}.{['attn', 'mlp', 'ln', 'out'][i % 4]}", "activation") for i in range(SITES)]
         step = 0
         rows = 0
@@ -104,17 +113,22 @@ def _gen(args: tuple) -> tuple[str, int, int]:
             w.step_truth(step, applied=True, tokens=4096, samples=8)
             rows += SITES
             step += 1
-            if step % every == 0:
+            if every is None:  # the writer commits by itself; the file grows at each commit
+                if step % 8 == 0 and os.path.getsize(path) >= target:
+                    break
+            elif step % every == 0:
                 w.commit()
                 if os.path.getsize(path) >= target:
                     break
-    return path, os.path.getsize(path), rows
+    with trainhist.open(path) as h:
+        chunk_rows = [e.rows for es in h._obs.values() for e in es]
+    return path, os.path.getsize(path), rows, chunk_rows
 
 
-def _writer_default_codec() -> str:
+def _writer_default(name: str):
     import trainhist
 
-    return inspect.signature(trainhist.HistoryWriter.__init__).parameters["codec"].default
+    return inspect.signature(trainhist.HistoryWriter.__init__).parameters[name].default
 
 
 def main() -> int:
@@ -123,7 +137,8 @@ def main() -> int:
     ap.add_argument("--mb", type=float, default=100.0, help="minimum size of each shard in MB (10**6 bytes)")
     ap.add_argument("--codec", default="default", help="codec of the generated shards ('default': the writer's)")
     ap.add_argument("--out-codec", default="packed,shuffle", help="codecs of the merged file, comma-separated")
-    ap.add_argument("--commit-every", type=int, default=50, help="steps per commit (= rows per input chunk)")
+    ap.add_argument("--commit-every", type=int, default=None, help="steps per commit (= rows per input chunk); "
+                    "default: not passed, the writer's own cadence")
     ap.add_argument("--workers", default="1,auto", help="worker processes of the merge, comma-separated "
                     "('auto': the library default)")
     ap.add_argument("--reps", type=int, default=2, help="timed merges per output codec and workers")
@@ -132,7 +147,7 @@ def main() -> int:
     ap.add_argument("--write", action="store_true", help="write benchmarks/merge.md (header and this section)")
     ap.add_argument("--append", action="store_true", help="append this section to benchmarks/merge.md")
     args = ap.parse_args()
-    shard_codec = _writer_default_codec() if args.codec == "default" else args.codec
+    shard_codec = _writer_default("codec") if args.codec == "default" else args.codec
     out_codecs = args.out_codec.split(",")
     tmp = tempfile.TemporaryDirectory(dir=args.dir)
     d = tmp.name
@@ -144,8 +159,17 @@ def main() -> int:
     with mp.get_context("spawn").Pool(min(args.shards, os.cpu_count() or 1)) as pool:
         made = pool.map(_gen, jobs)
     gen_s = time.perf_counter() - t0
-    paths = [p for p, _, _ in made]
-    total = sum(n for _, n, _ in made)
+    paths = [p for p, _, _, _ in made]
+    total = sum(n for _, n, _, _ in made)
+    chunk_rows = [r for _, _, _, rs in made for r in rs]
+    n_chunks = len(chunk_rows)
+    typical = statistics.median(chunk_rows)
+    writer_defaults = args.codec == "default" and args.commit_every is None
+    if args.commit_every is None:
+        cadence = (f"the writer's default commit cadence (`commit_every={_writer_default('commit_every')}`, "
+                   f"`commit_seconds={_writer_default('commit_seconds'):g}`)")
+    else:
+        cadence = f"a commit every {args.commit_every} steps"
     out = os.path.join(d, "merged.th")
     results: dict[tuple[str, str], list[dict]] = {}
     for oc, wk in [(oc, wk) for oc in out_codecs for wk in args.workers.split(",")]:
@@ -177,7 +201,6 @@ def main() -> int:
     tmp.cleanup()
     first = next(iter(results.values()))[0]
     rows_in = first["rows_in"]
-    n_chunks = rows_in // args.commit_every
     lines = []
     if args.write:
         lines.append(f"""# Merge benchmark
@@ -195,16 +218,18 @@ about 40 MB). Throughput is MB (10^6 bytes) of *input* per second of merge time.
 """)
     cmd = " ".join(["python", "tools/bench_merge.py"] + [a for a in sys.argv[1:] if a not in ("--write", "--append")])
     lines.append(f"""
-## Shards with codec `{shard_codec}`, {args.commit_every}-row chunks
+## Shards with codec `{shard_codec}`, {f"{args.commit_every}-row chunks" if args.commit_every else
+                                         f"the writer's default cadence ({typical:g}-row chunks)"}{
+                                         " (the writer's defaults)" if writer_defaults else ""}
 
 Command: `{cmd}`.
 
 Input: {args.shards} shards of one run (ranks 0..{args.shards - 1}), written by `HistoryWriter` with codec
-`{shard_codec}`{' (the writer default)' if args.codec == 'default' else ''}, {SITES} activation sites, every site
-observed at every step with a precomputed Summary of a 4096-element float32 tensor (spine + scale-2 sketch, exact
-`sumsq` of ~60-100 bits), a step-truth row per step, a commit every {args.commit_every} steps (so
-{n_chunks:,} input obs chunks of {args.commit_every} rows). {total / 1e6:.1f} MB in {args.shards} files
-({min(n for _, n, _ in made) / 1e6:.1f} MB the smallest); {rows_in:,} obs rows in, {first['rows_out']:,} out.
+`{shard_codec}`{' (the writer default: not passed)' if args.codec == 'default' else ''}, {SITES} activation sites,
+every site observed at every step with a precomputed Summary of a 4096-element float32 tensor (spine + scale-2
+sketch, exact `sumsq` of ~60-100 bits), a step-truth row per step, {cadence} (so {n_chunks:,} input obs chunks,
+{min(chunk_rows)}-{max(chunk_rows)} rows, median {typical:g}). {total / 1e6:.1f} MB in {args.shards} files
+({min(n for _, n, _, _ in made) / 1e6:.1f} MB the smallest); {rows_in:,} obs rows in, {first['rows_out']:,} out.
 Shard generation (not part of the merge): {gen_s:.1f} s.
 
 `CPU` is the merge's CPU time (user + system, workers included): on a machine shared with other work it shows
