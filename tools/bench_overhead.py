@@ -6,7 +6,7 @@
 Model: a HF transformers GPT-2 with random init sized for a 2-core CPU. Every configuration trains the same model
 from the same initial weights on the same synthetic tokens. Within one repetition every configuration runs once,
 in a rotated order; each configuration's step time (median over the timed steps; the mean over one whole cadence
-period for the default configuration, which records at a cadence) is divided by the baseline's of the same
+period for a configuration that records at a cadence) is divided by the baseline's of the same
 repetition, both in wall-clock and in process CPU time. The A/A row (the baseline run a second time) shows the
 noise band of the machine; the load average is reported because the machine may be shared.
 """
@@ -34,8 +34,10 @@ CONFIGS = [
     ("baseline (A/A)", "no instrumentation, run again: the noise band"),
     ("trainhist spine, all sites, every step", "5 streams, every module and parameter; spine every step, no sketches"),
     ("trainhist sketches, all sites, every step", "5 streams, every module and parameter; spine + sketch every step"),
-    ("trainhist default", "Collector defaults: 5 streams, every module and parameter; spine every 25 steps, sketches "
-     "every 50, global gradient norm every step; mean over one whole 50-step period"),
+    ("trainhist default", "Collector defaults: 5 streams, every module and parameter; spine every step, sketches "
+     "every 10 steps, global gradient norm every step; mean over one whole 10-step period"),
+    ("trainhist cadence every=25, sketch_every=50", "5 streams, every module and parameter; spine every 25 steps, "
+     "sketches every 50, global gradient norm every step; mean over one whole 50-step period"),
     ("trainhist params+grads sketches, every step", "param + param_grad only (the peers' coverage), spine + sketch every step"),
     ("wandb.watch(log='all', log_freq=1)", "offline mode; histograms of every parameter and gradient every step"),
     ("TensorBoard add_histogram", "every parameter and gradient every step"),
@@ -68,7 +70,9 @@ def instrument(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, tm
         from trainhist.torch import Collector
 
         kw: dict = {}
-        if "spine" in name:
+        if name in CADENCE and name != "trainhist default":
+            kw = dict(zip(("every", "sketch_every"), CADENCE[name]))
+        elif "spine" in name:
             kw = dict(every=1, sketch_every=0)
         elif "params+grads" in name:
             kw = dict(streams=("param", "param_grad"), every=1, sketch_every=1)
@@ -115,16 +119,23 @@ def instrument(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, tm
     raise ValueError(name)
 
 
-PAIRED = {"on": False}  # --paired-period: every configuration (baselines included) timed over the default's period
+def _default_cadence() -> tuple[int, int]:
+    from trainhist.torch.collector import DEFAULT_EVERY, DEFAULT_SKETCH_EVERY
+
+    return DEFAULT_EVERY, DEFAULT_SKETCH_EVERY
+
+
+#: configurations that record at a cadence: (spine every, sketch every)
+CADENCE = {"trainhist default": _default_cadence(), "trainhist cadence every=25, sketch_every=50": (25, 50)}
+#: --paired-period: every configuration (baselines included) timed over the longest period of the selected cadences
+PAIRED = {"period": 0}
 
 
 def period(name: str) -> int:
-    """Timed steps a configuration needs: one whole cadence period for the default (0: use ``--steps``)."""
-    if name == "trainhist default" or PAIRED["on"]:
-        from trainhist.torch.collector import DEFAULT_EVERY, DEFAULT_SKETCH_EVERY
-
-        return math.lcm(DEFAULT_EVERY, DEFAULT_SKETCH_EVERY)
-    return 0
+    """Timed steps a configuration needs: one whole cadence period where it records at a cadence (0: ``--steps``)."""
+    if PAIRED["period"]:
+        return PAIRED["period"]
+    return math.lcm(*CADENCE[name]) if name in CADENCE else 0
 
 
 def run_config(name: str, init_state: dict, args: argparse.Namespace, data: list[torch.Tensor],
@@ -175,16 +186,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="skip the peers (wandb, TensorBoard)")
     ap.add_argument("--out", help="write the markdown table here")
     ap.add_argument("--paired-period", action="store_true",
-                    help="time every configuration, the baselines included, over one whole period of the default "
-                    "cadence (means): a paired measurement of the default configuration (use with --only default)")
+                    help="time every configuration, the baselines included, over one whole period of the longest "
+                    "selected cadence (means): a paired measurement of the cadence configurations (use with --only)")
     ap.add_argument("--append", action="store_true", help="append the table to --out as a section")
     args = ap.parse_args(argv)
-    PAIRED["on"] = args.paired_period
     warnings.filterwarnings("ignore")
     configs = [c for c in CONFIGS if not (args.quick and c[0].split()[0] in ("wandb.watch(log='all',", "TensorBoard"))]
     if args.only:
         configs = [c for c in configs if c[0].startswith("baseline") or any(s in c[0] for s in args.only)]
     names = [c[0] for c in configs]
+    if args.paired_period:
+        PAIRED["period"] = max((period(n) for n in names), default=0)
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     loads: list[float] = []
@@ -211,8 +223,10 @@ def main(argv: list[str] | None = None) -> int:
                 ratios[name].append(got[name] / base[0])
                 cpu_ratios[name].append(gotc[name] / base[1])
     load_after = os.getloadavg()
+    timed = (f"{PAIRED['period']} timed steps, one whole cadence period" if args.paired_period else
+             f"{args.steps} timed steps, or one whole cadence period where a configuration records at a cadence")
     lines = [
-        "## Paired measurement of the default configuration" if args.append else
+        "## Paired measurement of the configurations that record at a cadence" if args.append else
         "# Overhead of recording a training loop",
         "",
         f"Generated by `python tools/bench_overhead.py {' '.join(sys.argv[1:] if argv is None else argv)}` on {platform.machine()} "
@@ -225,10 +239,10 @@ def main(argv: list[str] | None = None) -> int:
         f"Model: transformers GPT-2, {args.layers} layers, width {args.width}, sequence {args.seq}, batch {args.batch}, "
         f"vocabulary {args.vocab}, random init, AdamW; device {args.device}. {args.reps} repetitions, each running every "
         f"configuration once in rotated order ({args.warmup} warm-up + "
-        f"{'timed steps: one whole period of the default cadence' if args.paired_period else f'{args.steps} timed steps'} each). Ratio = a "
+        f"{timed} each). Ratio = a "
         "configuration's step time / the baseline's in the same repetition ("
         + ("the mean over the timed steps, for every configuration); " if args.paired_period else
-           "median over the timed steps; for the default, which records at a cadence, the mean over one whole "
+           "median over the timed steps; for the configurations that record at a cadence, the mean over one whole "
            "cadence period, recording steps included, divided by the baseline's mean); ") + 
         "shown as median [min, max] over repetitions. The CPU-time ratio uses the process CPU time of each step instead of wall-clock time: "
         "less sensitive to other jobs taking the CPUs, it is the cost of the work itself.",
