@@ -12,6 +12,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+from history_helpers import FAST, write_mixed
 
 import trainhist
 from trainhist.chunk import Codec
@@ -20,29 +21,10 @@ from trainhist.framing import RECORD_HEADER_SIZE, RecordType, crc32c
 from trainhist.writer import HistoryWriter
 
 merge_mod = importlib.import_module("trainhist.merge")  # the package exports the function as ``merge``
-FAST = dict(fsync="never", commit_every=10**9, commit_seconds=1e18)
 
 
 def _shard(p: Path, rank: int, world: int, run_id: str, codecs: tuple[str, ...]) -> None:
-    rng = np.random.default_rng(rank)
-    for k, codec in enumerate(codecs):
-        with HistoryWriter(p, mode="a", codec=codec, run_id=run_id, rank=rank, world_size=world, **FAST) as w:
-            a = w.site("a", "activation")
-            g = w.site("g", "param_grad")
-            s = w.site("s", "activation", cadence_sketch=0)
-            for step in range(k * 40, k * 40 + 40):
-                x = (rng.standard_normal(64 + step) * 2.0 ** (step % 9 - 4)).astype(np.float32)
-                if step % 7 == 3:
-                    x[0] = np.nan
-                w.observe(a, step, x, sketch=step % 3 != 0)
-                if step % 5 == 0:
-                    w.mark(g, step, "absent")
-                else:
-                    w.observe(g, step, x.astype(np.float64) * 1e300 if step % 11 == 0 else x, phase="pre_clip")
-                    w.observe(g, step, x[:10], phase="post_clip", micro=step % 2)
-                w.observe(s, step, x, sketch=False)
-                if step % 13 == 12:
-                    w.commit()
+    write_mixed(p, codecs, seed=rank, run_id=run_id, rank=rank, world_size=world)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from history_helpers import FAST, write_mixed
 
 import trainhist
 from trainhist.chunk import Codec
@@ -16,29 +17,9 @@ from trainhist.errors import CorruptError
 from trainhist.framing import RECORD_HEADER_SIZE, RecordType, crc32c
 from trainhist.writer import HistoryWriter
 
-FAST = dict(fsync="never", commit_every=10**9, commit_seconds=1e18)
-
 
 def build(p: Path) -> None:
-    rng = np.random.default_rng(3)
-    for k, codec in enumerate(("raw", "packed", "shuffle", "packed")):
-        with HistoryWriter(p, mode="a", codec=codec, **FAST) as w:
-            a = w.site("a", "activation")
-            g = w.site("g", "param_grad")
-            s = w.site("s", "activation", cadence_sketch=0)
-            for step in range(k * 40, k * 40 + 40):
-                x = (rng.standard_normal(64 + step) * 2.0 ** (step % 9 - 4)).astype(np.float32)
-                if step % 7 == 3:
-                    x[0] = np.nan
-                w.observe(a, step, x, sketch=step % 3 != 0)
-                if step % 5 == 0:
-                    w.mark(g, step, "absent")
-                else:
-                    w.observe(g, step, x.astype(np.float64) * 1e300 if step % 11 == 0 else x, phase="pre_clip")
-                    w.observe(g, step, x[:10], phase="post_clip", micro=step % 2)
-                w.observe(s, step, x, sketch=False)
-                if step % 13 == 12:
-                    w.commit()
+    write_mixed(p, ("raw", "packed", "shuffle", "packed"), seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +184,7 @@ def test_directory_templates(mixed: Path, tmp_path: Path) -> None:
 def test_directory_template_refuses_other_types() -> None:
     import msgpack
 
-    from trainhist.reader import _Entry, _directories_by_template, _int_positions
+    from trainhist.reader import _directories_by_template, _Entry, _int_positions
 
     def d(rows, codec, cols=None):
         cols = cols or [["step", "i8", codec, 40, 8 + rows, 8 * rows]]
