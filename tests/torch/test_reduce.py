@@ -79,21 +79,6 @@ def test_micro_batches_merge_exactly():
     check(run(neg_only), ref_summary([torch.cat(neg_only)]))
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=64), st.integers(1, 3))
-def test_any_float32_bit_pattern(words, chunks):
-    a = np.array(words, dtype=np.uint32).view(np.float32)
-    parts = [torch.from_numpy(c.copy()) for c in np.array_split(a, chunks) if c.size]
-    check(run(parts), ref_summary([torch.from_numpy(a)]))
-
-
-@settings(max_examples=40, deadline=None)
-@given(st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=64))
-def test_any_float64_bit_pattern(words):
-    a = np.array(words, dtype=np.uint64).view(np.float64)
-    check(run([torch.from_numpy(a)]), ref_summary([torch.from_numpy(a)]))
-
-
 def test_ledger_grows_mid_step_and_resets():
     led = Ledger("cpu")
     led.reset()
@@ -158,20 +143,28 @@ def check_spine(got, ref) -> None:
     check(got, ref)
 
 
+#: the two kernels: spine + sketch, and spine only (raw counts decoded on the host)
+KERNELS = {"full": (run, check), "spine": (run_spine, check_spine)}
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=64), st.integers(1, 3))
-def test_spine_any_float32_bit_pattern(words, chunks):
-    """The spine-only kernel (raw counts decoded on the host) on arbitrary bits, over several micro-batches."""
+def test_any_float32_bit_pattern(kernel, words, chunks):
+    """Arbitrary bits, over several micro-batches, equal the numpy reference."""
+    reduce_, check_ = KERNELS[kernel]
     a = np.array(words, dtype=np.uint32).view(np.float32)
     parts = [torch.from_numpy(c.copy()) for c in np.array_split(a, chunks) if c.size]
-    check_spine(run_spine(parts), ref_summary([torch.from_numpy(a)]))
+    check_(reduce_(parts), ref_summary([torch.from_numpy(a)]))
 
 
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=64))
-def test_spine_any_float64_bit_pattern(words):
+def test_any_float64_bit_pattern(kernel, words):
+    reduce_, check_ = KERNELS[kernel]
     a = np.array(words, dtype=np.uint64).view(np.float64)
-    check_spine(run_spine([torch.from_numpy(a)]), ref_summary([torch.from_numpy(a)]))
+    check_(reduce_([torch.from_numpy(a)]), ref_summary([torch.from_numpy(a)]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32])
