@@ -19,10 +19,11 @@ SPECIALS = [0.0, -0.0, math.nan, math.inf, -math.inf, 1e-45, -1e-45, 2.0**-48, -
 
 
 def run(tensors: list[torch.Tensor], *, use_bincount: bool | None = None, sketch: bool = True):
+    """Reduce ``tensors`` into one ledger row (the spine-only kernel when ``sketch`` is false) and decode it."""
     led = Ledger("cpu")
     led.reset()
     for t in tensors:
-        reduce_into(t, led.row("k"), use_bincount=use_bincount)
+        reduce_into(t, led.row("k"), use_bincount=use_bincount, sketch=sketch)
     p = led.transfer()
     return decode_row(p.row(p.wait(), "k"), sum(t.numel() for t in tensors), sketch=sketch)
 
@@ -130,12 +131,7 @@ def test_spine_only_reduction_equals_the_full_one() -> None:
 
 
 def run_spine(tensors: list[torch.Tensor]):
-    led = Ledger("cpu")
-    led.reset()
-    for t in tensors:
-        reduce_into(t, led.row("k"), sketch=False)
-    p = led.transfer()
-    return decode_row(p.row(p.wait(), "k"), sum(t.numel() for t in tensors), sketch=False)
+    return run(tensors, sketch=False)
 
 
 def check_spine(got, ref) -> None:
