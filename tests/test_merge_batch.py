@@ -10,15 +10,19 @@ import struct
 from pathlib import Path
 
 import msgpack
-import numpy as np
 import pytest
-from history_helpers import FAST, write_mixed
+from history_helpers import (
+    COLUMN_DAMAGE,
+    damage_column,
+    obs_payload,
+    rewrite,
+    write_mixed,
+    write_patched,
+)
 
 import trainhist
-from trainhist.chunk import Codec
 from trainhist.errors import CorruptError
-from trainhist.framing import RECORD_HEADER_SIZE, RecordType, crc32c
-from trainhist.writer import HistoryWriter
+from trainhist.framing import RECORD_HEADER_SIZE
 
 merge_mod = importlib.import_module("trainhist.merge")  # the package exports the function as ``merge``
 
@@ -83,55 +87,21 @@ def test_coarsen_and_merge_of_merges_batched_equals_per_chunk(shards: list[Path]
               tmp_path / f"ca{bpo}")
 
 
-def _records(data: bytes, rtype: int) -> list[int]:
-    out, pos = [], 32
-    while pos < len(data):
-        t, _f, length = struct.unpack_from("<HHI", data, pos)
-        if t == rtype:
-            out.append(pos)
-        pos += RECORD_HEADER_SIZE + length + (-length % 8)
-    return out
-
-
 @pytest.mark.parametrize("damage", ["for_wrap", "patched_exception", "f32_nan", "step_range", "directory",
                                     "payload_crc"])
 def test_damaged_input_chunk_named_with_path_offset_code(tmp_path: Path, damage: str) -> None:
     p, q = tmp_path / "a.thist", tmp_path / "b.thist"
     for r, path in enumerate((p, q)):
-        with HistoryWriter(path, run_id="fedcba9876543210fedcba9876543210", rank=r, world_size=2, commit_every=10,
-                           **{k: v for k, v in FAST.items() if k != "commit_every"}) as w:
-            a = w.site("a", "activation")
-            rng = np.random.default_rng(r)
-            for step in range(50):
-                x = rng.standard_normal(5000 + step).astype(np.float32) * 1000
-                x[:400] = 1.0  # one bin above 254: a patched exception per row
-                w.observe(a, step, x)
+        write_patched(path, seed=r, run_id="fedcba9876543210fedcba9876543210", rank=r, world_size=2)
     data = bytearray(q.read_bytes())
-    target = _records(bytes(data), RecordType.OBS)[2]
+    target, payload, cols = obs_payload(bytes(data), 2)
     start = target + RECORD_HEADER_SIZE
-    length = struct.unpack_from("<I", data, target + 4)[0]
-    payload = bytearray(data[start : start + length])
-    (mlen,) = struct.unpack_from("<I", payload)
-    d = {c[0]: c for c in msgpack.unpackb(bytes(payload[4 : 4 + mlen]))["cols"]}
-    want = "bad_column_data"
-    if damage == "for_wrap":
-        _, _, codec, off, slen, _ = d["count"]
-        assert codec == Codec.FOR and slen > 8
-        struct.pack_into("<Q", payload, off, 2**64 - 1)
-    elif damage == "patched_exception":
-        _, _, codec, off, slen, rlen = d["sk_counts"]
-        assert codec == Codec.PATCHED and slen - rlen // 8 >= 8
-        struct.pack_into("<Q", payload, off, 7)
-    elif damage == "f32_nan":
-        _, _, codec, off, _, _ = d["min"]
-        assert codec == Codec.F32
-        struct.pack_into("<I", payload, off, 0x7FC00001)
-    elif damage == "step_range":
-        _, _, codec, off, _, _ = d["step"]
-        assert codec == Codec.FOR
-        struct.pack_into("<q", payload, off, struct.unpack_from("<q", payload, off)[0] + 1)
-        want = "bad_chunk"
+    length = len(payload)
+    if damage in COLUMN_DAMAGE:
+        damage_column(payload, cols, damage)
+        want = COLUMN_DAMAGE[damage]
     elif damage == "directory":  # the directory's row count disagrees with the commit entry
+        (mlen,) = struct.unpack_from("<I", payload)
         meta = msgpack.unpackb(bytes(payload[4 : 4 + mlen]))
         meta["rows"] += 1
         new = msgpack.packb(meta)
@@ -142,9 +112,7 @@ def test_damaged_input_chunk_named_with_path_offset_code(tmp_path: Path, damage:
         data[start + length - 1] ^= 0x40
         want = "bad_payload_crc"
     else:
-        data[start : start + length] = payload
-        struct.pack_into("<I", data, target + 24, crc32c(bytes(payload)))
-        struct.pack_into("<I", data, target + 28, crc32c(bytes(data[target : target + 28])))
+        rewrite(data, target, bytes(payload))
     q.write_bytes(bytes(data))
     with trainhist.open(q) as h:
         with pytest.raises(CorruptError) as ei:

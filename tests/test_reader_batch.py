@@ -4,17 +4,24 @@ across chunks; the same typed error and record offset when a chunk is damaged; d
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
-from history_helpers import FAST, write_mixed
+from history_helpers import (
+    COLUMN_DAMAGE,
+    FAST,
+    damage_column,
+    obs_payload,
+    rewrite,
+    write_mixed,
+    write_patched,
+)
 
 import trainhist
 from trainhist.chunk import Codec
 from trainhist.errors import CorruptError
-from trainhist.framing import RECORD_HEADER_SIZE, RecordType, crc32c
+from trainhist.framing import RECORD_HEADER_SIZE
 from trainhist.writer import HistoryWriter
 
 
@@ -70,67 +77,17 @@ def test_public_api_unchanged(mixed: Path) -> None:
             sp.step[0] = 5
 
 
-def _records(data: bytes, rtype: int) -> list[int]:
-    out, pos = [], 32
-    while pos < len(data):
-        t, _f, length = struct.unpack_from("<HHI", data, pos)
-        if t == rtype:
-            out.append(pos)
-        pos += RECORD_HEADER_SIZE + length + (-length % 8)
-    return out
-
-
-def _rewrite(data: bytearray, pos: int, payload: bytes) -> None:
-    """Replace a record's payload (same length) and fix its payload and header CRCs."""
-    length = struct.unpack_from("<I", data, pos + 4)[0]
-    assert len(payload) == length
-    data[pos + RECORD_HEADER_SIZE : pos + RECORD_HEADER_SIZE + length] = payload
-    struct.pack_into("<I", data, pos + 24, crc32c(payload))
-    struct.pack_into("<I", data, pos + 28, crc32c(bytes(data[pos : pos + 28])))
-
-
-@pytest.mark.parametrize("damage", ["for_wrap", "patched_exception", "f32_nan", "step_range", "step_overflow"])
+@pytest.mark.parametrize("damage", list(COLUMN_DAMAGE))
 def test_damaged_middle_chunk_same_error_and_offset(tmp_path: Path, damage: str) -> None:
-    import msgpack
 
     p = tmp_path / "f.thist"
-    with HistoryWriter(p, commit_every=10, **{k: v for k, v in FAST.items() if k != "commit_every"}) as w:
-        a = w.site("a", "activation")
-        rng = np.random.default_rng(0)
-        for step in range(50):
-            x = rng.standard_normal(5000 + step).astype(np.float32) * 1000
-            x[:400] = 1.0  # one bin above 254: a patched exception per row
-            w.observe(a, step, x)
+    write_patched(p, seed=0)
     data = bytearray(p.read_bytes())
-    target = _records(bytes(data), RecordType.OBS)[2]
-    start = target + RECORD_HEADER_SIZE
-    length = struct.unpack_from("<I", data, target + 4)[0]
-    payload = bytearray(data[start : start + length])
-    (mlen,) = struct.unpack_from("<I", payload)
-    d = {c[0]: c for c in msgpack.unpackb(bytes(payload[4 : 4 + mlen]))["cols"]}
-    if damage == "for_wrap":
-        name, dt, codec, off, slen, rlen = d["count"]
-        assert codec == Codec.FOR and slen > 8
-        struct.pack_into("<Q", payload, off, 2**64 - 1)
-    elif damage == "patched_exception":
-        name, dt, codec, off, slen, rlen = d["sk_counts"]
-        assert codec == Codec.PATCHED and slen - rlen // 8 >= 8
-        struct.pack_into("<Q", payload, off, 7)
-    elif damage == "f32_nan":
-        name, dt, codec, off, slen, rlen = d["min"]
-        assert codec == Codec.F32
-        struct.pack_into("<I", payload, off, 0x7FC00001)
-    elif damage == "step_overflow":  # i8 frame of reference: base + the largest offset passes 2**63 - 1
-        name, dt, codec, off, slen, rlen = d["step"]
-        assert codec == Codec.FOR and slen > 8
-        struct.pack_into("<q", payload, off, 2**63 - 2)
-    else:
-        name, dt, codec, off, slen, rlen = d["step"]
-        assert codec == Codec.FOR
-        struct.pack_into("<q", payload, off, struct.unpack_from("<q", payload, off)[0] + 1)
-    _rewrite(data, target, bytes(payload))
+    target, payload, cols = obs_payload(bytes(data), 2)
+    damage_column(payload, cols, damage)
+    rewrite(data, target, bytes(payload))
     p.write_bytes(bytes(data))
-    want = "bad_chunk" if damage == "step_range" else "bad_column_data"
+    want = COLUMN_DAMAGE[damage]
     if damage == "patched_exception":  # sketch columns are checked when sketches are read (spec 8: lazily)
         with trainhist.open(p) as h:
             assert len(h.spine("a")) == 50
