@@ -103,3 +103,19 @@ def test_no_bracket_when_the_site_was_observed_the_step_before(tmp_path) -> None
     with trainhist.open(p) as h:
         t = triage(h)
     assert t.first_nonfinite.step == 2 and "first_nonfinite_site" not in [f.kind for f in t.findings]
+
+
+def test_cli_broken_pipe_is_not_an_error(monkeypatch, capsys) -> None:
+    """`trainhist dump F | head`: the reader went away; exit 0, nothing on stderr (BrokenPipeError is an OSError)."""
+    import argparse
+    import types
+
+    import trainhist.cli as cli
+
+    def closed_pipe(args: argparse.Namespace) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    parsed = argparse.Namespace(command="dump", func=closed_pipe)
+    monkeypatch.setattr(cli, "build_parser", lambda: types.SimpleNamespace(parse_known_args=lambda argv: (parsed, [])))
+    assert main(["dump", "x.thist"]) == 0
+    assert capsys.readouterr().err == ""

@@ -192,14 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     except TrainhistError as e:
         print(f"trainhist: error {e}", file=sys.stderr)
         return EXIT_INVALID
+    except BrokenPipeError:  # the reader of our output went away (`trainhist dump ... | head`): not an error
+        return EXIT_OK
     except FileNotFoundError as e:
         print(f"trainhist: error [not_found] {e.filename}: no such file", file=sys.stderr)
         return EXIT_INVALID
     except OSError as e:  # permission denied, a directory, disk full: say so, no traceback
         print(f"trainhist: error [io_error] {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return EXIT_INVALID
-    except BrokenPipeError:
-        return EXIT_OK
 
 
 if __name__ == "__main__":
