@@ -75,7 +75,7 @@ def test_cli_reports_io_errors_without_a_traceback(tmp_path, capsys) -> None:
 
 
 def test_site_spines_at_a_cadence_bracket_the_origin(tmp_path) -> None:
-    # the Collector's default: a per-step scalar (grad_norm) and site spines every 5 steps; the NaN starts at step 7
+    # a Collector at a cadence: a per-step scalar (grad_norm) and site spines every 5 steps; the NaN starts at step 7
     p = tmp_path / "t.thist"
     ok = np.ones(4, np.float32)
     bad = np.array([np.nan, 1, 1, 1], np.float32)

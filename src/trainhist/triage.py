@@ -79,7 +79,7 @@ def _site_finding(e: tuple) -> Finding:
     """
     step, _, _, phase, site, nan, inf, before = e
     where = f"the first site with non-finite values is {_label(site, phase)} at step {step} ({_what(nan, inf)})"
-    if before is not None and before != step - 1:
+    if _gap(e):
         where += (f"; its previous observation, at step {before}, was finite and steps {before + 1}..{step - 1} "
                   f"were not observed there, so the values may have turned non-finite earlier, or first upstream of "
                   f"this site (record every step to pin it)")
@@ -102,8 +102,9 @@ def triage(h: History) -> Triage:
             bad = obs & ((s.nan > 0) | (s.pinf > 0) | (s.ninf > 0))
             order = n_sites - site.id if site.stream == "activation_grad" else site.id
             obs_steps = s.step[obs]
-            for i in np.flatnonzero(bad).tolist():
-                k = int(np.searchsorted(obs_steps, s.step[i]))  # observed rows before this one
+            rows = np.flatnonzero(bad)
+            earlier = np.searchsorted(obs_steps, s.step[rows]).tolist()  # observed rows at earlier steps
+            for i, k in zip(rows.tolist(), earlier):
                 before = int(obs_steps[k - 1]) if k else None
                 events.append((int(s.step[i]), _PASS[site.stream], order, phase, site, int(s.nan[i]),
                                int(s.pinf[i] + s.ninf[i]), before))

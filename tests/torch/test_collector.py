@@ -504,7 +504,6 @@ def test_a_cadence_still_records_the_gradient_norm_every_step(tmp_path):
     assert list(h.spine("0", "activation").step) == [0, every]
     assert list(h.spine("0.weight", "param_grad").step) == [0, every]
     assert list(h.sketch("0", "activation").columns["step"]) == [0]
-    assert sketch_every % every == 0
     g = h.spine("grad_norm", "scalar")
     assert list(g.step) == list(range(n))
     got = np.asarray(g.max, dtype=np.float64)
