@@ -179,3 +179,25 @@ def test_valid_edge_blocks() -> None:
     assert dec(hand(4, [("c", "u8", 5, bytes([0, 1, 254, 3]), 32)]), U8).column("c", 4).tolist() == [0, 1, 254, 3]
     blk = struct.pack("<QQ", 2**64 - 1, 255) + bytes([255, 1, 255, 3])
     assert dec(hand(4, [("c", "u8", 5, blk, 32)]), U8).column("c", 4).tolist() == [2**64 - 1, 1, 255, 3]
+
+
+@pytest.mark.parametrize("drop", ["sk_counts", "sk_pn", "sum_x", "sumsq_xn"])
+def test_partial_optional_column_group_is_missing_column(drop: str) -> None:
+    """Sketch columns come all together and exact sums in pairs (spec 7.5): a chunk with part of a group is refused
+    with a typed error naming the record, never a KeyError later."""
+    import types
+
+    from trainhist.batchdecode import check_chunk
+    from trainhist.framing import RecordType
+    from trainhist.model import EXACT_COLUMNS, OBS_COLUMNS, SKETCH_COLUMNS
+
+    rows = 2
+    cols = {n: (dt, np.zeros(rows)) for n, dt in {**OBS_COLUMNS, **SKETCH_COLUMNS, **EXACT_COLUMNS}.items()}
+    cols.update(sk_counts=("u8", np.zeros(0)), sum_x=("bytes", b""), sumsq_x=("bytes", b""))
+    entry = types.SimpleNamespace(type=RecordType.OBS, site=0, segment=0, rows=rows, offset=1234)
+    meta = {"site": 0, "segment": 0, "rows": rows, "scale": 2}
+    check_chunk(memoryview(encode_chunk(meta, cols, Codec.RAW)), entry, "f.thist")  # the whole groups pass
+    del cols[drop]
+    with pytest.raises(CorruptError) as ei:
+        check_chunk(memoryview(encode_chunk(meta, cols, Codec.RAW)), entry, "f.thist")
+    assert ei.value.code == "missing_column" and ei.value.offset == 1234 and drop in str(ei.value)

@@ -43,6 +43,10 @@ def check_chunk(payload: memoryview, e: Any, path: str, offset: int | None = Non
                            offset=offset)
     required = OBS_COLUMNS if obs else STEPS_COLUMNS
     missing = [c for c in required if not ch.has(c)]
+    if obs:  # optional groups are all present or all absent (spec 7.5): the sketch columns, each exact-sum pair
+        for group in (tuple(SKETCH_COLUMNS), ("sum_xn", "sum_x"), ("sumsq_xn", "sumsq_x")):
+            if any(ch.has(c) for c in group):
+                missing += [c for c in group if not ch.has(c)]
     if missing:
         raise CorruptError(f"chunk lacks required columns {missing}", code="missing_column", path=path,
                            offset=offset)
