@@ -596,3 +596,16 @@ def test_commit_header_with_zero_payload_is_a_torn_tail(tmp_path) -> None:
         assert h.recovery.status == "torn" and "zero-filled" in h.recovery.reason
         assert h.committed_bytes == first_commit_end < last
         assert h.spine("a", "param").step.tolist() == [0]
+
+
+def test_unknown_phase_or_presence_name_is_a_usage_error(tmp_path) -> None:
+    from trainhist.errors import UsageError
+
+    p = tmp_path / "u.thist"
+    with trainhist.HistoryWriter(p) as w:
+        s = w.site("x", "activation")
+        w.observe(s, 0, np.ones(2))
+        with pytest.raises(UsageError, match="'gone' is not one of"):
+            w.mark(s, 1, "gone")
+    with trainhist.open(p) as h, pytest.raises(UsageError, match="'bogus' is not one of"):
+        h.spine("x", phase="bogus")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import UsageError
+
 __all__ = [
     "CANONICAL_NAN",
     "CANONICAL_NAN_BITS",
@@ -45,7 +47,7 @@ class _Enum:
         try:
             return cls.NAMES.index(name)
         except ValueError:
-            raise ValueError(f"{name!r} is not one of {', '.join(cls.NAMES)}") from None
+            raise UsageError(f"{name!r} is not one of {', '.join(cls.NAMES)}", code="unknown_name") from None
 
     @classmethod
     def name(cls, code: int) -> str:
