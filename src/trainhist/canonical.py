@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from dataclasses import dataclass
 
@@ -207,22 +206,6 @@ def check_payload(payload: bytes, crc: int, path: str, offset: int) -> memoryvie
     if crc32c(payload) != crc:
         raise _bad("payload CRC32C mismatch in a committed chunk", path, offset, "bad_payload_crc")
     return memoryview(payload)
-
-
-def dyadic_float(m: int, e: int) -> float:
-    """Correctly rounded float64 of ``m * 2**e`` (+-inf beyond the range), as ``Dyadic.to_float``."""
-    try:
-        return m / (1 << -e) if e < 0 else float(m << e)
-    except OverflowError:
-        return math.inf if m > 0 else -math.inf
-
-
-def dyadic_is_float(m: int, e: int) -> bool:
-    """Whether canonical ``m * 2**e`` (m odd or zero) is exactly a finite float64."""
-    if m == 0:
-        return True
-    n = (m if m > 0 else -m).bit_length()
-    return n <= 53 and e >= -1074 and e + n <= 1024
 
 
 def blank(r: Rows, mask: np.ndarray) -> None:

@@ -12,7 +12,23 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["Dyadic", "ZERO", "exact_sums"]
+__all__ = ["Dyadic", "ZERO", "exact_sums", "float_of", "fits_float"]
+
+
+def float_of(m: int, e: int) -> float:
+    """Correctly rounded float64 of ``m * 2**e`` (ties to even); +-inf beyond the float64 range."""
+    try:
+        return float(m << e) if e >= 0 else m / (1 << -e)
+    except OverflowError:
+        return math.inf if m > 0 else -math.inf  # (copysign would convert the huge int m to float)
+
+
+def fits_float(m: int, e: int) -> bool:
+    """Whether canonical ``m * 2**e`` (``m`` odd, or zero) is exactly a finite float64, from the bit count alone."""
+    if m == 0:
+        return True
+    n = (m if m > 0 else -m).bit_length()
+    return n <= 53 and e >= -1074 and e + n <= 1024
 
 
 class Dyadic(NamedTuple):
@@ -47,12 +63,7 @@ class Dyadic(NamedTuple):
 
     def to_float(self) -> float:
         """Correctly rounded float64 (ties to even); +-inf when the magnitude exceeds the float64 range."""
-        try:
-            if self.e >= 0:
-                return float(self.m << self.e)
-            return self.m / (1 << -self.e)
-        except OverflowError:
-            return math.inf if self.m > 0 else -math.inf  # (copysign would convert the huge int m to float)
+        return float_of(self.m, self.e)
 
     def is_float(self) -> bool:
         """True when the value is exactly a finite float64 (so the f64 column alone stores it)."""

@@ -17,31 +17,15 @@ from typing import Callable
 
 import numpy as np
 
-from .dyadic import Dyadic
+from .dyadic import Dyadic, float_of
 from .errors import CorruptError
 
-__all__ = ["ExactCol", "MAX_LIMBS", "MAX_ACC", "decode_exact", "group_sum", "encode_exact", "py_float", "py_is_float"]
+__all__ = ["ExactCol", "MAX_LIMBS", "MAX_ACC", "decode_exact", "group_sum", "encode_exact"]
 
 MAX_LIMBS = 8  #: mantissas of up to 8 x 32 bits (32 encoded bytes) are vectorised; wider ones are Python ints
 MAX_ACC = 64  #: widest aligned group sum (limbs) done with arrays; wider spans use Python ints
 _MASK = np.int64(0xFFFFFFFF)
 _BIG = np.int64(1 << 62)
-
-
-def py_float(m: int, e: int) -> float:
-    """Correctly rounded float64 of ``m * 2**e`` (+-inf beyond the range)."""
-    try:
-        return m / (1 << -e) if e < 0 else float(m << e)
-    except OverflowError:
-        return float("inf") if m > 0 else float("-inf")
-
-
-def py_is_float(m: int, e: int) -> bool:
-    """Whether canonical ``m * 2**e`` (m odd or zero) is exactly a finite float64."""
-    if m == 0:
-        return True
-    n = (m if m > 0 else -m).bit_length()
-    return n <= 53 and e >= -1074 and e + n <= 1024
 
 
 # -- limb helpers (all on int64 matrices, one row per value) --------------------------------------------------
@@ -310,7 +294,7 @@ def decode_exact(name: str, f: np.ndarray, lens: np.ndarray | None, blob: np.nda
         if not ok.all():
             raise bad(i_n[np.flatnonzero(~ok)[0]], f"{name} row {{row}} is not the correctly rounded value of {name}_x")
         for k in np.flatnonzero(sub).tolist():
-            if py_float(_to_int(limbs[k]), int(e_n[k])) != f[i_n[k]]:
+            if float_of(_to_int(limbs[k]), int(e_n[k])) != f[i_n[k]]:
                 raise bad(i_n[k], f"{name} row {{row}} is not the correctly rounded value of {name}_x")
         out.m = _widen(out.m, width)
         out.m[i_n] = limbs
@@ -322,7 +306,7 @@ def decode_exact(name: str, f: np.ndarray, lens: np.ndarray | None, blob: np.nda
             if not m & 1 or k != _mant_bytes(m):
                 raise bad(i, f"{name}_x row {{row}}: dyadic encoding is not canonical (mantissa must be odd and "
                           "minimal-length)")
-            if py_float(m, ex) != f[i]:
+            if float_of(m, ex) != f[i]:
                 raise bad(i, f"{name} row {{row}} is not the correctly rounded value of {name}_x")
             w[i] = Dyadic(m, ex)
         out.w = w
@@ -401,7 +385,7 @@ def group_sum(f: np.ndarray, x: ExactCol, starts: np.ndarray, sizes: np.ndarray)
             mm = -mm if neg[k] else mm
             mm >>= int(tz[k])
             ee = int(eo[k])
-            out_f[g] = py_float(mm, ee)
+            out_f[g] = float_of(mm, ee)
             if wide_out[k]:
                 out.set_py(g, mm, ee)
     for j in np.flatnonzero(slow).tolist():
@@ -416,7 +400,7 @@ def group_sum(f: np.ndarray, x: ExactCol, starts: np.ndarray, sizes: np.ndarray)
             if tot:
                 tz_ = (tot & -tot).bit_length() - 1
                 tot_m, tot_e = tot >> tz_, emin + tz_
-        out_f[g] = py_float(tot_m, tot_e)
+        out_f[g] = float_of(tot_m, tot_e)
         out.set_py(g, tot_m, tot_e)
     return out_f, out
 

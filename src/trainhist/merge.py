@@ -39,7 +39,8 @@ from .canonical import (
     encode_steps,
     ranges,
 )
-from .exactvec import group_sum, py_is_float
+from .dyadic import fits_float
+from .exactvec import group_sum
 from . import errors
 from .errors import MergeError, TrainhistError, UsageError
 from .framing import RECORD_HEADER_SIZE
@@ -190,7 +191,7 @@ def _from_order_key(k: np.ndarray) -> np.ndarray:
 
 def _exact_key(d: Any) -> tuple:
     """Sort key of an exact value for :meth:`_Engine._row_key`: () when it is a float, else (m, e)."""
-    return () if py_is_float(d.m, d.e) else (d.m, d.e)
+    return () if fits_float(d.m, d.e) else (d.m, d.e)
 
 
 def _groups(keys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

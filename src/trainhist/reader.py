@@ -833,7 +833,6 @@ class History:
                 raise _Fallback
             sub = cc.subset()
             ns = [r // 8 for r in sub.rlen]
-            esc = None
             lazy = None
             if sub.uniform and sub.codec[0] == Codec.PATCHED:  # kept as stored; widened when bins are read
                 lazy = _patched_checked(view, sub.start, sub.slen, ns)
