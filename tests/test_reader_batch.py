@@ -157,3 +157,21 @@ def test_directory_template_refuses_other_types() -> None:
     assert _int_positions(msgpack.packb({"a": 1.5})) is None
     assert _int_positions(msgpack.packb({"a": None})) is None
     assert _int_positions(msgpack.packb([1, 2]) + b"\x00") is None  # trailing bytes
+
+
+def test_deflate_chunks_of_a_batch_are_decoded_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deflate columns go through Chunk.column: each chunk is CRC-checked and decoded once, not once per column."""
+    import trainhist.reader as reader_mod
+
+    p = tmp_path / "s.thist"
+    with HistoryWriter(p, codec="shuffle", commit_every=5, **{k: v for k, v in FAST.items() if k != "commit_every"}) as w:
+        s = w.site("a", "activation")
+        for step in range(40):
+            w.observe(s, step, np.random.default_rng(step).standard_normal(300).astype(np.float32))
+    calls = []
+    orig = reader_mod.History.chunk
+    monkeypatch.setattr(reader_mod.History, "chunk", lambda self, e: calls.append(e.offset) or orig(self, e))
+    with trainhist.open(p) as h:
+        assert len(h.spine("a")) == 40
+        n_chunks = len(h._obs[h.site("a").id])
+    assert n_chunks == 8 and len(calls) - len(set(calls)) <= 1  # the layout check decodes one chunk twice at most

@@ -397,7 +397,7 @@ class _Col:
                     [self.slen[i] for i in keep], [self.rlen[i] for i in keep], [self.idx[i] for i in keep])
 
     def chunk(self, i: int) -> Chunk:
-        return self.layout.chunk_of(self.layout.entries[self.idx[i]])
+        return self.layout.chunk(self.idx[i])
 
 
 class _Layout:
@@ -413,6 +413,14 @@ class _Layout:
         self.uniform_k = uniform_k
         self._index: dict[str, np.ndarray] | None = None
         self._by_col: tuple[list, list, list, list] | None = None
+        self._chunks: dict[int, Chunk] = {}
+
+    def chunk(self, i: int) -> Chunk:
+        """Chunk ``i`` decoded by ``chunk_of`` once (its deflate columns are read through it, column by column)."""
+        ch = self._chunks.get(i)
+        if ch is None:
+            ch = self._chunks[i] = self.chunk_of(self.entries[i])
+        return ch
 
     def _rows_of(self, name: str) -> np.ndarray:
         """Row of ``name`` in the table for each chunk, -1 where absent."""
