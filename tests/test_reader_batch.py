@@ -46,6 +46,17 @@ def test_batch_equals_per_chunk(mixed: Path) -> None:
                 check_same(h, site, bc, bx, bs)
 
 
+def test_batch_equals_per_chunk_on_a_derived_file(mixed: Path, tmp_path: Path) -> None:
+    """A merged file has tally columns (spec 11.4): read in one batch, checked on whole columns."""
+    m = tmp_path / "m.thist"
+    trainhist.coarsen(mixed, m, steps=3)
+    with trainhist.open(m) as h:
+        assert all(h.chunk(e).has("n_observed") for es in h._obs.values() for e in es)
+        together = h._batch(h.sites)
+        for site in h.sites:
+            check_same(h, site, *together[site.id])
+
+
 def check_same(h, site, bc, bx, bs) -> None:
     cc, cx, cs = h._site_chunks(site, True)
     assert bc.keys() == cc.keys()
@@ -175,3 +186,19 @@ def test_deflate_chunks_of_a_batch_are_decoded_once(tmp_path: Path, monkeypatch:
         assert len(h.spine("a")) == 40
         n_chunks = len(h._obs[h.site("a").id])
     assert n_chunks == 8 and len(calls) - len(set(calls)) <= 1  # the layout check decodes one chunk twice at most
+
+
+def test_presence_disagreeing_with_the_tally_is_bad_tally(mixed: Path, tmp_path: Path) -> None:
+    m = tmp_path / "m.thist"
+    trainhist.coarsen(mixed, m, steps=3)
+    data = bytearray(m.read_bytes())
+    target, payload, cols = obs_payload(bytes(data), 0)
+    _, _, codec, off, _, _ = cols["presence"]
+    assert codec in (Codec.RAW, Codec.FOR)
+    payload[off] ^= 1  # the first presence code, or the frame's base: now another state than the tally implies
+    rewrite(data, target, bytes(payload))
+    m.write_bytes(bytes(data))
+    with trainhist.open(m) as h, pytest.raises(CorruptError) as ei:
+        for site in h.sites:
+            h.spine(site.path, site.stream, site.facet, phase="*")
+    assert (ei.value.code, ei.value.offset) == ("bad_tally", target)

@@ -678,7 +678,7 @@ class History:
 
         The site's chunks are decoded together, each column of all of them at once (:func:`_gather`), and kept
         for the next call on the same site (``spine`` then ``sketch`` decode once). Anything unusual — a check
-        that fails, tally columns, mixed scales — sends the site through the per-chunk path, which names the
+        that fails, tally columns in only some chunks, mixed scales — sends the site through the per-chunk path, which names the
         first problem exactly as spec 8 asks (the record's offset).
         """
         data = self._cache.get(site.id)
@@ -777,8 +777,6 @@ class History:
         per_site = [self._obs[s.id] for s in group]
         entries = [e for es in per_site for e in es]
         lay = self._layout(entries)
-        if lay.has_any(_TALLY_SET):
-            raise _Fallback  # derived files: the per-chunk path checks tallies
         view = self._view
         rows = [e.rows for e in entries]
         rows_a = np.array(rows, np.int64)
@@ -791,8 +789,17 @@ class History:
         if (cols["phase"] >= len(Phase.NAMES)).any() or (cols["presence"] >= len(Presence.NAMES)).any():
             raise _Fallback
         n = int(rows_a.sum())
-        tally = np.zeros((n, len(TALLY_COLUMNS)), np.uint64)
-        tally[np.arange(n), cols["presence"].astype(np.intp)] = 1
+        if lay.has_any(_TALLY_SET):  # a derived file (spec 11.4): every chunk has all six, implying its presence
+            tcols = [lay.col(name) for name in TALLY_COLUMNS]
+            if not all(all(c.present) for c in tcols):
+                raise _Fallback  # some chunks without (or with part of) the tally: the per-chunk path decides
+            tally = np.stack([_gather(view, c, dt, rows) for c, dt in zip(tcols, TALLY_COLUMNS.values())],
+                             axis=1).astype(np.uint64)
+            if (derive_presence(tally) != cols["presence"]).any():
+                raise _Fallback
+        else:
+            tally = np.zeros((n, len(TALLY_COLUMNS)), np.uint64)
+            tally[np.arange(n), cols["presence"].astype(np.intp)] = 1
         for j, name in enumerate(TALLY_COLUMNS):
             cols[name] = tally[:, j]
         cols["segment"] = np.repeat(np.array([e.segment for e in entries], np.uint32), rows_a)
