@@ -18,6 +18,7 @@ Exit status 0 when checks 1 and 2 pass; the report is written to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import platform
 import sys
@@ -112,7 +113,7 @@ def check_sync(device: str) -> tuple[int, int]:
                 col.attach(optimizer=opt)
 
             def step(i: int) -> None:
-                ctx = col.step(i) if col is not None else _null()
+                ctx = col.step(i) if col is not None else contextlib.nullcontext()
                 with ctx:
                     loss = model(input_ids=x, labels=x).loss
                     loss.backward()
@@ -138,14 +139,6 @@ def check_sync(device: str) -> tuple[int, int]:
                 col.close()
         counts.append(sum("synchroniz" in str(w.message).lower() for w in caught))
     return counts[0], counts[1]
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: object) -> None:
-        return None
 
 
 def main() -> int:

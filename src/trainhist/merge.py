@@ -58,6 +58,7 @@ BATCH_ROWS = 8192  #: input rows decoded together before they are combined (memo
 FD_POOL = 64  #: input files held open at once
 AUTO_WORKERS_BYTES = 64 << 20  #: with ``workers=None``, inputs of at least this many bytes use worker processes
 MAX_WORKERS = 8  #: with ``workers=None``, at most this many workers (and no more than the CPUs)
+MAX_DIVERGENCES = 1000  #: at most this many replica divergences are listed in a report
 _U64 = 1 << 64
 _I64_MAX = np.iinfo(np.int64).max
 _I64_MIN = np.iinfo(np.int64).min
@@ -680,7 +681,7 @@ class _Engine:
                         "must be identical on every rank; pass replica_divergence='report' to keep one and list "
                         "the divergence)", code="replica_divergence", path=b,
                     )
-                if len(self.report.divergences) < 1000:
+                if len(self.report.divergences) < MAX_DIVERGENCES:
                     self.report.divergences.append({"where": where, "step": step, "files": sorted({a, b})})
                 keep[g] = min(range(s0, s0 + sz), key=lambda i: self._row_key(r, i))
         out = r.take(keep)
@@ -888,7 +889,7 @@ class _Engine:
                     for res in pool.imap(_worker_site, sites):
                         res = _unwrap(res)
                         self.report.rows_in += res["rows_in"]
-                        room = 1000 - len(self.report.divergences)
+                        room = MAX_DIVERGENCES - len(self.report.divergences)
                         self.report.divergences.extend(res["divergences"][:max(room, 0)])
                         self._write_site(w, res)
             finally:
