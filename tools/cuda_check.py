@@ -74,7 +74,7 @@ def check_exact(device: str, quick: bool) -> tuple[int, list[str]]:
     for name, t in cases(quick):
         ledger = Ledger(torch.device(device))
         # on the CPU rehearsal, take the kernel path CUDA takes (index_add_, not bincount)
-        reduce_into(t.to(device), ledger.row(name), use_bincount=False)
+        reduce_into(t.to(device), ledger.row(name), method="index_add")
         reduce_into(t.to(device), ledger.row((name, "spine")), sketch=False)  # the spine-only kernel
         pending = ledger.transfer()
         data = pending.wait()

@@ -84,20 +84,39 @@ def test_mlp_matches_numpy_reference(tmp_path):
     assert np.all(h.spine("tokens_per_s", "scalar").max > 0)
 
 
-def test_one_host_transfer_per_step_and_no_per_site_syncs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("method", ["index_add", "fused"])
+def test_one_host_transfer_per_step_and_no_per_site_syncs(tmp_path, monkeypatch, method):
+    """``index_add`` is the path every device takes (as on CUDA); ``fused`` the CPU kernel, which reads each CPU
+    tensor and the (host) ledger row through zero-copy numpy views, never a transfer."""
+    import trainhist.torch.reduce as rd
+
+    monkeypatch.setattr(rd, "CPU_METHOD", method)
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     col = Collector(model, tmp_path / "t.thist", every=1, sketch_every=1)
     col.discover(torch.randn(2, 8))
     col.attach(optimizer=opt)
-    calls = {"item": 0, "cpu": 0, "tolist": 0, "numpy": 0, "__float__": 0}
+    calls = {"item": 0, "cpu": 0, "tolist": 0, "numpy": 0, "__float__": 0, "fused_views": 0}
     in_step = {"on": False}
-    for name in calls:
+    views: set[int] = set()  # data pointers the fused kernel may view: reduced tensors and ledger rows
+    real_reduce = rd.reduce_into
+
+    def reduce_spy(x, row, **kw):
+        views.update({x.data_ptr(), row.data_ptr()})
+        return real_reduce(x, row, **kw)
+
+    import trainhist.torch.collector as cm
+
+    monkeypatch.setattr(cm, "reduce_into", reduce_spy)
+    for name in [n for n in calls if n != "fused_views"]:
         orig = getattr(torch.Tensor, name)
 
         def spy(self, *a, _orig=orig, _name=name, **k):
             if in_step["on"]:
-                calls[_name] += 1
+                if _name == "numpy" and method == "fused" and self.device.type == "cpu" and self.data_ptr() in views:
+                    calls["fused_views"] += 1
+                else:
+                    calls[_name] += 1
             return _orig(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, name, spy)
@@ -116,12 +135,19 @@ def test_one_host_transfer_per_step_and_no_per_site_syncs(tmp_path, monkeypatch)
     monkeypatch.undo()
     col.close()
     # only the ledger's landed host copy is turned into numpy, once per step, after the step's single copy
-    assert calls == {"item": 0, "cpu": 0, "tolist": 0, "numpy": 3, "__float__": 0}, calls
+    assert {k: v for k, v in calls.items() if k != "fused_views"} == {
+        "item": 0, "cpu": 0, "tolist": 0, "numpy": 3, "__float__": 0}, calls
+    assert (calls["fused_views"] > 0) == (method == "fused"), calls
     h = trainhist.open(tmp_path / "t.thist")
     assert len(h.spine("loss", "scalar")) == 3
 
 
 def test_hooks_do_not_sync_during_forward_and_backward(tmp_path, monkeypatch):
+    """On the path every device takes (torch ops, ``index_add``), no hook reads a tensor on the host; the CPU's
+    fused kernel reads CPU tensors through numpy views by design (see the test above)."""
+    import trainhist.torch.reduce as rd
+
+    monkeypatch.setattr(rd, "CPU_METHOD", "index_add")
     model = mlp()
     col = Collector(model, tmp_path / "t.thist", every=1)
     col.attach()

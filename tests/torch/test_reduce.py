@@ -12,18 +12,18 @@ from hypothesis import strategies as st
 from torch_helpers import bits, ref_summary
 
 from trainhist.summary import SumMethod
-from trainhist.torch.reduce import COL_MIN, Ledger, decode_row, merge_row, reduce_into
+from trainhist.torch.reduce import COL_MIN, METHODS, Ledger, decode_row, merge_row, reduce_into
 
 SPECIALS = [0.0, -0.0, math.nan, math.inf, -math.inf, 1e-45, -1e-45, 2.0**-48, -(2.0**-48), 2.0**16, 2.0**16 + 64,
             65504.0, -65504.0, 3e38, -1e-300, 1.0, -1.0, 2.0**0.25, 1.1892071]
 
 
-def run(tensors: list[torch.Tensor], *, use_bincount: bool | None = None, sketch: bool = True):
+def run(tensors: list[torch.Tensor], *, method: str | None = None, sketch: bool = True):
     """Reduce ``tensors`` into one ledger row (the spine-only kernel when ``sketch`` is false) and decode it."""
     led = Ledger("cpu")
     led.reset()
     for t in tensors:
-        reduce_into(t, led.row("k"), use_bincount=use_bincount, sketch=sketch)
+        reduce_into(t, led.row("k"), method=method, sketch=sketch)
     p = led.transfer()
     return decode_row(p.row(p.wait(), "k"), sum(t.numel() for t in tensors), sketch=sketch)
 
@@ -46,13 +46,18 @@ def check(got, ref) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
-@pytest.mark.parametrize("use_bincount", [True, False])
-def test_kernel_matches_reference(dtype, use_bincount):
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("sketch", [True, False])
+def test_kernel_matches_reference(dtype, method, sketch):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5000, generator=g, dtype=torch.float64) * torch.exp(torch.empty(5000, dtype=torch.float64)
                                                                            .uniform_(-40, 14, generator=g))
     x = torch.cat([torch.tensor(SPECIALS, dtype=torch.float64), x]).to(dtype)
-    check(run([x], use_bincount=use_bincount), ref_summary([x]))
+    ref = ref_summary([x])
+    if sketch:
+        check(run([x], method=method), ref)
+    else:
+        check_spine(run([x], method=method, sketch=False), ref)
 
 
 @pytest.mark.parametrize("values", [[-0.0, 0.0], [0.0, -0.0], [-0.0], [0.0], [math.nan, math.inf], [-0.0, math.nan]])
@@ -130,8 +135,8 @@ def test_spine_only_reduction_equals_the_full_one() -> None:
             assert abs(spine.sum.to_float() - full.sum.to_float()) <= 1e-9 * max(1.0, abs(full.sum.to_float()))
 
 
-def run_spine(tensors: list[torch.Tensor]):
-    return run(tensors, sketch=False)
+def run_spine(tensors: list[torch.Tensor], method: str | None = None):
+    return run(tensors, method=method, sketch=False)
 
 
 def check_spine(got, ref) -> None:
@@ -143,24 +148,55 @@ def check_spine(got, ref) -> None:
 KERNELS = {"full": (run, check), "spine": (run_spine, check_spine)}
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("kernel", list(KERNELS))
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=64), st.integers(1, 3))
-def test_any_float32_bit_pattern(kernel, words, chunks):
+def test_any_float32_bit_pattern(kernel, method, words, chunks):
     """Arbitrary bits, over several micro-batches, equal the numpy reference."""
     reduce_, check_ = KERNELS[kernel]
     a = np.array(words, dtype=np.uint32).view(np.float32)
     parts = [torch.from_numpy(c.copy()) for c in np.array_split(a, chunks) if c.size]
-    check_(reduce_(parts), ref_summary([torch.from_numpy(a)]))
+    check_(reduce_(parts, method=method), ref_summary([torch.from_numpy(a)]))
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("kernel", list(KERNELS))
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=64))
-def test_any_float64_bit_pattern(kernel, words):
+def test_any_float64_bit_pattern(kernel, method, words):
     reduce_, check_ = KERNELS[kernel]
     a = np.array(words, dtype=np.uint64).view(np.float64)
-    check_(reduce_([torch.from_numpy(a)]), ref_summary([torch.from_numpy(a)]))
+    check_(reduce_([torch.from_numpy(a)], method=method), ref_summary([torch.from_numpy(a)]))
+
+
+@pytest.mark.parametrize("sketch", [True, False])
+def test_fused_blocks_with_and_without_non_finite_values(sketch):
+    """The fused kernel works in blocks of BLOCK elements and takes an unmasked path in blocks with no NaN or
+    infinity: tensors spanning several blocks, with special values in some blocks only (at block edges too), give
+    the same row as the torch-op reduction, bit for bit apart from the float64 sums."""
+    from trainhist.torch.cpukernel import BLOCK
+
+    g = torch.Generator().manual_seed(11)
+    for dtype in (torch.float32, torch.float64):
+        x = (torch.randn(3 * BLOCK + 5, generator=g, dtype=torch.float64) * 10).to(dtype)
+        x[BLOCK - 1], x[BLOCK], x[2 * BLOCK + 7], x[-1] = math.nan, -math.inf, -0.0, math.inf
+        x[5] = 0.0
+        rows = {}
+        for method in METHODS:
+            led = Ledger("cpu")
+            reduce_into(x, led.row("k"), method=method, sketch=sketch)
+            reduce_into(x[:100], led.row("k"), method=method, sketch=sketch)  # a second micro-batch
+            rows[method] = led.transfer().wait()[: COL_MIN + 2].copy()
+        assert all(np.array_equal(r, rows["index_add"]) for r in rows.values()), rows
+        ref = ref_summary([x, x[:100]])
+        got = run([x, x[:100]], method="fused", sketch=sketch)
+        (check if sketch else check_spine)(got, ref)
+
+
+def test_unknown_method_is_refused():
+    with pytest.raises(ValueError, match="unknown reduction method"):
+        reduce_into(torch.ones(3), Ledger("cpu").row("k"), method="magic")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32])
@@ -174,8 +210,9 @@ def test_chunked_and_strided_inputs(monkeypatch, dtype):
     x[::17] = torch.tensor([0.0, -0.0, math.nan, math.inf, -math.inf, 1e-300] * 3)[: x[::17].numel()]
     x = x.to(dtype)
     for t in (x, x.view(20, 15).t(), x[:30]):
-        check(run([t]), ref_summary([t.contiguous()]))
-        check_spine(run_spine([t]), ref_summary([t.contiguous()]))
+        for method in METHODS:  # the fused kernel takes no chunks; strided inputs go through the scratch copy
+            check(run([t], method=method), ref_summary([t.contiguous()]))
+            check_spine(run_spine([t], method=method), ref_summary([t.contiguous()]))
 
 
 @pytest.mark.parametrize("sketch", [True, False])

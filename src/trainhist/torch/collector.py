@@ -738,7 +738,7 @@ class Collector:
             tokens=t.tokens, samples=t.samples,
         )
         for key in [*st.counts, *st.failed]:  # facets first seen in this step
-            if self.plan.find(key[1], key[0], key[2]) is None:
+            if (key[1], key[0], key[2]) not in self._handles:
                 self._handle(key[1], key[0], key[2])
         grad_sq: float | None = 0.0 if st.due["param_grad"] and not st.clip_seen else None
         for s in self.plan.sites:
