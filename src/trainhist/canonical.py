@@ -95,7 +95,12 @@ class Sparse:
     lo: np.ndarray  # (rows, 2) int64
     n: np.ndarray  # (rows, 2) int64
     counts: np.ndarray  # uint64
-    cmax: int  # the largest count (0 when none)
+    cmax: int  # no count exceeds it (0 when there are none)
+
+    def _first(self) -> np.ndarray:
+        """Where each range's counts begin in ``counts``, (rows, 2)."""
+        nf = self.n.ravel()
+        return (np.cumsum(nf) - nf).reshape(self.n.shape)
 
     def dense(self, nb: int) -> tuple[np.ndarray, np.ndarray]:
         rows = self.lo.shape[0]
@@ -106,6 +111,42 @@ class Sparse:
             d[ranges(base, n)] = self.counts
         d = d.reshape(rows, 2, nb)
         return d[:, 0, :], d[:, 1, :]
+
+    def take(self, idx: np.ndarray | slice) -> Sparse:
+        """The rows ``idx`` (a slice of consecutive rows, or row indices)."""
+        if isinstance(idx, slice):
+            a, b, step = idx.indices(self.lo.shape[0])
+            assert step == 1, "a slice of consecutive rows"
+            c = np.cumsum(self.n.sum(axis=1))
+            c0 = int(c[a - 1]) if a > 0 else 0
+            c1 = int(c[b - 1]) if b > a else c0
+            return Sparse(self.lo[a:b], self.n[a:b], self.counts[c0:c1], self.cmax)
+        n = self.n[idx]
+        nf = n.ravel()
+        first = self._first()[idx].ravel()
+        return Sparse(self.lo[idx], n, self.counts[ranges(first - (np.cumsum(nf) - nf), nf)], self.cmax)
+
+    def canonical(self) -> Sparse:
+        """The ranges as a canonical chunk stores them: each cut to its first and last non-zero count, and an
+        all-zero range empty (first bin 0)."""
+        nf = self.n.ravel()
+        first = np.cumsum(nf) - nf
+        some = nf > 0
+        c = self.counts
+        if (c[first[some]] != 0).all() and (c[(first + nf - 1)[some]] != 0).all():
+            return self
+        nz = np.flatnonzero(c)
+        seg = np.repeat(np.arange(nf.size), nf)[nz]  # the range of each non-zero count (non-decreasing)
+        kept, at = np.unique(seg, return_index=True)
+        lo_nz = nz[at]  # first non-zero of each kept range, as a position in counts
+        hi_nz = nz[np.append(at[1:], nz.size) - 1]  # its last non-zero
+        n = np.zeros(nf.size, np.int64)
+        lo = np.zeros(nf.size, np.int64)
+        n[kept] = hi_nz - lo_nz + 1
+        lo[kept] = self.lo.ravel()[kept] + lo_nz - first[kept]
+        nk = n[kept]
+        counts = c[ranges(lo_nz - (np.cumsum(nk) - nk), nk)]
+        return Sparse(lo.reshape(self.lo.shape), n.reshape(self.n.shape), counts, self.cmax)
 
 
 @dataclass
@@ -133,12 +174,12 @@ class Rows:
         return self
 
     def take(self, idx: np.ndarray | slice) -> "Rows":
-        self.densify()
+        """The rows ``idx`` (a slice of consecutive rows, or row indices); a sparse sketch stays sparse."""
         return Rows(
             {k: v[idx] for k, v in self.cols.items()}, self.sum_x.take(idx), self.sumsq_x.take(idx),
             self.tally[idx], self.has_sk[idx], None if self.pos is None else self.pos[idx],
             None if self.neg is None else self.neg[idx], None if self.bands is None else self.bands[idx],
-            self.scale,
+            self.scale, None if self.sparse is None else self.sparse.take(idx),
         )
 
     @staticmethod
@@ -463,29 +504,33 @@ def encode_obs(r: Rows, site: int, segment: int, codec: int) -> tuple[bytes, int
     n = len(r)
     c = r.cols
     cols: dict[str, tuple[str, np.ndarray | bytes]] = {name: (dt, c[name]) for name, dt in OBS_COLUMNS.items()}
-    r.densify()
     for name, x in (("sum", r.sum_x), ("sumsq", r.sumsq_x)):
         e = encode_exact(x)
         if e is not None:
             cols[name + "_xn"] = ("u4", e[0])
             cols[name + "_x"] = ("bytes", e[1])
     meta: dict = {"site": site, "segment": segment, "rows": n}
-    if r.pos is not None and r.has_sk.any():
-        nb = r.pos.shape[1]
-        dense = np.stack([r.pos, r.neg], axis=1)  # (rows, 2, nb)
-        nz = dense != 0
-        anynz = nz.any(axis=2)
-        first = np.where(anynz, nz.argmax(axis=2), 0)
-        last = np.where(anynz, nb - 1 - nz[:, :, ::-1].argmax(axis=2), -1)
-        cnt = np.where(anynz, last - first + 1, 0)
-        cf = cnt.ravel()
-        base = np.arange(2 * n, dtype=np.int64) * nb + first.ravel() - (np.cumsum(cf) - cf)
+    if (r.pos is not None or r.sparse is not None) and r.has_sk.any():
+        if r.sparse is not None:
+            sp = r.sparse.canonical()
+            first, cnt, counts = sp.lo, sp.n, sp.counts
+        else:
+            nb = r.pos.shape[1]
+            dense = np.stack([r.pos, r.neg], axis=1)  # (rows, 2, nb)
+            nz = dense != 0
+            anynz = nz.any(axis=2)
+            first = np.where(anynz, nz.argmax(axis=2), 0)
+            last = np.where(anynz, nb - 1 - nz[:, :, ::-1].argmax(axis=2), -1)
+            cnt = np.where(anynz, last - first + 1, 0)
+            cf = cnt.ravel()
+            base = np.arange(2 * n, dtype=np.int64) * nb + first.ravel() - (np.cumsum(cf) - cf)
+            counts = dense.reshape(-1)[ranges(base, cf)]
         cols["sk"] = ("u1", r.has_sk.astype(np.uint8))
         cols["sk_plo"], cols["sk_pn"] = ("u2", first[:, 0]), ("u2", cnt[:, 0])
         cols["sk_nlo"], cols["sk_nn"] = ("u2", first[:, 1]), ("u2", cnt[:, 1])
         for k, name in enumerate(("sk_up", "sk_un", "sk_op", "sk_on")):
             cols[name] = ("u8", r.bands[:, k])
-        cols["sk_counts"] = ("u8", dense.reshape(-1)[ranges(base, cf)])
+        cols["sk_counts"] = ("u8", counts)
         meta["scale"] = r.scale
     implicit = np.zeros_like(r.tally)
     implicit[np.arange(n), c["presence"].astype(np.intp)] = 1

@@ -30,6 +30,7 @@ from .canonical import (
     canonical_salt,
     check_payload,
     ObsChunk,
+    Sparse,
     decode_obs_batch,
     decode_obs_columns,
     read_obs,
@@ -80,6 +81,7 @@ class MergeReport:
     bytes_in: int = 0
     bytes_out: int = 0
     seconds: float = 0.0
+    workers: int = 1  #: processes that built the sites (1: this one)
     divergences: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -618,20 +620,26 @@ class _Engine:
         out["sum"], sum_x = group_sum(c["sum"], r.sum_x, starts, sizes)
         out["sumsq"], sumsq_x = group_sum(c["sumsq"], r.sumsq_x, starts, sizes)
         has = np.logical_or.reduceat(r.has_sk, starts)
-        pos = neg = bands = None
+        pos = neg = bands = sparse = None
         if sp is not None:
-            # scatter-add the stored ranges straight into the groups' dense sketches (no sum reaches 2**64)
+            # each group's range per sign is the union of its rows' ranges; the stored counts are scatter-added
+            # straight into those ranges (no sum reaches 2**64), so the sketch stays sparse
             g = len(starts)
+            lo_s, n_s = sp.lo[order], sp.n[order]
+            some = n_s > 0
+            glo = np.minimum.reduceat(np.where(some, lo_s, nb), starts)
+            gn = np.maximum(np.maximum.reduceat(np.where(some, lo_s + n_s, 0), starts) - glo, 0)
+            glo[gn == 0] = 0
+            gnf = gn.ravel()
+            gfirst = (np.cumsum(gnf) - gnf).reshape(g, 2)
             group_of = np.empty(len(order), np.int64)
             group_of[order] = np.repeat(np.arange(g, dtype=np.int64), sizes)
-            acc = np.zeros(g * 2 * nb, np.uint64)
+            acc = np.zeros(int(gnf.sum()), np.uint64)
             if sp.counts.size:
                 n = sp.n.ravel()
-                base = ((group_of[:, None] * (2 * nb) + np.array([0, nb]) + sp.lo).ravel()
-                        - (np.cumsum(n) - n))
+                base = (gfirst[group_of] - glo[group_of] + sp.lo).ravel() - (np.cumsum(n) - n)
                 np.add.at(acc, ranges(base, n), sp.counts)
-            acc = acc.reshape(g, 2, nb)
-            pos, neg = acc[:, 0, :], acc[:, 1, :]
+            sparse = Sparse(glo, gn, acc, int(acc.max()) if acc.size else 0)
             bands, over = _sum_u64(r.bands, starts, sizes)
             if over is not None:
                 raise overflow(over, "a sketch under/overflow count")
@@ -645,12 +653,13 @@ class _Engine:
             bands, over = _sum_u64(r.bands, starts, sizes)
             if over is not None:
                 raise overflow(over, "a sketch under/overflow count")
-        res = Rows(out, sum_x, sumsq_x, tally, has, pos, neg, bands, r.scale)
+        res = Rows(out, sum_x, sumsq_x, tally, has, pos, neg, bands, r.scale, sparse)
         blank(res, out["presence"] != Presence.OBSERVED)  # spec 2.6: a row that is not observed has no numbers
         return res
 
     def _replica(self, r: Rows, starts: np.ndarray, sizes: np.ndarray, where: str) -> Rows:
         """Keep one row of each group of replica rows; they must be identical (or, on request, are reported)."""
+        r.densify()
         n = len(r)
         first = np.repeat(starts, sizes)
         diff = np.zeros(n, bool)
@@ -882,6 +891,7 @@ class _Engine:
         sites = range(len(self.site_keys))
         n = self._n_workers()
         if n > 1 and len(sites) > 1:
+            self.report.workers = n
             global _ENGINE
             _ENGINE = self
             try:
