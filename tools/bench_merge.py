@@ -34,8 +34,7 @@ import numpy as np
 
 SITES = 256
 CHILD = r"""
-import json, os, resource, sys, time, trainhist
-from trainhist.merge import AUTO_WORKERS_BYTES, MAX_WORKERS
+import json, resource, sys, time, trainhist
 def cpu():
     a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
@@ -43,9 +42,8 @@ workers = None if sys.argv[4] == "auto" else int(sys.argv[4])
 c0, t = cpu(), time.perf_counter()
 rep = trainhist.merge(json.loads(sys.argv[1]), sys.argv[2], codec=sys.argv[3], workers=workers)
 secs, c1 = time.perf_counter() - t, cpu()
-n = workers if workers is not None else (1 if rep.bytes_in < AUTO_WORKERS_BYTES else min(os.cpu_count(), MAX_WORKERS))
 print(json.dumps({"seconds": secs, "cpu": c1 - c0, "rows_in": rep.rows_in, "rows_out": rep.rows_out,
-                  "bytes_in": rep.bytes_in, "bytes_out": rep.bytes_out, "workers": n,
+                  "bytes_in": rep.bytes_in, "bytes_out": rep.bytes_out, "workers": rep.workers,
                   "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                   "worker_maxrss_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
 """
@@ -125,6 +123,33 @@ def _gen(args: tuple) -> tuple[str, int, int, list[int]]:
     return path, os.path.getsize(path), rows, chunk_rows
 
 
+def _shards(args: argparse.Namespace, tmp: str) -> tuple[list, float, bool]:
+    """The shards (as :func:`_gen` describes them), the seconds their generation took, and whether they were
+    reused: with ``--dir`` they are kept in a folder of it named by the generation parameters and reused when its
+    record of them matches the files; else they are written to ``tmp``, removed at the end."""
+    key = f"shards-{args.shards}x{args.mb:g}MB-{args.codec}-{args.commit_every or 'default'}-{SITES}sites"
+    d = tmp if args.dir is None else os.path.join(args.dir, key)
+    record = os.path.join(d, "shards.json")
+    if args.dir is not None and os.path.exists(record):
+        with open(record) as f:
+            kept = json.load(f)
+        if all(os.path.exists(p) and os.path.getsize(p) == n for p, n, _, _ in kept["made"]):
+            return kept["made"], kept["seconds"], True
+    os.makedirs(d, exist_ok=True)
+    run_id = uuid.uuid4().hex
+    jobs = [(os.path.join(d, f"rank{r}.th"), run_id, r, args.shards, int(args.mb * 1e6), args.codec,
+             args.commit_every)
+            for r in range(args.shards)]
+    t0 = time.perf_counter()
+    with mp.get_context("spawn").Pool(min(args.shards, os.cpu_count() or 1)) as pool:
+        made = pool.map(_gen, jobs)
+    gen_s = time.perf_counter() - t0
+    if args.dir is not None:
+        with open(record, "w") as f:
+            json.dump({"made": made, "seconds": gen_s}, f)
+    return made, gen_s, False
+
+
 def _writer_default(name: str):
     import trainhist
 
@@ -143,7 +168,8 @@ def main() -> int:
                     "('auto': the library default)")
     ap.add_argument("--reps", type=int, default=2, help="timed merges per output codec and workers")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled merge")
-    ap.add_argument("--dir", default=None, help="where to put the shards (default: a temporary directory)")
+    ap.add_argument("--dir", default=None, help="keep the shards in a folder of this directory named by the "
+                    "generation parameters and reuse them on later runs (default: a temporary directory, removed)")
     ap.add_argument("--write", action="store_true", help="write benchmarks/merge.md (header and this section)")
     ap.add_argument("--append", action="store_true", help="append this section to benchmarks/merge.md")
     args = ap.parse_args()
@@ -151,14 +177,7 @@ def main() -> int:
     out_codecs = args.out_codec.split(",")
     tmp = tempfile.TemporaryDirectory(dir=args.dir)
     d = tmp.name
-    run_id = uuid.uuid4().hex
-    jobs = [(os.path.join(d, f"rank{r}.th"), run_id, r, args.shards, int(args.mb * 1e6), args.codec,
-             args.commit_every)
-            for r in range(args.shards)]
-    t0 = time.perf_counter()
-    with mp.get_context("spawn").Pool(min(args.shards, os.cpu_count() or 1)) as pool:
-        made = pool.map(_gen, jobs)
-    gen_s = time.perf_counter() - t0
+    made, gen_s, reused = _shards(args, d)
     paths = [p for p, _, _, _ in made]
     total = sum(n for _, n, _, _ in made)
     chunk_rows = [r for _, _, _, rs in made for r in rs]
@@ -230,7 +249,7 @@ every site observed at every step with a precomputed Summary of a 4096-element f
 sketch, exact `sumsq` of ~60-100 bits), a step-truth row per step, {cadence} (so {n_chunks:,} input obs chunks,
 {min(chunk_rows)}-{max(chunk_rows)} rows, median {typical:g}). {total / 1e6:.1f} MB in {args.shards} files
 ({min(n for _, n, _, _ in made) / 1e6:.1f} MB the smallest); {rows_in:,} obs rows in, {first['rows_out']:,} out.
-Shard generation (not part of the merge): {gen_s:.1f} s.
+Shard generation (not part of the merge): {gen_s:.1f} s{" (shards reused from an earlier run of the script)" if reused else ""}.
 
 `CPU` is the merge's CPU time (user + system, workers included): on a machine shared with other work it shows
 what the merge itself cost, and `input MB / CPU s` is the throughput one idle core would give (single process).
