@@ -78,17 +78,24 @@ APPLIES = {
 _CANONICAL_NAN32 = 0x7FC00000
 
 
-def _encode_for(arr: np.ndarray, dt: str) -> bytes | None:
-    """Frame of reference: base = the least value, offsets at the narrowest width that holds the range."""
+def _for_width(span: int) -> int:
+    """The narrowest frame-of-reference offset width (bytes) that holds ``span``."""
+    return next(w for w in (0, 1, 2, 4, 8) if span < (1 << (8 * w)))
+
+
+def _encode_for(arr: np.ndarray, dt: str, lo: int | None = None, w: int | None = None) -> bytes | None:
+    """Frame of reference: base = the least value, offsets at the narrowest width that holds the range (``lo`` and
+    ``w``: that base and width, when the caller has them)."""
     if arr.size == 0:
         return None
-    lo, hi = int(arr.min()), int(arr.max())
-    span = hi - lo
-    w = next(w for w in (0, 1, 2, 4, 8) if span < (1 << (8 * w)))
-    base = struct.pack("<q" if dt.startswith("i") else "<Q", lo)
+    if lo is None or w is None:
+        lo = int(arr.min())
+        w = _for_width(int(arr.max()) - lo)
+    signed = dt.startswith("i")
+    base = struct.pack("<q" if signed else "<Q", lo)
     if w == 0:
         return base
-    off = arr.astype(np.int64 if dt.startswith("i") else np.uint64) - (np.int64(lo) if dt.startswith("i") else np.uint64(lo))
+    off = arr.astype(np.int64, copy=False) - np.int64(lo) if signed else arr.astype(np.uint64, copy=False) - np.uint64(lo)
     return base + off.astype(_FOR_WIDTHS[w]).tobytes()
 
 
@@ -103,32 +110,52 @@ def _encode_f32(arr: np.ndarray) -> bytes | None:
     return n.tobytes()
 
 
-def _encode_patched(arr: np.ndarray, dt: str) -> bytes | None:
-    """One byte per value below 255; 0xFF escapes to the next full-width exception, stored before the bytes."""
+def _encode_patched(arr: np.ndarray, dt: str, big: np.ndarray | None = None) -> bytes | None:
+    """One byte per value below 255; 0xFF escapes to the next full-width exception, stored before the bytes
+    (``big``: the mask ``arr >= 255``, when the caller has it)."""
     if arr.size == 0:
         return None
-    big = arr >= 255
-    codes = np.where(big, 255, arr).astype(np.uint8)
+    if big is None:
+        big = arr >= 255
+    codes = np.minimum(arr, 255).astype(np.uint8)
     return arr[big].astype(DTYPES[dt]).tobytes() + codes.tobytes()
 
 
-def _pack_column(dt: str, arr: np.ndarray | bytes, raw: bytes) -> tuple[int, bytes]:
-    """The smallest of raw and the lightweight codecs that apply to ``dt`` (raw on ties: it is read in place)."""
-    best, stored = Codec.RAW, raw
-    if isinstance(arr, (bytes, bytearray)) or dt == "bytes":
-        return best, stored
+def _padded(n: int) -> int:
+    return n + pad8(n)
+
+
+def _pack_column(dt: str, arr: np.ndarray | bytes, raw: bytes | None = None) -> tuple[int, bytes]:
+    """The smallest of raw and the lightweight codecs that apply to ``dt`` (raw on ties: it is read in place).
+
+    The sizes of frame of reference and patched bytes follow from the range and the number of values of 255 or
+    more, so only the block that wins is built. ``raw``: the raw bytes, when the caller has them."""
+    if isinstance(arr, (bytes, bytearray)):
+        return Codec.RAW, arr if raw is None else raw
     a = np.ascontiguousarray(arr, DTYPES[dt])
-    cands: list[tuple[int, bytes | None]] = []
+    if dt == "bytes":
+        return Codec.RAW, a.tobytes() if raw is None else raw
+    best, size = Codec.RAW, a.nbytes
     if dt == "f8":
-        cands.append((Codec.F32, _encode_f32(a)))
-    else:
-        cands.append((Codec.FOR, _encode_for(a, dt)))
+        blk = _encode_f32(a)
+        if blk is not None and _padded(len(blk)) < _padded(size):
+            return Codec.F32, blk
+    elif a.size:
+        lo = int(a.min())
+        w = _for_width(int(a.max()) - lo)
+        if _padded(8 + w * a.size) < _padded(size):
+            best, size = Codec.FOR, 8 + w * a.size
+        big = None
         if dt in ("u2", "u4", "u8"):
-            cands.append((Codec.PATCHED, _encode_patched(a, dt)))
-    for c, blk in cands:
-        if blk is not None and len(blk) + pad8(len(blk)) < len(stored) + pad8(len(stored)):
-            best, stored = c, blk
-    return best, stored
+            big = a >= 255
+            k = int(np.count_nonzero(big))
+            if _padded(k * a.itemsize + a.size) < _padded(size):
+                best, size = Codec.PATCHED, k * a.itemsize + a.size
+        if best == Codec.FOR:
+            return best, _encode_for(a, dt, lo, w)
+        if best == Codec.PATCHED:
+            return best, _encode_patched(a, dt, big)
+    return Codec.RAW, a.tobytes() if raw is None else raw
 
 
 def encode_chunk(meta: dict, columns: dict[str, tuple[str, np.ndarray | bytes]], codec: int) -> bytes:
@@ -140,13 +167,14 @@ def encode_chunk(meta: dict, columns: dict[str, tuple[str, np.ndarray | bytes]],
     blocks = []
     cols = []
     for name, (dt, arr) in columns.items():
-        raw = arr if isinstance(arr, (bytes, bytearray)) else np.ascontiguousarray(arr, DTYPES[dt]).tobytes()
         c = codec
         if c == Codec.PACKED:
-            c, stored = _pack_column(dt, arr, raw)
-            cols.append([name, dt, c, 0, len(stored), len(raw)])
+            c, stored = _pack_column(dt, arr)
+            rlen = len(arr) if isinstance(arr, (bytes, bytearray)) else np.asarray(arr).size * DTYPES[dt].itemsize
+            cols.append([name, dt, c, 0, len(stored), rlen])
             blocks.append(stored)
             continue
+        raw = arr if isinstance(arr, (bytes, bytearray)) else np.ascontiguousarray(arr, DTYPES[dt]).tobytes()
         if c == Codec.SHUFFLE_DEFLATE and DTYPES[dt].itemsize == 1:
             c = Codec.DEFLATE
         if c == Codec.DEFLATE:
