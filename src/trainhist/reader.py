@@ -552,7 +552,7 @@ class History:
             doc = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
             raise _bad(f"manifest is not UTF-8 JSON ({err})", "bad_manifest_json", self.path, e.offset) from None
-        validate_manifest(doc, path=self.path, offset=e.offset)
+        validate_manifest(doc, path=self.path, offset=e.offset, raw=raw)
         kind = doc["kind"]
         if kind == "run":
             self.runs.append(doc)

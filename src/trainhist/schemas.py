@@ -31,8 +31,27 @@ def _validator(kind: str) -> jsonschema.protocols.Validator:
     return cls(s)
 
 
-def validate_manifest(doc: Any, *, path: str | None = None, offset: int | None = None) -> dict:
-    """Return ``doc`` if it is a manifest object of a known kind that validates, else raise SchemaError."""
+_VALID_CAP = 8192  #: manifests remembered as valid (by their bytes); forgotten all at once beyond it
+_valid: set[bytes] = set()
+
+
+def validate_manifest(doc: Any, *, path: str | None = None, offset: int | None = None,
+                      raw: bytes | None = None) -> dict:
+    """Return ``doc`` if it is a manifest object of a known kind that validates, else raise SchemaError.
+
+    ``raw``: the bytes ``doc`` was parsed from. The schema check runs once per distinct ``raw``: bytes that
+    validated before (the same site manifest in every shard of a run) are not checked again."""
+    if raw is not None and raw in _valid:
+        return doc
+    _check(doc, path, offset)
+    if raw is not None:
+        if len(_valid) >= _VALID_CAP:
+            _valid.clear()
+        _valid.add(raw)
+    return doc
+
+
+def _check(doc: Any, path: str | None, offset: int | None) -> None:
     if not isinstance(doc, dict) or doc.get("kind") not in KINDS:
         kind = doc.get("kind") if isinstance(doc, dict) else type(doc).__name__
         raise SchemaError(
@@ -41,7 +60,7 @@ def validate_manifest(doc: Any, *, path: str | None = None, offset: int | None =
         )
     validator = _validator(doc["kind"])
     if validator.is_valid(doc):
-        return doc
+        return
     err = jsonschema.exceptions.best_match(validator.iter_errors(doc))
     if err is not None:
         where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
@@ -49,4 +68,3 @@ def validate_manifest(doc: Any, *, path: str | None = None, offset: int | None =
             f"{doc['kind']} manifest invalid at {where}: {err.message}", code="bad_manifest", path=path,
             offset=offset,
         )
-    return doc
