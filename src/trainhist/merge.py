@@ -55,7 +55,7 @@ from .reader import History
 
 __all__ = ["merge", "canonicalize", "MergeReport", "BATCH_ROWS", "FD_POOL"]
 
-BATCH_ROWS = 8192  #: input rows decoded together before they are combined (memory: ~4 KiB per sketched row)
+BATCH_ROWS = 32768  #: input rows decoded together before they are combined (memory: ~2 KiB per row of ~100 sketch bins)
 FD_POOL = 64  #: input files held open at once
 AUTO_WORKERS_BYTES = 64 << 20  #: with ``workers=None``, inputs of at least this many bytes use worker processes
 MAX_WORKERS = 8  #: with ``workers=None``, at most this many workers (and no more than the CPUs)
