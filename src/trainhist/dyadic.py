@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["Dyadic", "ZERO", "exact_sums", "float_of", "fits_float"]
+__all__ = ["Dyadic", "ZERO", "exact_sums", "float_of", "fits_float", "mant_bytes"]
 
 
 def float_of(m: int, e: int) -> float:
@@ -29,6 +29,11 @@ def fits_float(m: int, e: int) -> bool:
         return True
     n = (m if m > 0 else -m).bit_length()
     return n <= 53 and e >= -1074 and e + n <= 1024
+
+
+def mant_bytes(m: int) -> int:
+    """Bytes of ``m`` as minimal-length two's complement (spec 5.3)."""
+    return (m if m >= 0 else ~m).bit_length() // 8 + 1
 
 
 class Dyadic(NamedTuple):
@@ -72,9 +77,7 @@ class Dyadic(NamedTuple):
 
     def to_bytes(self) -> bytes:
         """Encoding of spec 5.3: int32 LE exponent, then ``m`` as minimal-length two's complement LE bytes."""
-        mag = self.m if self.m >= 0 else ~self.m
-        n = mag.bit_length() // 8 + 1
-        return struct.pack("<i", self.e) + self.m.to_bytes(n, "little", signed=True)
+        return struct.pack("<i", self.e) + self.m.to_bytes(mant_bytes(self.m), "little", signed=True)
 
     @staticmethod
     def from_bytes(b: bytes) -> "Dyadic":
