@@ -16,7 +16,7 @@ import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -514,39 +514,41 @@ class _Engine:
     def _decode_each(self, batch: list[tuple[_Source, Any]], raw: list[bytes], out_site: int) -> Rows:
         """The per-chunk path: each chunk parsed and checked alone, in order (``raw``: payloads already read and
         CRC-checked, for the first chunks)."""
-        together: list[ObsChunk] = []
-        alone: list[Rows] = []
-        for i, (src, e) in enumerate(batch):
+        parts: list[ObsChunk] = []
+
+        def read(i: int) -> tuple[int | None, bool]:
+            src, e = batch[i]
             payload = memoryview(raw[i]) if i < len(raw) else self._payload(src, e)
             p = read_obs(payload, path=src.path, offset=e.offset, site=e.site, segment=e.segment,
                          rows=e.rows, step_min=e.step_min, step_max=e.step_max, src=src.idx)
-            self.report.rows_in += p.rows
-            sc = p.scale if p.sk is not None and bool(p.sk["sk"].any()) else None
-            how = self._route(src, p.scale, sc, out_site)
-            if how is None:
-                together.append(p)
-            elif how < 0:
-                alone.append(decode_obs_batch([p]))
-            else:
-                alone.append(self._downscale(decode_obs_batch([p]), how, src))
-        rows = ([decode_obs_batch(together)] if together else []) + alone
-        return Rows.concat(rows) if len(rows) > 1 else rows[0]
+            parts.append(p)
+            return p.scale, p.sk is not None and bool(p.sk["sk"].any())
 
-    def _decode_columns(self, batch: list[tuple[_Source, Any]], dec: "_BatchColumns", out_site: int) -> Rows:
+        return self._routed(batch, out_site, read, lambda idx: decode_obs_batch([parts[i] for i in idx]))
+
+    def _decode_columns(self, batch: list[tuple[_Source, Any]], dec: _BatchColumns, out_site: int) -> Rows:
         """:meth:`_decode_each` on the columns of the batched path: the same routing, the same checks in the
         same order (those of each chunk alone passed already)."""
+        return self._routed(batch, out_site, lambda i: (dec.scales[i], dec.any_sk[i]), dec.decode)
+
+    def _routed(self, batch: list[tuple[_Source, Any]], out_site: int,
+                scale_of: Callable[[int], tuple[int | None, bool]], decode: Callable[[list[int]], Rows]) -> Rows:
+        """The rows of the chunks of ``batch``, taken in order: ``scale_of(i)`` gives chunk ``i``'s declared sketch
+        scale and whether a row holds a sketch (:meth:`_route`); those that join are decoded together
+        (``decode(indices)``), the others alone as they come, downscaled where the output needs it."""
         together: list[int] = []
         alone: list[Rows] = []
         for i, (src, e) in enumerate(batch):
+            scale, sketched = scale_of(i)
             self.report.rows_in += e.rows
-            how = self._route(src, dec.scales[i], dec.scales[i] if dec.any_sk[i] else None, out_site)
+            how = self._route(src, scale, scale if sketched else None, out_site)
             if how is None:
                 together.append(i)
             elif how < 0:
-                alone.append(dec.decode([i]))
+                alone.append(decode([i]))
             else:
-                alone.append(self._downscale(dec.decode([i]), how, src))
-        rows = ([dec.decode(together)] if together else []) + alone
+                alone.append(self._downscale(decode([i]), how, src))
+        rows = ([decode(together)] if together else []) + alone
         return Rows.concat(rows) if len(rows) > 1 else rows[0]
 
     def _downscale(self, r: Rows, by: int, src: _Source) -> Rows:
