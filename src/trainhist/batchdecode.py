@@ -225,8 +225,9 @@ def _directories_by_template(dirs: list[memoryview], entries: list) -> tuple | N
 
 
 # (column names, dtypes) of obs chunk directories that passed every check of check_chunk -> item size per
-# column (negated for variable-length columns)
+# column (negated for variable-length columns); forgotten all at once beyond _LAYOUTS_CAP entries
 _LAYOUTS_OK: dict[tuple, list[int]] = {}
+_LAYOUTS_CAP = 4096
 _DT_INDEX = {d: i for i, d in enumerate(DTYPES)}
 _META_KEYS = frozenset({b"site", b"segment", b"rows", b"scale", b"cols"})
 _APPLIES = np.array([[d in APPLIES.get(c, ()) for c in range(max(Codec.STORED) + 1)] for d in DTYPES])
@@ -335,45 +336,50 @@ def _decode_run(view: memoryview, start: list[int], slen: list[int], ns: list[in
     return np.concatenate([col.chunk(first + i).column(col.name) for i in range(len(start))])
 
 
-def _patched_checked(view: memoryview, start: list[int], slen: list[int], ns: list[int]
-                     ) -> tuple[list[int], list[int], np.ndarray, list[int]]:
-    """Patched-bytes u8 blocks checked as in spec 7.3 without joining their codes: (code ranges, their ends, the
-    exceptions, exceptions before each block)."""
-    ks = []
-    for sl, n in zip(slen, ns):
-        k, rem = divmod(sl - n, 8)
-        if sl < n or rem:
-            raise Fallback
-        ks.append(k)
-    mid = [a + k * 8 for a, k in zip(start, ks)]
-    end = [a + b for a, b in zip(start, slen)]
-    buf = np.frombuffer(view, np.uint8)
-    if [int(np.count_nonzero(buf[a:b] == 255)) for a, b in zip(mid, end)] != ks:
-        raise Fallback
-    exc = np.frombuffer(join(view, start, mid), "<u8") if sum(ks) else np.zeros(0, np.uint64)
-    if exc.size and int(exc.min()) < 255:
-        raise Fallback
-    return mid, end, exc, np.cumsum([0] + ks).tolist()
-
-
-def _patched_parts(view: memoryview, start: list[int], slen: list[int], ns: list[int], size: int, dt: str
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Codes, exceptions and escape positions of patched-bytes blocks, checked (spec 7.3): sizes, escapes per block, exceptions."""
+def _patched_split(start: list[int], slen: list[int], ns: list[int], size: int) -> tuple[list[int], list[int]]:
+    """Exceptions per patched-bytes block (``size``-byte items; ``ns[i]`` values) and where each block's code
+    bytes begin, checked: a block stores k exceptions, then one byte per value (spec 7.3)."""
     ks = []
     for sl, n in zip(slen, ns):
         k, rem = divmod(sl - n, size)
         if sl < n or rem:
             raise Fallback
         ks.append(k)
-    mid = [a + k * size for a, k in zip(start, ks)]
+    return ks, [a + k * size for a, k in zip(start, ks)]
+
+
+def _patched_exceptions(view: memoryview, start: list[int], mid: list[int], dt: str) -> np.ndarray:
+    """The exceptions of patched-bytes blocks, joined; each must be at least 255."""
+    if start == mid:
+        return np.zeros(0, DTYPES[dt])
+    exc = np.frombuffer(join(view, start, mid), DTYPES[dt])
+    if exc.size and int(exc.min()) < 255:
+        raise Fallback
+    return exc
+
+
+def _patched_checked(view: memoryview, start: list[int], slen: list[int], ns: list[int]
+                     ) -> tuple[list[int], list[int], np.ndarray, list[int]]:
+    """Patched-bytes u8 blocks checked as in spec 7.3 without joining their codes: (code ranges, their ends, the
+    exceptions, exceptions before each block)."""
+    ks, mid = _patched_split(start, slen, ns, 8)
+    end = [a + b for a, b in zip(start, slen)]
+    buf = np.frombuffer(view, np.uint8)
+    if [int(np.count_nonzero(buf[a:b] == 255)) for a, b in zip(mid, end)] != ks:
+        raise Fallback
+    return mid, end, _patched_exceptions(view, start, mid, "u8"), np.cumsum([0] + ks).tolist()
+
+
+def _patched_parts(view: memoryview, start: list[int], slen: list[int], ns: list[int], size: int, dt: str
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Codes, exceptions and escape positions of patched-bytes blocks, checked (spec 7.3): sizes, escapes per
+    block, exceptions."""
+    ks, mid = _patched_split(start, slen, ns, size)
     codes = np.frombuffer(join(view, mid, [a + b for a, b in zip(start, slen)]), np.uint8)
     esc = np.flatnonzero(codes == 255)
-    if esc.size != sum(ks):
+    if esc.size != sum(ks) or (esc.size and np.diff(np.searchsorted(esc, np.cumsum([0] + ns))).tolist() != ks):
         raise Fallback
-    exc = np.frombuffer(join(view, start, mid), DTYPES[dt]) if esc.size else np.zeros(0, DTYPES[dt])
-    if esc.size and (int(exc.min()) < 255 or np.diff(np.searchsorted(esc, np.cumsum([0] + ns))).tolist() != ks):
-        raise Fallback
-    return codes, exc, esc
+    return codes, _patched_exceptions(view, start, mid, dt), esc
 
 
 class _Col:
@@ -506,6 +512,8 @@ def layout(view: memoryview, entries: list, chunk_of: Callable[[Any], Chunk], *,
         info = _LAYOUTS_OK.get(key)
         if info is None:
             chunk_of(entries[i])  # the full checks of spec 7.4, once per layout
+            if len(_LAYOUTS_OK) >= _LAYOUTS_CAP:
+                _LAYOUTS_OK.clear()
             info = _LAYOUTS_OK[key] = [
                 -DTYPES[dt.decode()].itemsize if nm.decode() in OBS_VARIABLE else DTYPES[dt.decode()].itemsize
                 for nm, dt in zip(*key)]
