@@ -87,7 +87,7 @@ def test_mlp_matches_numpy_reference(tmp_path):
 @pytest.mark.parametrize("method", ["index_add", "fused"])
 def test_one_host_transfer_per_step_and_no_per_site_syncs(tmp_path, monkeypatch, method):
     """``index_add`` is the path every device takes (as on CUDA); ``fused`` the CPU kernel, which reads each CPU
-    tensor and the (host) ledger row through zero-copy numpy views, never a transfer."""
+    tensor and writes the (host) ledger row in place by address: no transfer, no host read of a tensor."""
     import trainhist.torch.reduce as rd
 
     monkeypatch.setattr(rd, "CPU_METHOD", method)
@@ -96,27 +96,24 @@ def test_one_host_transfer_per_step_and_no_per_site_syncs(tmp_path, monkeypatch,
     col = Collector(model, tmp_path / "t.thist", every=1, sketch_every=1)
     col.discover(torch.randn(2, 8))
     col.attach(optimizer=opt)
-    calls = {"item": 0, "cpu": 0, "tolist": 0, "numpy": 0, "__float__": 0, "fused_views": 0}
+    calls = {"item": 0, "cpu": 0, "tolist": 0, "numpy": 0, "__float__": 0}
+    fused = {"calls": 0}
     in_step = {"on": False}
-    views: set[int] = set()  # data pointers the fused kernel may view: reduced tensors and ledger rows
-    real_reduce = rd.reduce_into
+    real_fused = rd.fused_into
 
-    def reduce_spy(x, row, **kw):
-        views.update({x.data_ptr(), row.data_ptr()})
-        return real_reduce(x, row, **kw)
+    def fused_spy(x, address, sketch):
+        fused["calls"] += 1
+        return real_fused(x, address, sketch)
 
     import trainhist.torch.collector as cm
 
-    monkeypatch.setattr(cm, "reduce_into", reduce_spy)
-    for name in [n for n in calls if n != "fused_views"]:
+    monkeypatch.setattr(cm, "fused_into", fused_spy)
+    for name in calls:
         orig = getattr(torch.Tensor, name)
 
         def spy(self, *a, _orig=orig, _name=name, **k):
             if in_step["on"]:
-                if _name == "numpy" and method == "fused" and self.device.type == "cpu" and self.data_ptr() in views:
-                    calls["fused_views"] += 1
-                else:
-                    calls[_name] += 1
+                calls[_name] += 1
             return _orig(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, name, spy)
@@ -135,19 +132,19 @@ def test_one_host_transfer_per_step_and_no_per_site_syncs(tmp_path, monkeypatch,
     monkeypatch.undo()
     col.close()
     # only the ledger's landed host copy is turned into numpy, once per step, after the step's single copy
-    assert {k: v for k, v in calls.items() if k != "fused_views"} == {
-        "item": 0, "cpu": 0, "tolist": 0, "numpy": 3, "__float__": 0}, calls
-    assert (calls["fused_views"] > 0) == (method == "fused"), calls
+    assert calls == {"item": 0, "cpu": 0, "tolist": 0, "numpy": 3, "__float__": 0}, calls
+    assert (fused["calls"] > 0) == (method == "fused"), fused
     h = trainhist.open(tmp_path / "t.thist")
     assert len(h.spine("loss", "scalar")) == 3
 
 
-def test_hooks_do_not_sync_during_forward_and_backward(tmp_path, monkeypatch):
-    """On the path every device takes (torch ops, ``index_add``), no hook reads a tensor on the host; the CPU's
-    fused kernel reads CPU tensors through numpy views by design (see the test above)."""
+@pytest.mark.parametrize("method", ["index_add", "fused"])
+def test_hooks_do_not_sync_during_forward_and_backward(tmp_path, monkeypatch, method):
+    """Neither the path every device takes (torch ops, ``index_add``) nor the CPU kernel (which reads tensors by
+    address) makes a host read of a tensor inside a hook."""
     import trainhist.torch.reduce as rd
 
-    monkeypatch.setattr(rd, "CPU_METHOD", "index_add")
+    monkeypatch.setattr(rd, "CPU_METHOD", method)
     model = mlp()
     col = Collector(model, tmp_path / "t.thist", every=1)
     col.attach()
@@ -287,16 +284,16 @@ def test_absent_and_failed_sites(tmp_path, monkeypatch):
         if step == 2:  # the reducer breaks on one site: that site is 'failed', the rest is recorded
             import trainhist.torch.collector as cm
 
-            real = cm.reduce_into
+            real = cm.fused_into  # the CPU's reduction
 
-            def flaky(t, row, **kw):
+            def flaky(t, *args):
                 if t.shape == (2, 4) and flaky.n == 0:
                     flaky.n += 1
                     raise RuntimeError("boom")
-                return real(t, row, **kw)
+                return real(t, *args)
 
             flaky.n = 0
-            monkeypatch.setattr(cm, "reduce_into", flaky)
+            monkeypatch.setattr(cm, "fused_into", flaky)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with col.step(step):

@@ -230,3 +230,30 @@ def test_merge_row_equals_reducing_into_the_row(sketch):
     if not sketch:
         ref.sketch = None
     check(got, ref)
+
+
+def test_decode_rows_equals_decode_row_and_isolates_bad_rows():
+    """The batched decode of a step's rows gives each row's decode_row, and a bad row is its own error only."""
+    from trainhist.torch.reduce import decode_rows
+
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(50, generator=g), torch.tensor([0.0, -0.0, math.nan, math.inf, 2.0]), torch.zeros(0),
+          torch.randn(7, generator=g).double()]
+    led = Ledger("cpu")
+    for i, x in enumerate(xs):
+        reduce_into(x, led.row(("sk", i)), sketch=True)
+        reduce_into(x, led.row(("sp", i)), sketch=False)
+    p = led.transfer()
+    data = p.wait()
+    keys = [(kind, i) for i in range(len(xs)) for kind in ("sk", "sp")]
+    counts = [xs[i].numel() for _, i in keys]
+    counts[0] += 1  # a sketch row claimed for one element more than it holds: an error for that row alone
+    got = decode_rows(data, [p.rows[k] for k in keys], counts, [k[0] == "sk" for k in keys])
+    assert isinstance(got[0], RuntimeError)
+    for j, (k, n) in enumerate(zip(keys, counts)):
+        if j == 0:
+            continue
+        want = decode_row(p.row(data, k), n, sketch=k[0] == "sk")
+        assert got[j] == want, k
+    with pytest.raises(RuntimeError, match="spine-only"):
+        decode_row(p.row(data, ("sp", 0)), counts[1], sketch=True)

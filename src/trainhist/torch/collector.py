@@ -49,7 +49,8 @@ from .plan import (
     select,
     unwrap,
 )
-from .reduce import Ledger, PendingTransfer, decode_row, merge_row, reduce_into
+from . import reduce as _reduction
+from .reduce import Ledger, PendingTransfer, decode_rows, fused_into, merge_row, reduce_into
 
 __all__ = ["Collector", "StepTruth"]
 
@@ -110,6 +111,7 @@ class _Step:
     late_only: bool = False  # carries only tensor scalars of earlier steps (the transfer at close)
     reductions: dict[tuple, int] = field(default_factory=dict)  # key -> reductions into its row this step
     seen: dict[tuple, tuple] = field(default_factory=dict)  # tensor identity -> (weakref, version, key)
+    fused: bool = False  # reductions go through the CPU kernel (a CPU ledger, reduce.CPU_METHOD == "fused")
 
 
 def _per_stream(value: int | Mapping[str, int], name: str) -> dict[str, int]:
@@ -420,6 +422,7 @@ class Collector:
             step=int(step), truth=truth or StepTruth(), t0=time.perf_counter(),
             due={s: s in self.streams and self.every[s] > 0 and step % self.every[s] == 0 for s in STREAMS},
             sketch={s: self.sketch_every[s] > 0 and step % self.sketch_every[s] == 0 for s in STREAMS},
+            fused=self._ledger.device.type == "cpu" and _reduction.CPU_METHOD == "fused",
         )
         self._ledger.reset()
         for m, hid in self._fwd_handles:  # run last: see the module's final output
@@ -514,17 +517,20 @@ class Collector:
                 self._dtypes[site] = _dtype_name(t)
             n = t.numel()
             if n:
-                row = self._ledger.row(key)
-                if not (alias and self._merge_alias(st, key, t, row)):
-                    if t.device != self._ledger.device:
-                        t = t.to(self._ledger.device, non_blocking=True)
-                    reduce_into(t, row, sketch=st.sketch.get(key[0], True))
+                if not (alias and self._merge_alias(st, key, t)):
+                    sketch = st.sketch.get(key[0], True)
+                    if st.fused:  # the CPU kernel, straight into the (host) ledger row
+                        fused_into(t if t.is_cpu else t.to("cpu"), self._ledger.address(key), sketch)
+                    else:
+                        if t.device != self._ledger.device:
+                            t = t.to(self._ledger.device, non_blocking=True)
+                        reduce_into(t, self._ledger.row(key), sketch=sketch)
                 st.reductions[key] = st.reductions.get(key, 0) + 1
             st.counts[key] = st.counts.get(key, 0) + n
         except Exception as e:  # noqa: BLE001 -- one bad site must not stop training
             self._fail(key, e)
 
-    def _merge_alias(self, st: _Step, key: tuple, t: torch.Tensor, row: torch.Tensor) -> bool:
+    def _merge_alias(self, st: _Step, key: tuple, t: torch.Tensor) -> bool:
         """Reuse an earlier reduction of the very same tensor (same memory, layout and version) in this step.
 
         A module often returns a tensor another module already returned (a container returns its last child's
@@ -533,15 +539,14 @@ class Collector:
         alive (weak reference), so its memory cannot have been reused by another tensor.
         """
         try:
-            ident = (key[0], t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype,
-                     t.device)
+            ident = (key[0], t.data_ptr(), t.get_device(), t.shape, t.stride(), t.dtype)
         except Exception:  # noqa: BLE001 -- a tensor without plain storage: no aliasing shortcut
             return False
         hit = st.seen.get(ident)
         if hit is not None:
             ref, version, first = hit
             if ref() is not None and version == t._version and first != key and st.reductions.get(first) == 1:
-                merge_row(row, self._ledger.row(first))
+                merge_row(self._ledger.row(key), self._ledger.row(first))
                 return True
         st.seen[ident] = (weakref.ref(t), t._version, key)
         return False
@@ -705,6 +710,8 @@ class Collector:
     # -- host side: decode and write ------------------------------------------------------------------------
     def _finish(self, st: _Step) -> None:
         data = st.pending.wait() if st.pending is not None else None
+        if data is not None:
+            self._decode_all(st, data)
         w = self._writer
         dev: dict[tuple[int, str], float] = {}
         for s, name, key in st.dev_scalars:
@@ -789,20 +796,38 @@ class Collector:
             st.decoded[key] = self._decode(st, data, key)
         return st.decoded[key]
 
+    def _decode_all(self, st: _Step, data: np.ndarray) -> None:
+        """Decode every reduced row of the step at once (:func:`decode_rows`) into ``st.decoded``."""
+        rows = st.pending.rows  # type: ignore[union-attr]
+        keys = [k for k, n in st.counts.items() if n and k not in st.failed and k in rows]
+        try:
+            out = decode_rows(data, [rows[k] for k in keys], [st.counts[k] for k in keys],
+                              [st.sketch[k[0]] for k in keys])
+        except Exception:  # noqa: BLE001 -- left to the per-key path, which records the failing site
+            return
+        for key, summ in zip(keys, out):
+            st.decoded[key] = self._decoded(st, key, summ)
+
     def _decode(self, st: _Step, data: np.ndarray | None, key: tuple) -> object:
         n = st.counts.get(key)
         if n is None or key in st.failed:
             return None
-        try:
-            if n == 0 or key not in st.pending.rows:  # type: ignore[union-attr]
-                from ..summary import Summary
+        if n == 0 or key not in st.pending.rows:  # type: ignore[union-attr]
+            from ..summary import Summary
 
-                return Summary(count=0)
-            return decode_row(st.pending.row(data, key), n, sketch=st.sketch[key[0]])  # type: ignore[union-attr]
-        except Exception as e:  # noqa: BLE001
+            return Summary(count=0)
+        try:
+            out = decode_rows(data, [st.pending.rows[key]], [n], [st.sketch[key[0]]])[0]  # type: ignore[union-attr,arg-type]
+        except Exception as e:  # noqa: BLE001 -- one bad row must not stop training
+            out = e
+        return self._decoded(st, key, out)
+
+    def _decoded(self, st: _Step, key: tuple, summ: object) -> object:
+        if isinstance(summ, Exception):  # a row that cannot have come from its count: the site failed this step
             st.failed.add(key)
-            self._warn_once(("decode", key[:2]), f"trainhist: decoding {key[1]!r} ({key[0]}) failed: {e!r}")
+            self._warn_once(("decode", key[:2]), f"trainhist: decoding {key[1]!r} ({key[0]}) failed: {summ!r}")
             return None
+        return summ
 
     def _emit(self, st: _Step, s: PlannedSite, phase: str, key: tuple, summ: object, applied: bool | None) -> None:
         h = self._handle(s.path, s.stream, s.facet)

@@ -15,22 +15,36 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
-from numba import njit
+from numba import carray, njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 __all__ = ["make", "BLOCK"]
+
+
+@intrinsic
+def _pointer(typingctx, address):  # noqa: ARG001 -- numba's intrinsic signature
+    """The integer ``address`` as a ``void*`` (numba has no cast for it; this is its documented intrinsic)."""
+
+    def codegen(context, builder, signature, args):  # noqa: ARG001
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(address), codegen
 
 BLOCK = 4096  #: elements per block: the integer and float loops of one block share the L1-resident data
 _FASTMATH = {"reassoc", "nsz"}  # lets LLVM split the float64 sums into vector lanes; no NaN/inf assumptions
 
 
 def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift: int, side: int,
-         col_spine: int, ncount: int) -> tuple[Callable, Callable]:
-    """The ``(spine, sketch)`` kernels of one IEEE width, for the ledger row layout of :mod:`.reduce` (raw codes,
-    fold table, :data:`~.reduce.COL_SPINE`, :data:`~.reduce.NCOUNT`); the constants are frozen into the compiled
-    code, which numba builds on first call and caches on disk.
+         col_spine: int, ncount: int, col_min: int, row_len: int, fold: np.ndarray) -> tuple[Callable, Callable]:
+    """The ``(spine, sketch)`` kernels of one IEEE width, for the ledger row layout of :mod:`.reduce` (raw codes
+    folded to keys by ``fold``, :data:`~.reduce.COL_SPINE`, :data:`~.reduce.NCOUNT`, :data:`~.reduce.COL_MIN`,
+    ``row_len`` int64 entries); the constants are frozen into the compiled code, which numba builds on first call
+    and caches on disk.
 
-    ``spine(x, bits, row, fl)`` and ``sketch(x, bits, row, fl, fold)`` take the flat array, its same-width
-    unsigned integer view, the int64 row and the float64 view of its min/-max/sum/sumsq slots.
+    Both take ``(address, n, row_address)``: the addresses of ``n`` contiguous elements and of the int64 ledger row.
+    Passing addresses, not arrays, spares the few microseconds per call that making numpy views of a torch tensor
+    costs (a thousand reductions a step); the caller keeps both alive and guarantees the layout.
     """
     U = np.uint32 if bits == 32 else np.uint64
     F = np.float32 if bits == 32 else np.float64
@@ -87,7 +101,7 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
             fl[0] = min(fl[0], unkey(kr[0], tmp))
             fl[1] = min(fl[1], -unkey(kr[1], tmp))
 
-    @njit(cache=True, nogil=True, fastmath=_FASTMATH, boundscheck=False)
+    @njit(nogil=True, fastmath=_FASTMATH, boundscheck=False)
     def spine(x, u, row, fl):
         """Add the spine of ``x`` (bits ``u``) to ``row``: five raw counts, min, -max, sum and sum of squares."""
         n = u.size
@@ -139,8 +153,8 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
         row[col_spine + 3] += fin_nzbits + cnt[0]
         row[col_spine + 4] += fin_nzbits + cnt[1]
 
-    @njit(cache=True, nogil=True, fastmath=_FASTMATH, boundscheck=False)
-    def sketch(x, u, row, fl, fold):
+    @njit(nogil=True, fastmath=_FASTMATH, boundscheck=False)
+    def sketch(x, u, row, fl):
         """Add the grid-key counts of ``x`` (raw code folded by ``fold``), min, -max and the sums to ``row``."""
         n = u.size
         kr = np.array([kmax0, U(0)], dtype=U)
@@ -185,4 +199,20 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
         for c in range(ncount):
             row[c] += hist[0, c] + hist[1, c] + hist[2, c] + hist[3, c]
 
-    return spine, sketch
+    @njit(inline="always")
+    def arrays(address, n, row_address):
+        x = carray(_pointer(address), n, F)
+        row = carray(_pointer(row_address), row_len, np.int64)
+        return x, x.view(U), row, row[col_min:].view(np.float64)
+
+    @njit(cache=True, nogil=True)
+    def spine_at(address, n, row_address):
+        x, u, row, fl = arrays(address, n, row_address)
+        spine(x, u, row, fl)
+
+    @njit(cache=True, nogil=True)
+    def sketch_at(address, n, row_address):
+        x, u, row, fl = arrays(address, n, row_address)
+        sketch(x, u, row, fl)
+
+    return spine_at, sketch_at

@@ -31,7 +31,8 @@ from ..dyadic import ZERO, Dyadic
 from ..summary import Sketch, SumMethod, Summary
 from . import cpukernel
 
-__all__ = ["ROW", "CHUNK", "METHODS", "reduce_into", "merge_row", "decode_row", "Ledger", "PendingTransfer"]
+__all__ = ["ROW", "CHUNK", "METHODS", "reduce_into", "fused_into", "merge_row", "decode_row", "decode_rows", "Ledger",
+           "PendingTransfer"]
 
 NK = grid.NKEYS
 COL_NEGZERO = NK  # count of -0.0 (the grid's zero key counts +0.0 only here; decode adds them)
@@ -70,8 +71,8 @@ class _Width:
         self.thresh = thresh
         self.fold_np = self._fold(ebits)
         self.fold = torch.from_numpy(self.fold_np)
-        self.utype = np.uint32 if self.nbits == 32 else np.uint64
-        self.kernels = cpukernel.make(self.nbits, mbits, ebits, thresh, self.shift, self.side, COL_SPINE, NCOUNT)
+        self.kernels = cpukernel.make(self.nbits, mbits, ebits, thresh, self.shift, self.side, COL_SPINE, NCOUNT,
+                                      COL_MIN, ROW, self.fold_np)
         self._fold_dev: dict[torch.device, torch.Tensor] = {}
 
     def _fold(self, ebits: int) -> np.ndarray:
@@ -184,24 +185,30 @@ def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None
         method = CPU_METHOD if x.device.type == "cpu" else "index_add"
     elif method not in METHODS:
         raise ValueError(f"unknown reduction method {method!r}: expected one of {METHODS}")
+    if method == "fused":
+        if x.device.type != "cpu" or row.device.type != "cpu" or row.dtype != torch.int64 or row.numel() != ROW:
+            raise ValueError(f"the fused reduction needs a CPU tensor and an int64 CPU row of {ROW} entries")
+        fused_into(x, row.data_ptr(), sketch)
+        return
     x = _widen(x)
     n = x.numel()
     if n == 0:
         return
-    if method == "fused":
-        if x.device.type != "cpu":
-            raise ValueError(f"the fused reduction runs on the CPU only, not on {x.device}")
-        a, r = x.numpy(), row.numpy()
-        w = _F64 if a.itemsize == 8 else _F32
-        spine, sketch_ = w.kernels
-        fl = r[COL_MIN:].view(np.float64)
-        if sketch:
-            sketch_(a, a.view(w.utype), r, fl, w.fold_np)
-        else:
-            spine(a, a.view(w.utype), r, fl)
-        return
     for i in range(0, n, CHUNK):
         _reduce_chunk(x[i : i + CHUNK] if n > CHUNK else x, row, method == "bincount", sketch)
+
+
+def fused_into(x: torch.Tensor, row_address: int, sketch: bool) -> None:
+    """The ``fused`` method of :func:`reduce_into` on a CPU tensor, given the address of its int64 CPU ledger row
+    (:meth:`Ledger.address`): the collector's hot path, a few microseconds of Python per call."""
+    dt = x.dtype
+    if not ((dt is torch.float32 or dt is torch.float64) and x.is_contiguous()) or x.is_neg():
+        x = _widen(x)
+        dt = x.dtype
+    n = x.numel()
+    if n:
+        spine, sketch_ = (_F64 if dt is torch.float64 else _F32).kernels
+        (sketch_ if sketch else spine)(x.data_ptr(), n, row_address)
 
 
 def _reduce_chunk(x: torch.Tensor, row: torch.Tensor, use_bincount: bool, sketch: bool) -> None:
@@ -248,13 +255,42 @@ def decode_row(row: np.ndarray, count: int, *, sketch: bool) -> Summary:
     """The :class:`Summary` of a transferred ledger row whose reductions covered ``count`` elements in all.
 
     ``sketch=True`` needs a row reduced with ``sketch=True``; a sketch row also decodes to its spine alone.
+    Raises ``RuntimeError`` for a row that cannot have come from ``count`` elements.
     """
-    if row[COL_SPARE] != 0:
+    out = decode_rows(np.asarray(row, dtype=np.int64), [0], [count], [sketch])[0]
+    if isinstance(out, Exception):
+        raise out
+    return out
+
+
+def decode_rows(data: np.ndarray, offsets: list[int], counts: list[int],
+                sketches: list[bool]) -> list[Summary | RuntimeError]:
+    """:func:`decode_row` of the rows at ``offsets`` in the landed ledger ``data``, with one set of numpy
+    operations for all of them (a step has a thousand rows): a :class:`Summary`, or the ``RuntimeError`` of a
+    row that cannot have come from its count."""
+    if not offsets:
+        return []
+    m = data[np.add.outer(np.asarray(offsets, dtype=np.int64), np.arange(ROW))]
+    keyed = m[:, :NCOUNT].sum(axis=1).tolist()
+    raw = m[:, COL_NEGZERO:COL_MIN].tolist()  # -0.0 count, spare, five spine counts
+    floats = np.ascontiguousarray(m[:, COL_MIN:]).view(np.float64).tolist()
+    out: list[Summary | RuntimeError] = []
+    for i, (count, sketch) in enumerate(zip(counts, sketches)):
+        try:
+            out.append(_decode(m[i] if sketch or keyed[i] else None, count, sketch, keyed[i], raw[i], floats[i]))
+        except RuntimeError as e:
+            out.append(e)
+    return out
+
+
+def _decode(row: np.ndarray | None, count: int, sketch: bool, keyed: int, raw: list[int],
+            floats: list[float]) -> Summary:
+    negzero, spare = raw[0], raw[1]
+    if spare != 0:
         raise RuntimeError("ledger row has counts in its impossible slot")
-    keyed = int(row[:NCOUNT].sum())
+    counts = None
     if count and keyed == count:  # a sketch row: grid-key counts
-        counts = row[:NK].copy()
-        negzero = int(row[COL_NEGZERO])
+        counts = row[:NK].copy()  # type: ignore[index]
         poszero = int(counts[grid.KEY_ZERO])
         counts[grid.KEY_ZERO] += negzero
         total = int(counts.sum())
@@ -264,8 +300,7 @@ def decode_row(row: np.ndarray, count: int, *, sketch: bool) -> Summary:
             raise RuntimeError(f"ledger row counts {keyed} values but {count} were reduced into it")
         if sketch and count:
             raise RuntimeError("a sketch was asked of a spine-only ledger row")
-        counts = np.zeros(NK, dtype=np.int64)  # count == 0: an empty sketch
-        fin_nz, fin_nzbits, nzbits, with_nan, with_pinf = (int(v) for v in row[COL_SPINE : COL_SPINE + 5])
+        fin_nz, fin_nzbits, nzbits, with_nan, with_pinf = raw[2:7]
         negzero, poszero, nonfinite = fin_nzbits - fin_nz, count - nzbits, nzbits - fin_nzbits
         nan, pinf = with_nan - fin_nzbits, with_pinf - fin_nzbits
         ninf, zero = nonfinite - nan - pinf, poszero + negzero
@@ -276,7 +311,7 @@ def decode_row(row: np.ndarray, count: int, *, sketch: bool) -> Summary:
         raise RuntimeError(f"ledger row counts {total} values but {count} were reduced into it")
     s = Summary(count=count, nan=nan, pinf=pinf, ninf=ninf, zero=zero, sum_method=SumMethod.F64)
     if count - nan - pinf - ninf > 0:
-        mn, nmx, sm, sq = (float(v) for v in row[COL_MIN : COL_SUMSQ + 1].view(np.float64))
+        mn, nmx, sm, sq = floats
         mx = -nmx
         s.min = (-0.0 if negzero else 0.0) if mn == 0 else mn  # -0.0 < +0.0 (IEEE totalOrder)
         s.max = (0.0 if poszero else -0.0) if mx == 0 else mx
@@ -285,7 +320,7 @@ def decode_row(row: np.ndarray, count: int, *, sketch: bool) -> Summary:
         else:  # float64 accumulation overflowed: no bound can be stated
             s.sum, s.sumsq, s.sum_method = ZERO, ZERO, SumMethod.UNKNOWN
     if sketch:
-        s.sketch = Sketch.from_key_counts(counts)
+        s.sketch = Sketch.from_key_counts(counts if counts is not None else np.zeros(NK, dtype=np.int64))
     return s
 
 
@@ -333,6 +368,15 @@ class Ledger:
             init[COL_MIN : COL_MAX + 1] = np.array([math.inf, math.inf]).view(np.int64)  # min, -max
             off = self.rows[key] = self._grow(init)
         return self.buf[off : off + ROW]
+
+    def address(self, key: object) -> int:
+        """The memory address of the row of ``key`` in a CPU ledger (for :func:`fused_into`), allocating the row
+        on first use; valid until the next allocation grows the buffer."""
+        off = self.rows.get(key)
+        if off is None:
+            self.row(key)
+            off = self.rows[key]
+        return self.buf.data_ptr() + 8 * off
 
     def scalar(self, key: object) -> torch.Tensor:
         """A one-element float64 view of the scalar slot of ``key`` (NaN-initialised each step)."""
