@@ -257,3 +257,20 @@ def test_decode_rows_equals_decode_row_and_isolates_bad_rows():
         assert got[j] == want, k
     with pytest.raises(RuntimeError, match="spine-only"):
         decode_row(p.row(data, ("sp", 0)), counts[1], sketch=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", ["negative", "positive", "mixed", "zeros", "negative zeros", "tiny"])
+def test_fused_min_max_from_bit_pattern_extremes(dtype, case):
+    """The fused kernel takes min and max from the extreme unsigned and signed bit patterns of each block; every
+    sign combination (and a NaN in a later block, which that block excludes) gives the reference values."""
+    from trainhist.torch.cpukernel import BLOCK
+
+    g = torch.Generator().manual_seed(12)
+    base = torch.rand(BLOCK + 10, generator=g, dtype=torch.float64) + 0.5
+    x = {"negative": -base, "positive": base, "mixed": base - 1.0, "zeros": torch.zeros_like(base),
+         "negative zeros": -torch.zeros_like(base), "tiny": base * 1e-310}[case].to(dtype)
+    for t in (x, torch.cat([x, torch.tensor([math.nan, -3.0], dtype=dtype)])):
+        for sketch in (False, True):
+            got = run([t], method="fused", sketch=sketch)
+            (check if sketch else check_spine)(got, ref_summary([t]))

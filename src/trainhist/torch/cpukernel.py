@@ -2,9 +2,10 @@
 
 The torch-op reduction of :mod:`trainhist.torch.reduce` makes a dozen passes over every tensor (each a separate
 kernel with its own output); on a CPU that costs about 10 ns per element, more than many layers' own forward. These
-kernels, compiled by numba, make the same row in one pass: integer work on the bit patterns (counts, the raw bin
-code, a monotone integer key for min/max) in lanes of the element's own width, and the float64 sums in a separate
-loop over the same cache-resident block, unmasked when the block holds no NaN or infinity (the common case).
+kernels, compiled by numba, make the same row in one pass over blocks of :data:`BLOCK` elements: one loop of vector
+lanes takes the float64 sums, the zero counts and the extreme bit patterns (from which min and max follow), and a
+block that turns out to hold NaN or infinity (rare) is redone element by element; sketches add the raw bin code of
+every element (integer arithmetic on the bits) and a histogram of them.
 
 They write exactly what :func:`trainhist.torch.reduce.reduce_into` writes: the same counts, bins and min/max bits;
 the float64 sums accumulate in another order (``SumMethod.F64`` bounds any order). Nothing here is used off the CPU.
@@ -47,32 +48,66 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
     costs (a thousand reductions a step); the caller keeps both alive and guarantees the layout.
     """
     U = np.uint32 if bits == 32 else np.uint64
+    S = np.int32 if bits == 32 else np.int64
     F = np.float32 if bits == 32 else np.float64
     top = U(bits - 1)
     sign = U(1 << (bits - 1))
     absmask = U((1 << (bits - 1)) - 1)
     expmask = U(((1 << ebits) - 1) << mbits)  # |bits| >= expmask: inf or NaN
-    nonfin_bias = U((1 << (bits - 1)) - (((1 << ebits) - 1) << mbits))  # (a + bias) >> top == (a >= expmask)
     fracmask = U((1 << mbits) - 1)
     one = U(1)
     t1, t2, t3 = (U(t) for t in thresh)
-    kmax0 = U((1 << bits) - 1)
+    umax0 = U((1 << bits) - 1)
+    smin0, smax0 = S((1 << (bits - 1)) - 1), S(-(1 << (bits - 1)))
 
     @njit(inline="always")
-    def key(b):
-        """Unsigned integer key with the float order of ``b`` (-0.0 just below +0.0): negatives flipped."""
-        return U(b ^ U(U(U(0) - U(b >> top)) | sign))
+    def block(x, u, v, start, stop, acc, cnt, ext, sext):
+        """Accumulate one block: the float64 sums, the zeros and negative zeros, and the least and greatest bit
+        patterns read as unsigned and as signed integers, all in one loop of vector lanes. Those four give the
+        block's min and max with no per-element transform: a set sign bit makes a pattern the largest unsigned,
+        the smallest signed. A block holding NaN or infinity (its sum of squares is then not finite; for float64
+        also a square beyond the range) is redone by :func:`masked`.
+
+        ``acc`` = [min, max, sum, sum of squares] (float64) of the masked blocks' elements and of all blocks; ``cnt`` =
+        [NaN, +inf, -inf, zeros, negative zeros]; ``ext``, ``sext``: the least and greatest unsigned and signed
+        patterns of the other blocks' elements (combined across blocks; made floats once, in :func:`finish`).
+        """
+        s = 0.0
+        q = 0.0
+        z = U(0)
+        nz = U(0)
+        umin = umax0
+        umax = U(0)
+        smin = smin0
+        smax = smax0
+        for i in range(start, stop):
+            b = u[i]
+            w = v[i]
+            d = np.float64(x[i])
+            s += d
+            q += d * d
+            z = U(z + U(U(U(b & absmask) - one) >> top))  # either zero
+            nz = U(nz + U(b == sign))
+            umin = min(umin, b)
+            umax = max(umax, b)
+            smin = min(smin, w)
+            smax = max(smax, w)
+        cnt[3] += np.int64(z)
+        cnt[4] += np.int64(nz)
+        if not np.isfinite(q):
+            masked(x, u, start, stop, acc, cnt)
+            return
+        ext[0] = min(ext[0], umin)
+        ext[1] = max(ext[1], umax)
+        sext[0] = min(sext[0], smin)
+        sext[1] = max(sext[1], smax)
+        acc[2] += s
+        acc[3] += q
 
     @njit(inline="always")
-    def unkey(k, tmp):
-        """The float whose key is ``k``, as float64 (via the one-element bit buffer ``tmp``)."""
-        tmp[0] = U(k ^ sign) if k & sign else U(~k)
-        return np.float64(tmp.view(F)[0])
-
-    @njit(inline="always")
-    def masked(x, u, start, stop, kr, fl, cnt):
+    def masked(x, u, start, stop, acc, cnt):
         """A block holding NaN or infinity: count them, and take min/max/sums over the finite elements only."""
-        kmin, kmax = kr[0], kr[1]
+        mn, mx = acc[0], acc[1]
         s = 0.0
         q = 0.0
         for i in range(start, stop):
@@ -83,136 +118,96 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
                     cnt[0] += 1
                 elif b == expmask:
                     cnt[1] += 1
+                else:
+                    cnt[2] += 1
             else:
-                k = key(b)
-                kmin = min(kmin, k)
-                kmax = max(kmax, k)
                 d = np.float64(x[i])
+                mn = min(mn, d)
+                mx = max(mx, d)
                 s += d
                 q += d * d
-        kr[0], kr[1] = kmin, kmax
-        fl[2] += s
-        fl[3] += q
+        acc[0], acc[1] = mn, mx
+        acc[2] += s
+        acc[3] += q
 
     @njit(inline="always")
-    def finish(kr, fl, tmp):
-        """Merge the finite min/max keys into the row (its min and negated max, float64)."""
-        if kr[0] <= kr[1]:  # some element was finite
-            fl[0] = min(fl[0], unkey(kr[0], tmp))
-            fl[1] = min(fl[1], -unkey(kr[1], tmp))
+    def finish(acc, ext, sext, fl):
+        """Add the sums to the row and merge its min and negated max (when some element was finite)."""
+        if ext[0] <= ext[1]:  # some element came from a block without NaN or infinity
+            tmp = np.empty(2, dtype=U)
+            tmp[0] = ext[1] if ext[1] >= sign else ext[0]  # the most negative value, else the least non-negative
+            tmp[1] = U(sext[1]) if sext[1] >= 0 else ext[0]  # the greatest non-negative value, else the least negative
+            lo, hi = tmp.view(F)
+            acc[0] = min(acc[0], np.float64(lo))
+            acc[1] = max(acc[1], np.float64(hi))
+        fl[2] += acc[2]
+        fl[3] += acc[3]
+        if acc[0] <= acc[1]:
+            fl[0] = min(fl[0], acc[0])
+            fl[1] = min(fl[1], -acc[1])
 
     @njit(nogil=True, fastmath=_FASTMATH, boundscheck=False)
-    def spine(x, u, row, fl):
-        """Add the spine of ``x`` (bits ``u``) to ``row``: five raw counts, min, -max, sum and sum of squares."""
+    def spine(x, u, v, row, fl):
+        """Add the spine of ``x`` (bits ``u``, ``v`` unsigned and signed) to ``row``: five raw counts, min, -max,
+        sum and sum of squares."""
         n = u.size
-        kr = np.array([kmax0, U(0)], dtype=U)
-        tmp = np.empty(1, dtype=U)
-        cnt = np.zeros(2, dtype=np.int64)  # NaN, +inf (masked blocks only)
-        nonfin = 0
-        zeros = 0
-        negzeros = 0
-        s = 0.0
-        q = 0.0
+        acc = np.array([np.inf, -np.inf, 0.0, 0.0])
+        cnt = np.zeros(5, dtype=np.int64)
+        ext = np.array([umax0, U(0)], dtype=U)
+        sext = np.array([smin0, smax0], dtype=S)
         for start in range(0, n, BLOCK):
-            stop = min(start + BLOCK, n)
-            nf = U(0)
-            z = U(0)
-            nz = U(0)
-            kmin = kmax0
-            kmax = U(0)
-            for i in range(start, stop):
-                b = u[i]
-                a = U(b & absmask)
-                nf = U(nf + U(U(a + nonfin_bias) >> top))
-                iz = U(U(a - one) >> top)  # 1 for either zero
-                z = U(z + iz)
-                nz = U(nz + U(iz & U(b >> top)))
-                k = key(b)
-                kmin = min(kmin, k)
-                kmax = max(kmax, k)
-            nonfin += np.int64(nf)
-            zeros += np.int64(z)
-            negzeros += np.int64(nz)
-            if nf == 0:
-                kr[0] = min(kr[0], kmin)
-                kr[1] = max(kr[1], kmax)
-                for i in range(start, stop):
-                    d = np.float64(x[i])
-                    s += d
-                    q += d * d
-            else:
-                masked(x, u, start, stop, kr, fl, cnt)
-        fl[2] += s
-        fl[3] += q
-        finish(kr, fl, tmp)
-        fin_nz = n - nonfin - zeros
+            block(x, u, v, start, min(start + BLOCK, n), acc, cnt, ext, sext)
+        finish(acc, ext, sext, fl)
+        nan, pinf, ninf, zeros, negzeros = cnt
+        fin_nz = n - nan - pinf - ninf - zeros
         fin_nzbits = fin_nz + negzeros
         row[col_spine] += fin_nz
         row[col_spine + 1] += fin_nzbits
         row[col_spine + 2] += n - (zeros - negzeros)
-        row[col_spine + 3] += fin_nzbits + cnt[0]
-        row[col_spine + 4] += fin_nzbits + cnt[1]
+        row[col_spine + 3] += fin_nzbits + nan
+        row[col_spine + 4] += fin_nzbits + pinf
 
     @njit(nogil=True, fastmath=_FASTMATH, boundscheck=False)
-    def sketch(x, u, row, fl):
+    def sketch(x, u, v, row, fl):
         """Add the grid-key counts of ``x`` (raw code folded by ``fold``), min, -max and the sums to ``row``."""
         n = u.size
-        kr = np.array([kmax0, U(0)], dtype=U)
-        tmp = np.empty(1, dtype=U)
-        cnt = np.zeros(2, dtype=np.int64)  # unused here: the NaN/inf counts come from the keys
+        acc = np.array([np.inf, -np.inf, 0.0, 0.0])
+        cnt = np.zeros(5, dtype=np.int64)  # not used: the keys count zeros, NaN and infinities
+        ext = np.array([umax0, U(0)], dtype=U)
+        sext = np.array([smin0, smax0], dtype=S)
         hist = np.zeros((4, ncount), dtype=np.int64)  # four copies: consecutive equal keys do not serialise
         codes = np.empty(BLOCK, dtype=np.int32)
-        s = 0.0
-        q = 0.0
         for start in range(0, n, BLOCK):
             stop = min(start + BLOCK, n)
-            nf = U(0)
-            kmin = kmax0
-            kmax = U(0)
-            for i in range(start, stop):
+            for i in range(start, stop):  # the raw code (see reduce._Width), in vector lanes
                 b = u[i]
                 a = U(b & absmask)
-                inf_nan = U(U(a + nonfin_bias) >> top)
-                nf = U(nf + inf_nan)
                 frac = U(b & fracmask)
-                e = U(a >> U(mbits))
-                raw = (U(4) * e + one + U(frac > t1) + U(frac > t2) + U(frac > t3) - U(frac == 0)
-                       + inf_nan * U(shift) + U(b >> top) * U(side))
+                raw = (U(4) * U(a >> U(mbits)) + one + U(frac > t1) + U(frac > t2) + U(frac > t3) - U(frac == 0)
+                       + U(a >= expmask) * U(shift) + U(b >> top) * U(side))
                 codes[i - start] = np.int32(raw)
-                k = key(b)
-                kmin = min(kmin, k)
-                kmax = max(kmax, k)
             for j in range(stop - start):
                 hist[j & 3, fold[codes[j]]] += 1
-            if nf == 0:
-                kr[0] = min(kr[0], kmin)
-                kr[1] = max(kr[1], kmax)
-                for i in range(start, stop):
-                    d = np.float64(x[i])
-                    s += d
-                    q += d * d
-            else:
-                masked(x, u, start, stop, kr, fl, cnt)
-        fl[2] += s
-        fl[3] += q
-        finish(kr, fl, tmp)
+            block(x, u, v, start, stop, acc, cnt, ext, sext)
+        finish(acc, ext, sext, fl)
         for c in range(ncount):
             row[c] += hist[0, c] + hist[1, c] + hist[2, c] + hist[3, c]
 
     @njit(inline="always")
     def arrays(address, n, row_address):
-        x = carray(_pointer(address), n, F)
+        p = _pointer(address)
         row = carray(_pointer(row_address), row_len, np.int64)
-        return x, x.view(U), row, row[col_min:].view(np.float64)
+        fl = carray(_pointer(row_address + 8 * col_min), row_len - col_min, np.float64)
+        return carray(p, n, F), carray(p, n, U), carray(p, n, S), row, fl
 
     @njit(cache=True, nogil=True)
     def spine_at(address, n, row_address):
-        x, u, row, fl = arrays(address, n, row_address)
-        spine(x, u, row, fl)
+        x, u, v, row, fl = arrays(address, n, row_address)
+        spine(x, u, v, row, fl)
 
     @njit(cache=True, nogil=True)
     def sketch_at(address, n, row_address):
-        x, u, row, fl = arrays(address, n, row_address)
-        sketch(x, u, row, fl)
+        x, u, v, row, fl = arrays(address, n, row_address)
+        sketch(x, u, v, row, fl)
 
     return spine_at, sketch_at
