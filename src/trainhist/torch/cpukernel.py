@@ -58,6 +58,7 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
     one = U(1)
     t1, t2, t3 = (U(t) for t in thresh)
     umax0 = U((1 << bits) - 1)
+    keys = fold.astype(np.uint16)  # raw code -> grid key (all below ncount)
     smin0, smax0 = S((1 << (bits - 1)) - 1), S(-(1 << (bits - 1)))
 
     @njit(inline="always")
@@ -169,14 +170,14 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
 
     @njit(nogil=True, fastmath=_FASTMATH, boundscheck=False)
     def sketch(x, u, v, row, fl):
-        """Add the grid-key counts of ``x`` (raw code folded by ``fold``), min, -max and the sums to ``row``."""
+        """Add the grid-key counts of ``x`` (raw code folded by ``keys``), min, -max and the sums to ``row``."""
         n = u.size
         acc = np.array([np.inf, -np.inf, 0.0, 0.0])
         cnt = np.zeros(5, dtype=np.int64)  # not used: the keys count zeros, NaN and infinities
         ext = np.array([umax0, U(0)], dtype=U)
         sext = np.array([smin0, smax0], dtype=S)
-        hist = np.zeros((4, ncount), dtype=np.int64)  # four copies: consecutive equal keys do not serialise
-        codes = np.empty(BLOCK, dtype=np.int32)
+        hist = np.zeros(ncount, dtype=np.int64)
+        codes = np.empty(BLOCK, dtype=U)  # unsigned codes and keys: numba indexes them with no negative-index fixup
         for start in range(0, n, BLOCK):
             stop = min(start + BLOCK, n)
             for i in range(start, stop):  # the raw code (see reduce._Width), in vector lanes
@@ -185,13 +186,13 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
                 frac = U(b & fracmask)
                 raw = (U(4) * U(a >> U(mbits)) + one + U(frac > t1) + U(frac > t2) + U(frac > t3) - U(frac == 0)
                        + U(a >= expmask) * U(shift) + U(b >> top) * U(side))
-                codes[i - start] = np.int32(raw)
+                codes[i - start] = raw
             for j in range(stop - start):
-                hist[j & 3, fold[codes[j]]] += 1
+                hist[keys[codes[j]]] += 1
             block(x, u, v, start, stop, acc, cnt, ext, sext)
         finish(acc, ext, sext, fl)
         for c in range(ncount):
-            row[c] += hist[0, c] + hist[1, c] + hist[2, c] + hist[3, c]
+            row[c] += hist[c]
 
     @njit(inline="always")
     def arrays(address, n, row_address):
