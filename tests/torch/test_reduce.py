@@ -215,15 +215,19 @@ def test_chunked_and_strided_inputs(monkeypatch, dtype):
             check_spine(run_spine([t], method=method), ref_summary([t.contiguous()]))
 
 
+@pytest.mark.parametrize("how", ["merge_row", "Ledger.merge"])
 @pytest.mark.parametrize("sketch", [True, False])
-def test_merge_row_equals_reducing_into_the_row(sketch):
+def test_merge_row_equals_reducing_into_the_row(sketch, how):
     g = torch.Generator().manual_seed(9)
     a = torch.cat([torch.randn(100, generator=g), torch.tensor([-0.0, math.nan, math.inf])])
     b = torch.cat([torch.randn(50, generator=g) - 3, torch.tensor([0.0, -math.inf])])
     led = Ledger("cpu")
     reduce_into(a, led.row("a"), sketch=sketch)
     reduce_into(b, led.row("b"), sketch=sketch)
-    merge_row(led.row("b"), led.row("a"))
+    if how == "merge_row":
+        merge_row(led.row("b"), led.row("a"))
+    else:  # the host-side merge of a CPU ledger
+        led.merge("b", "a")
     p = led.transfer()
     got = decode_row(p.row(p.wait(), "b"), a.numel() + b.numel(), sketch=sketch)
     ref = ref_summary([torch.cat([a, b])])

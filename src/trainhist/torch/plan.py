@@ -121,8 +121,7 @@ def param_sharing(p: torch.Tensor, ddp: bool) -> str:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank-local part of a (possibly DTensor) tensor."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) and type(t).__name__ == "DTensor" else t
+    return t.to_local() if type(t).__name__ == "DTensor" else t
 
 
 def sample_indices(name: str, numel: int, k: int, seed: int) -> np.ndarray | None:

@@ -369,6 +369,20 @@ class Ledger:
             off = self.rows[key] = self._grow(init)
         return self.buf[off : off + ROW]
 
+    def merge(self, dst: object, src: object) -> None:
+        """:func:`merge_row` of the row of ``src`` into that of ``dst`` (on a CPU ledger, in place on the host)."""
+        if self.device.type != "cpu":
+            merge_row(self.row(dst), self.row(src))
+            return
+        if dst not in self.rows:
+            self.row(dst)
+        buf = self.buf.numpy()
+        d, r = buf[self.rows[dst] :][:ROW], buf[self.rows[src] :][:ROW]
+        d[:COL_MIN] += r[:COL_MIN]
+        f, g = d[COL_MIN:].view(np.float64), r[COL_MIN:].view(np.float64)
+        np.minimum(f[0:2], g[0:2], out=f[0:2])
+        f[2:4] += g[2:4]
+
     def address(self, key: object) -> int:
         """The memory address of the row of ``key`` in a CPU ledger (for :func:`fused_into`), allocating the row
         on first use; valid until the next allocation grows the buffer."""
