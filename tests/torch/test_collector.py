@@ -468,6 +468,13 @@ def test_aliased_outputs_are_reduced_once_and_recorded_for_every_site(tmp_path, 
         real(dst, src)
 
     monkeypatch.setattr(cm, "merge_row", counting)
+    real_host = cm.Ledger.merge_on_host  # the CPU kernel's merge, in place by address
+
+    def counting_host(self, dst, src):
+        merges["n"] += 1
+        real_host(self, dst, src)
+
+    monkeypatch.setattr(cm.Ledger, "merge_on_host", counting_host)
     torch.manual_seed(0)
     inner = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), inner, torch.nn.Identity())

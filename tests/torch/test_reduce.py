@@ -215,7 +215,7 @@ def test_chunked_and_strided_inputs(monkeypatch, dtype):
             check_spine(run_spine([t], method=method), ref_summary([t.contiguous()]))
 
 
-@pytest.mark.parametrize("how", ["merge_row", "Ledger.merge"])
+@pytest.mark.parametrize("how", ["merge_row", "Ledger.merge_on_host"])
 @pytest.mark.parametrize("sketch", [True, False])
 def test_merge_row_equals_reducing_into_the_row(sketch, how):
     g = torch.Generator().manual_seed(9)
@@ -227,7 +227,7 @@ def test_merge_row_equals_reducing_into_the_row(sketch, how):
     if how == "merge_row":
         merge_row(led.row("b"), led.row("a"))
     else:  # the host-side merge of a CPU ledger
-        led.merge("b", "a")
+        led.merge_on_host("b", "a")
     p = led.transfer()
     got = decode_row(p.row(p.wait(), "b"), a.numel() + b.numel(), sketch=sketch)
     ref = ref_summary([torch.cat([a, b])])

@@ -50,7 +50,7 @@ from .plan import (
     unwrap,
 )
 from . import reduce as _reduction
-from .reduce import Ledger, PendingTransfer, decode_rows, fused_into, reduce_into
+from .reduce import Ledger, PendingTransfer, decode_rows, fused_into, merge_row, reduce_into
 
 __all__ = ["Collector", "StepTruth"]
 
@@ -546,7 +546,10 @@ class Collector:
         if hit is not None:
             ref, version, first = hit
             if ref() is not None and version == t._version and first != key and st.reductions.get(first) == 1:
-                self._ledger.merge(key, first)
+                if st.fused:
+                    self._ledger.merge_on_host(key, first)
+                else:
+                    merge_row(self._ledger.row(key), self._ledger.row(first))
                 return True
         st.seen[ident] = (weakref.ref(t), t._version, key)
         return False

@@ -212,3 +212,23 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
         sketch(x, u, v, row, fl)
 
     return spine_at, sketch_at
+
+
+def make_merge(col_min: int, row_len: int) -> Callable:
+    """``merge(dst_address, src_address)``: merge one int64 ledger row into another in place (counts add, min and
+    negated max take the minimum, sums add), by address like the kernels; the rows must not overlap."""
+
+    @njit(cache=True, nogil=True)
+    def merge(dst_address, src_address):
+        d = carray(_pointer(dst_address), row_len, np.int64)
+        r = carray(_pointer(src_address), row_len, np.int64)
+        for c in range(col_min):
+            d[c] += r[c]
+        f = carray(_pointer(dst_address + 8 * col_min), row_len - col_min, np.float64)
+        g = carray(_pointer(src_address + 8 * col_min), row_len - col_min, np.float64)
+        f[0] = min(f[0], g[0])
+        f[1] = min(f[1], g[1])
+        f[2] += g[2]
+        f[3] += g[3]
+
+    return merge
