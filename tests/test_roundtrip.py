@@ -609,3 +609,17 @@ def test_unknown_phase_or_presence_name_is_a_usage_error(tmp_path) -> None:
             w.mark(s, 1, "gone")
     with trainhist.open(p) as h, pytest.raises(UsageError, match="'bogus' is not one of"):
         h.spine("x", phase="bogus")
+
+
+def test_dyadics_of_equals_from_float_on_every_kind_of_value():
+    """The vectorised conversion of float64 sums gives Dyadic.from_float's canonical value for each."""
+    from trainhist.dyadic import Dyadic, dyadics_of
+
+    rng = np.random.default_rng(0)
+    vals = [0.0, -0.0, 1.0, -1.0, 0.5, 3.0, 2.0**-1074, -(2.0**-1074), 2.0**-1022, 2.0**-1023 * 3,
+            1.7976931348623157e308, -1.7976931348623157e308, 2.0**52 + 1, -(2.0**53), 1e-300, 6.02e23, math.pi]
+    a = np.concatenate([np.array(vals), rng.standard_normal(500) * 10.0 ** rng.integers(-300, 300, 500)])
+    assert dyadics_of(a) == [Dyadic.from_float(float(v)) for v in a]
+    assert dyadics_of(np.zeros(0)) == []
+    with pytest.raises(ValueError):
+        dyadics_of(np.array([1.0, math.nan]))

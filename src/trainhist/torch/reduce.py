@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .. import grid
-from ..dyadic import ZERO, Dyadic
+from ..dyadic import ZERO, Dyadic, dyadics_of
 from ..summary import Sketch, SumMethod, Summary
 from . import cpukernel
 
@@ -274,18 +274,23 @@ def decode_rows(data: np.ndarray, offsets: list[int], counts: list[int],
     m = data[np.add.outer(np.asarray(offsets, dtype=np.int64), np.arange(ROW))]
     keyed = m[:, :NCOUNT].sum(axis=1).tolist()
     raw = m[:, COL_NEGZERO:COL_MIN].tolist()  # -0.0 count, spare, five spine counts
-    floats = np.ascontiguousarray(m[:, COL_MIN:]).view(np.float64).tolist()
+    f = np.ascontiguousarray(m[:, COL_MIN:]).view(np.float64)
+    floats = f.tolist()
+    finite = np.isfinite(f[:, 2:4]).all(axis=1)
+    it = iter(dyadics_of(f[finite, 2:4].reshape(-1)))
+    sums = [(next(it), next(it)) if ok else None for ok in finite.tolist()]
     out: list[Summary | RuntimeError] = []
     for i, (count, sketch) in enumerate(zip(counts, sketches)):
         try:
-            out.append(_decode(m[i] if sketch or keyed[i] else None, count, sketch, keyed[i], raw[i], floats[i]))
+            out.append(_decode(m[i] if sketch or keyed[i] else None, count, sketch, keyed[i], raw[i], floats[i],
+                               sums[i]))
         except RuntimeError as e:
             out.append(e)
     return out
 
 
-def _decode(row: np.ndarray | None, count: int, sketch: bool, keyed: int, raw: list[int],
-            floats: list[float]) -> Summary:
+def _decode(row: np.ndarray | None, count: int, sketch: bool, keyed: int, raw: list[int], floats: list[float],
+            sums: tuple[Dyadic, Dyadic] | None) -> Summary:
     negzero, spare = raw[0], raw[1]
     if spare != 0:
         raise RuntimeError("ledger row has counts in its impossible slot")
@@ -312,12 +317,12 @@ def _decode(row: np.ndarray | None, count: int, sketch: bool, keyed: int, raw: l
         raise RuntimeError(f"ledger row counts {total} values but {count} were reduced into it")
     s = Summary(count=count, nan=nan, pinf=pinf, ninf=ninf, zero=zero, sum_method=SumMethod.F64)
     if count - nan - pinf - ninf > 0:
-        mn, nmx, sm, sq = floats
+        mn, nmx = floats[0], floats[1]
         mx = -nmx
         s.min = (-0.0 if negzero else 0.0) if mn == 0 else mn  # -0.0 < +0.0 (IEEE totalOrder)
         s.max = (0.0 if poszero else -0.0) if mx == 0 else mx
-        if math.isfinite(sm) and math.isfinite(sq):
-            s.sum, s.sumsq = Dyadic.from_float(sm), Dyadic.from_float(sq)
+        if sums is not None:
+            s.sum, s.sumsq = sums
         else:  # float64 accumulation overflowed: no bound can be stated
             s.sum, s.sumsq, s.sum_method = ZERO, ZERO, SumMethod.UNKNOWN
     if sketch:
