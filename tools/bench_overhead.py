@@ -119,6 +119,17 @@ def instrument(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, tm
     raise ValueError(name)
 
 
+def _cpu_method() -> str:
+    """The collector's CPU reduction method, in words (with the numba version for the compiled kernel)."""
+    from trainhist.torch import reduce
+
+    if reduce.CPU_METHOD != "fused":
+        return f"torch operations (method `{reduce.CPU_METHOD}`)"
+    import numba
+
+    return f"the fused kernel (method `fused`, numba {numba.__version__})"
+
+
 def _default_cadence() -> tuple[int, int]:
     from trainhist.torch.collector import DEFAULT_EVERY, DEFAULT_SKETCH_EVERY
 
@@ -233,8 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         f"({os.cpu_count()} CPUs), torch {torch.__version__} with {args.threads} intra-op thread(s), "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Load average (1/5/15 min) before the run "
         f"{'/'.join(f'{v:.2f}' for v in load_before)}, after {'/'.join(f'{v:.2f}' for v in load_after)} "
-        f"(the machine is shared; other jobs ran during the measurement); 1-minute load sampled after each "
-        f"configuration: {min(loads):.2f} to {max(loads):.2f}, median {statistics.median(loads):.2f}.",
+        f"(the measurement itself keeps one CPU busy: a load above 1 means other work shared the machine); 1-minute "
+        f"load sampled after each configuration: {min(loads):.2f} to {max(loads):.2f}, median "
+        f"{statistics.median(loads):.2f}. trainhist reduces on the CPU with {_cpu_method()}.",
         "",
         f"Model: transformers GPT-2, {args.layers} layers, width {args.width}, sequence {args.seq}, batch {args.batch}, "
         f"vocabulary {args.vocab}, random init, AdamW; device {args.device}. {args.reps} repetitions, each running every "
