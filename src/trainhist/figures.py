@@ -159,7 +159,7 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
 def _rank_key(h: History, site: Site) -> tuple:
     """Sort key "nonfinite_first_then_drift": sites with non-finite values first, earliest step and pass first
     (the order triage uses); then the others by drift, |log(rms_last / rms_first)|, largest first."""
-    from .triage import _PASS
+    from .triage import PASS_ORDER
 
     first_bad: int | None = None
     drift = 0.0
@@ -177,7 +177,7 @@ def _rank_key(h: History, site: Site) -> tuple:
             drift = max(drift, float(abs(math.log(rms[-1] / rms[0]))))
     order = len(h.sites) - site.id if site.stream == "activation_grad" else site.id
     if first_bad is not None:
-        return (0, first_bad, _PASS[site.stream], order)
+        return (0, first_bad, PASS_ORDER[site.stream], order)
     return (1, -drift, site.id)
 
 

@@ -6,6 +6,7 @@ import struct
 from dataclasses import dataclass
 
 import crc32c as _crc32c
+import numpy as np
 
 from .errors import CorruptError, FormatError, LimitError, UnsupportedError
 
@@ -25,6 +26,8 @@ __all__ = [
     "RecordHeader",
     "COMMIT_HEAD",
     "COMMIT_ENTRY",
+    "COMMIT_ENTRY_DTYPE",
+    "RECORD_HEADER",
     "pack_commit",
 ]
 
@@ -39,9 +42,13 @@ MAX_RECORD_PAYLOAD = 256 * 1024 * 1024
 MAX_MANIFEST_PAYLOAD = 1024 * 1024
 
 _FILE = struct.Struct("<8sHHIIQI")  # magic, read_version, write_version, required, optional, salt, header_crc
-_REC = struct.Struct("<HHIQQII")  # type, flags, length, seq, salt, payload_crc, header_crc
+RECORD_HEADER = struct.Struct("<HHIQQII")  # type, flags, length, seq, salt, payload_crc, header_crc
 COMMIT_HEAD = struct.Struct("<QQ")  # seq of the commit record, number of entries (spec 4.3)
 COMMIT_ENTRY = struct.Struct("<QHHIIIqq")  # offset, type, reserved, site, segment, rows, step_min, step_max
+#: COMMIT_ENTRY as a numpy record, for reading a commit's entries at once
+COMMIT_ENTRY_DTYPE = np.dtype([("offset", "<u8"), ("type", "<u2"), ("reserved", "<u2"), ("site", "<u4"),
+                               ("segment", "<u4"), ("rows", "<u4"), ("step_min", "<i8"), ("step_max", "<i8")])
+assert COMMIT_ENTRY_DTYPE.itemsize == COMMIT_ENTRY.size
 
 
 class RecordType:
@@ -129,7 +136,7 @@ class RecordHeader:
         return self.length + pad8(self.length)
 
     def pack(self) -> bytes:
-        body = _REC.pack(self.type, self.flags, self.length, self.seq, self.salt, self.payload_crc, 0)[:-4]
+        body = RECORD_HEADER.pack(self.type, self.flags, self.length, self.seq, self.salt, self.payload_crc, 0)[:-4]
         return body + struct.pack("<I", crc32c(body))
 
     @staticmethod
@@ -138,7 +145,7 @@ class RecordHeader:
         raw = buf[offset : offset + RECORD_HEADER_SIZE]
         if len(raw) < RECORD_HEADER_SIZE:
             return None
-        t, flags, length, seq, salt, pcrc, hcrc = _REC.unpack_from(raw, 0)
+        t, flags, length, seq, salt, pcrc, hcrc = RECORD_HEADER.unpack_from(raw, 0)
         if crc32c(raw[:28]) != hcrc:
             return None
         return RecordHeader(t, flags, length, seq, salt, pcrc)

@@ -47,10 +47,12 @@ from .dyadic import Dyadic
 from .errors import CorruptError, FormatError, UnsupportedError, UsageError
 from .framing import (
     COMMIT_ENTRY,
+    COMMIT_ENTRY_DTYPE,
     COMMIT_HEAD,
     FILE_HEADER_SIZE,
     FLAG_IGNORABLE,
     MAGIC,
+    RECORD_HEADER,
     RECORD_HEADER_SIZE,
     WRITE_VERSION,
     FileHeader,
@@ -78,9 +80,6 @@ from .summary import Sketch, Summary
 
 __all__ = ["open_history", "History", "Site", "Segment", "Recovery", "SpineSeries", "SketchSeries"]
 
-_ENTRY_DTYPE = np.dtype([("offset", "<u8"), ("type", "<u2"), ("reserved", "<u2"), ("site", "<u4"),
-                         ("segment", "<u4"), ("rows", "<u4"), ("step_min", "<i8"), ("step_max", "<i8")])
-_REC = struct.Struct("<HHIQQII")
 NO_ID = 0xFFFFFFFF
 
 
@@ -445,7 +444,7 @@ class History:
         committed_end = pos
         pending: list[tuple[int, int, int, int, int]] = []  # (offset, type, length, payload_crc, flags)
         stop: tuple[int, str] | None = None
-        unpack, raw = _REC.unpack_from, self._buf
+        unpack, raw = RECORD_HEADER.unpack_from, self._buf
         manifest_or_commit = (RecordType.MANIFEST, RecordType.COMMIT)
         while pos < size:
             if size - pos < RECORD_HEADER_SIZE:
@@ -517,7 +516,7 @@ class History:
                 f"commit lists {n} records (payload {len(p)} bytes, seq {cseq}); {len(pending)} records precede it "
                 f"since the previous commit", "bad_commit", path, pos,
             )
-        entries = np.frombuffer(p, _ENTRY_DTYPE, n, COMMIT_HEAD.size).tolist()
+        entries = np.frombuffer(p, COMMIT_ENTRY_DTYPE, n, COMMIT_HEAD.size).tolist()
         segments = {g.id for g in self.segments}
         for i, ((off, rtype, _res, site, seg, rows, lo, hi), (rpos, ptype, plen, pcrc, flags)) in enumerate(
             zip(entries, pending)

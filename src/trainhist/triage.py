@@ -14,11 +14,12 @@ import numpy as np
 from .model import Presence
 from .reader import History
 
-__all__ = ["Finding", "Triage", "triage"]
+__all__ = ["Finding", "Triage", "triage", "PASS_ORDER"]
 
 # Within one step, the order in which a training step produces its streams: a NaN in an earlier pass explains the
 # later ones. Backward runs through the modules in reverse, so activation gradients are ranked in reverse site order.
-_PASS = {"scalar": 5, "activation": 0, "activation_grad": 1, "param_grad": 2, "param_delta": 3, "param": 4}
+#: stream -> rank of its pass within a step (used by the triage and by the figures' site order)
+PASS_ORDER = {"scalar": 5, "activation": 0, "activation_grad": 1, "param_grad": 2, "param_delta": 3, "param": 4}
 _PASS_NAME = {"activation": "forward", "activation_grad": "backward", "param_grad": "gradient",
               "param_delta": "update", "param": "parameter", "scalar": "scalar"}
 
@@ -106,7 +107,7 @@ def triage(h: History) -> Triage:
             earlier = np.searchsorted(obs_steps, s.step[rows]).tolist()  # observed rows at earlier steps
             for i, k in zip(rows.tolist(), earlier):
                 before = int(obs_steps[k - 1]) if k else None
-                events.append((int(s.step[i]), _PASS[site.stream], order, phase, site, int(s.nan[i]),
+                events.append((int(s.step[i]), PASS_ORDER[site.stream], order, phase, site, int(s.nan[i]),
                                int(s.pinf[i] + s.ninf[i]), before))
             fails = np.flatnonzero(s.presence == Presence.FAILED)
             if fails.size:
