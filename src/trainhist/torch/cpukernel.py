@@ -1,7 +1,8 @@
 """Fused CPU reduction kernels: one read of a float32/float64 tensor accumulates a whole ledger row.
 
 The torch-op reduction of :mod:`trainhist.torch.reduce` makes a dozen passes over every tensor (each a separate
-kernel with its own output); on a CPU that costs about 10 ns per element, more than many layers' own forward. These
+kernel with its own output); on a CPU that costs more than many layers' own forward (``tools/bench_reduce.py``
+measures both). These
 kernels, compiled by numba, make the same row in one pass over blocks of :data:`BLOCK` elements: one loop of vector
 lanes takes the float64 sums, the zero counts and the extreme bit patterns (from which min and max follow), and a
 block that turns out to hold NaN or infinity (rare) is redone element by element; sketches add the raw bin code of
@@ -144,7 +145,7 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
 
     Both take ``(address, n, row_address)``: the addresses of ``n`` contiguous elements and of the int64 ledger row.
     Passing addresses, not arrays, spares the few microseconds per call that making numpy views of a torch tensor
-    costs (a thousand reductions a step); the caller keeps both alive and guarantees the layout.
+    costs (hundreds of reductions a step); the caller keeps both alive and guarantees the layout.
     """
     U = np.uint32 if bits == 32 else np.uint64
     S = np.int32 if bits == 32 else np.int64

@@ -9,8 +9,8 @@ values, stored bit-cast in the int64 buffer. Reducing again into the same row me
 clamp, sums add (float64 accumulation, ``SumMethod.F64``); the sign of a zero minimum or maximum is resolved from
 the zero counts at decode time.
 
-Two implementations write the same row. On the CPU, :mod:`.cpukernel` reads each tensor once (about 1 ns per
-element for a spine, against about 10 for the torch ops). On any other device, and on the CPU when asked, torch ops:
+Two implementations write the same row. On the CPU, :mod:`.cpukernel` reads each tensor once (an order of magnitude
+faster than the torch ops there: ``tools/bench_reduce.py``). On any other device, and on the CPU when asked, torch ops:
 every full-size intermediate is written into a per-device scratch buffer (``out=``), never a fresh allocation (on a
 CPU a fresh multi-megabyte tensor costs more in page faults than the pass that fills it); tensors above ``CHUNK``
 elements are reduced chunk by chunk so that the scratch stays bounded.
@@ -267,7 +267,7 @@ def decode_row(row: np.ndarray, count: int, *, sketch: bool) -> Summary:
 def decode_rows(data: np.ndarray, offsets: list[int], counts: list[int],
                 sketches: list[bool]) -> list[Summary | RuntimeError]:
     """:func:`decode_row` of the rows at ``offsets`` in the landed ledger ``data``, with one set of numpy
-    operations for all of them (a step has a thousand rows): a :class:`Summary`, or the ``RuntimeError`` of a
+    operations for all of them (a step has hundreds of rows): a :class:`Summary`, or the ``RuntimeError`` of a
     row that cannot have come from its count."""
     if not offsets:
         return []
