@@ -278,3 +278,18 @@ def test_fused_min_max_from_bit_pattern_extremes(dtype, case):
         for sketch in (False, True):
             got = run([t], method="fused", sketch=sketch)
             (check if sketch else check_spine)(got, ref_summary([t]))
+
+
+def test_fused_refuses_what_it_cannot_read_by_address():
+    """The fused kernel reads memory by address, so anything that is not a CPU tensor with storage is refused with
+    an error (the collector records the site as failed), never read."""
+    row = Ledger("cpu").row("k")
+    with pytest.raises(ValueError, match="CPU tensor"):
+        reduce_into(torch.ones(3, device="meta"), row, method="fused")
+    with pytest.raises(ValueError, match="int64 CPU row"):
+        reduce_into(torch.ones(3), torch.zeros(3, dtype=torch.int64), method="fused")
+    with pytest.raises(TypeError, match="complex"):
+        reduce_into(torch.ones(3, dtype=torch.complex64), row, method="fused")
+    neg = torch._neg_view(torch.tensor([1.0, -2.0, 3.0]))  # a lazily negated view: its memory holds the opposite
+    for method in METHODS:
+        check(run([neg], method=method), ref_summary([neg.resolve_neg()]))

@@ -128,6 +128,8 @@ def _widen(x: torch.Tensor) -> torch.Tensor:
     """Flat contiguous float32/float64 view of ``x``: half types are widened exactly to float32, integers to
     float64; non-contiguous or widened values are copied into a scratch buffer (valid until the next reduction)."""
     x = x.detach()
+    if x.is_neg():  # a lazily negated view: its memory holds the opposite values, and bit views would read them
+        x = x.resolve_neg()
     if x.dtype in (torch.float32, torch.float64):
         dt = x.dtype
     elif x.dtype in (torch.float16, torch.bfloat16):
