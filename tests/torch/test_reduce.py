@@ -293,3 +293,37 @@ def test_fused_refuses_what_it_cannot_read_by_address():
     neg = torch._neg_view(torch.tensor([1.0, -2.0, 3.0]))  # a lazily negated view: its memory holds the opposite
     for method in METHODS:
         check(run([neg], method=method), ref_summary([neg.resolve_neg()]))
+
+
+def test_without_numba_the_cpu_uses_torch_ops_and_says_so():
+    """numba is optional at run time: without it (missing, or not yet built for a new Python) importing the collector
+    warns once, the CPU falls back to the torch operations, and a whole training step is still recorded."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, warnings\n"
+        "sys.modules['numba'] = None  # as if numba were not installed\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import torch\n"
+        "    from trainhist.torch import Collector, reduce\n"
+        "assert reduce.CPU_METHOD == 'bincount', reduce.CPU_METHOD\n"
+        "assert any('fused CPU reduction is unavailable' in str(x.message) for x in w), [str(x.message) for x in w]\n"
+        "import tempfile, os, trainhist\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())\n"
+        "path = os.path.join(tempfile.mkdtemp(), 'h.thist')\n"
+        "col = Collector(model, path, every=1, sketch_every=1)\n"
+        "with col.step(0):\n"
+        "    model(torch.randn(2, 4)).sum().backward()\n"
+        "col.close()\n"
+        "assert len(trainhist.open(path).spine('0', 'activation')) == 1\n"
+        "try:\n"
+        "    reduce.reduce_into(torch.ones(2), reduce.Ledger('cpu').row('k'), method='fused')\n"
+        "except ValueError as e:\n"
+        "    assert 'numba' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('fused without numba')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 
 import numpy as np
 import torch
@@ -29,7 +30,12 @@ import torch
 from .. import grid
 from ..dyadic import ZERO, Dyadic, dyadics_of
 from ..summary import Sketch, SumMethod, Summary
-from . import cpukernel
+try:  # the compiled CPU kernel needs numba (the torch extra installs it); without it the torch ops serve the CPU too
+    from . import cpukernel
+except ImportError as _e:  # numba missing, or not yet released for this Python
+    cpukernel = None  # type: ignore[assignment]
+    warnings.warn(f"trainhist.torch: the fused CPU reduction is unavailable ({_e}); CPU tensors are reduced with "
+                  "torch operations, several times slower (pip install numba)", RuntimeWarning, stacklevel=2)
 
 __all__ = ["ROW", "CHUNK", "METHODS", "reduce_into", "fused_into", "merge_row", "decode_row", "decode_rows", "Ledger",
            "PendingTransfer"]
@@ -71,8 +77,8 @@ class _Width:
         self.thresh = thresh
         self.fold_np = self._fold(ebits)
         self.fold = torch.from_numpy(self.fold_np)
-        self.kernels = cpukernel.make(self.nbits, mbits, ebits, thresh, self.shift, self.side, COL_SPINE, NCOUNT,
-                                      COL_MIN, ROW, self.fold_np)
+        self.kernels = None if cpukernel is None else cpukernel.make(
+            self.nbits, mbits, ebits, thresh, self.shift, self.side, COL_SPINE, NCOUNT, COL_MIN, ROW, self.fold_np)
         self._fold_dev: dict[torch.device, torch.Tensor] = {}
 
     def _fold(self, ebits: int) -> np.ndarray:
@@ -102,7 +108,7 @@ class _Width:
         return f
 
 
-_MERGE = cpukernel.make_merge(COL_MIN, ROW)
+_MERGE = None if cpukernel is None else cpukernel.make_merge(COL_MIN, ROW)
 _F32 = _Width(torch.int32, 23, 8, grid.THRESH_F32)
 _F64 = _Width(torch.int64, 52, 11, grid.THRESH_F64)
 
@@ -171,7 +177,7 @@ def _raw_codes(bits: torch.Tensor, w: _Width) -> torch.Tensor:
 #: reduction methods: one fused pass (CPU, :mod:`.cpukernel`), or torch ops with the bin counts by ``bincount``
 #: (CPU) or ``index_add_`` (any device; ``bincount`` would synchronise on CUDA)
 METHODS = ("fused", "bincount", "index_add")
-CPU_METHOD = "fused"  #: the method used on the CPU when none is given
+CPU_METHOD = "fused" if cpukernel is not None else "bincount"  #: the method used on the CPU when none is given
 
 
 def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None, sketch: bool = True) -> None:
@@ -189,6 +195,8 @@ def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None
     elif method not in METHODS:
         raise ValueError(f"unknown reduction method {method!r}: expected one of {METHODS}")
     if method == "fused":
+        if cpukernel is None:
+            raise ValueError("the fused reduction needs numba (pip install numba)")
         if x.device.type != "cpu" or row.device.type != "cpu" or row.dtype != torch.int64 or row.numel() != ROW:
             raise ValueError(f"the fused reduction needs a CPU tensor and an int64 CPU row of {ROW} entries")
         fused_into(x, row.data_ptr(), sketch)
@@ -380,8 +388,8 @@ class Ledger:
     def merge_on_host(self, dst: object, src: object) -> None:
         """:func:`merge_row` of the row of ``src`` into that of ``dst``, in place in a CPU ledger by address (one
         compiled call, not five torch ops on fresh slices)."""
-        if self.device.type != "cpu":
-            raise ValueError(f"merge_on_host needs a CPU ledger, not {self.device}")
+        if self.device.type != "cpu" or _MERGE is None:
+            raise ValueError(f"merge_on_host needs a CPU ledger and numba, not {self.device}")
         if src == dst:
             raise ValueError("a row cannot be merged into itself")
         dst_address = self.address(dst)
