@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from functools import lru_cache
 from importlib import resources
@@ -31,7 +32,7 @@ def _validator(kind: str) -> jsonschema.protocols.Validator:
     return cls(s)
 
 
-_VALID_CAP = 8192  #: manifests remembered as valid (by their bytes); forgotten all at once beyond it
+_VALID_CAP = 8192  #: manifests remembered as valid (by a digest of their bytes); forgotten all at once beyond it
 _valid: set[bytes] = set()
 
 
@@ -41,13 +42,14 @@ def validate_manifest(doc: Any, *, path: str | None = None, offset: int | None =
 
     ``raw``: the bytes ``doc`` was parsed from. The schema check runs once per distinct ``raw``: bytes that
     validated before (the same site manifest in every shard of a run) are not checked again."""
-    if raw is not None and raw in _valid:
+    key = None if raw is None else hashlib.blake2b(raw, digest_size=16).digest()  # 16 bytes, not up to a MiB
+    if key is not None and key in _valid:
         return doc
     _check(doc, path, offset)
-    if raw is not None:
+    if key is not None:
         if len(_valid) >= _VALID_CAP:
             _valid.clear()
-        _valid.add(raw)
+        _valid.add(key)
     return doc
 
 
