@@ -539,3 +539,43 @@ def test_a_cadence_still_records_the_gradient_norm_every_step(tmp_path):
     got = np.asarray(g.max, dtype=np.float64)
     np.testing.assert_allclose(got[:-1], norms[:-1], rtol=1e-5)
     assert math.isnan(got[-1])  # the step the gradient went non-finite, though no spine was due
+
+
+def test_tensor_subclass_outputs_are_reduced_through_torch_ops(tmp_path):
+    """Two modules returning different wrapper-subclass tensors (no storage of their own, data_ptr 0, like quantised
+    or distributed types): neither is read by address nor mistaken for the other by the alias shortcut; each site
+    records its own values."""
+
+    class Wrapper(torch.Tensor):
+        @staticmethod
+        def __new__(cls, inner):
+            return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            unwrap = lambda x: x.inner if isinstance(x, Wrapper) else x  # noqa: E731
+            tree_map = torch.utils._pytree.tree_map
+            return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, scale):
+            super().__init__()
+            self.scale = scale
+
+        def forward(self, x):
+            return Wrapper(x.detach() * self.scale)
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ModuleList([Wrap(1.0), Wrap(-3.0)]))
+    model.forward = lambda x: [m(model[0](x)) for m in model[1]]  # noqa: E731 -- two outputs, same shape
+    path = tmp_path / "w.thist"
+    col = Collector(model, path, streams=("activation",), every=1)
+    x = torch.randn(2, 4)
+    with col.step(0):
+        outs = model(x)
+    col.close()
+    h = trainhist.open(path)
+    for name, out in (("1.0", outs[0]), ("1.1", outs[1])):
+        assert_row(h, name, "activation", 0, ref_summary([out.inner]))

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch_helpers import bits, ref_summary
 
 from trainhist.summary import SumMethod
-from trainhist.torch.reduce import COL_MIN, METHODS, Ledger, decode_row, merge_row, reduce_into
+from trainhist.torch.reduce import COL_MIN, METHODS, ROW, Ledger, decode_row, merge_row, reduce_into
 
 SPECIALS = [0.0, -0.0, math.nan, math.inf, -math.inf, 1e-45, -1e-45, 2.0**-48, -(2.0**-48), 2.0**16, 2.0**16 + 64,
             65504.0, -65504.0, 3e38, -1e-300, 1.0, -1.0, 2.0**0.25, 1.1892071]
@@ -327,3 +327,54 @@ def test_without_numba_the_cpu_uses_torch_ops_and_says_so():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+class _Wrapper(torch.Tensor):
+    """A wrapper subclass with no storage of its own (as quantised or distributed tensor types are): data_ptr 0."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda x: x.inner if isinstance(x, _Wrapper) else x  # noqa: E731
+        return func(*torch.utils._pytree.tree_map(unwrap, args), **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+
+
+def test_fused_never_reads_memory_that_does_not_hold_the_values(monkeypatch):
+    """Strided and expanded views above CHUNK elements (the gradient of ``out.sum()`` is an expanded view), and
+    tensor subclasses with no storage, were read wrongly or past their end by address: every method now gives the
+    reference, the default falls back to the torch ops for a subclass, and an explicit ``fused`` refuses it."""
+    import trainhist.torch.reduce as rd
+
+    monkeypatch.setattr(rd, "CHUNK", 37)
+    g = torch.Generator().manual_seed(13)
+    base = torch.randn(200, generator=g)
+    base[1::2] = -1.0  # what a contiguous read of base[::2] would wrongly see
+    for t in (base[::2], torch.full((1,), 2.5).expand(150), base.view(20, 10)[:, 3]):
+        for method in METHODS:
+            check(run([t], method=method), ref_summary([t.contiguous()]))
+    w = _Wrapper(torch.tensor([1.0, -2.0, 4.0]))
+    check(run([w]), ref_summary([w.inner]))  # default method: the torch ops read it through dispatch
+    with pytest.raises(ValueError, match="plain strided CPU tensor"):
+        reduce_into(w, Ledger("cpu").row("k"), method="fused")
+    with pytest.raises(ValueError, match="contiguous int64 CPU row"):
+        reduce_into(torch.ones(3), torch.zeros(ROW, 2, dtype=torch.int64)[:, 0], method="fused")
+
+
+def test_merge_on_host_allocating_both_rows_keeps_addresses_valid():
+    """Merging rows that do not exist yet allocates both before taking either address (an allocation moves the
+    buffer): the rows merge as empty rows, and earlier rows keep their values."""
+    led = Ledger("cpu")
+    reduce_into(torch.tensor([1.0, 2.0]), led.row("a"))
+    led.row("b"), led.row("c")
+    led.merge_on_host("d", "e")
+    led.merge_on_host("a", "f")
+    p = led.transfer()
+    data = p.wait()
+    assert decode_row(p.row(data, "d"), 0, sketch=True).count == 0
+    check(decode_row(p.row(data, "a"), 2, sketch=True), ref_summary([torch.tensor([1.0, 2.0])]))

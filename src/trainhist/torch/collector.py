@@ -519,12 +519,13 @@ class Collector:
             if n:
                 if not (alias and self._merge_alias(st, key, t)):
                     sketch = st.sketch.get(key[0], True)
-                    if st.fused:  # the CPU kernel, straight into the (host) ledger row
+                    if st.fused and (type(t) is torch.Tensor or type(t) is torch.nn.Parameter):
+                        # the CPU kernel, straight into the (host) ledger row
                         fused_into(t if t.is_cpu else t.to("cpu"), self._ledger.address(key), sketch)
-                    else:
+                    else:  # the torch ops (on a CPU ledger: a tensor subclass, whose memory need not hold its values)
                         if t.device != self._ledger.device:
                             t = t.to(self._ledger.device, non_blocking=True)
-                        reduce_into(t, self._ledger.row(key), sketch=sketch)
+                        reduce_into(t, self._ledger.row(key), sketch=sketch, method="bincount" if st.fused else None)
                 st.reductions[key] = st.reductions.get(key, 0) + 1
             st.counts[key] = st.counts.get(key, 0) + n
         except Exception as e:  # noqa: BLE001 -- one bad site must not stop training
@@ -538,9 +539,13 @@ class Collector:
         The earlier row is merged in only while it holds that reduction alone; the earlier tensor is still
         alive (weak reference), so its memory cannot have been reused by another tensor.
         """
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            return False  # a subclass may have no storage of its own (data_ptr 0 for all): no aliasing shortcut
         try:
-            ident = (key[0], t.data_ptr(), t.get_device(), t.shape, t.stride(), t.dtype)
+            ident = (key[0], t.data_ptr(), t.get_device(), t.shape, t.stride(), t.dtype, t.is_neg())
         except Exception:  # noqa: BLE001 -- a tensor without plain storage: no aliasing shortcut
+            return False
+        if ident[1] == 0:
             return False
         hit = st.seen.get(ident)
         if hit is not None:

@@ -146,8 +146,8 @@ def _widen(x: torch.Tensor) -> torch.Tensor:
         dt = torch.float64
     if dt == x.dtype and x.is_contiguous():
         return x.view(-1)
-    if x.numel() > CHUNK:
-        return x.to(dt).reshape(-1)
+    if x.numel() > CHUNK:  # contiguous: a strided or expanded view would be misread (or read past its end) by address
+        return x.to(dt).contiguous().view(-1)
     return _scratch(x.device, dt, x.numel(), "w").view(x.shape).copy_(x).view(-1)
 
 
@@ -192,13 +192,16 @@ def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None
     """
     if method is None:
         method = CPU_METHOD if x.device.type == "cpu" else "index_add"
+        if method == "fused" and not _plain(x):  # a tensor subclass: its memory need not hold its values
+            method = "bincount"
     elif method not in METHODS:
         raise ValueError(f"unknown reduction method {method!r}: expected one of {METHODS}")
     if method == "fused":
         if cpukernel is None:
             raise ValueError("the fused reduction needs numba (pip install numba)")
-        if x.device.type != "cpu" or row.device.type != "cpu" or row.dtype != torch.int64 or row.numel() != ROW:
-            raise ValueError(f"the fused reduction needs a CPU tensor and an int64 CPU row of {ROW} entries")
+        if (x.device.type != "cpu" or row.device.type != "cpu" or row.dtype != torch.int64 or row.numel() != ROW
+                or not row.is_contiguous() or row.is_neg()):
+            raise ValueError(f"the fused reduction needs a CPU tensor and a contiguous int64 CPU row of {ROW} entries")
         fused_into(x, row.data_ptr(), sketch)
         return
     x = _widen(x)
@@ -209,15 +212,27 @@ def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None
         _reduce_chunk(x[i : i + CHUNK] if n > CHUNK else x, row, method == "bincount", sketch)
 
 
+def _plain(x: torch.Tensor) -> bool:
+    """Whether ``x``'s memory holds its values: a plain tensor or parameter with the strided layout (a subclass,
+    such as a wrapper with no storage of its own, may hold anything there)."""
+    return (type(x) is torch.Tensor or type(x) is torch.nn.Parameter) and x.layout == torch.strided
+
+
 def fused_into(x: torch.Tensor, row_address: int, sketch: bool) -> None:
-    """The ``fused`` method of :func:`reduce_into` on a CPU tensor, given the address of its int64 CPU ledger row
-    (:meth:`Ledger.address`): the collector's hot path, a few microseconds of Python per call."""
+    """The ``fused`` method of :func:`reduce_into` on a plain CPU tensor, given the address of its int64 CPU ledger
+    row (:meth:`Ledger.address`): the collector's hot path, a few microseconds of Python per call. The kernel reads
+    memory by address, so anything it could misread is refused with ``ValueError`` first."""
+    if not _plain(x) or not x.is_cpu:
+        raise ValueError(f"the fused reduction reads a plain strided CPU tensor's memory, not a {type(x).__name__} "
+                         f"({x.layout}, {x.device}): reduce it with method='bincount'")
     dt = x.dtype
     if not ((dt is torch.float32 or dt is torch.float64) and x.is_contiguous()) or x.is_neg():
         x = _widen(x)
         dt = x.dtype
     n = x.numel()
     if n:
+        if not x.is_contiguous() or x.data_ptr() == 0:  # _widen's contract; a kernel must never read past storage
+            raise ValueError("the fused reduction needs contiguous memory")
         spine, sketch_ = (_F64 if dt is torch.float64 else _F32).kernels
         (sketch_ if sketch else spine)(x.data_ptr(), n, row_address)
 
@@ -345,7 +360,8 @@ class Ledger:
 
     Rows and scalars are allocated once (on first use) and keep their offsets; the buffer grows between uses
     by reallocation. :meth:`reset` re-initialises everything with one device copy, :meth:`transfer` copies the
-    whole buffer to the host with one copy (``non_blocking`` into pinned memory on CUDA).
+    whole buffer to the host with one copy (``non_blocking`` into pinned memory on CUDA). Not thread-safe: one
+    thread reduces into a ledger at a time (an allocation moves the buffer that an address points into).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -392,8 +408,8 @@ class Ledger:
             raise ValueError(f"merge_on_host needs a CPU ledger and numba, not {self.device}")
         if src == dst:
             raise ValueError("a row cannot be merged into itself")
-        dst_address = self.address(dst)
-        _MERGE(dst_address, self.address(src))
+        self.address(src), self.address(dst)  # allocate both first: an allocation may move the buffer
+        _MERGE(self.address(dst), self.address(src))
 
     def address(self, key: object) -> int:
         """The memory address of the row of ``key`` in a CPU ledger (for :func:`fused_into`), allocating the row
