@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
-from torch_helpers import Spy, assert_row, presence, ref_summary
+from torch_helpers import Spy, Wrapper, assert_row, presence, ref_summary
 
 import trainhist
 from trainhist.torch import Collector, StepTruth
@@ -545,20 +545,6 @@ def test_tensor_subclass_outputs_are_reduced_through_torch_ops(tmp_path):
     """Two modules returning different wrapper-subclass tensors (no storage of their own, data_ptr 0, like quantised
     or distributed types): neither is read by address nor mistaken for the other by the alias shortcut; each site
     records its own values."""
-
-    class Wrapper(torch.Tensor):
-        @staticmethod
-        def __new__(cls, inner):
-            return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
-
-        def __init__(self, inner):
-            self.inner = inner
-
-        @classmethod
-        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-            unwrap = lambda x: x.inner if isinstance(x, Wrapper) else x  # noqa: E731
-            tree_map = torch.utils._pytree.tree_map
-            return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
     class Wrap(torch.nn.Module):
         def __init__(self, scale):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch_helpers import bits, ref_summary
+from torch_helpers import Wrapper, bits, ref_summary
 
 from trainhist.summary import SumMethod
 from trainhist.torch.reduce import COL_MIN, METHODS, ROW, Ledger, decode_row, merge_row, reduce_into
@@ -329,22 +329,6 @@ def test_without_numba_the_cpu_uses_torch_ops_and_says_so():
     assert proc.returncode == 0, proc.stderr
 
 
-class _Wrapper(torch.Tensor):
-    """A wrapper subclass with no storage of its own (as quantised or distributed tensor types are): data_ptr 0."""
-
-    @staticmethod
-    def __new__(cls, inner):
-        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        unwrap = lambda x: x.inner if isinstance(x, _Wrapper) else x  # noqa: E731
-        return func(*torch.utils._pytree.tree_map(unwrap, args), **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
-
-
 def test_fused_never_reads_memory_that_does_not_hold_the_values(monkeypatch):
     """Strided and expanded views above CHUNK elements (the gradient of ``out.sum()`` is an expanded view), and
     tensor subclasses with no storage, were read wrongly or past their end by address: every method now gives the
@@ -358,7 +342,7 @@ def test_fused_never_reads_memory_that_does_not_hold_the_values(monkeypatch):
     for t in (base[::2], torch.full((1,), 2.5).expand(150), base.view(20, 10)[:, 3]):
         for method in METHODS:
             check(run([t], method=method), ref_summary([t.contiguous()]))
-    w = _Wrapper(torch.tensor([1.0, -2.0, 4.0]))
+    w = Wrapper(torch.tensor([1.0, -2.0, 4.0]))
     check(run([w]), ref_summary([w.inner]))  # default method: the torch ops read it through dispatch
     with pytest.raises(ValueError, match="plain strided CPU tensor"):
         reduce_into(w, Ledger("cpu").row("k"), method="fused")

@@ -79,3 +79,21 @@ class Spy:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+class Wrapper(torch.Tensor):
+    """A wrapper subclass with no storage of its own (as quantised or distributed tensor types are): data_ptr 0;
+    every op runs on the wrapped tensor ``inner``."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda x: x.inner if isinstance(x, Wrapper) else x  # noqa: E731
+        tree_map = torch.utils._pytree.tree_map
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
