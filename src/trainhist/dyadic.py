@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["Dyadic", "ZERO", "exact_sums", "float_of", "fits_float", "mant_bytes", "dyadics_of"]
+__all__ = ["Dyadic", "ZERO", "exact_sums", "float_of", "fits_float", "mant_bytes", "dyadics_of", "float_parts"]
 
 
 def float_of(m: int, e: int) -> float:
@@ -95,23 +95,26 @@ class Dyadic(NamedTuple):
 ZERO = Dyadic(0, 0)
 
 
+def float_parts(f: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Canonical ``(m, e)`` int64 arrays with ``m * 2**e == f`` for an array of finite float64 values: ``m`` odd, or
+    ``m == e == 0`` (for -0.0 too), with one set of numpy operations."""
+    mant, ex = np.frexp(f)
+    m = (mant * 2.0**53).astype(np.int64)  # exact: 53 significant bits at most
+    nz = m != 0
+    low = np.where(nz, m & -m, 1)  # the lowest set bit: a power of two below 2**53, exact in float64
+    tz = np.where(nz, np.frexp(low.astype(np.float64))[1] - 1, 0)
+    return m >> tz, np.where(nz, ex.astype(np.int64) - 53 + tz, 0)
+
+
 def dyadics_of(values: np.ndarray) -> list[Dyadic]:
-    """``[Dyadic.from_float(v) for v in values]`` for a float64 array of finite values, from the bit fields with one
-    set of numpy operations (the collector turns a thousand sums a step into dyadics)."""
+    """``[Dyadic.from_float(v) for v in values]`` for a float64 array of finite values, through :func:`float_parts`
+    (the collector turns hundreds of sums a step into dyadics)."""
     a = np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
     if not np.isfinite(a).all():
         raise ValueError("a dyadic needs a finite value")
-    bits = a.view(np.uint64)
-    biased = ((bits >> np.uint64(52)) & np.uint64(0x7FF)).astype(np.int64)
-    m = (bits & np.uint64((1 << 52) - 1)).astype(np.int64)
-    m = np.where(biased > 0, m | (1 << 52), m)
-    e = np.maximum(biased, 1) - 1075  # subnormals share the exponent of the smallest normal binade
-    low = m & -m  # lowest set bit (0 for zero): a power of two below 2**53, exact in float64
-    tz = np.frexp(low.astype(np.float64))[1] - 1
-    tz = np.where(m == 0, 0, tz)
-    m = np.where(a < 0, -(m >> tz), m >> tz)
-    e = np.where(m == 0, 0, e + tz)
+    m, e = float_parts(a)
     return [Dyadic(mi, ei) for mi, ei in zip(m.tolist(), e.tolist())]
+
 
 # Limb plans: (mantissa bits, limb bits, limbs, block elements) chosen so every float64 partial sum in
 # np.bincount stays an integer below 2**53 and is therefore exact.

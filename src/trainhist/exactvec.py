@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from .dyadic import ZERO, Dyadic, float_of, mant_bytes
+from .dyadic import ZERO, Dyadic, float_of, float_parts, mant_bytes
 from .errors import CorruptError
 
 __all__ = ["ExactCol", "MAX_LIMBS", "MAX_ACC", "decode_exact", "group_sum", "encode_exact"]
@@ -155,14 +155,7 @@ class ExactCol:
     @staticmethod
     def from_floats(f: np.ndarray) -> "ExactCol":
         """Exact values of finite floats (the caller zeroes non-finite ones first)."""
-        mant, ex = np.frexp(f)
-        m = (mant * 2.0**53).astype(np.int64)  # exact: 53 significant bits at most
-        e = ex.astype(np.int64) - 53
-        nz = m != 0
-        low = m & -m
-        tz = np.where(nz, _bitlen(np.where(nz, low, 1)) - 1, 0)
-        m = m >> tz
-        e = np.where(nz, e + tz, 0)
+        m, e = float_parts(f)
         limbs = np.empty((f.size, 2), np.int64)
         limbs[:, 0] = m & _MASK
         limbs[:, 1] = m >> 32
