@@ -50,7 +50,7 @@ from .plan import (
     unwrap,
 )
 from . import reduce as _reduction
-from .reduce import Ledger, PendingTransfer, decode_rows, fused_into, merge_row, reduce_into
+from .reduce import Ledger, PendingTransfer, decode_rows, fused_into, is_plain, merge_row, reduce_into
 
 __all__ = ["Collector", "StepTruth"]
 
@@ -519,7 +519,7 @@ class Collector:
             if n:
                 if not (alias and self._merge_alias(st, key, t)):
                     sketch = st.sketch.get(key[0], True)
-                    if st.fused and (type(t) is torch.Tensor or type(t) is torch.nn.Parameter):
+                    if st.fused and is_plain(t):
                         # the CPU kernel, straight into the (host) ledger row
                         fused_into(t if t.is_cpu else t.to("cpu"), self._ledger.address(key), sketch)
                     else:  # the torch ops (on a CPU ledger: a tensor subclass, whose memory need not hold its values)
@@ -539,7 +539,7 @@ class Collector:
         The earlier row is merged in only while it holds that reduction alone; the earlier tensor is still
         alive (weak reference), so its memory cannot have been reused by another tensor.
         """
-        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        if not is_plain(t):
             return False  # a subclass may have no storage of its own (data_ptr 0 for all): no aliasing shortcut
         try:
             ident = (key[0], t.data_ptr(), t.get_device(), t.shape, t.stride(), t.dtype, t.is_neg())

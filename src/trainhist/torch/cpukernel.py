@@ -120,6 +120,20 @@ def _masked(x, u, start, stop, acc, cnt, c, T):
 
 
 @njit(inline="always")
+def _start(address, n, row_address, row_len, col_min, F, U, S, c, cs):
+    """The views an entry point works on (the elements as floats and as unsigned and signed integers, the row and
+    its float64 slots) and the running state :func:`_block` takes."""
+    p = _pointer(address)
+    row = carray(_pointer(row_address), row_len, np.int64)
+    fl = carray(_pointer(row_address + 8 * col_min), row_len - col_min, np.float64)
+    acc = np.array([np.inf, -np.inf, 0.0, 0.0])
+    cnt = np.zeros(5, dtype=np.int64)
+    ext = np.array([c[5], U(0)], dtype=U)
+    sext = np.array([cs[0], cs[1]], dtype=S)
+    return carray(p, n, F), carray(p, n, U), carray(p, n, S), row, fl, acc, cnt, ext, sext
+
+
+@njit(inline="always")
 def _finish(acc, ext, sext, fl, ftype, c, T):
     """Add the sums to the row and merge its min and negated max (when some element was finite)."""
     sign = c[1]
@@ -161,14 +175,7 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
     def spine(address, n, row_address):
         """Add the spine of the ``n`` elements at ``address`` to the row at ``row_address``: five raw counts, min,
         -max, sum and sum of squares."""
-        p = _pointer(address)
-        x, u, v = carray(p, n, F), carray(p, n, U), carray(p, n, S)
-        row = carray(_pointer(row_address), row_len, np.int64)
-        fl = carray(_pointer(row_address + 8 * col_min), row_len - col_min, np.float64)
-        acc = np.array([np.inf, -np.inf, 0.0, 0.0])
-        cnt = np.zeros(5, dtype=np.int64)
-        ext = np.array([c[5], U(0)], dtype=U)
-        sext = np.array([cs[0], cs[1]], dtype=S)
+        x, u, v, row, fl, acc, cnt, ext, sext = _start(address, n, row_address, row_len, col_min, F, U, S, c, cs)
         for start in range(0, n, BLOCK):
             _block(x, u, v, start, min(start + BLOCK, n), acc, cnt, ext, sext, c, cs, U)
         _finish(acc, ext, sext, fl, F, c, U)
@@ -184,14 +191,8 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
     @njit(cache=True, nogil=True, fastmath=_FASTMATH, boundscheck=False)
     def sketch(address, n, row_address):
         """Add the grid-key counts, min, -max and the sums of the ``n`` elements at ``address`` to the row."""
-        p = _pointer(address)
-        x, u, v = carray(p, n, F), carray(p, n, U), carray(p, n, S)
-        row = carray(_pointer(row_address), row_len, np.int64)
-        fl = carray(_pointer(row_address + 8 * col_min), row_len - col_min, np.float64)
-        acc = np.array([np.inf, -np.inf, 0.0, 0.0])
-        cnt = np.zeros(5, dtype=np.int64)  # not used: the keys count zeros, NaN and infinities
-        ext = np.array([c[5], U(0)], dtype=U)
-        sext = np.array([cs[0], cs[1]], dtype=S)
+        # (cnt is not used here: the keys count zeros, NaN and infinities)
+        x, u, v, row, fl, acc, cnt, ext, sext = _start(address, n, row_address, row_len, col_min, F, U, S, c, cs)
         hist = np.zeros(ncount, dtype=np.int64)
         codes = np.empty(BLOCK, dtype=U)
         top, absmask, expmask, one = c[0], c[2], c[3], c[4]

@@ -37,8 +37,8 @@ except ImportError as _e:  # numba missing, or not yet released for this Python
     warnings.warn(f"trainhist.torch: the fused CPU reduction is unavailable ({_e}); CPU tensors are reduced with "
                   "torch operations, several times slower (pip install numba)", RuntimeWarning, stacklevel=2)
 
-__all__ = ["ROW", "CHUNK", "METHODS", "reduce_into", "fused_into", "merge_row", "decode_row", "decode_rows", "Ledger",
-           "PendingTransfer"]
+__all__ = ["ROW", "CHUNK", "METHODS", "reduce_into", "fused_into", "is_plain", "merge_row", "decode_row", "decode_rows",
+           "Ledger", "PendingTransfer"]
 
 NK = grid.NKEYS
 COL_NEGZERO = NK  # count of -0.0 (the grid's zero key counts +0.0 only here; decode adds them)
@@ -192,7 +192,7 @@ def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None
     """
     if method is None:
         method = CPU_METHOD if x.device.type == "cpu" else "index_add"
-        if method == "fused" and not _plain(x):  # a tensor subclass: its memory need not hold its values
+        if method == "fused" and not is_plain(x):  # a tensor subclass: its memory need not hold its values
             method = "bincount"
     elif method not in METHODS:
         raise ValueError(f"unknown reduction method {method!r}: expected one of {METHODS}")
@@ -212,7 +212,7 @@ def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None
         _reduce_chunk(x[i : i + CHUNK] if n > CHUNK else x, row, method == "bincount", sketch)
 
 
-def _plain(x: torch.Tensor) -> bool:
+def is_plain(x: torch.Tensor) -> bool:
     """Whether ``x``'s memory holds its values: a plain tensor or parameter with the strided layout (a subclass,
     such as a wrapper with no storage of its own, may hold anything there)."""
     return (type(x) is torch.Tensor or type(x) is torch.nn.Parameter) and x.layout == torch.strided
@@ -222,7 +222,7 @@ def fused_into(x: torch.Tensor, row_address: int, sketch: bool) -> None:
     """The ``fused`` method of :func:`reduce_into` on a plain CPU tensor, given the address of its int64 CPU ledger
     row (:meth:`Ledger.address`): the collector's hot path, a few microseconds of Python per call. The kernel reads
     memory by address, so anything it could misread is refused with ``ValueError`` first."""
-    if not _plain(x) or not x.is_cpu:
+    if not is_plain(x) or not x.is_cpu:
         raise ValueError(f"the fused reduction reads a plain strided CPU tensor's memory, not a {type(x).__name__} "
                          f"({x.layout}, {x.device}): reduce it with method='bincount'")
     dt = x.dtype
@@ -408,12 +408,16 @@ class Ledger:
             raise ValueError(f"merge_on_host needs a CPU ledger and numba, not {self.device}")
         if src == dst:
             raise ValueError("a row cannot be merged into itself")
-        self.address(src), self.address(dst)  # allocate both first: an allocation may move the buffer
+        for key in (src, dst):  # allocate both before taking an address: an allocation may move the buffer
+            if key not in self.rows:
+                self.row(key)
         _MERGE(self.address(dst), self.address(src))
 
     def address(self, key: object) -> int:
         """The memory address of the row of ``key`` in a CPU ledger (for :func:`fused_into`), allocating the row
         on first use; valid until the next allocation grows the buffer."""
+        if self.device.type != "cpu":
+            raise ValueError(f"a row address is for a CPU ledger, not {self.device}")
         off = self.rows.get(key)
         if off is None:
             self.row(key)
