@@ -231,7 +231,8 @@ class _BatchColumns:
         scale = scales.pop() if scales else None
         n = len(self.parts)
         if len(idx) == n:
-            cols, tally, sk = dict(self.cols), self.tally, self.sk
+            cols = {k: v if v.flags.writeable else v.copy() for k, v in self.cols.items()}
+            tally, sk = self.tally, self.sk
             exact = {k: None if x is None else (x[0], x[1], x[2], x[2]) for k, x in self.exact.items()}
             counts, csize = self.counts, self.csize
         else:
@@ -239,7 +240,7 @@ class _BatchColumns:
             r0 = (np.cumsum(sizes) - sizes).tolist()
             sl = [slice(r0[i], r0[i] + self.parts[i].rows) for i in idx]
 
-            def take(a: np.ndarray) -> np.ndarray:
+            def take(a: np.ndarray) -> np.ndarray:  # a new (writeable) array: decode_obs_columns may modify it
                 return np.concatenate([a[s] for s in sl])
 
             cols = {k: take(v) for k, v in self.cols.items()}
@@ -257,9 +258,6 @@ class _BatchColumns:
             c0 = np.cumsum([0] + self.csize).tolist()
             counts = np.concatenate([self.counts[c0[i] : c0[i + 1]] for i in idx] + [np.zeros(0, np.uint64)])
             csize = [self.csize[i] for i in idx]
-            cols = {k: v.copy() for k, v in cols.items()}
-        if len(idx) == n:
-            cols = {k: v if v.flags.writeable else v.copy() for k, v in cols.items()}
         if scale is None:
             sk = counts = None
         return decode_obs_columns(parts, cols, tally, [self.explicit[i] for i in idx], exact, sk, counts, csize,
