@@ -40,65 +40,64 @@ def _pointer(typingctx, address):  # noqa: ARG001 -- numba's intrinsic signature
 
 
 # The helpers below take the width's constants as a tuple ``c`` of unsigned integers of the element's width (top
-# bit index, sign bit, |x| mask, exponent mask, 1, all ones), ``cs`` (signed max, signed min) and the unsigned type
-# ``T`` itself: numba widens arithmetic on narrow integers to 64 bits, so every step is cast back to keep the vector
-# lanes as narrow as the elements. Inlined into the entry points, where all of it is a compile-time constant.
+# bit index, sign bit, |x| mask, exponent mask, 1, all ones), ``smin`` (the least signed integer of the width) and the
+# unsigned type ``T`` itself: numba widens arithmetic on narrow integers to 64 bits, so every step is cast back to
+# keep the vector lanes as narrow as the elements. Inlined into the entry points, where all of it is a compile-time
+# constant.
 
 
 @njit(inline="always")
-def _block(x, u, v, start, stop, acc, cnt, ext, sext, c, cs, T):
-    """Accumulate one block: the float64 sums, the zeros and negative zeros, and the least and greatest bit
-    patterns read as unsigned and as signed integers, all in one loop of vector lanes. Those four give the
-    min and max with no per-element transform: a set sign bit makes a pattern the largest unsigned, the smallest
-    signed. A block holding NaN or infinity (its sum of squares is then not finite; for float64 also a square
-    beyond the range) is redone by :func:`_masked`.
+def _block(x, u, v, acc, cnt, ext, smax_, c, T):
+    """Accumulate one block (``x``, ``u``, ``v``: its elements as floats, unsigned and signed integers): the float64
+    sums, the positive and negative zeros, the least and greatest bit patterns read as unsigned integers and the
+    greatest read as signed, all in one loop of vector lanes. Those three give the min and max with no per-element
+    transform: a set sign bit makes a pattern the largest unsigned, a negative signed one. A block holding NaN or
+    infinity (its sum of squares is then not finite; for float64 also a square beyond the range) is redone by
+    :func:`_masked`. (The block is passed as views starting at index 0, so the loop needs no negative-index
+    handling and stays a plain vector loop.)
 
     ``acc`` = [min, max, sum, sum of squares] (float64) of the masked blocks' elements and of all blocks; ``cnt`` =
-    [NaN, +inf, -inf, zeros, negative zeros]; ``ext``, ``sext``: the least and greatest unsigned and signed
-    patterns of the other blocks' elements (combined across blocks; made floats once, in :func:`_finish`).
+    [NaN, +inf, -inf, zeros, negative zeros]; ``ext`` (least, greatest unsigned pattern), ``smax_`` (greatest signed
+    pattern): of the other blocks' elements (combined across blocks; made floats once, in :func:`_finish`).
     """
-    top, sign, absmask, one, allones = c[0], c[1], c[2], c[4], c[5]
+    sign, allones = c[1], c[5]
     s = 0.0
     q = 0.0
-    z = T(0)
+    pz = T(0)
     nz = T(0)
     umin = allones
     umax = T(0)
-    smin = cs[0]
-    smax = cs[1]
-    for i in range(start, stop):
+    smax = smax_[0]
+    for i in range(x.size):
         b = u[i]
-        w = v[i]
         d = np.float64(x[i])
         s += d
         q += d * d
-        z = T(z + T(T(T(b & absmask) - one) >> top))  # 1 for either zero
+        pz = T(pz + T(b == T(0)))
         nz = T(nz + T(b == sign))
         umin = min(umin, b)
         umax = max(umax, b)
-        smin = min(smin, w)
-        smax = max(smax, w)
-    cnt[3] += np.int64(z)
+        smax = max(smax, v[i])
+    cnt[3] += np.int64(pz) + np.int64(nz)
     cnt[4] += np.int64(nz)
     if not np.isfinite(q):
-        _masked(x, u, start, stop, acc, cnt, c, T)
+        _masked(x, u, acc, cnt, c, T)
         return
     ext[0] = min(ext[0], umin)
     ext[1] = max(ext[1], umax)
-    sext[0] = min(sext[0], smin)
-    sext[1] = max(sext[1], smax)
+    smax_[0] = smax
     acc[2] += s
     acc[3] += q
 
 
 @njit(inline="always")
-def _masked(x, u, start, stop, acc, cnt, c, T):
+def _masked(x, u, acc, cnt, c, T):
     """A block holding NaN or infinity: count them, and take min/max/sums over the finite elements only."""
     absmask, expmask = c[2], c[3]
     mn, mx = acc[0], acc[1]
     s = 0.0
     q = 0.0
-    for i in range(start, stop):
+    for i in range(x.size):
         b = u[i]
         a = T(b & absmask)
         if a >= expmask:
@@ -120,7 +119,7 @@ def _masked(x, u, start, stop, acc, cnt, c, T):
 
 
 @njit(inline="always")
-def _start(address, n, row_address, row_len, col_min, F, U, S, c, cs):
+def _start(address, n, row_address, row_len, col_min, F, U, S, c, smin):
     """The views an entry point works on (the elements as floats and as unsigned and signed integers, the row and
     its float64 slots) and the running state :func:`_block` takes."""
     p = _pointer(address)
@@ -129,18 +128,18 @@ def _start(address, n, row_address, row_len, col_min, F, U, S, c, cs):
     acc = np.array([np.inf, -np.inf, 0.0, 0.0])
     cnt = np.zeros(5, dtype=np.int64)
     ext = np.array([c[5], U(0)], dtype=U)
-    sext = np.array([cs[0], cs[1]], dtype=S)
-    return carray(p, n, F), carray(p, n, U), carray(p, n, S), row, fl, acc, cnt, ext, sext
+    smax = np.array([smin], dtype=S)
+    return carray(p, n, F), carray(p, n, U), carray(p, n, S), row, fl, acc, cnt, ext, smax
 
 
 @njit(inline="always")
-def _finish(acc, ext, sext, fl, ftype, c, T):
+def _finish(acc, ext, smax, fl, ftype, c, T):
     """Add the sums to the row and merge its min and negated max (when some element was finite)."""
     sign = c[1]
     if ext[0] <= ext[1]:  # some element came from a block without NaN or infinity
         tmp = ext.copy()
         tmp[0] = ext[1] if ext[1] >= sign else ext[0]  # the most negative value, else the least non-negative one
-        tmp[1] = T(sext[1]) if sext[1] >= 0 else ext[0]  # the greatest non-negative value, else the least negative one
+        tmp[1] = T(smax[0]) if smax[0] >= 0 else ext[0]  # the greatest non-negative value, else the least negative one
         lo, hi = tmp.view(ftype)
         acc[0] = min(acc[0], np.float64(lo))
         acc[1] = max(acc[1], np.float64(hi))
@@ -166,7 +165,7 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
     F = np.float32 if bits == 32 else np.float64
     c = (U(bits - 1), U(1 << (bits - 1)), U((1 << (bits - 1)) - 1), U(((1 << ebits) - 1) << mbits), U(1),
          U((1 << bits) - 1))
-    cs = (S((1 << (bits - 1)) - 1), S(-(1 << (bits - 1))))
+    smin = S(-(1 << (bits - 1)))
     fracmask, mb, t1, t2, t3 = U((1 << mbits) - 1), U(mbits), U(thresh[0]), U(thresh[1]), U(thresh[2])
     ushift, uside, u4 = U(shift), U(side), U(4)
     keys = fold.astype(np.uint16)  # raw code -> grid key (all below ncount); unsigned: no negative-index fixup
@@ -175,10 +174,11 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
     def spine(address, n, row_address):
         """Add the spine of the ``n`` elements at ``address`` to the row at ``row_address``: five raw counts, min,
         -max, sum and sum of squares."""
-        x, u, v, row, fl, acc, cnt, ext, sext = _start(address, n, row_address, row_len, col_min, F, U, S, c, cs)
+        x, u, v, row, fl, acc, cnt, ext, smax = _start(address, n, row_address, row_len, col_min, F, U, S, c, smin)
         for start in range(0, n, BLOCK):
-            _block(x, u, v, start, min(start + BLOCK, n), acc, cnt, ext, sext, c, cs, U)
-        _finish(acc, ext, sext, fl, F, c, U)
+            stop = min(start + BLOCK, n)
+            _block(x[start:stop], u[start:stop], v[start:stop], acc, cnt, ext, smax, c, U)
+        _finish(acc, ext, smax, fl, F, c, U)
         nan, pinf, ninf, zeros, negzeros = cnt
         fin_nz = n - nan - pinf - ninf - zeros
         fin_nzbits = fin_nz + negzeros
@@ -192,22 +192,23 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
     def sketch(address, n, row_address):
         """Add the grid-key counts, min, -max and the sums of the ``n`` elements at ``address`` to the row."""
         # (cnt is not used here: the keys count zeros, NaN and infinities)
-        x, u, v, row, fl, acc, cnt, ext, sext = _start(address, n, row_address, row_len, col_min, F, U, S, c, cs)
+        x, u, v, row, fl, acc, cnt, ext, smax = _start(address, n, row_address, row_len, col_min, F, U, S, c, smin)
         hist = np.zeros(ncount, dtype=np.int64)
         codes = np.empty(BLOCK, dtype=U)
         top, absmask, expmask, one = c[0], c[2], c[3], c[4]
         for start in range(0, n, BLOCK):
             stop = min(start + BLOCK, n)
-            for i in range(start, stop):  # the raw code (see reduce._Width), in vector lanes
-                b = u[i]
+            xb, ub, vb = x[start:stop], u[start:stop], v[start:stop]
+            for i in range(ub.size):  # the raw code (see reduce._Width), in vector lanes
+                b = ub[i]
                 a = U(b & absmask)
                 frac = U(b & fracmask)
-                codes[i - start] = (u4 * U(a >> mb) + one + U(frac > t1) + U(frac > t2) + U(frac > t3)
+                codes[i] = (u4 * U(a >> mb) + one + U(frac > t1) + U(frac > t2) + U(frac > t3)
                                     - U(frac == 0) + U(a >= expmask) * ushift + U(b >> top) * uside)
-            for j in range(stop - start):
+            for j in range(ub.size):
                 hist[keys[codes[j]]] += 1
-            _block(x, u, v, start, stop, acc, cnt, ext, sext, c, cs, U)
-        _finish(acc, ext, sext, fl, F, c, U)
+            _block(xb, ub, vb, acc, cnt, ext, smax, c, U)
+        _finish(acc, ext, smax, fl, F, c, U)
         for k in range(ncount):
             row[k] += hist[k]
 
