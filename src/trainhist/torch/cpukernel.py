@@ -193,24 +193,34 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
         """Add the grid-key counts, min, -max and the sums of the ``n`` elements at ``address`` to the row."""
         # (cnt is not used here: the keys count zeros, NaN and infinities)
         x, u, v, row, fl, acc, cnt, ext, smax = _start(address, n, row_address, row_len, col_min, F, U, S, c, smin)
-        hist = np.zeros(ncount, dtype=np.int64)
+        hist = np.zeros((4, ncount), dtype=np.int64)
+        h0, h1, h2, h3 = hist[0], hist[1], hist[2], hist[3]
         codes = np.empty(BLOCK, dtype=U)
         top, absmask, expmask, one = c[0], c[2], c[3], c[4]
         for start in range(0, n, BLOCK):
             stop = min(start + BLOCK, n)
             xb, ub, vb = x[start:stop], u[start:stop], v[start:stop]
-            for i in range(ub.size):  # the raw code (see reduce._Width), in vector lanes
+            m = ub.size
+            for i in range(m):  # the raw code (see reduce._Width), in vector lanes
                 b = ub[i]
                 a = U(b & absmask)
                 frac = U(b & fracmask)
                 codes[i] = (u4 * U(a >> mb) + one + U(frac > t1) + U(frac > t2) + U(frac > t3)
-                                    - U(frac == 0) + U(a >= expmask) * ushift + U(b >> top) * uside)
-            for j in range(ub.size):
-                hist[keys[codes[j]]] += 1
+                            - U(frac == 0) + U(a >= expmask) * ushift + U(b >> top) * uside)
+            # four histograms in turn: neighbours often share a bin, and one histogram would make each count wait
+            # for the previous one's store
+            m4 = m - m % 4
+            for j in range(0, m4, 4):
+                h0[keys[codes[j]]] += 1
+                h1[keys[codes[j + 1]]] += 1
+                h2[keys[codes[j + 2]]] += 1
+                h3[keys[codes[j + 3]]] += 1
+            for j in range(m4, m):
+                h0[keys[codes[j]]] += 1
             _block(xb, ub, vb, acc, cnt, ext, smax, c, U)
         _finish(acc, ext, smax, fl, F, c, U)
         for k in range(ncount):
-            row[k] += hist[k]
+            row[k] += h0[k] + h1[k] + h2[k] + h3[k]
 
     return spine, sketch
 
