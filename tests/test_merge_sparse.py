@@ -92,3 +92,12 @@ def test_sparse_take_and_canonical_equal_dense(seed: int) -> None:
     anynz = dense.any(axis=2)
     assert np.array_equal(c.lo, np.where(anynz, dense.argmax(axis=2), 0))
     assert np.array_equal(c.n, np.where(anynz, nb - dense[:, :, ::-1].argmax(axis=2) - dense.argmax(axis=2), 0))
+
+
+def test_sparse_canonical_of_all_zero_counts() -> None:
+    """Ranges whose counts are all zero (rows blanked, or counts that cancel nothing but are stored as zeros)
+    become empty ranges at bin 0."""
+    lo = np.array([[3, 0], [5, 7]], np.int64)
+    n = np.array([[2, 0], [1, 3]], np.int64)
+    c = Sparse(lo, n, np.zeros(6, np.uint64), 0).canonical()
+    assert not c.lo.any() and not c.n.any() and c.counts.size == 0

@@ -139,7 +139,7 @@ class Sparse:
         seg = np.repeat(np.arange(nf.size), nf)[nz]  # the range of each non-zero count (non-decreasing)
         kept, at = np.unique(seg, return_index=True)
         lo_nz = nz[at]  # first non-zero of each kept range, as a position in counts
-        hi_nz = nz[np.append(at[1:], nz.size) - 1]  # its last non-zero
+        hi_nz = nz[np.append(at[1:], nz.size) - 1] if at.size else nz  # its last non-zero (none: every count is 0)
         n = np.zeros(nf.size, np.int64)
         lo = np.zeros(nf.size, np.int64)
         n[kept] = hi_nz - lo_nz + 1
