@@ -111,6 +111,59 @@ def test_group_sum_adversarial_cases():
         test_group_sums_equal_python.hypothesis.inner_test(groups=[g, [g[0]], g[::-1]])
 
 
+def _int64_sides(groups: list[list[Dyadic]]) -> np.ndarray:
+    """Which of these groups (of two-limb values) group_sum adds in int64 rather than with limbs."""
+    f, x = decode([v for g in groups for v in g])
+    assert x.m.shape[1] == 2
+    sizes = np.array([len(g) for g in groups])
+    mstart = np.cumsum(sizes) - sizes
+    nonzero = (x.m != 0).any(axis=1)
+    gmin = np.minimum.reduceat(np.where(nonzero, x.e, 1 << 62), mstart)
+    allzero = gmin == 1 << 62
+    s = np.where(nonzero, x.e - np.where(allzero, 0, gmin)[np.repeat(np.arange(len(groups)), sizes)], 0)
+    return xv._int64_groups(x.m, s, nonzero, mstart, sizes, gmin, allzero)
+
+
+def test_int64_group_sums_both_sides_of_the_guard():
+    """Groups of values of at most 64 mantissa bits are added in int64 when every aligned member and the sum stay
+    below 2**62 and the sum is no subnormal, else with limbs: both give the Python sums, roundings and bytes."""
+    top = (1 << 53) - 1
+    quick = [
+        [Dyadic(1, 0), Dyadic(-1, 0)],  # cancels to zero
+        [Dyadic(top, 0), Dyadic(top, 0), Dyadic(1, 0)],  # a rounded sum (55 bits)
+        [Dyadic(top, 6), Dyadic(-1, 0), Dyadic(3, 2)],  # aligned members of 59 bits
+        [Dyadic((1 << 58) + 1, 0)] * 8,  # 59 + 3 bits: the largest sum the guard admits
+        [Dyadic(-(1 << 58) - 1, 0)] * 8,
+        [Dyadic(1, -1022), Dyadic(1, -1022)],  # the lowest exponent with no subnormal sum
+        [Dyadic(top, 971), Dyadic(top, 971)],  # overflows to inf, stored exactly
+        [Dyadic(3, 4), Dyadic(5, 4)],  # trailing zeros move into the exponent
+        [Dyadic(0, 0), Dyadic(0, 0)],
+    ]
+    slow = [
+        [Dyadic((1 << 59) + 1, 0)] * 8,  # 60 + 3 bits
+        [Dyadic(top, 10), Dyadic(1, 0)],  # aligned member of 63 bits
+        [Dyadic(1, -1023), Dyadic(1, -1023)],  # may be subnormal
+        [Dyadic(-(1 << 62) - 1, 0), Dyadic(1, 0)],  # a 63-bit member
+        [Dyadic(1, 0), Dyadic(1, 80)],
+    ]
+    assert _int64_sides(quick).all()
+    assert not _int64_sides(slow).any()
+    both = quick + slow
+    test_group_sums_equal_python.hypothesis.inner_test(groups=both)
+    test_group_sums_equal_python.hypothesis.inner_test(groups=[g[::-1] for g in both[::-1]] + [[Dyadic(7, 1)]])
+
+
+narrow = st.builds(canon, st.one_of(st.integers(-(1 << 40), 1 << 40), st.integers(-(1 << 63) + 1, (1 << 63) - 1)),
+                   st.one_of(st.integers(-8, 8), st.integers(-1080, 1000)))
+
+
+@settings(max_examples=300, **SETTINGS)
+@given(groups=st.lists(st.lists(st.one_of(flt, narrow), min_size=1, max_size=9), min_size=1, max_size=8))
+def test_group_sums_of_narrow_values_equal_python(groups):
+    """Values of at most 64 mantissa bits (two limbs), where the int64 path applies to some groups."""
+    test_group_sums_equal_python.hypothesis.inner_test(groups=groups)
+
+
 @settings(max_examples=300, **SETTINGS)
 @given(m=st.integers(1, 1 << 300), e=st.integers(-1300, 1100), neg=st.booleans(), tie=st.sampled_from([0, 1, 2, 3]))
 def test_rounding_equals_python(m, e, neg, tie):

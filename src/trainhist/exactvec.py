@@ -306,6 +306,53 @@ def decode_exact(name: str, f: np.ndarray, lens: np.ndarray | None, blob: np.nda
 
 
 # -- group sums ------------------------------------------------------------------------------------------------
+_INT64_SUM_BITS = 62  #: a group whose members and sum stay below 2**62 in magnitude once aligned is summed in int64
+
+
+def _int64_of(m: np.ndarray) -> np.ndarray:
+    """The int64 value of normalized two-limb mantissas (two's complement over 64 bits, so always exact)."""
+    return (m[:, 1] << 32) | m[:, 0]
+
+
+def _int64_groups(m: np.ndarray, s: np.ndarray, nonzero: np.ndarray, mstart: np.ndarray, sz: np.ndarray,
+                  gmin: np.ndarray, allzero: np.ndarray) -> np.ndarray:
+    """Per group of two-limb members aligned by ``s`` bits above the group's lowest exponent ``gmin``: whether
+    every aligned member and the sum stay below ``2**_INT64_SUM_BITS`` in magnitude (the bit lengths are bounded
+    from above through float64, which can only round up) and the sum is no subnormal (``gmin >= -1022``)."""
+    k = np.frexp(_int64_of(m).astype(np.float64))[1].astype(np.int64)  # |m| < 2**k
+    top = np.maximum.reduceat(np.where(nonzero, k + s, 0), mstart)
+    grow = np.frexp((sz - 1).astype(np.float64))[1].astype(np.int64)  # ceil(log2(size)): the sum's extra bits
+    return (top + grow <= _INT64_SUM_BITS) & (allzero | (gmin >= -1022))
+
+
+def _int64_sums(out_f: np.ndarray, out: "ExactCol", m: np.ndarray, s: np.ndarray, mg: np.ndarray,
+                mstart: np.ndarray, sz: np.ndarray, quick: np.ndarray, g0: np.ndarray, multi: np.ndarray) -> None:
+    """Exact sums of the groups ``quick`` (see :func:`_int64_groups`) in int64, written to rows ``multi[quick]``
+    of ``out_f`` (int64 to float64 rounds to nearest even; scaling by ``2**g0`` is exact for normal results) and
+    ``out`` (canonical: the trailing zero bits moved into the exponent)."""
+    v = _int64_of(m) << s  # exact for the members of quick groups
+    if quick.all():
+        t = np.add.reduceat(v, mstart)
+    else:
+        sel = np.flatnonzero(quick[mg])
+        qs = sz[quick]
+        t = np.add.reduceat(v[sel], np.cumsum(qs) - qs)
+        g0 = g0[quick]
+    zero = t == 0
+    a = np.abs(t)
+    low = np.where(zero, 1, a & -a)  # the lowest set bit: a power of two, exact in float64
+    tz = np.frexp(low.astype(np.float64))[1].astype(np.int64) - 1
+    mo = t >> tz  # exact: the low tz bits are zero
+    gi = multi[quick]
+    with np.errstate(over="ignore"):
+        out_f[gi] = np.ldexp(t.astype(np.float64), g0.astype(np.int32))
+    out.m[gi, 0] = mo & _MASK
+    out.m[gi, 1] = mo >> 32
+    out.e[gi] = np.where(zero, 0, g0 + tz)
+    if out.w is not None:
+        out.w[gi] = None
+
+
 def group_sum(f: np.ndarray, x: ExactCol, starts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, ExactCol]:
     """Exact sums of groups of consecutive rows (``starts``/``sizes``): the rounded f64 and the exact values.
 
@@ -318,8 +365,12 @@ def group_sum(f: np.ndarray, x: ExactCol, starts: np.ndarray, sizes: np.ndarray)
     sz = sizes[multi]
     mstart = np.cumsum(sz) - sz  # group starts among the members
     mg = np.repeat(np.arange(multi.size), sz)
-    idx = np.repeat(starts[multi] - mstart, sz) + np.arange(mg.size)
-    e, m = x.e[idx], x.m[idx]
+    if multi.size == starts.size:  # every group has several rows: the members are all the rows, in order
+        idx = slice(None)
+        e, m = x.e, x.m
+    else:
+        idx = np.repeat(starts[multi] - mstart, sz) + np.arange(mg.size)
+        e, m = x.e[idx], x.m[idx]
     width = m.shape[1]
     nonzero = (m != 0).any(axis=1)
     gmin = np.minimum.reduceat(np.where(nonzero, e, _BIG), mstart)
@@ -331,15 +382,23 @@ def group_sum(f: np.ndarray, x: ExactCol, starts: np.ndarray, sizes: np.ndarray)
         wide_m = np.array([v is not None for v in x.w[idx].tolist()], bool)
         slow |= np.logical_or.reduceat(wide_m, mstart)
     fast = ~slow
+    if width == 2:  # groups whose sum fits in int64 are summed there (the limb path below gives the same values)
+        quick = _int64_groups(m, s, nonzero, mstart, sz, gmin, allzero) & fast
+        if quick.any():
+            _int64_sums(out_f, out, m, s, mg, mstart, sz, quick, np.where(allzero, 0, gmin), multi)
+            fast &= ~quick
     if fast.any():
         sel = fast[mg]
         A = int(acc_w[fast].max())
-        fm = np.flatnonzero(sel)
-        sf, mf = s[fm], m[fm]
+        if sel.all():
+            sf, mf = s, m
+        else:
+            fm = np.flatnonzero(sel)
+            sf, mf = s[fm], m[fm]
         q, r = sf // 32, sf % 32
-        acc = np.zeros((fm.size, A), np.int64)
+        acc = np.zeros((sf.size, A), np.int64)
         flat = acc.reshape(-1)
-        base = np.arange(fm.size) * A + q
+        base = np.arange(sf.size) * A + q
         for k in range(width):
             v = mf[:, k] << r
             flat[base + k] += v & _MASK
