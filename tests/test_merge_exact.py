@@ -241,6 +241,34 @@ def test_sketch_bins_near_2_64():
         pos = np.asarray(sk.pos)
         assert pos.shape[0] == 3
         assert [int(v) for v in pos[0][[10, 11, 12]]] == [2**64 - 1, 5, 2**63]
+        c = _shards(d, [{10: 2**63, 11: 5}, {10: 2**63, 12: 7}])  # patched-bytes counts: the bound is an exception
+        with pytest.raises(MergeError) as ei:
+            trainhist.merge(c, out)
+        assert ei.value.code == "count_overflow" and "sketch bin" in str(ei.value)
+
+
+def test_upper_bound_of_patched_counts():
+    """batchdecode.upper_bound: at least every value of patched-bytes blocks (254, or the largest exception), None
+    for a column with blocks of another codec."""
+    from trainhist.batchdecode import _Col, upper_bound
+    from trainhist.chunk import Codec, _encode_for, _encode_patched
+
+    def blocks(values: list[list[int]], codecs: list[int]) -> tuple[memoryview, _Col, list[int]]:
+        data, start, slen = b"", [], []
+        for v, c in zip(values, codecs):
+            a = np.array(v, np.uint64)
+            b = (_encode_patched(a, "u8", a >= 255) or b"") if c == Codec.PATCHED else _encode_for(a, "u8", 0, 1)
+            start.append(len(data))
+            slen.append(len(b))
+            data += b
+        n = [len(v) for v in values]
+        return memoryview(data), _Col(None, "c", codecs, start, slen, [8 * k for k in n], list(range(len(n)))), n
+
+    for values, want in (([[1, 2, 3], [0, 7]], 254), ([[1, 2**63 + 5, 3], [300, 0]], 2**63 + 5), ([[], [9]], 254)):
+        view, c, n = blocks(values, [Codec.PATCHED] * len(values))
+        assert upper_bound(view, c, n) == want >= max(max(v, default=0) for v in values)
+    view, c, n = blocks([[1, 2], [3, 4]], [Codec.PATCHED, Codec.FOR])
+    assert upper_bound(view, c, n) is None
 
 
 def test_rounding_ties_and_sticky_bits():

@@ -380,15 +380,16 @@ def decode_obs_batch(parts: list[ObsChunk]) -> Rows:
 
 def decode_obs_columns(parts: list[ObsChunk], cols: dict[str, np.ndarray], tally: np.ndarray | None,
                        explicit: np.ndarray, exact: dict[str, tuple | None], sk: dict[str, np.ndarray] | None,
-                       counts: np.ndarray | None, csize: list[int], scale: int | None) -> Rows:
+                       counts: np.ndarray | None, csize: list[int], scale: int | None, cmax: int | None = None
+                       ) -> Rows:
     """:func:`decode_obs_batch` on columns already decoded and concatenated over the chunks ``parts`` (whose
     ``path``, ``offset``, ``rows``, ``step_min``, ``step_max`` and ``src`` alone are read): ``cols`` the
     OBS_COLUMNS (writable, owned by the result), ``tally`` the (rows, 6) tally columns or None, ``explicit``
     which chunks have them, ``exact[name]`` None or (``_xn`` lengths with zeros where a chunk lacks them, the
     joined ``_x`` blobs, each chunk's sum of lengths, each chunk's blob size), ``sk`` the sketch columns (zeros
     where a chunk lacks them) and ``counts`` the joined ``sk_counts`` (``csize`` values per chunk) when ``scale``
-    is not None. Every check runs on the whole batch; a failure names the chunk and row as the per-chunk check
-    would."""
+    is not None; ``cmax`` a bound on those counts, if known (else their maximum is taken). Every check runs on
+    the whole batch; a failure names the chunk and row as the per-chunk check would."""
     sizes = np.array([p.rows for p in parts], np.int64)
     row0 = np.cumsum(sizes) - sizes
     total = int(sizes.sum())
@@ -463,7 +464,9 @@ def decode_obs_columns(parts: list[ObsChunk], cols: dict[str, np.ndarray], tally
             p = parts[k]
             raise _bad(f"sketch ranges exceed {nb} bins or disagree with the {int(csize[k])} values of sk_counts",
                        p.path, p.offset, "bad_sketch")
-        sparse = Sparse(lo, n, counts, int(counts.max()) if counts.size else 0)
+        if cmax is None:
+            cmax = int(counts.max()) if counts.size else 0
+        sparse = Sparse(lo, n, counts, cmax)
         bands = np.stack([sk[k] for k in ("sk_up", "sk_un", "sk_op", "sk_on")], axis=1).astype(np.uint64)
     r = Rows(cols, xcols[0], xcols[1], tally, has, None, None, bands, scale, sparse)
     blank(r, ~observed)  # spec 2.6: only observed rows carry numbers

@@ -47,7 +47,7 @@ from .errors import MergeError, TrainhistError, UsageError
 from .framing import RECORD_HEADER_SIZE
 from .grid import nbins
 from .model import CANONICAL_NAN, CANONICAL_NAN_BITS, U64_UNKNOWN, Presence
-from .batchdecode import Fallback, check_chunk, gather, join, layout
+from .batchdecode import Fallback, check_chunk, gather, join, layout, upper_bound
 from .chunk import Codec
 from .framing import crc32c
 from .model import OBS_COLUMNS, SKETCH_COLUMNS, TALLY_COLUMNS
@@ -220,9 +220,11 @@ class _BatchColumns:
 
     def __init__(self, parts: list[ObsChunk], cols: dict[str, np.ndarray], tally: np.ndarray | None,
                  explicit: list[bool], exact: dict[str, tuple | None], sk: dict[str, np.ndarray] | None,
-                 counts: np.ndarray, csize: list[int], scales: list[int | None], any_sk: list[bool]) -> None:
+                 counts: np.ndarray, csize: list[int], scales: list[int | None], any_sk: list[bool],
+                 cmax: int | None) -> None:
         self.parts, self.cols, self.tally, self.explicit, self.exact = parts, cols, tally, explicit, exact
         self.sk, self.counts, self.csize, self.scales, self.any_sk = sk, counts, csize, scales, any_sk
+        self.cmax = cmax  # a bound on the counts (None: unknown)
 
     def decode(self, idx: list[int]) -> Rows:
         parts = [self.parts[i] for i in idx]
@@ -261,7 +263,7 @@ class _BatchColumns:
         if scale is None:
             sk = counts = None
         return decode_obs_columns(parts, cols, tally, [self.explicit[i] for i in idx], exact, sk, counts, csize,
-                                  scale)
+                                  scale, self.cmax)
 
 
 def _batch_columns(batch: list[tuple[_Source, Any]], raw: list[bytes]) -> _BatchColumns:
@@ -315,6 +317,7 @@ def _batch_columns(batch: list[tuple[_Source, Any]], raw: list[bytes]) -> _Batch
     have = lay.col("sk").present
     sk = None
     counts = np.zeros(0, np.uint64)
+    cmax = None
     csize = [0] * len(entries)
     scales: list[int | None] = [None] * len(entries)
     any_sk = [False] * len(entries)
@@ -333,12 +336,14 @@ def _batch_columns(batch: list[tuple[_Source, Any]], raw: list[bytes]) -> _Batch
         if any(r % 8 for r in cc.rlen):
             raise Fallback
         sub = cc.subset()
-        counts = gather(view, sub, "u8", [r // 8 for r in sub.rlen])
+        ns = [r // 8 for r in sub.rlen]
+        counts = gather(view, sub, "u8", ns)
+        cmax = upper_bound(view, sub, ns)
         csize = [r // 8 for r in cc.rlen]
         any_sk = np.logical_or.reduceat(sk["sk"] != 0, starts).tolist()
     parts = [ObsChunk(src.path, e.offset, e.rows, e.step_min, e.step_max, src.idx, {}, None, {}, None, None, sc)
              for (src, e), sc in zip(batch, scales)]
-    return _BatchColumns(parts, cols, tally, explicit, exact, sk, counts, csize, scales, any_sk)
+    return _BatchColumns(parts, cols, tally, explicit, exact, sk, counts, csize, scales, any_sk, cmax)
 
 
 class _Engine:
