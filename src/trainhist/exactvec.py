@@ -94,11 +94,14 @@ def _shr(a: np.ndarray, t: np.ndarray, width: int) -> np.ndarray:
     return ((lo >> r) | (hi << (32 - r))) & _MASK
 
 
-def _round(neg: np.ndarray, a: np.ndarray, e: np.ndarray, nbits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Correctly rounded float64 of ``+-a * 2**e`` and a mask of the rows it cannot give (subnormal results).
+def _round(neg: np.ndarray, a: np.ndarray, e: np.ndarray, nbits: np.ndarray, tz: np.ndarray
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Correctly rounded float64 of ``+-a * 2**e`` and a mask of the rows it cannot give (subnormal results);
+    ``nbits``, ``tz``: the bit length and trailing zero bits of ``a`` (:func:`_nbits_tz`).
 
-    The top 63 bits of the magnitude, with every lower bit ORed into the last one (a sticky bit), convert to
-    float64 with a single rounding to nearest even; scaling by a power of two is then exact for normal results.
+    The top 63 bits of the magnitude, with every lower bit ORed into the last one (a sticky bit: some bit is
+    set below the top 63 when the lowest set bit is), convert to float64 with a single rounding to nearest even;
+    scaling by a power of two is then exact for normal results.
     """
     n, w = a.shape
     p = nbits - 63
@@ -111,10 +114,7 @@ def _round(neg: np.ndarray, a: np.ndarray, e: np.ndarray, nbits: np.ndarray) -> 
     ru = r.astype(np.uint64)
     v = (l0 >> ru) | (l1 << (np.uint64(32) - ru))
     v |= np.where(r == 0, np.uint64(0), l2 << ((np.uint64(64) - ru) & np.uint64(63)))
-    sticky = (l0 & ((np.uint64(1) << ru) - np.uint64(1))) != 0
-    if w > 1:
-        cnz = np.cumsum(a != 0, axis=1)
-        sticky |= (q > 0) & (cnz[rows, np.maximum(q - 1, 0)] > 0)
+    sticky = tz < ps  # the bits below the top 63 are the lowest ps
     v = np.where(big, v | sticky.astype(np.uint64), v)
     fl = v.astype(np.int64).astype(np.float64)
     with np.errstate(over="ignore"):
@@ -240,7 +240,7 @@ def decode_exact(name: str, f: np.ndarray, lens: np.ndarray | None, blob: np.nda
     if bad_f.any():
         i = int(np.flatnonzero(bad_f)[0])
         raise bad(i, f"{name} row {{row}} is {f[i]!r} without an exact {name}_x value")
-    out = ExactCol.from_floats(np.where(plain, f, 0.0))
+    out = ExactCol.from_floats(np.where(plain, f, 0.0)) if plain.any() else ExactCol.zeros(n)
     if not has.any():
         return out
     lens = lens.astype(np.int64)
@@ -277,8 +277,8 @@ def decode_exact(name: str, f: np.ndarray, lens: np.ndarray | None, blob: np.nda
         t = limbs[:, -1]
         limbs[:, -1] = np.where(t >= 1 << 31, t - (1 << 32), t)
         neg, a = _magnitude(limbs)
-        nbits, _ = _nbits_tz(a)
-        fr, sub = _round(neg, a, e_n, nbits)
+        nbits, tz = _nbits_tz(a)
+        fr, sub = _round(neg, a, e_n, nbits, tz)
         ok = (fr == f[i_n]) | sub
         if not ok.all():
             raise bad(i_n[np.flatnonzero(~ok)[0]], f"{name} row {{row}} is not the correctly rounded value of {name}_x")
@@ -408,7 +408,7 @@ def group_sum(f: np.ndarray, x: ExactCol, starts: np.ndarray, sizes: np.ndarray)
         neg, a = _magnitude(t)
         nbits, tz = _nbits_tz(a)
         g0 = np.where(allzero[fast], 0, gmin[fast])
-        fr, sub = _round(neg, a, g0, nbits)
+        fr, sub = _round(neg, a, g0, nbits, tz)
         zero = nbits == 0
         eo = np.where(zero, 0, g0 + tz)
         mbytes = (nbits - tz) // 8 + 1
