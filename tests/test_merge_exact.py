@@ -79,6 +79,10 @@ def test_group_sums_equal_python(groups):
     sizes = np.array([len(g) for g in groups])
     starts = np.cumsum(sizes) - sizes
     fo, xo = xv.group_sum(f, x, starts, sizes)
+    rf, rx = decode(vals[::-1])  # the same rows stored in reverse, taken in order
+    fr, xr = xv.group_sum(rf, rx, starts, sizes, np.arange(len(vals))[::-1].copy())
+    assert fr.view(np.uint64).tolist() == fo.view(np.uint64).tolist()
+    assert [xr.get(k) for k in range(len(groups))] == [xo.get(k) for k in range(len(groups))]
     want = [ref_sum(g) for g in groups]
     for k, w in enumerate(want):
         assert xo.get(k) == w

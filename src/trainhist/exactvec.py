@@ -353,24 +353,27 @@ def _int64_sums(out_f: np.ndarray, out: "ExactCol", m: np.ndarray, s: np.ndarray
         out.w[gi] = None
 
 
-def group_sum(f: np.ndarray, x: ExactCol, starts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, ExactCol]:
-    """Exact sums of groups of consecutive rows (``starts``/``sizes``): the rounded f64 and the exact values.
+def group_sum(f: np.ndarray, x: ExactCol, starts: np.ndarray, sizes: np.ndarray, order: np.ndarray | None = None
+              ) -> tuple[np.ndarray, ExactCol]:
+    """Exact sums of groups of consecutive rows (``starts``/``sizes``) of the rows taken in ``order`` (default:
+    as they are): the rounded f64 and the exact values.
 
     A group of one row passes through unchanged."""
-    out = x.take(starts)
-    out_f = f[starts].copy()
+    first = starts if order is None else order[starts]
+    out = x.take(first)
+    out_f = f[first].copy()
     multi = np.flatnonzero(sizes > 1)
     if multi.size == 0:
         return out_f, out
     sz = sizes[multi]
     mstart = np.cumsum(sz) - sz  # group starts among the members
     mg = np.repeat(np.arange(multi.size), sz)
-    if multi.size == starts.size:  # every group has several rows: the members are all the rows, in order
-        idx = slice(None)
-        e, m = x.e, x.m
+    if multi.size == starts.size:  # every group has several rows: the members are all the rows
+        idx = slice(None) if order is None else order
     else:
         idx = np.repeat(starts[multi] - mstart, sz) + np.arange(mg.size)
-        e, m = x.e[idx], x.m[idx]
+        idx = idx if order is None else order[idx]
+    e, m = x.e[idx], x.m[idx]
     width = m.shape[1]
     nonzero = (m != 0).any(axis=1)
     gmin = np.minimum.reduceat(np.where(nonzero, e, _BIG), mstart)
@@ -440,7 +443,8 @@ def group_sum(f: np.ndarray, x: ExactCol, starts: np.ndarray, sizes: np.ndarray)
     for j in np.flatnonzero(slow).tolist():
         g = int(multi[j])
         s0 = int(starts[g])
-        tot = sum((x.get(i) for i in range(s0, s0 + int(sizes[g]))), ZERO)
+        rows = range(s0, s0 + int(sizes[g])) if order is None else order[s0 : s0 + int(sizes[g])].tolist()
+        tot = sum((x.get(i) for i in rows), ZERO)
         out_f[g] = tot.to_float()
         out.set_py(g, tot.m, tot.e)
     return out_f, out

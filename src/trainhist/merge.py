@@ -585,12 +585,10 @@ class _Engine:
         if sp is not None and sp.cmax * int(sizes.max()) >= _U64:
             r.densify()  # a sum may overflow: the dense path finds it
             sp = None
-        has_sk_in = r.has_sk
-        pos_in, neg_in, bands_in = r.pos, r.neg, r.bands
-        c = {k: v[order] for k, v in r.cols.items()}
-        r = Rows(c, r.sum_x.take(order), r.sumsq_x.take(order), r.tally[order], has_sk_in[order],
-                 None if pos_in is None else pos_in[order], None if neg_in is None else neg_in[order],
-                 None if bands_in is None else bands_in[order], r.scale)
+        # every per-row array taken in order, but the exact sums (group_sum takes their rows in order itself)
+        c = {k: v[order] for k, v in r.cols.items() if k not in ("sum", "sumsq")}
+        tally_in, has_in = r.tally[order], r.has_sk[order]
+        pos_in, neg_in, bands_in = (None if a is None else a[order] for a in (r.pos, r.neg, r.bands))
         out: dict[str, np.ndarray] = {k: c[k][starts] for k in ("step", "span", "micro", "phase")}
         out["src"] = np.minimum.reduceat(c["src"], starts)
 
@@ -607,7 +605,7 @@ class _Engine:
             out[k], over = _sum_u64(c[k], starts, sizes)
             if over is not None:
                 raise overflow(over, k)
-        tally, over = _sum_u64(r.tally, starts, sizes)
+        tally, over = _sum_u64(tally_in, starts, sizes)
         if over is not None:
             raise overflow(over, "a presence tally")
         out["presence"] = derive_presence(tally)
@@ -622,9 +620,9 @@ class _Engine:
         out["min"][gmin == _I64_MAX] = CANONICAL_NAN
         out["max"] = _from_order_key(gmax).copy()
         out["max"][gmax == _I64_MIN] = CANONICAL_NAN
-        out["sum"], sum_x = group_sum(c["sum"], r.sum_x, starts, sizes)
-        out["sumsq"], sumsq_x = group_sum(c["sumsq"], r.sumsq_x, starts, sizes)
-        has = np.logical_or.reduceat(r.has_sk, starts)
+        out["sum"], sum_x = group_sum(r.cols["sum"], r.sum_x, starts, sizes, order)
+        out["sumsq"], sumsq_x = group_sum(r.cols["sumsq"], r.sumsq_x, starts, sizes, order)
+        has = np.logical_or.reduceat(has_in, starts)
         pos = neg = bands = sparse = None
         if sp is not None:
             # each group's range per sign is the union of its rows' ranges; the stored counts are scatter-added
@@ -645,17 +643,17 @@ class _Engine:
                 base = (gfirst[group_of] - glo[group_of] + sp.lo).ravel() - (np.cumsum(n) - n)
                 np.add.at(acc, ranges(base, n), sp.counts)
             sparse = Sparse(glo, gn, acc, int(acc.max()) if acc.size else 0)
-            bands, over = _sum_u64(r.bands, starts, sizes)
+            bands, over = _sum_u64(bands_in, starts, sizes)
             if over is not None:
                 raise overflow(over, "a sketch under/overflow count")
-        elif r.pos is not None:
-            pos, over = _sum_u64(r.pos, starts, sizes)
+        elif pos_in is not None:
+            pos, over = _sum_u64(pos_in, starts, sizes)
             if over is not None:
                 raise overflow(over, "a sketch bin")
-            neg, over = _sum_u64(r.neg, starts, sizes)
+            neg, over = _sum_u64(neg_in, starts, sizes)
             if over is not None:
                 raise overflow(over, "a sketch bin")
-            bands, over = _sum_u64(r.bands, starts, sizes)
+            bands, over = _sum_u64(bands_in, starts, sizes)
             if over is not None:
                 raise overflow(over, "a sketch under/overflow count")
         res = Rows(out, sum_x, sumsq_x, tally, has, pos, neg, bands, r.scale, sparse)
