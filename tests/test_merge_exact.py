@@ -294,6 +294,29 @@ def test_rounding_ties_and_sticky_bits():
     assert [bits(v) for v in f.tolist()] == [bits(v.to_float()) for v in vals]
 
 
+def test_worker_scan_raises_what_the_serial_scan_raises():
+    """With workers, the inputs are opened in worker processes: the error of the first bad input in input order
+    comes back with its type, code and path, as when they are opened one by one."""
+    with tempfile.TemporaryDirectory() as d:
+        good = _shards(d, [{10: 1}, {10: 2}], sites=2)
+        junk = os.path.join(d, "junk.th")
+        with open(junk, "wb") as f:
+            f.write(b"not a history" * 100)
+        missing = os.path.join(d, "missing.th")
+
+        def error(paths: list[str], workers: int) -> tuple:
+            with pytest.raises(Exception) as ei:
+                trainhist.merge(paths, os.path.join(d, "out.th"), workers=workers)
+            e = ei.value
+            return type(e), getattr(e, "code", None), getattr(e, "path", None), str(e)
+
+        for paths in ([good[0], junk, missing], [good[0], missing, junk], [junk, good[1]]):
+            assert error(paths, 2) == error(paths, 1)
+        assert error([good[0], junk, missing], 2)[2] == junk
+        rep = trainhist.merge(good, os.path.join(d, "ok.th"), workers=2)
+        assert rep.workers == 2 and [i["path"] for i in rep.inputs] == good
+
+
 def test_worker_processes_give_the_same_bytes_and_errors():
     with tempfile.TemporaryDirectory() as d:
         run = uuid.uuid4().hex

@@ -370,7 +370,12 @@ class _Engine:
 
     # -- planning ------------------------------------------------------------------------------------------
     def _scan(self) -> None:
-        self.sources = [_Source(i, p) for i, p in enumerate(self.paths)]
+        n = min(self._n_workers(), len(self.paths))
+        if n > 1:  # each input opened in a worker; errors come back as data and the first, in input order, is raised
+            with mp.get_context("fork").Pool(n) as pool:
+                self.sources = [_unwrap(res) for res in pool.starmap(_worker_source, enumerate(self.paths))]
+        else:
+            self.sources = [_Source(i, p) for i, p in enumerate(self.paths)]
         owner: dict[str, str] = {}
         for s in self.sources:
             for w in s.writers:
@@ -793,7 +798,8 @@ class _Engine:
             return 1  # workers inherit the plan by fork; a daemonic process may not have children
         if self.workers is not None:
             return self.workers
-        if self.report.bytes_in < AUTO_WORKERS_BYTES:
+        size = self.report.bytes_in if self.report.inputs else _input_bytes(self.paths)  # before the scan: stat
+        if size < AUTO_WORKERS_BYTES:
             return 1
         return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
 
@@ -956,9 +962,29 @@ def _worker_site(out_site: int) -> tuple:
         return ("error", type(e).__name__, e.message, e.code, e.path, e.offset)
 
 
-def _unwrap(res: tuple) -> dict:
+def _worker_source(idx: int, path: str) -> tuple:
+    """Open one input in a worker (:meth:`_Engine._scan`); any error comes back as data, raised again in order."""
+    try:
+        return ("ok", _Source(idx, path))
+    except TrainhistError as e:
+        return ("error", type(e).__name__, e.message, e.code, e.path, e.offset)
+    except Exception as e:  # noqa: BLE001 - raised again in the parent, as the serial scan would
+        return ("raise", e)
+
+
+def _input_bytes(paths: list[str]) -> int:
+    """The total size of the inputs before they are opened (0 when one cannot be read: the serial scan says why)."""
+    try:
+        return sum(os.path.getsize(p) for p in paths)
+    except OSError:
+        return 0
+
+
+def _unwrap(res: tuple) -> Any:
     if res[0] == "ok":
         return res[1]
+    if res[0] == "raise":
+        raise res[1]
     _, cls, message, code, path, offset = res
     raise getattr(errors, cls)(message, code=code, path=path, offset=offset)
 
