@@ -317,6 +317,29 @@ def test_worker_scan_raises_what_the_serial_scan_raises():
         assert rep.workers == 2 and [i["path"] for i in rep.inputs] == good
 
 
+def test_worker_merge_syncs_as_it_writes(monkeypatch: pytest.MonkeyPatch):
+    """With workers, the output's data is synced every SYNC_BYTES while sites are written: the same bytes."""
+    import importlib
+
+    from trainhist import canonical
+
+    merge_mod = importlib.import_module("trainhist.merge")  # the module (trainhist.merge is also the function)
+
+    calls = []
+    sync = canonical.CanonicalWriter.sync_data
+    monkeypatch.setattr(canonical.CanonicalWriter, "sync_data", lambda w: calls.append(w.bytes_written) or sync(w))
+    monkeypatch.setattr(merge_mod, "SYNC_BYTES", 1)
+    with tempfile.TemporaryDirectory() as d:
+        paths = _shards(d, [{10: 1, 11: 2}, {10: 3}], sites=3)
+        outs = []
+        for n in (1, 2):
+            out = os.path.join(d, f"m{n}.th")
+            trainhist.merge(paths, out, workers=n)
+            outs.append(open(out, "rb").read())
+        assert outs[0] == outs[1]
+        assert len(calls) == 3 and calls == sorted(calls)
+
+
 def test_worker_processes_give_the_same_bytes_and_errors():
     with tempfile.TemporaryDirectory() as d:
         run = uuid.uuid4().hex

@@ -607,6 +607,12 @@ class CanonicalWriter:
     def bytes_written(self) -> int:
         return self._offset
 
+    def sync_data(self) -> None:
+        """Write what is buffered and wait for the file's data to reach the disk (``close`` then has less to wait
+        for)."""
+        self._f.flush()
+        getattr(os, "fdatasync", os.fsync)(self._f.fileno())
+
     def close(self, *, sync: bool = True) -> None:
         self.commit()
         self._f.flush()

@@ -60,6 +60,7 @@ FD_POOL = 64  #: input files held open at once
 AUTO_WORKERS_BYTES = 64 << 20  #: with ``workers=None``, inputs of at least this many bytes use worker processes
 MAX_WORKERS = 8  #: with ``workers=None``, at most this many workers (and no more than the CPUs)
 MAX_DIVERGENCES = 1000  #: at most this many replica divergences are listed in a report
+SYNC_BYTES = 32 << 20  #: with workers, the output's data is synced after every this many bytes (not all at the end)
 _U64 = 1 << 64
 _I64_MAX = np.iinfo(np.int64).max
 _I64_MIN = np.iinfo(np.int64).min
@@ -904,6 +905,7 @@ class _Engine:
             global _ENGINE
             _ENGINE = self
             try:
+                synced = w.bytes_written
                 with mp.get_context("fork").Pool(n, initializer=_worker_init) as pool:
                     for res in pool.imap(_worker_site, sites):
                         res = _unwrap(res)
@@ -911,6 +913,9 @@ class _Engine:
                         room = MAX_DIVERGENCES - len(self.report.divergences)
                         self.report.divergences.extend(res["divergences"][:max(room, 0)])
                         self._write_site(w, res)
+                        if w.bytes_written - synced >= SYNC_BYTES:  # while the workers build the next sites
+                            w.sync_data()
+                            synced = w.bytes_written
             finally:
                 _ENGINE = None
         else:
