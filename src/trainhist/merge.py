@@ -648,7 +648,7 @@ class _Engine:
                 n = sp.n.ravel()
                 base = (gfirst[group_of] - glo[group_of] + sp.lo).ravel() - (np.cumsum(n) - n)
                 np.add.at(acc, ranges(base, n), sp.counts)
-            sparse = Sparse(glo, gn, acc, int(acc.max()) if acc.size else 0)
+            sparse = Sparse(glo, gn, acc, sp.cmax * int(sizes.max()))  # a bound: no pass over the sums
             bands, over = _sum_u64(bands_in, starts, sizes)
             if over is not None:
                 raise overflow(over, "a sketch under/overflow count")
