@@ -365,3 +365,29 @@ def test_worker_processes_give_the_same_bytes_and_errors():
             trainhist.merge(a, os.path.join(d, "bad.th"), workers=2)
         assert ei.value.code == "count_overflow" and ei.value.path == a[0] and "sketch bin" in str(ei.value)
         assert not os.path.exists(os.path.join(d, "bad.th"))
+
+
+def test_sum_whose_exponent_leaves_i32_is_refused_not_wrapped():
+    """Spec 11.2: an exact sum whose canonical exponent does not fit the i32 of 5.3 is refused (``sum_overflow``,
+    naming the files); one step below the limit it is stored exactly."""
+
+    def shards(d: str, e: int) -> list[str]:
+        run, paths = uuid.uuid4().hex, []
+        for rank in range(2):
+            p = os.path.join(d, f"e{rank}.th")
+            with trainhist.HistoryWriter(p, run_id=run, rank=rank, world_size=2, fsync="never") as w:
+                w.observe(w.site("a", "activation"), 0,
+                          summary=Summary(count=1, min=1.0, max=1.0, sum=Dyadic(1, e), sumsq=Dyadic(1, 0), sketch=None))
+            paths.append(p)
+        return paths
+
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "m.th")
+        with pytest.raises(MergeError) as ei:
+            trainhist.merge(shards(d, xv.I32_MAX), out)
+        assert ei.value.code == "sum_overflow"
+        assert "e0.th" in str(ei.value) and "e1.th" in str(ei.value) and str(2**31) in str(ei.value)
+        assert not os.path.exists(out)
+        trainhist.merge(shards(d, xv.I32_MAX - 1), out)  # 2 * 2**(2**31 - 2) = 2**(2**31 - 1): the largest exponent
+        sp = trainhist.open(out).spine("a")
+        assert len(sp) == 1 and sp.sum_exact(0) == Dyadic(1, xv.I32_MAX) and sp.columns["sum"][0] == math.inf

@@ -443,6 +443,10 @@ BIG_SUMMARY = {
     "sketch": {"scale": 2, "pos": {"-1": U(2**62 - 1)}, "neg": {}, "under_pos": U(0), "under_neg": U(0),
                "over_pos": U(0), "over_neg": U(0)},
 }
+HUGE_SUM_SUMMARY = {  # one value whose exact sum has the largest exponent the i32 of spec 5.3 holds
+    "count": U(1), "nan": U(0), "pinf": U(0), "ninf": U(0), "zero": U(0),
+    "min": F(1.0), "max": F(1.0), "sum": f"d:1p{2**31 - 1}", "sumsq": "d:1p0", "method": "exact",
+}
 SCALE1_SUMMARY = {
     "count": U(5), "nan": U(0), "pinf": U(0), "ninf": U(0), "zero": U(0),
     "min": F(-4.0), "max": F(100000.0), "sum": "d:50001p1", "sumsq": "d:5000000017p1",
@@ -643,7 +647,7 @@ def gen_valid(s: Suite) -> dict[str, bytes]:
     # the lightweight codecs (7.3): the full file with every column the reference writer's "packed" choice, and
     # the basic file with each codec forced where it applies (constant and wide frames of reference, patched
     # exceptions, binary32 with the canonical NaN)
-    from trainhist.chunk import Codec as _Codec, _encode_f32, _encode_for, _encode_patched, _pack_column
+    from trainhist.chunk import _encode_f32, _encode_for, _encode_patched, _pack_column
     import numpy as _np
     from trainhist.chunk import DTYPES as _DT
 
@@ -1151,6 +1155,12 @@ def gen_merge(s: Suite) -> None:
                   {"input-0.thist": write_ops(ops_doc(big)),
                    "input-1.thist": write_ops(ops_doc(big, writer_id=WRITER_ID_4, rank=1, world_size=2))},
                   {"inputs": two}, error="count_overflow")
+    huge = [site("huge"), {"op": "observe", "site": 0, "step": I(0), "summary": HUGE_SUM_SUMMARY}, COMMIT]
+    _derived_case(s, m, "sum_overflow", "two sums of 2^(2^31 - 1): their sum's exponent does not fit an i32",
+                  ["11.2", "5.3"], {"input-0.thist": write_ops(ops_doc(huge)),
+                                    "input-1.thist": write_ops(ops_doc(huge, writer_id=WRITER_ID_4, rank=1,
+                                                                      world_size=2))},
+                  {"inputs": two}, error="sum_overflow")
     s.read("valid", "derived_merged", "a merged file: tally columns, segment origin, no `created` in segments",
            ["11.4", "11.9", "2.6"], merged)
 

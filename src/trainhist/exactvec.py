@@ -23,6 +23,7 @@ __all__ = ["ExactCol", "MAX_LIMBS", "MAX_ACC", "decode_exact", "group_sum", "enc
 
 MAX_LIMBS = 8  #: mantissas of up to 8 x 32 bits (32 encoded bytes) are vectorised; wider ones are Python ints
 MAX_ACC = 64  #: widest aligned group sum (limbs) done with arrays; wider spans use Python ints
+I32_MIN, I32_MAX = -(1 << 31), (1 << 31) - 1  #: the range of an encoded exponent (spec 5.3)
 _MASK = np.int64(0xFFFFFFFF)
 _BIG = np.int64(1 << 62)
 
@@ -185,6 +186,14 @@ class ExactCol:
         self.m[mask] = 0
         if self.w is not None:
             self.w[mask] = None
+
+    def out_of_range(self) -> np.ndarray:
+        """Per row: whether its exponent lies outside the i32 of the exact encoding (spec 5.3): such a value (a sum
+        of values near the largest exponent) cannot be stored, and must not be wrapped."""
+        bad = (self.e < I32_MIN) | (self.e > I32_MAX)
+        if self.w is not None:
+            bad |= np.array([v is not None and not I32_MIN <= v.e <= I32_MAX for v in self.w.tolist()], bool)
+        return bad
 
     def get(self, i: int) -> Dyadic:
         if self.w is not None and self.w[i] is not None:

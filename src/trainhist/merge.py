@@ -628,6 +628,17 @@ class _Engine:
         out["max"][gmax == _I64_MIN] = CANONICAL_NAN
         out["sum"], sum_x = group_sum(r.cols["sum"], r.sum_x, starts, sizes, order)
         out["sumsq"], sumsq_x = group_sum(r.cols["sumsq"], r.sumsq_x, starts, sizes, order)
+        for name, x in (("sum", sum_x), ("sumsq", sumsq_x)):
+            big = x.out_of_range()
+            if big.any():
+                g = int(np.flatnonzero(big)[0])
+                s0, n = int(starts[g]), int(sizes[g])
+                raise MergeError(
+                    f"{where}, step {int(c['step'][s0])}: the exact {name} of the rows from "
+                    f"{self._ctx_files(c['src'][s0:s0 + n])} has the exponent {x.get(g).e}, outside the 32 bits of "
+                    "the exact encoding (spec 5.3): it cannot be stored", code="sum_overflow",
+                    path=self.paths[int(c["src"][s0])],
+                )
         has = np.logical_or.reduceat(has_in, starts)
         pos = neg = bands = sparse = None
         if sp is not None:
