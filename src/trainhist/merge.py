@@ -16,6 +16,7 @@ import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from multiprocessing.pool import MaybeEncodingError
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -373,8 +374,15 @@ class _Engine:
     def _scan(self) -> None:
         n = min(self._n_workers(), len(self.paths))
         if n > 1:  # each input opened in a worker; errors come back as data and the first, in input order, is raised
+            self.sources = []
             with mp.get_context("fork").Pool(n) as pool:
-                self.sources = [_unwrap(res) for res in pool.starmap(_worker_source, enumerate(self.paths))]
+                results = pool.imap(_worker_source, enumerate(self.paths))
+                for i, path in enumerate(self.paths):
+                    try:
+                        res = next(results)
+                    except MaybeEncodingError:  # a result pickle cannot carry (a manifest nested beyond its
+                        res = ("ok", _Source(i, path))  # recursion limit): opened here, as the serial scan does
+                    self.sources.append(_unwrap(res))
         else:
             self.sources = [_Source(i, p) for i, p in enumerate(self.paths)]
         owner: dict[str, str] = {}
@@ -978,8 +986,10 @@ def _worker_site(out_site: int) -> tuple:
         return ("error", type(e).__name__, e.message, e.code, e.path, e.offset)
 
 
-def _worker_source(idx: int, path: str) -> tuple:
-    """Open one input in a worker (:meth:`_Engine._scan`); any error comes back as data, raised again in order."""
+def _worker_source(item: tuple[int, str]) -> tuple:
+    """Open input ``(index, path)`` in a worker (:meth:`_Engine._scan`); any error comes back as data, raised
+    again in order."""
+    idx, path = item
     try:
         return ("ok", _Source(idx, path))
     except TrainhistError as e:
