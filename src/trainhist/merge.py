@@ -606,14 +606,17 @@ class _Engine:
         out: dict[str, np.ndarray] = {k: c[k][starts] for k in ("step", "span", "micro", "phase")}
         out["src"] = np.minimum.reduceat(c["src"], starts)
 
-        def overflow(mask: np.ndarray, what: str) -> MergeError:
+        def refused(mask: np.ndarray, what: str, code: str) -> MergeError:
+            """The error of the first group in ``mask``: its step and the files of its rows."""
             g = int(np.flatnonzero(mask)[0])
             s0, n = int(starts[g]), int(sizes[g])
             return MergeError(
-                f"{where}, step {int(c['step'][s0])}: {what} overflows an unsigned 64-bit count when adding rows "
-                f"from {self._ctx_files(c['src'][s0:s0 + n])}", code="count_overflow",
-                path=self.paths[int(c["src"][s0])],
+                f"{where}, step {int(c['step'][s0])}: {what} when adding rows from "
+                f"{self._ctx_files(c['src'][s0:s0 + n])}", code=code, path=self.paths[int(c["src"][s0])],
             )
+
+        def overflow(mask: np.ndarray, what: str) -> MergeError:
+            return refused(mask, f"{what} overflows an unsigned 64-bit count", "count_overflow")
 
         for k in ("count", "nan", "pinf", "ninf", "zero"):
             out[k], over = _sum_u64(c[k], starts, sizes)
@@ -639,14 +642,9 @@ class _Engine:
         for name, x in (("sum", sum_x), ("sumsq", sumsq_x)):
             big = x.out_of_range()
             if big.any():
-                g = int(np.flatnonzero(big)[0])
-                s0, n = int(starts[g]), int(sizes[g])
-                raise MergeError(
-                    f"{where}, step {int(c['step'][s0])}: the exact {name} of the rows from "
-                    f"{self._ctx_files(c['src'][s0:s0 + n])} has the exponent {x.get(g).e}, outside the 32 bits of "
-                    "the exact encoding (spec 5.3): it cannot be stored", code="sum_overflow",
-                    path=self.paths[int(c["src"][s0])],
-                )
+                e = x.get(int(np.flatnonzero(big)[0])).e
+                raise refused(big, f"the exact {name} gets the exponent {e}, outside the 32 bits of the exact "
+                              "encoding (spec 5.3), and cannot be stored", "sum_overflow")
         has = np.logical_or.reduceat(has_in, starts)
         pos = neg = bands = sparse = None
         if sp is not None:
@@ -983,7 +981,7 @@ def _worker_site(out_site: int) -> tuple:
     try:
         return ("ok", _ENGINE._site(out_site))
     except TrainhistError as e:
-        return ("error", type(e).__name__, e.message, e.code, e.path, e.offset)
+        return _error_data(e)
 
 
 def _worker_source(item: tuple[int, str]) -> tuple:
@@ -993,7 +991,7 @@ def _worker_source(item: tuple[int, str]) -> tuple:
     try:
         return ("ok", _Source(idx, path))
     except TrainhistError as e:
-        return ("error", type(e).__name__, e.message, e.code, e.path, e.offset)
+        return _error_data(e)
     except Exception as e:  # noqa: BLE001 - raised again in the parent, as the serial scan would
         return ("raise", e)
 
@@ -1004,6 +1002,11 @@ def _input_bytes(paths: list[str]) -> int:
         return sum(os.path.getsize(p) for p in paths)
     except OSError:
         return 0
+
+
+def _error_data(e: TrainhistError) -> tuple:
+    """A trainhist error as picklable data (its class may not survive pickling), rebuilt by :func:`_unwrap`."""
+    return ("error", type(e).__name__, e.message, e.code, e.path, e.offset)
 
 
 def _unwrap(res: tuple) -> Any:
