@@ -12,7 +12,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["Dyadic", "ZERO", "exact_sums", "float_of", "fits_float", "mant_bytes", "dyadics_of", "float_parts"]
+__all__ = ["Dyadic", "ZERO", "exact_sums", "float_of", "fits_float", "mant_bytes", "dyadics_of", "float_parts",
+           "canonical_parts"]
 
 
 def float_of(m: int, e: int) -> float:
@@ -95,15 +96,21 @@ class Dyadic(NamedTuple):
 ZERO = Dyadic(0, 0)
 
 
+def canonical_parts(m: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Canonical form of the int64 arrays ``m * 2**e`` (``|m| < 2**63``): the trailing zero bits of ``m`` moved into
+    ``e``, so ``m`` is odd, or ``m == e == 0``."""
+    nz = m != 0
+    low = np.where(nz, m & -m, 1)  # the lowest set bit: a power of two, exact in float64
+    tz = np.where(nz, np.frexp(low.astype(np.float64))[1] - 1, 0)
+    return m >> tz, np.where(nz, e + tz, 0)
+
+
 def float_parts(f: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Canonical ``(m, e)`` int64 arrays with ``m * 2**e == f`` for an array of finite float64 values: ``m`` odd, or
     ``m == e == 0`` (for -0.0 too), with one set of numpy operations."""
     mant, ex = np.frexp(f)
     m = (mant * 2.0**53).astype(np.int64)  # exact: 53 significant bits at most
-    nz = m != 0
-    low = np.where(nz, m & -m, 1)  # the lowest set bit: a power of two below 2**53, exact in float64
-    tz = np.where(nz, np.frexp(low.astype(np.float64))[1] - 1, 0)
-    return m >> tz, np.where(nz, ex.astype(np.int64) - 53 + tz, 0)
+    return canonical_parts(m, ex.astype(np.int64) - 53)
 
 
 def dyadics_of(values: np.ndarray) -> list[Dyadic]:

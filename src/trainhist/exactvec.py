@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from .dyadic import ZERO, Dyadic, float_of, float_parts, mant_bytes
+from .dyadic import ZERO, Dyadic, canonical_parts, float_of, float_parts, mant_bytes
 from .errors import CorruptError
 
 __all__ = ["ExactCol", "MAX_LIMBS", "MAX_ACC", "decode_exact", "group_sum", "encode_exact"]
@@ -104,7 +104,7 @@ def _round(neg: np.ndarray, a: np.ndarray, e: np.ndarray, nbits: np.ndarray, tz:
     set below the top 63 when the lowest set bit is), convert to float64 with a single rounding to nearest even;
     scaling by a power of two is then exact for normal results.
     """
-    n, w = a.shape
+    n = a.shape[0]
     p = nbits - 63
     big = p > 0
     ps = np.where(big, p, 0)
@@ -157,10 +157,7 @@ class ExactCol:
     def from_floats(f: np.ndarray) -> "ExactCol":
         """Exact values of finite floats (the caller zeroes non-finite ones first)."""
         m, e = float_parts(f)
-        limbs = np.empty((f.size, 2), np.int64)
-        limbs[:, 0] = m & _MASK
-        limbs[:, 1] = m >> 32
-        return ExactCol(e, limbs)
+        return ExactCol(e, _two_limbs(m))
 
     def __len__(self) -> int:
         return int(self.e.size)
@@ -323,6 +320,14 @@ def _int64_of(m: np.ndarray) -> np.ndarray:
     return (m[:, 1] << 32) | m[:, 0]
 
 
+def _two_limbs(v: np.ndarray) -> np.ndarray:
+    """Normalized two-limb mantissas of int64 values (the inverse of :func:`_int64_of`)."""
+    limbs = np.empty((v.size, 2), np.int64)
+    limbs[:, 0] = v & _MASK
+    limbs[:, 1] = v >> 32
+    return limbs
+
+
 def _int64_groups(m: np.ndarray, s: np.ndarray, nonzero: np.ndarray, mstart: np.ndarray, sz: np.ndarray,
                   gmin: np.ndarray, allzero: np.ndarray) -> np.ndarray:
     """Per group of two-limb members aligned by ``s`` bits above the group's lowest exponent ``gmin``: whether
@@ -347,17 +352,12 @@ def _int64_sums(out_f: np.ndarray, out: "ExactCol", m: np.ndarray, s: np.ndarray
         qs = sz[quick]
         t = np.add.reduceat(v[sel], np.cumsum(qs) - qs)
         g0 = g0[quick]
-    zero = t == 0
-    a = np.abs(t)
-    low = np.where(zero, 1, a & -a)  # the lowest set bit: a power of two, exact in float64
-    tz = np.frexp(low.astype(np.float64))[1].astype(np.int64) - 1
-    mo = t >> tz  # exact: the low tz bits are zero
     gi = multi[quick]
     with np.errstate(over="ignore"):
         out_f[gi] = np.ldexp(t.astype(np.float64), g0.astype(np.int32))
-    out.m[gi, 0] = mo & _MASK
-    out.m[gi, 1] = mo >> 32
-    out.e[gi] = np.where(zero, 0, g0 + tz)
+    mo, eo = canonical_parts(t, g0)
+    out.m[gi] = _two_limbs(mo)
+    out.e[gi] = eo
     if out.w is not None:
         out.w[gi] = None
 
