@@ -194,6 +194,37 @@ def test_fused_blocks_with_and_without_non_finite_values(sketch):
         (check if sketch else check_spine)(got, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_zero_counts_in_every_block_pattern(dtype):
+    """The kernel counts zeros in its main loop only after a block that held some, and otherwise recounts a block
+    whose least magnitude is zero: runs of blocks with and without zeros of either sign (one with NaN too) give
+    the same counts as the torch-op reduction."""
+    from trainhist.torch.cpukernel import BLOCK
+
+    g = torch.Generator().manual_seed(12)
+    x = (torch.rand(7 * BLOCK + 3, generator=g, dtype=torch.float64) + 0.5).to(dtype)
+    blocks = [x[i * BLOCK : (i + 1) * BLOCK] for i in range(7)]
+    blocks[0][::3] = 0.0  # zeros then zeros: the counting loop
+    blocks[1][1::7] = -0.0
+    blocks[1][2] = 0.0
+    # block 2 none: back to the least-magnitude loop
+    blocks[3][-1] = -0.0  # a single zero at the block's end: recounted
+    blocks[4][0] = 0.0  # after a zero block, with NaN: counted, then redone masked
+    blocks[4][9] = math.nan
+    x[-2] = -0.0  # the short last block
+    for sketch in (False, True):
+        rows = {}
+        for method in ("fused", "index_add"):
+            led = Ledger("cpu")
+            reduce_into(x, led.row("k"), method=method, sketch=sketch)
+            rows[method] = led.transfer().wait()[:COL_MIN].copy()  # the counts (a zero min's sign: at decode)
+        assert np.array_equal(rows["fused"], rows["index_add"]), rows
+        got = run([x], method="fused", sketch=sketch)
+        (check if sketch else check_spine)(got, ref_summary([x]))
+        assert (got.zero, got.nan, got.min) == (int((x == 0).sum()), 1, 0.0)
+        assert math.copysign(1.0, got.min) == -1.0  # -0.0 < +0.0
+
+
 def test_unknown_method_is_refused():
     with pytest.raises(ValueError, match="unknown reduction method"):
         reduce_into(torch.ones(3), Ledger("cpu").row("k"), method="magic")

@@ -47,20 +47,23 @@ def _pointer(typingctx, address):  # noqa: ARG001 -- numba's intrinsic signature
 
 
 @njit(inline="always")
-def _block(x, u, v, acc, cnt, ext, smax_, c, T):
+def _block(x, u, v, acc, cnt, ext, smax_, zeros, c, T):
     """Accumulate one block (``x``, ``u``, ``v``: its elements as floats, unsigned and signed integers): the float64
-    sums, the positive and negative zeros, the least and greatest bit patterns read as unsigned integers and the
-    greatest read as signed, all in one loop of vector lanes. Those three give the min and max with no per-element
-    transform: a set sign bit makes a pattern the largest unsigned, a negative signed one. A block holding NaN or
-    infinity (its sum of squares is then not finite; for float64 also a square beyond the range) is redone by
-    :func:`_masked`. (The block is passed as views starting at index 0, so the loop needs no negative-index
-    handling and stays a plain vector loop.)
+    sums, the least and greatest bit patterns read as unsigned integers and the greatest read as signed, all in one
+    loop of vector lanes. Those three give the min and max with no per-element transform: a set sign bit makes a
+    pattern the largest unsigned, a negative signed one. A block holding NaN or infinity (its sum of squares is then
+    not finite; for float64 also a square beyond the range) is redone by :func:`_masked`. (The block is passed as
+    views starting at index 0, so the loop needs no negative-index handling and stays a plain vector loop.)
+
+    The zeros are counted in the same loop when the previous block held some (``zeros``; ReLU outputs have them in
+    every block); otherwise the loop only takes the least magnitude, and a block where it is zero is counted again
+    in a second loop over its (L1-resident) elements. Returns whether the block held a zero.
 
     ``acc`` = [min, max, sum, sum of squares] (float64) of the masked blocks' elements and of all blocks; ``cnt`` =
     [NaN, +inf, -inf, zeros, negative zeros]; ``ext`` (least, greatest unsigned pattern), ``smax_`` (greatest signed
     pattern): of the other blocks' elements (combined across blocks; made floats once, in :func:`_finish`).
     """
-    sign, allones = c[1], c[5]
+    sign, absmask, allones = c[1], c[2], c[5]
     s = 0.0
     q = 0.0
     pz = T(0)
@@ -68,26 +71,44 @@ def _block(x, u, v, acc, cnt, ext, smax_, c, T):
     umin = allones
     umax = T(0)
     smax = smax_[0]
-    for i in range(x.size):
-        b = u[i]
-        d = np.float64(x[i])
-        s += d
-        q += d * d
-        pz = T(pz + T(b == T(0)))
-        nz = T(nz + T(b == sign))
-        umin = min(umin, b)
-        umax = max(umax, b)
-        smax = max(smax, v[i])
+    if zeros:
+        for i in range(x.size):
+            b = u[i]
+            d = np.float64(x[i])
+            s += d
+            q += d * d
+            pz = T(pz + T(b == T(0)))
+            nz = T(nz + T(b == sign))
+            umin = min(umin, b)
+            umax = max(umax, b)
+            smax = max(smax, v[i])
+    else:
+        amin = allones
+        for i in range(x.size):
+            b = u[i]
+            d = np.float64(x[i])
+            s += d
+            q += d * d
+            amin = min(amin, T(b & absmask))
+            umin = min(umin, b)
+            umax = max(umax, b)
+            smax = max(smax, v[i])
+        if amin == 0:
+            for i in range(x.size):
+                b = u[i]
+                pz = T(pz + T(b == T(0)))
+                nz = T(nz + T(b == sign))
     cnt[3] += np.int64(pz) + np.int64(nz)
     cnt[4] += np.int64(nz)
     if not np.isfinite(q):
         _masked(x, u, acc, cnt, c, T)
-        return
-    ext[0] = min(ext[0], umin)
-    ext[1] = max(ext[1], umax)
-    smax_[0] = smax
-    acc[2] += s
-    acc[3] += q
+    else:
+        ext[0] = min(ext[0], umin)
+        ext[1] = max(ext[1], umax)
+        smax_[0] = smax
+        acc[2] += s
+        acc[3] += q
+    return pz + nz > 0
 
 
 @njit(inline="always")
@@ -175,9 +196,10 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
         """Add the spine of the ``n`` elements at ``address`` to the row at ``row_address``: five raw counts, min,
         -max, sum and sum of squares."""
         x, u, v, row, fl, acc, cnt, ext, smax = _start(address, n, row_address, row_len, col_min, F, U, S, c, smin)
+        zeros = False
         for start in range(0, n, BLOCK):
             stop = min(start + BLOCK, n)
-            _block(x[start:stop], u[start:stop], v[start:stop], acc, cnt, ext, smax, c, U)
+            zeros = _block(x[start:stop], u[start:stop], v[start:stop], acc, cnt, ext, smax, zeros, c, U)
         _finish(acc, ext, smax, fl, F, c, U)
         nan, pinf, ninf, zeros, negzeros = cnt
         fin_nz = n - nan - pinf - ninf - zeros
@@ -196,6 +218,7 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
         hist = np.zeros((4, ncount), dtype=np.int64)
         h0, h1, h2, h3 = hist[0], hist[1], hist[2], hist[3]
         codes = np.empty(BLOCK, dtype=U)
+        zeros = False
         top, absmask, expmask, one = c[0], c[2], c[3], c[4]
         for start in range(0, n, BLOCK):
             stop = min(start + BLOCK, n)
@@ -217,7 +240,7 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
                 h3[keys[codes[j + 3]]] += 1
             for j in range(m4, m):
                 h0[keys[codes[j]]] += 1
-            _block(xb, ub, vb, acc, cnt, ext, smax, c, U)
+            zeros = _block(xb, ub, vb, acc, cnt, ext, smax, zeros, c, U)
         _finish(acc, ext, smax, fl, F, c, U)
         for k in range(ncount):
             row[k] += h0[k] + h1[k] + h2[k] + h3[k]
