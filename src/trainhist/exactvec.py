@@ -18,6 +18,7 @@ import numpy as np
 
 from .dyadic import ZERO, Dyadic, canonical_parts, float_of, float_parts, mant_bytes
 from .errors import CorruptError
+from .fastpath import kernels
 
 __all__ = ["ExactCol", "MAX_LIMBS", "MAX_ACC", "decode_exact", "group_sum", "encode_exact"]
 
@@ -223,6 +224,36 @@ class ExactCol:
             self.w[i] = None
 
 
+def _decode_narrow(blob: np.ndarray, st: np.ndarray, ml: np.ndarray, f: np.ndarray, width: int
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The encoded dyadics at ``blob[st[i]:st[i] + 4 + ml[i]]`` (``ml[i] >= 1`` mantissa bytes, at most
+    ``4 * width``): ``width`` normalized limbs and an exponent each, and masks of those that are not canonical, whose
+    ``f`` is not their correctly rounded float64, and whose float64 would be subnormal (left to Python ints)
+    (:func:`trainhist.mergekernel.decode_dyadics` compiled)."""
+    eb = blob[st[:, None] + np.arange(4)[None, :]]
+    e = np.ascontiguousarray(eb).view("<i4").ravel().astype(np.int64)
+    top = blob[st + 4 + ml - 1]
+    # the mantissa bytes of each row, sign-extended to 4 * width bytes: rows filled with the sign, then every
+    # stored byte scattered into place
+    mb = np.empty((st.size, 4 * width), np.uint8)
+    mb[:] = np.where(top >= 0x80, 0xFF, 0).astype(np.uint8)[:, None]
+    before = np.cumsum(ml) - ml
+    iota = np.arange(int(ml.sum()))
+    mb.reshape(-1)[np.repeat(np.arange(st.size) * (4 * width) - before, ml) + iota] = \
+        blob[np.repeat(st + 4 - before, ml) + iota]
+    nxt = blob[st + 4 + np.maximum(ml - 2, 0)]
+    redundant = (ml > 1) & (((top == 0) & (nxt < 0x80)) | ((top == 0xFF) & (nxt >= 0x80)))
+    mzero = (ml == 1) & (top == 0)
+    noncanon = redundant | (mzero & (e != 0)) | (~mzero & ((mb[:, 0] & 1) == 0))
+    limbs = mb.view("<u4").astype(np.int64)
+    t = limbs[:, -1]
+    limbs[:, -1] = np.where(t >= 1 << 31, t - (1 << 32), t)
+    neg, a = _magnitude(limbs)
+    nbits, tz = _nbits_tz(a)
+    fr, sub = _round(neg, a, e, nbits, tz)
+    return limbs, e, noncanon, (fr != f) & ~sub, sub
+
+
 # -- decode ----------------------------------------------------------------------------------------------------
 def decode_exact(name: str, f: np.ndarray, lens: np.ndarray | None, blob: np.ndarray | None, observed: np.ndarray,
                  locate: Callable[[int], tuple[str | None, int, int]]) -> ExactCol:
@@ -256,38 +287,23 @@ def decode_exact(name: str, f: np.ndarray, lens: np.ndarray | None, blob: np.nda
     starts = np.cumsum(lens) - lens
     ix = np.flatnonzero(has)
     st, ml = starts[ix], lens[ix] - 4
-    eb = blob[st[:, None] + np.arange(4)[None, :]]
-    e = np.ascontiguousarray(eb).view("<i4").ravel().astype(np.int64)
     wide = ml > 4 * MAX_LIMBS
     nar = ~wide
     if nar.any():
-        i_n, st_n, ml_n, e_n = ix[nar], st[nar], ml[nar], e[nar]
+        i_n, st_n, ml_n = ix[nar], st[nar], ml[nar]
         width = max(2, (int(ml_n.max()) + 3) // 4)
-        top = blob[st_n + 4 + ml_n - 1]
-        # the mantissa bytes of each row, sign-extended to 4 * width bytes: rows filled with the sign, then every
-        # stored byte scattered into place
-        mb = np.empty((i_n.size, 4 * width), np.uint8)
-        mb[:] = np.where(top >= 0x80, 0xFF, 0).astype(np.uint8)[:, None]
-        before = np.cumsum(ml_n) - ml_n
-        iota = np.arange(int(ml_n.sum()))
-        mb.reshape(-1)[np.repeat(np.arange(i_n.size) * (4 * width) - before, ml_n) + iota] = \
-            blob[np.repeat(st_n + 4 - before, ml_n) + iota]
-        nxt = blob[st_n + 4 + np.maximum(ml_n - 2, 0)]
-        redundant = (ml_n > 1) & (((top == 0) & (nxt < 0x80)) | ((top == 0xFF) & (nxt >= 0x80)))
-        mzero = (ml_n == 1) & (top == 0)
-        noncanon = redundant | (mzero & (e_n != 0)) | (~mzero & ((mb[:, 0] & 1) == 0))
+        kern = kernels()
+        if kern is not None:
+            limbs, e_n, status = kern.decode_dyadics(blob, st_n, ml_n, f[i_n], width)
+            noncanon, wrong, sub = status == 1, status == 2, status == 3
+        else:
+            limbs, e_n, noncanon, wrong, sub = _decode_narrow(blob, st_n, ml_n, f[i_n], width)
         if noncanon.any():
             raise bad(i_n[np.flatnonzero(noncanon)[0]], f"{name}_x row {{row}}: dyadic encoding is not canonical "
                       "(mantissa must be odd and minimal-length)")
-        limbs = mb.view("<u4").astype(np.int64)
-        t = limbs[:, -1]
-        limbs[:, -1] = np.where(t >= 1 << 31, t - (1 << 32), t)
-        neg, a = _magnitude(limbs)
-        nbits, tz = _nbits_tz(a)
-        fr, sub = _round(neg, a, e_n, nbits, tz)
-        ok = (fr == f[i_n]) | sub
-        if not ok.all():
-            raise bad(i_n[np.flatnonzero(~ok)[0]], f"{name} row {{row}} is not the correctly rounded value of {name}_x")
+        if wrong.any():
+            raise bad(i_n[np.flatnonzero(wrong)[0]],
+                      f"{name} row {{row}} is not the correctly rounded value of {name}_x")
         for k in np.flatnonzero(sub).tolist():
             if float_of(_to_int(limbs[k]), int(e_n[k])) != f[i_n[k]]:
                 raise bad(i_n[k], f"{name} row {{row}} is not the correctly rounded value of {name}_x")
@@ -374,6 +390,34 @@ def group_sum(f: np.ndarray, x: ExactCol, starts: np.ndarray, sizes: np.ndarray,
     multi = np.flatnonzero(sizes > 1)
     if multi.size == 0:
         return out_f, out
+    kern = kernels()
+    if kern is not None:
+        wide = np.zeros(len(x), bool) if x.w is None else np.array([v is not None for v in x.w.tolist()], bool)
+        rows = np.arange(len(x)) if order is None else order.astype(np.int64, copy=False)
+        fr, mc, eo, nbytes, status = kern.group_sums(x.m, x.e, rows, starts[multi].astype(np.int64, copy=False),
+                                                     sizes[multi].astype(np.int64, copy=False), wide, MAX_ACC)
+        slow = status == 1
+        if not slow.all():
+            fast = ~slow
+            _store(out, out_f, multi[fast], fr[fast], mc[fast], eo[fast], nbytes[fast], status[fast] == 2,
+                   x.m.shape[1])
+    else:
+        slow = _group_sums(out, out_f, x, starts, sizes, order, multi)
+    for j in np.flatnonzero(slow).tolist():
+        g = int(multi[j])
+        s0 = int(starts[g])
+        rows = range(s0, s0 + int(sizes[g])) if order is None else order[s0 : s0 + int(sizes[g])].tolist()
+        tot = sum((x.get(i) for i in rows), ZERO)
+        out_f[g] = tot.to_float()
+        out.set_py(g, tot.m, tot.e)
+    return out_f, out
+
+
+def _group_sums(out: ExactCol, out_f: np.ndarray, x: ExactCol, starts: np.ndarray, sizes: np.ndarray,
+                order: np.ndarray | None, multi: np.ndarray) -> np.ndarray:
+    """:func:`group_sum` of the groups ``multi`` (of several rows each) with numpy, into ``out``/``out_f``, but for
+    those returned (a mask over ``multi``: a wide member or a span beyond ``MAX_ACC`` limbs), left to Python ints
+    (:func:`trainhist.mergekernel.group_sums` compiled)."""
     sz = sizes[multi]
     mstart = np.cumsum(sz) - sz  # group starts among the members
     mg = np.repeat(np.arange(multi.size), sz)
@@ -421,42 +465,39 @@ def group_sum(f: np.ndarray, x: ExactCol, starts: np.ndarray, sizes: np.ndarray,
         nbits, tz = _nbits_tz(a)
         g0 = np.where(allzero[fast], 0, gmin[fast])
         fr, sub = _round(neg, a, g0, nbits, tz)
-        zero = nbits == 0
-        eo = np.where(zero, 0, g0 + tz)
-        mbytes = (nbits - tz) // 8 + 1
-        wide_out = mbytes > 4 * MAX_LIMBS
-        need = int(((mbytes[~wide_out] + 3) // 4).max()) if (~wide_out).any() else 2
-        ow = max(width, need, 2)
-        mc = _shr(a, tz, max(A, ow))
+        eo = np.where(nbits == 0, 0, g0 + tz)
+        mc = _shr(a, tz, A)
         mc[neg] = -mc[neg]
-        mc = _normalize(mc)[:, :ow].copy()
-        if mc.shape[1] < max(A, ow):  # the cut top limb is signed
-            tt = mc[:, -1] & _MASK
-            mc[:, -1] = np.where(tt >= 1 << 31, tt - (1 << 32), tt)
-        gi = multi[fast]
-        out.m = _widen(out.m, ow)
-        out.m[gi] = np.where(wide_out[:, None], 0, mc)
-        out.e[gi] = np.where(wide_out, 0, eo)
-        if out.w is not None:
-            out.w[gi] = None
-        out_f[gi] = fr
-        for k in np.flatnonzero(sub | wide_out).tolist():
-            g = int(gi[k])
-            mm = _to_int(np.concatenate([a[k], [0]]))
-            mm = -mm if neg[k] else mm
-            mm >>= int(tz[k])
-            ee = int(eo[k])
-            out_f[g] = float_of(mm, ee)
-            if wide_out[k]:
-                out.set_py(g, mm, ee)
-    for j in np.flatnonzero(slow).tolist():
-        g = int(multi[j])
-        s0 = int(starts[g])
-        rows = range(s0, s0 + int(sizes[g])) if order is None else order[s0 : s0 + int(sizes[g])].tolist()
-        tot = sum((x.get(i) for i in rows), ZERO)
-        out_f[g] = tot.to_float()
-        out.set_py(g, tot.m, tot.e)
-    return out_f, out
+        _store(out, out_f, multi[fast], fr, _normalize(mc), eo, (nbits - tz) // 8 + 1, sub, width)
+    return slow
+
+
+def _store(out: ExactCol, out_f: np.ndarray, gi: np.ndarray, fr: np.ndarray, mc: np.ndarray, eo: np.ndarray,
+           nbytes: np.ndarray, sub: np.ndarray, width: int) -> None:
+    """Store group sums in rows ``gi`` of ``out``/``out_f``: ``fr`` their float64 (wrong where ``sub``: a
+    subnormal, taken from Python ints here), ``mc``/``eo`` their canonical mantissas (normalized limbs, as wide
+    as the accumulator) and exponents, ``nbytes`` their encoded mantissa bytes (wider than ``MAX_LIMBS`` limbs:
+    kept as Python ints); ``width``: the members' limbs."""
+    wide_out = nbytes > 4 * MAX_LIMBS
+    need = int(((nbytes[~wide_out] + 3) // 4).max()) if (~wide_out).any() else 2
+    ow = max(width, need, 2)  # (no wider than the accumulator)
+    m = mc[:, :ow].copy()
+    if ow < mc.shape[1]:  # the cut top limb is signed
+        tt = m[:, -1] & _MASK
+        m[:, -1] = np.where(tt >= 1 << 31, tt - (1 << 32), tt)
+    out.m = _widen(out.m, ow)
+    out.m[gi] = np.where(wide_out[:, None], 0, m)
+    out.e[gi] = np.where(wide_out, 0, eo)
+    if out.w is not None:
+        out.w[gi] = None
+    out_f[gi] = fr
+    for k in np.flatnonzero(sub | wide_out).tolist():
+        g = int(gi[k])
+        mm = _to_int(mc[k])
+        ee = int(eo[k])
+        out_f[g] = float_of(mm, ee)
+        if wide_out[k]:
+            out.set_py(g, mm, ee)
 
 
 # -- encode ----------------------------------------------------------------------------------------------------

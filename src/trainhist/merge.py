@@ -43,6 +43,7 @@ from .canonical import (
 )
 from .dyadic import fits_float
 from .exactvec import group_sum
+from .fastpath import kernels
 from . import errors
 from .errors import MergeError, TrainhistError, UsageError
 from .framing import RECORD_HEADER_SIZE
@@ -182,6 +183,29 @@ def _sum_u64(a: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> tuple[np.n
     if over.ndim > 1:
         over = over.reshape(over.shape[0], -1).any(axis=1)
     return s, (over if over.any() else None)
+
+
+def _union_add(order: np.ndarray, starts: np.ndarray, sizes: np.ndarray, sp: Sparse, nb: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per group of the rows taken in ``order`` (``starts``/``sizes``) and sign: the union of its rows' sketch
+    ranges (empty: bin 0), and the stored counts scatter-added into it (no sum reaches 2**64): the first bins,
+    lengths and counts of the groups' sparse sketches (:func:`trainhist.mergekernel.union_add` compiled)."""
+    g = len(starts)
+    lo_s, n_s = sp.lo[order], sp.n[order]
+    some = n_s > 0
+    glo = np.minimum.reduceat(np.where(some, lo_s, nb), starts)
+    gn = np.maximum(np.maximum.reduceat(np.where(some, lo_s + n_s, 0), starts) - glo, 0)
+    glo[gn == 0] = 0
+    gnf = gn.ravel()
+    gfirst = (np.cumsum(gnf) - gnf).reshape(g, 2)
+    group_of = np.empty(len(order), np.int64)
+    group_of[order] = np.repeat(np.arange(g, dtype=np.int64), sizes)
+    acc = np.zeros(int(gnf.sum()), np.uint64)
+    if sp.counts.size:
+        n = sp.n.ravel()
+        base = (gfirst[group_of] - glo[group_of] + sp.lo).ravel() - (np.cumsum(n) - n)
+        np.add.at(acc, ranges(base, n), sp.counts)
+    return glo, gn, acc
 
 
 def _order_key(x: np.ndarray) -> np.ndarray:
@@ -650,21 +674,12 @@ class _Engine:
         if sp is not None:
             # each group's range per sign is the union of its rows' ranges; the stored counts are scatter-added
             # straight into those ranges (no sum reaches 2**64), so the sketch stays sparse
-            g = len(starts)
-            lo_s, n_s = sp.lo[order], sp.n[order]
-            some = n_s > 0
-            glo = np.minimum.reduceat(np.where(some, lo_s, nb), starts)
-            gn = np.maximum(np.maximum.reduceat(np.where(some, lo_s + n_s, 0), starts) - glo, 0)
-            glo[gn == 0] = 0
-            gnf = gn.ravel()
-            gfirst = (np.cumsum(gnf) - gnf).reshape(g, 2)
-            group_of = np.empty(len(order), np.int64)
-            group_of[order] = np.repeat(np.arange(g, dtype=np.int64), sizes)
-            acc = np.zeros(int(gnf.sum()), np.uint64)
-            if sp.counts.size:
-                n = sp.n.ravel()
-                base = (gfirst[group_of] - glo[group_of] + sp.lo).ravel() - (np.cumsum(n) - n)
-                np.add.at(acc, ranges(base, n), sp.counts)
+            kern = kernels()
+            if kern is not None:
+                glo, gn, acc = kern.union_add(*(a.astype(np.int64, copy=False) for a in (order, starts, sizes, sp.lo,
+                                                                                         sp.n)), sp.counts, nb)
+            else:
+                glo, gn, acc = _union_add(order, starts, sizes, sp, nb)
             sparse = Sparse(glo, gn, acc, sp.cmax * int(sizes.max()))  # a bound: no pass over the sums
             bands, over = _sum_u64(bands_in, starts, sizes)
             if over is not None:
@@ -921,6 +936,7 @@ class _Engine:
             self.report.workers = n
             global _ENGINE
             _ENGINE = self
+            kernels()  # numba imported once, here, not in every worker
             try:
                 synced = w.bytes_written
                 with mp.get_context("fork").Pool(n, initializer=_worker_init) as pool:

@@ -1,0 +1,181 @@
+"""Merge's optional compiled kernels (``trainhist.mergekernel``, numba) against its numpy code: the same output
+bytes, the same values and the same errors, for random shard sets (the strategies of ``test_merge_props``), exact
+values of every kind (those of ``test_merge_exact``), sparse sketches with empty and all-zero ranges, and counts
+near 2**63. ``trainhist.fastpath.ENABLED`` picks the path; without numba only the numpy one runs here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import subprocess
+import sys
+from typing import Callable, Iterator
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_merge_exact import SETTINGS, column, value
+from test_merge_props import Dir, _two, read, replica_steps, shards, write_shards
+
+import trainhist
+from trainhist import exactvec as xv
+from trainhist import fastpath
+from trainhist.canonical import Sparse
+from trainhist.dyadic import Dyadic
+from trainhist.errors import TrainhistError
+from trainhist.summary import Sketch, Summary
+
+pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning"),
+              pytest.mark.skipif(fastpath.kernels() is None, reason="numba is not installed")]
+merge_mod = sys.modules["trainhist.merge"]
+
+
+@contextlib.contextmanager
+def numpy_path() -> Iterator[None]:
+    """Merge without the compiled kernels."""
+    fastpath.ENABLED = False
+    try:
+        yield
+    finally:
+        fastpath.ENABLED = True
+
+
+def both(fn: Callable[[str], object], d: Dir) -> tuple[bytes | tuple, bytes | tuple]:
+    """``fn(output)`` with the kernels and with numpy: each output's bytes, or the error's type, code and message."""
+    res = []
+    for fast in (True, False):
+        o = d.out()
+        with contextlib.nullcontext() if fast else numpy_path():
+            try:
+                fn(o)
+                res.append(read(o))
+            except TrainhistError as e:
+                res.append((type(e).__name__, e.code, str(e)))
+    return res[0], res[1]
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(spec=shards, rep=replica_steps, steps=st.sampled_from([1, 3]), bpo=st.sampled_from([1, 4]))
+def test_kernels_give_the_bytes_of_numpy(spec, rep, steps, bpo):
+    with Dir() as d:
+        paths = write_shards(d.path, spec, rep, "0123456789abcdef0123456789abcdef")
+        a, b = both(lambda o: trainhist.merge(paths, o, replica_divergence="report"), d)
+        assert a == b
+        if isinstance(a, bytes):
+            m = d.merge(paths, replica_divergence="report")
+            a, b = both(lambda o: trainhist.coarsen(m, o, steps=steps, bins_per_octave=bpo), d)
+            assert a == b
+
+
+def _exact(groups: list[list[Dyadic]], reverse: bool) -> tuple:
+    """group_sum of these groups (stored in reverse and taken in order, when ``reverse``): f64 bits, values,
+    encoding."""
+    vals = [v for g in groups for v in g]
+    f, lens, blob = column(vals[::-1] if reverse else vals)
+    x = xv.decode_exact("sum", f, lens, blob, np.ones(len(vals), bool), lambda i: ("f", 0, i))
+    sizes = np.array([len(g) for g in groups])
+    order = np.arange(len(vals))[::-1].copy() if reverse else None
+    fo, xo = xv.group_sum(f, x, np.cumsum(sizes) - sizes, sizes, order)
+    return fo.view(np.uint64).tolist(), [xo.get(k) for k in range(len(groups))], xv.encode_exact(xo)
+
+
+@settings(max_examples=300, **SETTINGS)
+@given(groups=st.lists(st.lists(value, min_size=1, max_size=6), min_size=1, max_size=8), reverse=st.booleans())
+def test_exact_sums_equal_numpy(groups, reverse):
+    got = _exact(groups, reverse)
+    with numpy_path():
+        want = _exact(groups, reverse)
+    assert got[:2] == want[:2]
+    assert (got[2] is None) == (want[2] is None)
+    if got[2] is not None:
+        assert got[2][0].tolist() == want[2][0].tolist() and got[2][1] == want[2][1]
+
+
+def test_decode_errors_equal_numpy():
+    def blob(e: int, mb: bytes) -> bytes:
+        return struct.pack("<i", e) + mb
+
+    good = Dyadic((1 << 60) + 1, -3)
+    cases = [
+        (blob(-3, ((1 << 60) + 2).to_bytes(8, "little")), (1 << 60) * 2.0**-3),  # even mantissa
+        (blob(-3, ((1 << 60) + 1).to_bytes(9, "little")), good.to_float()),  # a redundant 0x00 byte
+        (blob(-3, (-(1 << 60) - 1).to_bytes(9, "little", signed=True)), -good.to_float()),  # a redundant 0xff
+        (blob(5, b"\x00"), 0.0),  # zero with a non-zero exponent
+        (good.to_bytes(), float(np.nextafter(good.to_float(), 0.0))),  # f64 not the rounded value
+        (Dyadic(3, -1076).to_bytes(), 5e-324),  # subnormal, wrongly rounded (the Python check)
+        (Dyadic(-1, 1024).to_bytes(), -1.0),  # -2**1024 rounds to -inf
+        (blob(-3, b"\xff"), -0.375),  # -1: fine
+        (Dyadic(3, -1076).to_bytes(), 1e-323),  # subnormal, fine
+    ]
+    for b, f in cases:
+        res = []
+        for ctx in (contextlib.nullcontext(), numpy_path()):
+            with ctx:
+                try:
+                    x = xv.decode_exact("sum", np.array([1.0, 2.0, f]), np.array([0, len(b), len(b)], np.uint32),
+                                        np.frombuffer(b + b, np.uint8), np.ones(3, bool), lambda i: ("p", 7, i))
+                    res.append((x.get(1), x.get(2)))
+                except TrainhistError as e:
+                    res.append((e.code, str(e)))
+        assert res[0] == res[1]
+
+
+def _random_sparse(rng: np.random.Generator, rows: int, nb: int, zero: float) -> Sparse:
+    """Random ranges (some empty), with counts that are zero with probability ``zero``."""
+    lo = rng.integers(0, nb, (rows, 2))
+    n = np.where(rng.random((rows, 2)) < 0.3, 0, rng.integers(0, nb + 1, (rows, 2)))
+    n = np.minimum(n, nb - lo)
+    c = rng.integers(1, 2**40, int(n.sum())).astype(np.uint64)
+    c[rng.random(c.size) < zero] = 0
+    return Sparse(lo.astype(np.int64), n.astype(np.int64), c, int(c.max()) if c.size else 0)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_union_add_equals_numpy(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    rows, nb = int(rng.integers(0, 60)), 64
+    sp = _random_sparse(rng, rows, nb, [0.0, 0.5, 1.0][seed % 3])  # all zero: a past canonical() IndexError
+    sizes = rng.integers(1, 5, rows)
+    sizes = sizes[: np.searchsorted(np.cumsum(sizes), rows, side="right")]
+    if sizes.sum() < rows:
+        sizes = np.append(sizes, rows - sizes.sum())
+    starts = np.cumsum(sizes) - sizes
+    order = rng.permutation(rows)
+    got = fastpath.kernels().union_add(order, starts, sizes, sp.lo, sp.n, sp.counts, nb)
+    want = merge_mod._union_add(order, starts, sizes, sp, nb)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.tolist() == w.tolist()
+    Sparse(*got, sp.cmax).canonical()
+
+
+def test_counts_near_2_63_and_overflow_refusals_equal_numpy():
+    """Spine counts and sketch bins whose sums reach 2**64 - 1 or overflow: the same bytes, or the same refusal
+    naming the same files, on both paths."""
+    def big(c: int, bins: dict[int, int]) -> Callable:
+        def fn(w):
+            sk = Sketch.empty()
+            for k, v in bins.items():
+                sk.pos[k] = v
+            w.observe(w.site("a", "activation"), 0, summary=Summary(count=c, zero=c, min=0.0, max=0.0, sketch=sk))
+            w.observe(w.site("a", "activation"), 1, summary=Summary(count=1, min=1.0, max=1.0, sketch=Sketch.empty()))
+        return fn
+
+    with Dir() as d:
+        for (c0, b0), (c1, b1) in [((2**63, {}), (2**63, {})), ((2**63, {}), (2**63 - 1, {})),
+                                   ((5, {10: 2**63}), (5, {10: 2**63})), ((5, {10: 2**63, 3: 0}), (5, {10: 2**63 - 1})),
+                                   ((2**62, {10: 2**63, 11: 5}), (2**62, {10: 2**63, 12: 7}))]:
+            paths = _two(d, big(c0, b0), big(c1, b1))
+            a, b = both(lambda o: trainhist.merge(paths, o), d)
+            assert a == b
+            if isinstance(a, tuple):
+                assert a[1] == "count_overflow" and all(p in a[2] for p in paths)
+
+
+def test_environment_turns_the_kernels_off(tmp_path):
+    code = "import trainhist.fastpath as f; print(f.kernels() is None)"
+    env = {**os.environ, "TRAINHIST_NO_NUMBA": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
