@@ -363,8 +363,16 @@ def _batch_columns(batch: list[tuple[_Source, Any]], raw: list[bytes]) -> _Batch
             raise Fallback
         sub = cc.subset()
         ns = [r // 8 for r in sub.rlen]
-        counts = gather(view, sub, "u8", ns)
-        cmax = upper_bound(view, sub, ns)
+        kern = kernels()
+        if kern is not None and sub.codec and all(c == Codec.PATCHED for c in sub.codec):
+            counts, bound, ok = kern.unpatch(np.frombuffer(view, np.uint8), *(np.array(a, np.int64) for a in
+                                                                               (sub.start, sub.slen, ns)))
+            if not ok:
+                raise Fallback
+            cmax = int(bound)
+        else:
+            counts = gather(view, sub, "u8", ns)
+            cmax = upper_bound(view, sub, ns)
         csize = [r // 8 for r in cc.rlen]
         any_sk = np.logical_or.reduceat(sk["sk"] != 0, starts).tolist()
     parts = [ObsChunk(src.path, e.offset, e.rows, e.step_min, e.step_max, src.idx, {}, None, {}, None, None, sc)

@@ -14,7 +14,7 @@ import math
 import numpy as np
 from numba import njit
 
-__all__ = ["union_add", "decode_dyadics", "group_sums"]
+__all__ = ["union_add", "decode_dyadics", "group_sums", "unpatch"]
 
 
 @njit(cache=True, nogil=True)
@@ -23,16 +23,10 @@ def union_add(order: np.ndarray, starts: np.ndarray, sizes: np.ndarray, lo: np.n
     """The sparse sketches of groups of rows (the rows ``order[starts[k]:starts[k] + sizes[k]]`` of group ``k``):
     per group and sign the union of its rows' ranges (``lo``, ``n``: (rows, 2) first bin and length; ``counts``:
     every range's counts in row-major order), an empty union at bin 0, and the counts added into it (no sum
-    wraps: the caller checked). Returns the groups' first bins, lengths and counts, as ``merge._Engine._add``'s
-    numpy code makes them."""
-    rows = lo.shape[0]
-    first = np.empty((rows, 2), np.int64)
-    c = 0
-    for r in range(rows):
-        for s in range(2):
-            first[r, s] = c
-            c += n[r, s]
+    wraps: the caller checked; the additions run in the order of ``counts``, which gives the same sums). Returns
+    the groups' first bins, lengths and counts, as ``merge._union_add`` makes them."""
     g = starts.size
+    group = np.empty(lo.shape[0], np.int64)
     glo = np.empty((g, 2), np.int64)
     gn = np.empty((g, 2), np.int64)
     gfirst = np.empty((g, 2), np.int64)
@@ -43,6 +37,7 @@ def union_add(order: np.ndarray, starts: np.ndarray, sizes: np.ndarray, lo: np.n
             b = 0
             for j in range(starts[k], starts[k] + sizes[k]):
                 r = order[j]
+                group[r] = k
                 if n[r, s] > 0:
                     a = min(a, lo[r, s])
                     b = max(b, lo[r, s] + n[r, s])
@@ -53,16 +48,18 @@ def union_add(order: np.ndarray, starts: np.ndarray, sizes: np.ndarray, lo: np.n
             gfirst[k, s] = total
             total += b - a
     acc = np.zeros(total, np.uint64)
-    for k in range(g):
+    c = 0
+    for r in range(lo.shape[0]):
+        k = group[r]
         for s in range(2):
-            for j in range(starts[k], starts[k] + sizes[k]):
-                r = order[j]
-                at = gfirst[k, s] - glo[k, s] + lo[r, s]
-                src = first[r, s]
-                for t in range(n[r, s]):
-                    acc[at + t] += counts[src + t]
+            m = n[r, s]
+            at = gfirst[k, s] - glo[k, s] + lo[r, s]
+            dst = acc[at : at + m]  # (slices: the loop below then runs in vector lanes)
+            src = counts[c : c + m]
+            for t in range(m):
+                dst[t] += src[t]
+            c += m
     return glo, gn, acc
-
 
 
 # -- exact values: m * 2**e, the mantissa as 32-bit limbs in int64 (exactvec's layout) --------------------------
@@ -128,7 +125,8 @@ def _round(a: np.ndarray, e: int, neg: bool, nbits: int, tz: int) -> tuple[float
 
 @njit(cache=True, inline="always")
 def _magnitude(t: np.ndarray, a: np.ndarray) -> bool:
-    """``|t|`` (normalized limbs, the top signed) into ``a``, normalized; whether ``t`` is negative."""
+    """``|t|`` (normalized limbs, the top signed) into ``a`` (which may be ``t``), normalized; whether ``t`` is
+    negative."""
     neg = t[t.size - 1] < 0
     for k in range(t.size):
         a[k] = -t[k] if neg else t[k]
@@ -160,22 +158,23 @@ def decode_dyadics(blob: np.ndarray, st: np.ndarray, ml: np.ndarray, f: np.ndarr
         e[i] = ev
         top = blob[p + n - 1]
         fill = np.int64(0xFF) if top >= 0x80 else np.int64(0)
-        row = limbs[i]
-        for j in range(width):
+        for j in range(width):  # (into a, not a view of limbs: a view per row costs as much as the rest)
             u = np.int64(0)
             for b in range(4):
                 at = 4 * j + b
                 u |= (np.int64(blob[p + at]) if at < n else fill) << (8 * b)
-            row[j] = u
-        if row[width - 1] >= 1 << 31:
-            row[width - 1] -= 1 << 32
+            a[j] = u
+        if a[width - 1] >= 1 << 31:
+            a[width - 1] -= 1 << 32
+        for j in range(width):
+            limbs[i, j] = a[j]
         nxt = blob[p + max(n - 2, 0)]
         redundant = n > 1 and ((top == 0 and nxt < 0x80) or (top == 0xFF and nxt >= 0x80))
         mzero = n == 1 and top == 0
         if redundant or (mzero and ev != 0) or (not mzero and (blob[p] & 1) == 0):
             status[i] = 1
             continue
-        neg = _magnitude(row, a)
+        neg = _magnitude(a, a)
         nbits, tz = _nbits_tz(a)
         fr, sub = _round(a, ev, neg, nbits, tz)
         if sub:
@@ -259,3 +258,46 @@ def group_sums(m: np.ndarray, e: np.ndarray, order: np.ndarray, gstart: np.ndarr
         if neg:
             _normalize(out)
     return f, mc, eo, nbytes, status
+
+
+# -- patched bytes -------------------------------------------------------------------------------------------
+@njit(cache=True, nogil=True)
+def unpatch(buf: np.ndarray, start: np.ndarray, slen: np.ndarray, ns: np.ndarray) -> tuple[np.ndarray, np.uint64, bool]:
+    """The values of patched-bytes blocks of unsigned 64-bit values (block ``i``: ``slen[i]`` bytes at
+    ``buf[start[i]:]`` holding ``ns[i]`` values: its exceptions, then a code byte per value, 255 taking the next
+    exception; spec 7.3), concatenated; a bound on them (254, or the largest exception); and whether every block
+    passes the checks of ``batchdecode._patched_parts`` (sizes, escapes per block, exceptions of at least 255):
+    ``batchdecode.gather`` and ``upper_bound`` in one pass."""
+    total = 0
+    for i in range(ns.size):
+        total += ns[i]
+    out = np.empty(total, np.uint64)
+    bound = np.uint64(254)
+    at = 0
+    for i in range(ns.size):
+        n = ns[i]
+        k8 = slen[i] - n
+        if k8 < 0 or k8 % 8:
+            return out, bound, False
+        x = start[i]  # the next exception
+        src = buf[x + k8 : x + k8 + n]
+        dst = out[at : at + n]
+        esc = 0
+        for j in range(n):  # (a loop of vector lanes: no branch)
+            v = src[j]
+            dst[j] = v
+            esc += v == 255
+        if esc * 8 != k8:
+            return out, bound, False
+        for j in range(n if esc else 0):
+            if src[j] == 255:
+                v = np.uint64(0)
+                for b in range(8):
+                    v |= np.uint64(buf[x + b]) << np.uint64(8 * b)
+                if v < 255:
+                    return out, bound, False
+                bound = max(bound, v)
+                dst[j] = v
+                x += 8
+        at += n
+    return out, bound, True
