@@ -565,3 +565,60 @@ def test_tensor_subclass_outputs_are_reduced_through_torch_ops(tmp_path):
     h = trainhist.open(path)
     for name, out in (("1.0", outs[0]), ("1.1", outs[1])):
         assert_row(h, name, "activation", 0, ref_summary([out.inner]))
+
+
+class _Scaled(torch.nn.Module):
+    """A float32 layer and a float64 parameter: the CPU kernel batches the first, the second takes the torch path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.lin = torch.nn.Linear(8, 70)
+        self.scale = torch.nn.Parameter(torch.rand(70, dtype=torch.float64) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale.float()
+
+
+@pytest.mark.parametrize("case", ["batched", "one by one", "replaced mid-step"])
+def test_batched_parameter_reductions_match_the_reference(tmp_path, monkeypatch, case):
+    """Parameters, gradients and updates go through one compiled call per width on the CPU kernel's path (float32
+    only for the update); the rows equal the numpy reference whether batched, reduced one by one (the batched call
+    disabled), or when the loop replaces a parameter's memory inside the step (the updates then take the torch
+    path from the same snapshot)."""
+    import trainhist.torch.collector as cm
+
+    if case == "one by one":
+        monkeypatch.setattr(cm, "fused_many", lambda xs, rows, sketch: [])
+    model = _Scaled()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "b.thist"
+    col = Collector(model, path, every=1, sketch_every=2, delta_elements=64)
+    col.discover(torch.randn(2, 8))
+    col.attach(optimizer=opt)
+    params = dict(model.named_parameters())
+    grads, before, after = {}, {}, {}
+    gen = torch.Generator().manual_seed(4)
+    for step in range(3):
+        before[step] = {n: p.detach().clone() for n, p in params.items()}
+        with col.step(step):
+            model(torch.randn(5, 8, generator=gen)).square().mean().backward()
+            grads[step] = {n: p.grad.clone() for n, p in params.items()}
+            opt.step()
+            if case == "replaced mid-step" and step == 1:  # same values, now a transposed (non-contiguous) view
+                model.lin.weight.data = model.lin.weight.data.t().contiguous().t()
+            opt.zero_grad()
+        after[step] = {n: p.detach().clone() for n, p in params.items()}
+    col.close()
+    # the float32 contiguous ones (after the replacement, the weight is neither)
+    assert set(col._delta_batch.names) == ({"lin.bias"} if case == "replaced mid-step" else {"lin.weight", "lin.bias"})
+    h = trainhist.open(path)
+    for step in range(3):
+        sk = step % 2 == 0
+        for n in params:
+            assert_row(h, n, "param", step, ref_summary([after[step][n]]), sketch=sk)
+            assert_row(h, n, "param_grad", step, ref_summary([grads[step][n]]), sketch=sk)
+            d = (after[step][n].float() - before[step][n].float()).reshape(-1)
+            idx = sample_indices(n, d.numel(), 64, 0)
+            assert_row(h, n, "param_delta", step, ref_summary([d if idx is None else d[torch.from_numpy(idx)]]),
+                       sketch=sk)

@@ -50,7 +50,7 @@ from .plan import (
     unwrap,
 )
 from . import reduce as _reduction
-from .reduce import Ledger, PendingTransfer, decode_rows, fused_into, is_plain, merge_row, reduce_into
+from .reduce import Ledger, PendingTransfer, decode_rows, fused_into, fused_many, is_plain, merge_row, reduce_into
 
 __all__ = ["Collector", "StepTruth"]
 
@@ -95,6 +95,7 @@ class _Step:
     failed: set[tuple] = field(default_factory=set)
     grad_done: set[tuple] = field(default_factory=set)
     snapshots: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    batched: list[str] = field(default_factory=list)  # param_delta of these: _DeltaBatch (CPU kernel) this step
     dev_scalars: list[tuple[int, str, tuple]] = field(default_factory=list)
     host_scalars: list[tuple[int, str, float]] = field(default_factory=list)
     micro: int = 0
@@ -112,6 +113,22 @@ class _Step:
     reductions: dict[tuple, int] = field(default_factory=dict)  # key -> reductions into its row this step
     seen: dict[tuple, tuple] = field(default_factory=dict)  # tensor identity -> (weakref, version, key)
     fused: bool = False  # reductions go through the CPU kernel (a CPU ledger, reduce.CPU_METHOD == "fused")
+
+
+class _DeltaBatch:
+    """The seeded ``param_delta`` subvectors of the parameters the CPU kernel snapshots: their flat indices, one
+    after another (``offsets``), and one float32 buffer (``out``, with a view per parameter) that holds the values
+    before the update, then the update itself."""
+
+    def __init__(self, names: list[str], indices: list[np.ndarray | None], numels: list[int]) -> None:
+        self.names = names
+        self.numels = numels
+        parts = [np.arange(n, dtype=np.int64) if i is None else i.astype(np.int64) for i, n in zip(indices, numels)]
+        self.index = np.concatenate(parts)
+        self.offsets = np.cumsum([0] + [len(q) for q in parts], dtype=np.int64)
+        self.host = np.empty(int(self.offsets[-1]), dtype=np.float32)  # what the kernel writes; out: the same memory
+        self.out = torch.from_numpy(self.host)
+        self.views = [self.out[int(a) : int(z)] for a, z in zip(self.offsets[:-1], self.offsets[1:])]
 
 
 def _per_stream(value: int | Mapping[str, int], name: str) -> dict[str, int]:
@@ -227,6 +244,8 @@ class Collector:
         self._ledger = Ledger(dev)
         self._lag = 1 if self._ledger.device.type == "cuda" else 0
         self._indices: dict[str, torch.Tensor | None] = {}
+        self._sample: dict[str, np.ndarray | None] = {}  # the same indices, as sample_indices gave them
+        self._delta_batch: _DeltaBatch | None = None
         self._state: _Step | None = None
         self._discovery: dict | None = None
         self._pending: list[_Step] = []
@@ -448,9 +467,9 @@ class Collector:
         if not st.clip_seen:
             self._capture_grads("default", None)
         if st.due["param"]:
-            for name in self._sel_params:
-                self._reduce(("param", name, None, "default"), self._params[name])
+            self._reduce_many([(("param", name, None, "default"), self._params[name]) for name in self._sel_params])
         if st.due["param_delta"]:
+            self._batched_deltas(st)
             for name, (idx, before) in st.snapshots.items():
                 key = ("param_delta", name, None, "default")
                 try:
@@ -530,6 +549,48 @@ class Collector:
         except Exception as e:  # noqa: BLE001 -- one bad site must not stop training
             self._fail(key, e)
 
+    def _reduce_many(self, items: list[tuple[tuple, torch.Tensor]]) -> None:
+        """:meth:`_reduce` of many (key, tensor) pairs with no aliasing (parameters, their gradients): on the CPU
+        kernel's path the plain float tensors are reduced by one compiled call (:func:`fused_many`), the others
+        one by one; the rows are the same."""
+        st = self._state
+        if st is None or not items:
+            return
+        if not st.fused:
+            for key, t in items:
+                self._reduce(key, t)
+            return
+        keys, tensors = [], []
+        for key, t in items:
+            if key in st.failed:
+                continue
+            try:
+                t = local_tensor(t)
+            except Exception as e:  # noqa: BLE001 -- one bad site must not stop training
+                self._fail(key, e)
+                continue
+            keys.append(key)
+            tensors.append(t)
+        by_sketch: dict[bool, list[int]] = {}
+        for i, key in enumerate(keys):
+            by_sketch.setdefault(st.sketch.get(key[0], True), []).append(i)
+        done: set[int] = set()
+        for sketch, idx in by_sketch.items():
+            try:
+                rows = self._ledger.addresses([keys[i] for i in idx])
+                done.update(idx[j] for j in fused_many([tensors[i] for i in idx], rows, sketch))
+            except Exception as e:  # noqa: BLE001 -- left to the per-tensor path, which records a failing site
+                self._warn_once("batched", f"trainhist: a batched reduction failed ({e!r}); reducing one by one")
+        for i, (key, t) in enumerate(zip(keys, tensors)):
+            if i not in done:
+                self._reduce(key, t)
+                continue
+            site = (key[1], key[0], key[2])
+            if site not in self._dtypes:
+                self._dtypes[site] = _dtype_name(t)
+            st.reductions[key] = st.reductions.get(key, 0) + 1
+            st.counts[key] = st.counts.get(key, 0) + t.numel()
+
     def _merge_alias(self, st: _Step, key: tuple, t: torch.Tensor) -> bool:
         """Reuse an earlier reduction of the very same tensor (same memory, layout and version) in this step.
 
@@ -607,7 +668,7 @@ class Collector:
             self._total_grad_norm(st)
         if not st.due["param_grad"]:
             return
-        seen = False
+        items = []
         for name in self._param_names(params):
             key = ("param_grad", name, None, phase)
             if key in st.grad_done:
@@ -615,9 +676,9 @@ class Collector:
             st.grad_done.add(key)
             g = self._params[name].grad
             if g is not None:
-                seen = True
-                self._reduce(key, g)
-        if seen:
+                items.append((key, g))
+        self._reduce_many(items)
+        if items:
             st.bases.add(self._basis(st))
 
     def _total_grad_norm(self, st: _Step) -> None:
@@ -703,19 +764,55 @@ class Collector:
         return g if g.dtype == torch.float32 else g.to(torch.float32)
 
     def _snapshot(self, st: _Step) -> None:
+        batched = []
         for name in self._sel_params:
             p = self._params[name]
             if not p.requires_grad:
                 continue
             if name not in self._indices:
                 n = local_tensor(p).numel()
-                idx = sample_indices(name, n, self.delta_elements, self.seed)
+                idx = self._sample[name] = sample_indices(name, n, self.delta_elements, self.seed)
                 self._indices[name] = None if idx is None else torch.from_numpy(idx).to(p.device)
             idx = self._indices[name]
+            if st.fused and self._delta_batchable(name):
+                batched.append(name)
+                continue
             try:
                 st.snapshots[name] = (idx, self._gather(name, idx))
             except Exception as e:  # noqa: BLE001
                 self._fail(("param_delta", name, None, "default"), e)
+        if batched:
+            b = self._delta_batch
+            if b is None or b.names != batched:
+                b = self._delta_batch = _DeltaBatch(batched, [self._sample[n] for n in batched],
+                                                    [local_tensor(self._params[n]).numel() for n in batched])
+            _reduction.cpukernel.gather_f32(self._addresses(batched), b.index, b.offsets, b.host, False)
+            st.batched = batched
+
+    def _delta_batchable(self, name: str) -> bool:
+        """Whether the update of parameter ``name`` can be taken by the CPU kernel: plain contiguous float32 CPU
+        memory (any other dtype or layout takes the torch path, :meth:`_gather`)."""
+        t = local_tensor(self._params[name])
+        return (t.dtype is torch.float32 and is_plain(t) and t.is_cpu and t.is_contiguous() and not t.is_neg()
+                and t.numel() > 0 and t.data_ptr() != 0)
+
+    def _addresses(self, names: list[str]) -> np.ndarray:
+        return np.array([local_tensor(self._params[n]).data_ptr() for n in names], dtype=np.int64)
+
+    def _batched_deltas(self, st: _Step) -> None:
+        """``param_delta`` of the parameters snapshotted by the CPU kernel: ``after - before`` on every seeded
+        subvector in one compiled call, reduced by another. A parameter whose memory changed kind or size during
+        the step (replaced by the loop) sends all of them through the torch path, from the same snapshot."""
+        b, names = self._delta_batch, st.batched
+        if not names or b is None:
+            return
+        if all(self._delta_batchable(n) and local_tensor(self._params[n]).numel() == m
+               for n, m in zip(names, b.numels)):
+            _reduction.cpukernel.gather_f32(self._addresses(names), b.index, b.offsets, b.host, True)
+            self._reduce_many([(("param_delta", n, None, "default"), v) for n, v in zip(names, b.views)])
+            return
+        for n, v in zip(names, b.views):
+            st.snapshots[n] = (self._indices[n], v.clone())
 
     # -- host side: decode and write ------------------------------------------------------------------------
     def _finish(self, st: _Step) -> None:

@@ -23,7 +23,7 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["make", "make_merge", "BLOCK"]
+__all__ = ["make", "make_merge", "gather_f32", "BLOCK"]
 
 BLOCK = 4096  #: elements per block: the loops of one block share its L1-resident data
 _FASTMATH = {"reassoc", "nsz"}  # lets LLVM split the float64 sums into vector lanes; no NaN/inf assumptions
@@ -171,15 +171,78 @@ def _finish(acc, ext, smax, fl, ftype, c, T):
         fl[1] = min(fl[1], -acc[1])
 
 
-def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift: int, side: int,
-         col_spine: int, ncount: int, col_min: int, row_len: int, fold: np.ndarray) -> tuple[Callable, Callable]:
-    """The ``(spine, sketch)`` kernels of one IEEE width, for the ledger row layout of :mod:`.reduce` (raw codes
-    folded to keys by ``fold``, :data:`~.reduce.COL_SPINE`, :data:`~.reduce.NCOUNT`, :data:`~.reduce.COL_MIN`,
-    ``row_len`` int64 entries); the constants are frozen into the compiled code.
+@njit(inline="always")
+def _spine(address, n, row_address, L, F, U, S, c, smin):
+    """Add the spine of the ``n`` elements at ``address`` to the row at ``row_address``: five raw counts, min,
+    -max, sum and sum of squares (``L`` = the row layout: its length, COL_MIN, COL_SPINE)."""
+    row_len, col_min, col_spine = L
+    x, u, v, row, fl, acc, cnt, ext, smax = _start(address, n, row_address, row_len, col_min, F, U, S, c, smin)
+    zeros = False
+    for start in range(0, n, BLOCK):
+        stop = min(start + BLOCK, n)
+        zeros = _block(x[start:stop], u[start:stop], v[start:stop], acc, cnt, ext, smax, zeros, c, U)
+    _finish(acc, ext, smax, fl, F, c, U)
+    nan, pinf, ninf, zeros, negzeros = cnt
+    fin_nz = n - nan - pinf - ninf - zeros
+    fin_nzbits = fin_nz + negzeros
+    row[col_spine] += fin_nz
+    row[col_spine + 1] += fin_nzbits
+    row[col_spine + 2] += n - (zeros - negzeros)
+    row[col_spine + 3] += fin_nzbits + nan
+    row[col_spine + 4] += fin_nzbits + pinf
 
-    Both take ``(address, n, row_address)``: the addresses of ``n`` contiguous elements and of the int64 ledger row.
-    Passing addresses, not arrays, spares the few microseconds per call that making numpy views of a torch tensor
-    costs (hundreds of reductions a step); the caller keeps both alive and guarantees the layout.
+
+@njit(inline="always")
+def _sketch(address, n, row_address, L, F, U, S, c, smin, k, keys, ncount):
+    """Add the grid-key counts, min, -max and the sums of the ``n`` elements at ``address`` to the row (``k`` =
+    the raw-code constants: fraction mask, mantissa bits, the three thresholds, the non-finite shift, the sign
+    side, 4; ``keys`` folds raw codes to the row's ``ncount`` key columns)."""
+    # (cnt is not used here: the keys count zeros, NaN and infinities)
+    row_len, col_min, _ = L
+    x, u, v, row, fl, acc, cnt, ext, smax = _start(address, n, row_address, row_len, col_min, F, U, S, c, smin)
+    hist = np.zeros((4, ncount), dtype=np.int64)
+    h0, h1, h2, h3 = hist[0], hist[1], hist[2], hist[3]
+    codes = np.empty(BLOCK, dtype=U)
+    zeros = False
+    top, absmask, expmask, one = c[0], c[2], c[3], c[4]
+    fracmask, mb, t1, t2, t3, ushift, uside, u4 = k
+    for start in range(0, n, BLOCK):
+        stop = min(start + BLOCK, n)
+        xb, ub, vb = x[start:stop], u[start:stop], v[start:stop]
+        m = ub.size
+        for i in range(m):  # the raw code (see reduce._Width), in vector lanes
+            b = ub[i]
+            a = U(b & absmask)
+            frac = U(b & fracmask)
+            codes[i] = (u4 * U(a >> mb) + one + U(frac > t1) + U(frac > t2) + U(frac > t3)
+                        - U(frac == 0) + U(a >= expmask) * ushift + U(b >> top) * uside)
+        # four histograms in turn: neighbours often share a bin, and one histogram would make each count wait
+        # for the previous one's store
+        m4 = m - m % 4
+        for j in range(0, m4, 4):
+            h0[keys[codes[j]]] += 1
+            h1[keys[codes[j + 1]]] += 1
+            h2[keys[codes[j + 2]]] += 1
+            h3[keys[codes[j + 3]]] += 1
+        for j in range(m4, m):
+            h0[keys[codes[j]]] += 1
+        zeros = _block(xb, ub, vb, acc, cnt, ext, smax, zeros, c, U)
+    _finish(acc, ext, smax, fl, F, c, U)
+    for j in range(ncount):
+        row[j] += h0[j] + h1[j] + h2[j] + h3[j]
+
+
+def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift: int, side: int,
+         col_spine: int, ncount: int, col_min: int, row_len: int, fold: np.ndarray) -> tuple[Callable, ...]:
+    """The ``(spine, sketch, many)`` kernels of one IEEE width, for the ledger row layout of :mod:`.reduce` (raw
+    codes folded to keys by ``fold``, :data:`~.reduce.COL_SPINE`, :data:`~.reduce.NCOUNT`,
+    :data:`~.reduce.COL_MIN`, ``row_len`` int64 entries); the constants are frozen into the compiled code.
+
+    ``spine`` and ``sketch`` take ``(address, n, row_address)``: the addresses of ``n`` contiguous elements and of
+    the int64 ledger row. Passing addresses, not arrays, spares the few microseconds per call that making numpy
+    views of a torch tensor costs (hundreds of reductions a step); the caller keeps both alive and guarantees the
+    layout. ``many(addresses, ns, row_addresses, sketch)`` makes one of them per entry of three int64 arrays in a
+    single call (the parameters, gradients and updates of a step: a hundred calls' dispatch saved).
     """
     U = np.uint32 if bits == 32 else np.uint64
     S = np.int32 if bits == 32 else np.int64
@@ -187,65 +250,43 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
     c = (U(bits - 1), U(1 << (bits - 1)), U((1 << (bits - 1)) - 1), U(((1 << ebits) - 1) << mbits), U(1),
          U((1 << bits) - 1))
     smin = S(-(1 << (bits - 1)))
-    fracmask, mb, t1, t2, t3 = U((1 << mbits) - 1), U(mbits), U(thresh[0]), U(thresh[1]), U(thresh[2])
-    ushift, uside, u4 = U(shift), U(side), U(4)
+    k = (U((1 << mbits) - 1), U(mbits), U(thresh[0]), U(thresh[1]), U(thresh[2]), U(shift), U(side), U(4))
     keys = fold.astype(np.uint16)  # raw code -> grid key (all below ncount); unsigned: no negative-index fixup
+    L = (row_len, col_min, col_spine)
 
     @njit(cache=True, nogil=True, fastmath=_FASTMATH, boundscheck=False)
     def spine(address, n, row_address):
-        """Add the spine of the ``n`` elements at ``address`` to the row at ``row_address``: five raw counts, min,
-        -max, sum and sum of squares."""
-        x, u, v, row, fl, acc, cnt, ext, smax = _start(address, n, row_address, row_len, col_min, F, U, S, c, smin)
-        zeros = False
-        for start in range(0, n, BLOCK):
-            stop = min(start + BLOCK, n)
-            zeros = _block(x[start:stop], u[start:stop], v[start:stop], acc, cnt, ext, smax, zeros, c, U)
-        _finish(acc, ext, smax, fl, F, c, U)
-        nan, pinf, ninf, zeros, negzeros = cnt
-        fin_nz = n - nan - pinf - ninf - zeros
-        fin_nzbits = fin_nz + negzeros
-        row[col_spine] += fin_nz
-        row[col_spine + 1] += fin_nzbits
-        row[col_spine + 2] += n - (zeros - negzeros)
-        row[col_spine + 3] += fin_nzbits + nan
-        row[col_spine + 4] += fin_nzbits + pinf
+        _spine(address, n, row_address, L, F, U, S, c, smin)
 
     @njit(cache=True, nogil=True, fastmath=_FASTMATH, boundscheck=False)
     def sketch(address, n, row_address):
-        """Add the grid-key counts, min, -max and the sums of the ``n`` elements at ``address`` to the row."""
-        # (cnt is not used here: the keys count zeros, NaN and infinities)
-        x, u, v, row, fl, acc, cnt, ext, smax = _start(address, n, row_address, row_len, col_min, F, U, S, c, smin)
-        hist = np.zeros((4, ncount), dtype=np.int64)
-        h0, h1, h2, h3 = hist[0], hist[1], hist[2], hist[3]
-        codes = np.empty(BLOCK, dtype=U)
-        zeros = False
-        top, absmask, expmask, one = c[0], c[2], c[3], c[4]
-        for start in range(0, n, BLOCK):
-            stop = min(start + BLOCK, n)
-            xb, ub, vb = x[start:stop], u[start:stop], v[start:stop]
-            m = ub.size
-            for i in range(m):  # the raw code (see reduce._Width), in vector lanes
-                b = ub[i]
-                a = U(b & absmask)
-                frac = U(b & fracmask)
-                codes[i] = (u4 * U(a >> mb) + one + U(frac > t1) + U(frac > t2) + U(frac > t3)
-                            - U(frac == 0) + U(a >= expmask) * ushift + U(b >> top) * uside)
-            # four histograms in turn: neighbours often share a bin, and one histogram would make each count wait
-            # for the previous one's store
-            m4 = m - m % 4
-            for j in range(0, m4, 4):
-                h0[keys[codes[j]]] += 1
-                h1[keys[codes[j + 1]]] += 1
-                h2[keys[codes[j + 2]]] += 1
-                h3[keys[codes[j + 3]]] += 1
-            for j in range(m4, m):
-                h0[keys[codes[j]]] += 1
-            zeros = _block(xb, ub, vb, acc, cnt, ext, smax, zeros, c, U)
-        _finish(acc, ext, smax, fl, F, c, U)
-        for k in range(ncount):
-            row[k] += h0[k] + h1[k] + h2[k] + h3[k]
+        _sketch(address, n, row_address, L, F, U, S, c, smin, k, keys, ncount)
 
-    return spine, sketch
+    @njit(cache=True, nogil=True, fastmath=_FASTMATH, boundscheck=False)
+    def many(addresses, ns, row_addresses, with_sketch):
+        for j in range(addresses.size):
+            if with_sketch:
+                _sketch(addresses[j], ns[j], row_addresses[j], L, F, U, S, c, smin, k, keys, ncount)
+            else:
+                _spine(addresses[j], ns[j], row_addresses[j], L, F, U, S, c, smin)
+
+    return spine, sketch, many
+
+
+@njit(cache=True, nogil=True)
+def gather_f32(addresses, index, offsets, out, subtract):
+    """For each float32 tensor ``j`` at ``addresses[j]``: its elements at the flat positions
+    ``index[offsets[j]:offsets[j+1]]`` into the same slice of ``out``, or (``subtract``) those elements minus what
+    ``out`` holds there, in IEEE float32 arithmetic (no fast-math: the sign of a zero difference is kept). The
+    parameter update of a step, ``after - before`` on the seeded subvectors of every parameter, in two calls."""
+    for j in range(addresses.size):
+        lo, hi = offsets[j], offsets[j + 1]
+        x = carray(_pointer(addresses[j]), index[hi - 1] + 1 if hi > lo else 0, np.float32)
+        for i in range(lo, hi):
+            if subtract:
+                out[i] = x[index[i]] - out[i]
+            else:
+                out[i] = x[index[i]]
 
 
 def make_merge(col_min: int, row_len: int) -> Callable:

@@ -37,8 +37,8 @@ except ImportError as _e:  # numba missing, or not yet released for this Python
     warnings.warn(f"trainhist.torch: the fused CPU reduction is unavailable ({_e}); CPU tensors are reduced with "
                   "torch operations, several times slower (pip install numba)", RuntimeWarning, stacklevel=2)
 
-__all__ = ["ROW", "CHUNK", "METHODS", "reduce_into", "fused_into", "is_plain", "merge_row", "decode_row", "decode_rows",
-           "Ledger", "PendingTransfer"]
+__all__ = ["ROW", "CHUNK", "METHODS", "reduce_into", "fused_into", "fused_many", "is_plain", "merge_row", "decode_row",
+           "decode_rows", "Ledger", "PendingTransfer"]
 
 NK = grid.NKEYS
 COL_NEGZERO = NK  # count of -0.0 (the grid's zero key counts +0.0 only here; decode adds them)
@@ -233,8 +233,31 @@ def fused_into(x: torch.Tensor, row_address: int, sketch: bool) -> None:
     if n:
         if not x.is_contiguous() or x.data_ptr() == 0:  # _widen's contract; a kernel must never read past storage
             raise ValueError("the fused reduction needs contiguous memory")
-        spine, sketch_ = (_F64 if dt is torch.float64 else _F32).kernels
+        spine, sketch_, _ = (_F64 if dt is torch.float64 else _F32).kernels
         (sketch_ if sketch else spine)(x.data_ptr(), n, row_address)
+
+
+def fused_many(xs: list[torch.Tensor], row_addresses: list[int], sketch: bool) -> list[int]:
+    """:func:`fused_into` of many tensors, one compiled call per float width: the positions in ``xs`` of the
+    tensors it took. The others (not plain contiguous float32/float64 CPU tensors, or empty) are left to the
+    caller's per-tensor path. The same kernels run, so the rows are those of one :func:`fused_into` per tensor."""
+    taken: list[int] = []
+    groups: dict[torch.dtype, tuple[list[int], list[int], list[int]]] = {}
+    f32, f64 = torch.float32, torch.float64
+    for i, x in enumerate(xs):
+        dt = x.dtype
+        if ((dt is f32 or dt is f64) and is_plain(x) and x.is_cpu and x.is_contiguous() and not x.is_neg()
+                and x.numel() and x.data_ptr()):
+            g = groups.setdefault(dt, ([], [], []))
+            g[0].append(x.data_ptr())
+            g[1].append(x.numel())
+            g[2].append(row_addresses[i])
+            taken.append(i)
+    for dt, (addresses, ns, rows) in groups.items():
+        many = (_F64 if dt is f64 else _F32).kernels[2]
+        many(np.array(addresses, dtype=np.int64), np.array(ns, dtype=np.int64), np.array(rows, dtype=np.int64),
+             sketch)
+    return taken
 
 
 def _reduce_chunk(x: torch.Tensor, row: torch.Tensor, use_bincount: bool, sketch: bool) -> None:
@@ -373,6 +396,7 @@ class Ledger:
         self.buf = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._template = self.buf
         self._pinned = self.device.type == "cuda"
+        self._cpu = self.device.type == "cpu"  # (torch builds the type string anew on every read)
         self.transfers = 0
 
     def _grow(self, extra: np.ndarray) -> int:
@@ -416,13 +440,23 @@ class Ledger:
     def address(self, key: object) -> int:
         """The memory address of the row of ``key`` in a CPU ledger (for :func:`fused_into`), allocating the row
         on first use; valid until the next allocation grows the buffer."""
-        if self.device.type != "cpu":
+        if not self._cpu:
             raise ValueError(f"a row address is for a CPU ledger, not {self.device}")
         off = self.rows.get(key)
         if off is None:
             self.row(key)
             off = self.rows[key]
         return self.buf.data_ptr() + 8 * off
+
+    def addresses(self, keys: list[object]) -> list[int]:
+        """:meth:`address` of every key, all rows allocated first (so no later allocation moves an earlier one)."""
+        if not self._cpu:
+            raise ValueError(f"a row address is for a CPU ledger, not {self.device}")
+        for key in keys:
+            if key not in self.rows:
+                self.row(key)
+        base, rows = self.buf.data_ptr(), self.rows
+        return [base + 8 * rows[key] for key in keys]
 
     def scalar(self, key: object) -> torch.Tensor:
         """A one-element float64 view of the scalar slot of ``key`` (NaN-initialised each step)."""
