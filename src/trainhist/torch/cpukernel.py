@@ -26,7 +26,9 @@ from numba.extending import intrinsic
 __all__ = ["make", "make_merge", "gather_f32", "BLOCK"]
 
 BLOCK = 4096  #: elements per block: the loops of one block share its L1-resident data
-_FASTMATH = {"reassoc", "nsz"}  # lets LLVM split the float64 sums into vector lanes; no NaN/inf assumptions
+#: lets LLVM split the float64 sums into vector lanes and fuse the square into its sum (exact for float32, whose
+#: square fits a float64; within the f64_accumulate bound for float64); no NaN/inf assumptions
+_FASTMATH = {"reassoc", "nsz", "contract"}
 
 
 @intrinsic
