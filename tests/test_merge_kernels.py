@@ -179,3 +179,43 @@ def test_environment_turns_the_kernels_off(tmp_path):
     env = {**os.environ, "TRAINHIST_NO_NUMBA": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
+
+
+def _blocks(blocks: list[bytes]) -> tuple[memoryview, list[int], list[int]]:
+    data, start, slen = b"", [], []
+    for b in blocks:
+        start.append(len(data))
+        slen.append(len(b))
+        data += b + bytes(-len(b) % 8)
+    return memoryview(data), start, slen
+
+
+@pytest.mark.parametrize("dt", ["u2", "u4", "u8"])
+def test_unpatch_equals_numpy_and_refuses_what_it_refuses(dt: str) -> None:
+    from trainhist.batchdecode import Fallback, _Col, gather, upper_bound
+    from trainhist.chunk import DTYPES, Codec, _encode_patched
+
+    size = DTYPES[dt].itemsize
+    good = [[1, 2, 254], [255, 0, (1 << (8 * size)) - 1, 7], [], [3]]
+    blocks = [(_encode_patched(np.array(v, DTYPES[dt]), dt) or b"") for v in good]
+    cases = [
+        (blocks, [len(v) for v in good]),
+        ([blocks[0], blocks[1][size:]], [3, 4]),  # an escape without its exception
+        ([blocks[0], bytes(size) + b"\x01"], [3, 1]),  # an exception but no escape
+        ([struct.pack("<Q", 254)[:size] + b"\xff"], [1]),  # an exception below 255
+        ([b"\x01" * (size + 3)], [2]),  # sizes that do not add up
+    ]
+    for case, ns in cases:
+        view, start, slen = _blocks(case)
+        col = _Col(None, "c", [Codec.PATCHED] * len(case), start, slen, [size * n for n in ns], list(range(len(ns))))
+        try:
+            want = gather(view, col, dt, ns)
+        except Fallback:
+            want = None
+        out = np.empty(sum(ns), DTYPES[dt])
+        bound, ok = fastpath.kernels().unpatch(np.frombuffer(view, np.uint8), np.array(start), np.array(slen),
+                                               np.array(ns), out)
+        assert ok == (want is not None) == (case is blocks)
+        if ok:
+            assert out.tolist() == want.tolist()
+            assert dt != "u8" or bound == upper_bound(view, col, ns)

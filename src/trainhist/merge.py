@@ -67,6 +67,7 @@ _U64 = 1 << 64
 _I64_MAX = np.iinfo(np.int64).max
 _I64_MIN = np.iinfo(np.int64).min
 _LOW63 = np.int64(0x7FFFFFFFFFFFFFFF)
+_UNSIGNED = {"u2": np.dtype("<u2"), "u4": np.dtype("<u4"), "u8": np.dtype("<u8")}  # dtypes of patched bytes
 
 
 @dataclass
@@ -292,6 +293,21 @@ class _BatchColumns:
                                   scale, self.cmax)
 
 
+def _gather(view: memoryview, col: Any, dt: str, ns: list[int], bound: bool = False) -> Any:
+    """:func:`batchdecode.gather` (and with ``bound``, also :func:`batchdecode.upper_bound`): through
+    :func:`trainhist.mergekernel.unpatch` for a column of patched-bytes blocks, when the kernels are there."""
+    kern = kernels()
+    if kern is None or not col.uniform or not col.codec or col.codec[0] != Codec.PATCHED or dt not in _UNSIGNED:
+        values = gather(view, col, dt, ns)
+        return (values, upper_bound(view, col, ns)) if bound else values
+    values = np.empty(sum(ns), _UNSIGNED[dt])
+    top, ok = kern.unpatch(np.frombuffer(view, np.uint8), np.array(col.start, np.int64),
+                           np.array(col.slen, np.int64), np.array(ns, np.int64), values)
+    if not ok:
+        raise Fallback
+    return (values, int(top)) if bound else values
+
+
 def _batch_columns(batch: list[tuple[_Source, Any]], raw: list[bytes]) -> _BatchColumns:
     """Every column of the chunks of ``batch`` (``raw``: their payloads, CRC-checked), through the reader's batched
     decoder; raises (anything) where the per-chunk path must decide."""
@@ -315,7 +331,7 @@ def _batch_columns(batch: list[tuple[_Source, Any]], raw: list[bytes]) -> _Batch
     rows = [e.rows for e in entries]
     rows_a = np.array(rows, np.int64)
     starts = np.cumsum(rows_a) - rows_a
-    cols = {name: gather(view, lay.col(name), dt, rows) for name, dt in OBS_COLUMNS.items()}
+    cols = {name: _gather(view, lay.col(name), dt, rows) for name, dt in OBS_COLUMNS.items()}
     tcols = [lay.col(name) for name in TALLY_COLUMNS]
     tp = [c.present for c in tcols]
     explicit = tp[0]
@@ -323,7 +339,7 @@ def _batch_columns(batch: list[tuple[_Source, Any]], raw: list[bytes]) -> _Batch
         raise Fallback
     tally = None
     if any(explicit):
-        tally = np.stack([gather(view, c, dt, rows) for c, dt in zip(tcols, TALLY_COLUMNS.values())],
+        tally = np.stack([_gather(view, c, dt, rows) for c, dt in zip(tcols, TALLY_COLUMNS.values())],
                          axis=1).astype(np.uint64)
     exact: dict[str, tuple | None] = {}
     for name in ("sum", "sumsq"):
@@ -333,7 +349,7 @@ def _batch_columns(batch: list[tuple[_Source, Any]], raw: list[bytes]) -> _Batch
         if not any(xn.present):
             exact[name] = None
             continue
-        lens = gather(view, xn, "u4", rows)
+        lens = _gather(view, xn, "u4", rows)
         if np.add.reduceat(lens.astype(np.int64), starts).tolist() != x.rlen:
             raise Fallback
         sub = x.subset()
@@ -357,22 +373,13 @@ def _batch_columns(batch: list[tuple[_Source, Any]], raw: list[bytes]) -> _Batch
         skc = {k: lay.col(k) for k in SKETCH_COLUMNS}
         if any(c.present != have for c in skc.values()):
             raise Fallback
-        sk = {k: gather(view, c, SKETCH_COLUMNS[k], rows) for k, c in skc.items() if k != "sk_counts"}
+        sk = {k: _gather(view, c, SKETCH_COLUMNS[k], rows) for k, c in skc.items() if k != "sk_counts"}
         cc = skc["sk_counts"]
         if any(r % 8 for r in cc.rlen):
             raise Fallback
         sub = cc.subset()
         ns = [r // 8 for r in sub.rlen]
-        kern = kernels()
-        if kern is not None and sub.codec and all(c == Codec.PATCHED for c in sub.codec):
-            counts, bound, ok = kern.unpatch(np.frombuffer(view, np.uint8), *(np.array(a, np.int64) for a in
-                                                                               (sub.start, sub.slen, ns)))
-            if not ok:
-                raise Fallback
-            cmax = int(bound)
-        else:
-            counts = gather(view, sub, "u8", ns)
-            cmax = upper_bound(view, sub, ns)
+        counts, cmax = _gather(view, sub, "u8", ns, bound=True)
         csize = [r // 8 for r in cc.rlen]
         any_sk = np.logical_or.reduceat(sk["sk"] != 0, starts).tolist()
     parts = [ObsChunk(src.path, e.offset, e.rows, e.step_min, e.step_max, src.idx, {}, None, {}, None, None, sc)
@@ -944,7 +951,6 @@ class _Engine:
             self.report.workers = n
             global _ENGINE
             _ENGINE = self
-            kernels()  # numba imported once, here, not in every worker
             try:
                 synced = w.bytes_written
                 with mp.get_context("fork").Pool(n, initializer=_worker_init) as pool:

@@ -262,42 +262,40 @@ def group_sums(m: np.ndarray, e: np.ndarray, order: np.ndarray, gstart: np.ndarr
 
 # -- patched bytes -------------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True)
-def unpatch(buf: np.ndarray, start: np.ndarray, slen: np.ndarray, ns: np.ndarray) -> tuple[np.ndarray, np.uint64, bool]:
-    """The values of patched-bytes blocks of unsigned 64-bit values (block ``i``: ``slen[i]`` bytes at
-    ``buf[start[i]:]`` holding ``ns[i]`` values: its exceptions, then a code byte per value, 255 taking the next
-    exception; spec 7.3), concatenated; a bound on them (254, or the largest exception); and whether every block
-    passes the checks of ``batchdecode._patched_parts`` (sizes, escapes per block, exceptions of at least 255):
-    ``batchdecode.gather`` and ``upper_bound`` in one pass."""
-    total = 0
-    for i in range(ns.size):
-        total += ns[i]
-    out = np.empty(total, np.uint64)
+def unpatch(buf: np.ndarray, start: np.ndarray, slen: np.ndarray, ns: np.ndarray, out: np.ndarray
+            ) -> tuple[int, bool]:
+    """The values of patched-bytes blocks of unsigned integers (block ``i``: ``slen[i]`` bytes at ``buf[start[i]:]``
+    holding ``ns[i]`` values: its exceptions, of ``out``'s item size, then a code byte per value, 255 taking the
+    next exception; spec 7.3), concatenated into ``out``; a bound on them (254, or the largest exception); and
+    whether every block passes the checks of ``batchdecode._patched_parts`` (sizes, escapes per block, exceptions
+    of at least 255): ``batchdecode.gather`` and ``upper_bound`` in one pass."""
+    size = out.itemsize
     bound = np.uint64(254)
     at = 0
     for i in range(ns.size):
         n = ns[i]
-        k8 = slen[i] - n
-        if k8 < 0 or k8 % 8:
-            return out, bound, False
+        kb = slen[i] - n
+        if kb < 0 or kb % size:
+            return bound, False
         x = start[i]  # the next exception
-        src = buf[x + k8 : x + k8 + n]
+        src = buf[x + kb : x + kb + n]
         dst = out[at : at + n]
         esc = 0
         for j in range(n):  # (a loop of vector lanes: no branch)
             v = src[j]
             dst[j] = v
             esc += v == 255
-        if esc * 8 != k8:
-            return out, bound, False
+        if esc * size != kb:
+            return bound, False
         for j in range(n if esc else 0):
             if src[j] == 255:
                 v = np.uint64(0)
-                for b in range(8):
+                for b in range(size):
                     v |= np.uint64(buf[x + b]) << np.uint64(8 * b)
                 if v < 255:
-                    return out, bound, False
+                    return bound, False
                 bound = max(bound, v)
                 dst[j] = v
-                x += 8
+                x += size
         at += n
-    return out, bound, True
+    return bound, True
