@@ -190,32 +190,64 @@ def _blocks(blocks: list[bytes]) -> tuple[memoryview, list[int], list[int]]:
     return memoryview(data), start, slen
 
 
-@pytest.mark.parametrize("dt", ["u2", "u4", "u8"])
-def test_unpatch_equals_numpy_and_refuses_what_it_refuses(dt: str) -> None:
+def _unpack_both(blocks: list[tuple[int, bytes, int]], dt: str) -> tuple:
+    """A column of these (codec, bytes, values) blocks through merge's ``_gather`` with the kernels and through
+    ``batchdecode.gather`` (with ``upper_bound`` for u8): (values, bound) or None where it is refused."""
     from trainhist.batchdecode import Fallback, _Col, gather, upper_bound
-    from trainhist.chunk import DTYPES, Codec, _encode_patched
+    from trainhist.chunk import DTYPES
 
-    size = DTYPES[dt].itemsize
-    good = [[1, 2, 254], [255, 0, (1 << (8 * size)) - 1, 7], [], [3]]
-    blocks = [(_encode_patched(np.array(v, DTYPES[dt]), dt) or b"") for v in good]
-    cases = [
-        (blocks, [len(v) for v in good]),
-        ([blocks[0], blocks[1][size:]], [3, 4]),  # an escape without its exception
-        ([blocks[0], bytes(size) + b"\x01"], [3, 1]),  # an exception but no escape
-        ([struct.pack("<Q", 254)[:size] + b"\xff"], [1]),  # an exception below 255
-        ([b"\x01" * (size + 3)], [2]),  # sizes that do not add up
-    ]
-    for case, ns in cases:
-        view, start, slen = _blocks(case)
-        col = _Col(None, "c", [Codec.PATCHED] * len(case), start, slen, [size * n for n in ns], list(range(len(ns))))
+    view, start, slen = _blocks([b for _, b, _ in blocks])
+    ns = [n for _, _, n in blocks]
+    col = _Col(None, "c", [c for c, _, _ in blocks], start, slen, [DTYPES[dt].itemsize * n for n in ns],
+               list(range(len(ns))))
+    res = []
+    for fast in (True, False):
         try:
-            want = gather(view, col, dt, ns)
+            if fast:
+                v, b = merge_mod._gather(view, col, dt, ns, bound=True)
+            else:
+                v, b = gather(view, col, dt, ns), upper_bound(view, col, ns) if dt == "u8" else None
+            res.append((v.dtype, v.tolist(), b if dt == "u8" else None))
         except Fallback:
-            want = None
-        out = np.empty(sum(ns), DTYPES[dt])
-        bound, ok = fastpath.kernels().unpatch(np.frombuffer(view, np.uint8), np.array(start), np.array(slen),
-                                               np.array(ns), out)
-        assert ok == (want is not None) == (case is blocks)
-        if ok:
-            assert out.tolist() == want.tolist()
-            assert dt != "u8" or bound == upper_bound(view, col, ns)
+            res.append(None)
+    return res[0], res[1]
+
+
+@pytest.mark.parametrize("dt", ["u1", "u2", "u4", "u8", "i1", "i2", "i4", "i8"])
+def test_unpack_equals_numpy_and_refuses_what_it_refuses(dt: str) -> None:
+    from trainhist.chunk import _RANGE, DTYPES, Codec, _encode_for, _encode_patched
+
+    lo, hi = _RANGE[dt]
+    size = DTYPES[dt].itemsize
+    patched = dt in ("u2", "u4", "u8")
+    rng = np.random.default_rng(size)
+    q = struct.Struct("<q" if dt[0] == "i" else "<Q")
+    arrays = [[lo, hi], [hi], [lo], [0, 1, 2], [], [5] * 3, rng.integers(lo, hi, 9, DTYPES[dt], endpoint=True).tolist()]
+    if dt[0] == "u":
+        arrays.append([254, 255, min(256, hi), hi, 0])
+    good = []
+    for v in arrays:
+        a = np.array(v, DTYPES[dt])
+        good.append([(Codec.RAW, a.tobytes(), a.size)])
+        if v:
+            for w in (0, 1, 2, 4, 8):
+                if int(a.max()) - int(a.min()) < 1 << (8 * w):
+                    good.append([(Codec.FOR, _encode_for(a, dt, int(a.min()), w), a.size)])
+            if patched:
+                good.append([(Codec.PATCHED, _encode_patched(a, dt), a.size)])
+    good += [good[i] + good[i + 1] + [(-1, b"", 2)] for i in range(len(good) - 1)]  # mixed, and a column absent
+    bad = [[(Codec.FOR, q.pack(hi) + b"\x01", 1)],  # a value past the top
+           [(Codec.FOR, q.pack(0) + b"\x01\x02\x03", 1)],  # 3 bytes for 1 value: no width
+           [(Codec.FOR, q.pack(0), 0)]]  # no values
+    if size < 8:
+        bad += [[(Codec.FOR, struct.pack("<q", hi + 1), 1)], [(Codec.FOR, struct.pack("<q", lo - 1), 1)]]  # bases
+    if patched:
+        e = _encode_patched(np.array([1, 300, 7], DTYPES[dt]), dt)
+        bad += [[(Codec.PATCHED, e[size:], 3)],  # an escape without its exception
+                [(Codec.PATCHED, bytes(size) + b"\x01", 1)],  # an exception without an escape
+                [(Codec.PATCHED, struct.pack("<Q", 254)[:size] + b"\xff", 1)],  # an exception below 255
+                [(Codec.PATCHED, b"\x01" * (size + 3), 2)]]  # sizes that do not add up
+    for blocks in good + bad:
+        got, want = _unpack_both(blocks, dt)
+        assert got == want
+        assert (want is None) == (blocks in bad)

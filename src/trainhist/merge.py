@@ -50,7 +50,7 @@ from .framing import RECORD_HEADER_SIZE
 from .grid import nbins
 from .model import CANONICAL_NAN, CANONICAL_NAN_BITS, U64_UNKNOWN, Presence
 from .batchdecode import Fallback, check_chunk, gather, join, layout, upper_bound
-from .chunk import Codec
+from .chunk import _INT_CODES, _RANGE, DTYPES, Codec
 from .framing import crc32c
 from .model import OBS_COLUMNS, SKETCH_COLUMNS, TALLY_COLUMNS
 from .reader import History
@@ -67,7 +67,8 @@ _U64 = 1 << 64
 _I64_MAX = np.iinfo(np.int64).max
 _I64_MIN = np.iinfo(np.int64).min
 _LOW63 = np.int64(0x7FFFFFFFFFFFFFFF)
-_UNSIGNED = {"u2": np.dtype("<u2"), "u4": np.dtype("<u4"), "u8": np.dtype("<u8")}  # dtypes of patched bytes
+_U64_MASK = (1 << 64) - 1
+_UNPACKED = frozenset({-1, Codec.RAW, Codec.FOR, Codec.PATCHED})  #: the codecs mergekernel.unpack decodes
 
 
 @dataclass
@@ -294,18 +295,23 @@ class _BatchColumns:
 
 
 def _gather(view: memoryview, col: Any, dt: str, ns: list[int], bound: bool = False) -> Any:
-    """:func:`batchdecode.gather` (and with ``bound``, also :func:`batchdecode.upper_bound`): through
-    :func:`trainhist.mergekernel.unpatch` for a column of patched-bytes blocks, when the kernels are there."""
+    """:func:`batchdecode.gather` (and with ``bound``, also :func:`batchdecode.upper_bound`): an integer column of
+    raw, frame-of-reference and patched-bytes blocks through :func:`trainhist.mergekernel.unpack`, when the kernels
+    are there."""
     kern = kernels()
-    if kern is None or not col.uniform or not col.codec or col.codec[0] != Codec.PATCHED or dt not in _UNSIGNED:
+    if kern is None or dt not in _INT_CODES or not set(col.codec) <= _UNPACKED:
         values = gather(view, col, dt, ns)
         return (values, upper_bound(view, col, ns)) if bound else values
-    values = np.empty(sum(ns), _UNSIGNED[dt])
-    top, ok = kern.unpatch(np.frombuffer(view, np.uint8), np.array(col.start, np.int64),
-                           np.array(col.slen, np.int64), np.array(ns, np.int64), values)
+    values = np.empty(sum(ns), DTYPES[dt])
+    lo, hi = _RANGE[dt]
+    top, ok = kern.unpack(np.frombuffer(view, np.uint8), np.array(col.codec, np.int64), np.array(col.start, np.int64),
+                          np.array(col.slen, np.int64), np.array(ns, np.int64), values.view(f"<u{values.itemsize}"),
+                          dt[0] == "i", np.uint64(lo & _U64_MASK), np.uint64(hi))
     if not ok:
         raise Fallback
-    return (values, int(top)) if bound else values
+    if not bound:
+        return values
+    return values, int(top) if col.codec and all(c == Codec.PATCHED for c in col.codec) else None
 
 
 def _batch_columns(batch: list[tuple[_Source, Any]], raw: list[bytes]) -> _BatchColumns:

@@ -14,7 +14,7 @@ import math
 import numpy as np
 from numba import njit
 
-__all__ = ["union_add", "decode_dyadics", "group_sums", "unpatch"]
+__all__ = ["union_add", "decode_dyadics", "group_sums", "unpack"]
 
 
 @njit(cache=True, nogil=True)
@@ -260,42 +260,72 @@ def group_sums(m: np.ndarray, e: np.ndarray, order: np.ndarray, gstart: np.ndarr
     return f, mc, eo, nbytes, status
 
 
-# -- patched bytes -------------------------------------------------------------------------------------------
+# -- integer columns ----------------------------------------------------------------------------------------
+@njit(cache=True, inline="always")
+def _le(buf: np.ndarray, at: int, size: int) -> np.uint64:
+    """The unsigned little-endian integer of ``size`` bytes at ``buf[at:]``."""
+    v = np.uint64(0)
+    for b in range(size):
+        v |= np.uint64(buf[at + b]) << np.uint64(8 * b)
+    return v
+
+
 @njit(cache=True, nogil=True)
-def unpatch(buf: np.ndarray, start: np.ndarray, slen: np.ndarray, ns: np.ndarray, out: np.ndarray
-            ) -> tuple[int, bool]:
-    """The values of patched-bytes blocks of unsigned integers (block ``i``: ``slen[i]`` bytes at ``buf[start[i]:]``
-    holding ``ns[i]`` values: its exceptions, of ``out``'s item size, then a code byte per value, 255 taking the
-    next exception; spec 7.3), concatenated into ``out``; a bound on them (254, or the largest exception); and
-    whether every block passes the checks of ``batchdecode._patched_parts`` (sizes, escapes per block, exceptions
-    of at least 255): ``batchdecode.gather`` and ``upper_bound`` in one pass."""
+def unpack(buf: np.ndarray, codec: np.ndarray, start: np.ndarray, slen: np.ndarray, ns: np.ndarray, out: np.ndarray,
+           signed: bool, lo: np.uint64, hi: np.uint64) -> tuple[int, bool]:
+    """One integer column of many chunks (block ``i``: ``slen[i]`` bytes at ``buf[start[i]:]``, ``ns[i]`` values
+    stored with codec ``codec[i]``: -1 absent (zeros), raw, frame of reference or patched bytes; spec 7.3)
+    concatenated into ``out`` (the unsigned integers of the column's item size; ``signed``, ``lo``, ``hi``: whether
+    the column is signed, and its range as 64-bit patterns). Returns a bound on the values of patched blocks (254,
+    or their largest exception) and whether every block passes the checks of ``batchdecode._decode_run`` (the
+    layout's checks passed already): ``batchdecode.gather`` in one pass."""
     size = out.itemsize
     bound = np.uint64(254)
     at = 0
     for i in range(ns.size):
         n = ns[i]
-        kb = slen[i] - n
-        if kb < 0 or kb % size:
-            return bound, False
-        x = start[i]  # the next exception
-        src = buf[x + kb : x + kb + n]
+        x = start[i]
         dst = out[at : at + n]
-        esc = 0
-        for j in range(n):  # (a loop of vector lanes: no branch)
-            v = src[j]
-            dst[j] = v
-            esc += v == 255
-        if esc * size != kb:
-            return bound, False
-        for j in range(n if esc else 0):
-            if src[j] == 255:
-                v = np.uint64(0)
-                for b in range(size):
-                    v |= np.uint64(buf[x + b]) << np.uint64(8 * b)
-                if v < 255:
+        c = codec[i]
+        if c == -1:
+            dst[:] = 0
+        elif c == 0:  # raw
+            for j in range(n):
+                dst[j] = _le(buf, x + size * j, size)
+        elif c == 3:  # frame of reference: an 8-byte base, then n offsets of w bytes
+            w = (slen[i] - 8) // n if n else -1
+            if (w != 0 and w != 1 and w != 2 and w != 4 and w != 8) or slen[i] != 8 + n * w:
+                return bound, False
+            base = _le(buf, x, 8)
+            if (np.int64(base) < np.int64(lo) or np.int64(base) > np.int64(hi)) if signed else base > hi:
+                return bound, False
+            room = hi - base
+            for j in range(n):
+                v = _le(buf, x + 8 + w * j, w)
+                if v > room:
                     return bound, False
-                bound = max(bound, v)
+                dst[j] = base + v
+        elif c == 5:  # patched bytes: the exceptions, then a code byte per value (255: the next exception)
+            kb = slen[i] - n
+            if kb < 0 or kb % size:
+                return bound, False
+            src = buf[x + kb : x + kb + n]
+            esc = 0
+            for j in range(n):  # (a loop of vector lanes: no branch)
+                v = src[j]
                 dst[j] = v
-                x += size
+                esc += v == 255
+            if esc * size != kb:
+                return bound, False
+            for j in range(n if esc else 0):
+                if src[j] == 255:
+                    v = _le(buf, x, size)
+                    if v < 255:
+                        return bound, False
+                    bound = max(bound, v)
+                    dst[j] = v
+                    x += size
+        else:
+            return bound, False
         at += n
     return bound, True
