@@ -1,10 +1,10 @@
 """Whether merge uses its optional compiled kernels (:mod:`trainhist.mergekernel`, which needs numba).
 
-Merge's per-count loops (the sparse sketch scatter-add, exact group sums, patched-bytes decoding) have two
-implementations that give the same bytes: whole-array numpy code, always present, and numba kernels, used when
-numba is installed (``pip install trainhist[fast]``) unless the environment sets ``TRAINHIST_NO_NUMBA=1`` or
-:data:`ENABLED` is set to False (the tests compare the two). numba is imported on the first merge that needs it,
-not with ``trainhist``.
+Merge's per-count loops (decoding integer columns and exact values, the sparse sketch union and scatter-add,
+exact group sums) have two implementations that give the same bytes: whole-array numpy code, always present, and
+numba kernels, used when numba is installed (``pip install trainhist[fast]``) unless the environment sets
+``TRAINHIST_NO_NUMBA=1`` or :data:`ENABLED` is set to False (the tests compare the two). numba is imported on the
+first merge that needs it (in each worker process), not with ``trainhist``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
 """Compiled kernels for merge's per-count loops (numba; loaded through :func:`trainhist.fastpath.kernels`).
 
 Each kernel does in one pass over the data what the numpy code beside its caller does with whole-array
-operations (the caller names it), and gives the same values bit for bit: numpy spends most of merge's time there
-in temporaries and index arrays (``np.add.at`` alone was a quarter of a merge of writer-default shards). Only
-integer arithmetic happens here. The compiled code is cached on disk (``cache=True``), so only the first use on a
-machine pays the compilation.
+operations (each docstring names it), and gives the same values bit for bit, with the same checks: numpy spent
+much of a merge of writer-default shards there, in temporaries and index arrays. The kernels decode the integer
+columns of a batch of chunks (:func:`unpack`) and its exact values (:func:`decode_dyadics`), and combine rows:
+sparse sketch ranges and counts (:func:`union_add`), exact group sums (:func:`group_sums`). Values are integers
+throughout, but for the correctly rounded float64 of an exact value, which takes the same operations as
+``exactvec._round``. The compiled code is cached on disk (``cache=True``): only the first use on a machine pays
+the compilation.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def union_add(order: np.ndarray, starts: np.ndarray, sizes: np.ndarray, lo: np.n
 
 
 # -- exact values: m * 2**e, the mantissa as 32-bit limbs in int64 (exactvec's layout) --------------------------
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _normalize(t: np.ndarray) -> None:
     """Propagate carries in place: every limb but the top in [0, 2**32) (exactvec._normalize on one row)."""
     for k in range(t.size - 1):
@@ -71,13 +74,13 @@ def _normalize(t: np.ndarray) -> None:
         t[k] &= 0xFFFFFFFF
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _bitlen(v: int) -> int:
     """Bit length of ``0 <= v < 2**53`` (through float64, as exactvec._bitlen)."""
     return math.frexp(float(v))[1]
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _nbits_tz(a: np.ndarray) -> tuple[int, int]:
     """Bit length and trailing zero bits of non-negative normalized limbs (0 and 0 for zero)."""
     h = -1
@@ -92,7 +95,7 @@ def _nbits_tz(a: np.ndarray) -> tuple[int, int]:
     return 32 * h + _bitlen(a[h]), 32 * z + _bitlen(a[z] & -a[z]) - 1
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _nonzero(m: np.ndarray, r: int) -> bool:
     """Whether row ``r`` of the limbs ``m`` is not zero."""
     for k in range(m.shape[1]):
@@ -101,12 +104,12 @@ def _nonzero(m: np.ndarray, r: int) -> bool:
     return False
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _limb(a: np.ndarray, k: int) -> int:
     return a[k] if k < a.size else 0
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _round(a: np.ndarray, e: int, neg: bool, nbits: int, tz: int) -> tuple[float, bool]:
     """Correctly rounded float64 of ``+-a * 2**e`` and whether the result is subnormal (which the caller must
     take from the Python path): exactvec._round on one row, the same operations (the top 63 bits with a sticky
@@ -123,7 +126,7 @@ def _round(a: np.ndarray, e: int, neg: bool, nbits: int, tz: int) -> tuple[float
     return -f if neg else f, nbits > 0 and e + nbits - 1 < -1022
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _magnitude(t: np.ndarray, a: np.ndarray) -> bool:
     """``|t|`` (normalized limbs, the top signed) into ``a`` (which may be ``t``), normalized; whether ``t`` is
     negative."""
@@ -261,7 +264,7 @@ def group_sums(m: np.ndarray, e: np.ndarray, order: np.ndarray, gstart: np.ndarr
 
 
 # -- integer columns ----------------------------------------------------------------------------------------
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _le(buf: np.ndarray, at: int, size: int) -> np.uint64:
     """The unsigned little-endian integer of ``size`` bytes at ``buf[at:]``."""
     v = np.uint64(0)
