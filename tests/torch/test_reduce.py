@@ -393,3 +393,22 @@ def test_merge_on_host_allocating_both_rows_keeps_addresses_valid():
     data = p.wait()
     assert decode_row(p.row(data, "d"), 0, sketch=True).count == 0
     check(decode_row(p.row(data, "a"), 2, sketch=True), ref_summary([torch.tensor([1.0, 2.0])]))
+
+
+def test_ledger_growth_keeps_every_new_slot_initialised():
+    """A row allocated when the buffer grows may start inside the old buffer's unused tail (scalars make offsets
+    that are not multiples of ROW): the grown buffer must keep the row's initial min and -max (+inf), and the
+    earlier rows' values of this step."""
+    led = Ledger("cpu")
+    inf = np.array([math.inf, math.inf]).view(np.int64)
+    reduce_into(torch.tensor([1.0, -2.0]), led.row("first"), method="fused")
+    for i in range(60):
+        if i % 3 == 0:
+            led.scalar(("s", i))
+        led.row(("k", i))
+        buf = led.buf.numpy()
+        for k in range(i + 1):
+            off = led.rows[("k", k)]
+            assert buf[off + COL_MIN : off + COL_MIN + 2].tolist() == inf.tolist(), (i, k)
+    got = decode_row(led.transfer().wait()[led.rows["first"] :][:ROW], 2, sketch=True)
+    assert (got.min, got.max) == (-2.0, 1.0)

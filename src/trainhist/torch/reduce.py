@@ -409,7 +409,7 @@ class Ledger:
             init[: self._init.size] = self._init
             self._template = torch.from_numpy(init).to(self.device)
             new = self._template.clone()
-            new[: self.buf.numel()].copy_(self.buf)
+            new[:off].copy_(self.buf[:off])  # this step's values so far; not the unused tail, where the new slot starts
             self.buf = new
         else:
             self._template[off : self._used].copy_(torch.from_numpy(extra).to(self.device))
