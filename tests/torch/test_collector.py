@@ -622,3 +622,69 @@ def test_batched_parameter_reductions_match_the_reference(tmp_path, monkeypatch,
             idx = sample_indices(n, d.numel(), 64, 0)
             assert_row(h, n, "param_delta", step, ref_summary([d if idx is None else d[torch.from_numpy(idx)]]),
                        sketch=sk)
+
+
+def test_a_parameter_resized_between_steps_is_sampled_again(tmp_path):
+    """The loop replaces a float32 weight by a smaller (then a larger) one between steps: its update positions are
+    drawn again for the new size (no read past the new tensor), and the rows equal the reference."""
+    model = _Scaled()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "r.thist"
+    col = Collector(model, path, streams=("param", "param_delta"), every=1, delta_elements=64)
+    col.discover(torch.randn(2, 8))
+    col.attach(optimizer=opt)
+    before, after = {}, {}
+    for step, rows in enumerate((70, 3, 40)):
+        if rows != model.lin.weight.shape[0]:  # between steps: a new (smaller, then larger) weight and bias
+            model.lin.weight.data = torch.randn(rows, 8)
+            model.lin.bias.data = torch.randn(rows)
+            model.scale.data = torch.rand(rows, dtype=torch.float64) + 0.5
+        before[step] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with col.step(step):
+            model(torch.randn(5, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        after[step] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    col.close()
+    h = trainhist.open(path)
+    for step in range(3):
+        for n in ("lin.weight", "lin.bias", "scale"):
+            assert_row(h, n, "param", step, ref_summary([after[step][n]]), sketch=False)
+            d = (after[step][n].float() - before[step][n].float()).reshape(-1)
+            idx = sample_indices(n, d.numel(), 64, 0)
+            assert_row(h, n, "param_delta", step, ref_summary([d if idx is None else d[torch.from_numpy(idx)]]),
+                       sketch=False)
+
+
+def test_gather_refuses_positions_outside_a_tensor_before_reading():
+    """The kernel that takes the update subvectors checks every position against its tensor's size first."""
+    from trainhist.torch.cpukernel import gather_f32
+
+    a, b = torch.arange(10, dtype=torch.float32), torch.arange(4, dtype=torch.float32)
+    addresses = np.array([a.data_ptr(), b.data_ptr()], dtype=np.int64)
+    out = np.full(5, -1.0, dtype=np.float32)
+    index, offsets = np.array([1, 9, 0, 2, 3], dtype=np.int64), np.array([0, 2, 5], dtype=np.int64)
+    assert gather_f32(addresses, np.array([10, 4], dtype=np.int64), index, offsets, out, False) == -1
+    assert out.tolist() == [1.0, 9.0, 0.0, 2.0, 3.0]
+    out[:] = -1.0
+    assert gather_f32(addresses, np.array([10, 3], dtype=np.int64), index, offsets, out, True) == 1
+    assert out.tolist() == [-1.0] * 5  # nothing read or written
+
+
+def test_parameters_are_reduced_in_the_model_order(tmp_path):
+    """Parameters (and their updates) are reduced in the model's order, whatever the hash seed: the first
+    non-finite value is the first one in that order."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    col = Collector(model, tmp_path / "o.thist", streams=("param", "param_delta"), every=1)
+    col.discover(torch.randn(2, 8))
+    col.attach(optimizer=opt)
+    assert list(col._sel_params) == [n for n, _ in model.named_parameters()]
+    with col.step(0):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        with torch.no_grad():
+            model[4].weight[0, 0] = math.nan
+            model[0].bias[1] = math.inf
+    col.close()
+    assert col.first_nonfinite == (0, "0.bias", "param", None)

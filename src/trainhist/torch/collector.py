@@ -50,7 +50,8 @@ from .plan import (
     unwrap,
 )
 from . import reduce as _reduction
-from .reduce import Ledger, PendingTransfer, decode_rows, fused_into, fused_many, is_plain, merge_row, reduce_into
+from .reduce import (Ledger, PendingTransfer, decode_rows, fusable, fused_into, fused_many, is_plain, merge_row,
+                     reduce_into)
 
 __all__ = ["Collector", "StepTruth"]
 
@@ -116,19 +117,26 @@ class _Step:
 
 
 class _DeltaBatch:
-    """The seeded ``param_delta`` subvectors of the parameters the CPU kernel snapshots: their flat indices, one
-    after another (``offsets``), and one float32 buffer (``out``, with a view per parameter) that holds the values
-    before the update, then the update itself."""
+    """The seeded ``param_delta`` subvectors of the parameters (of these sizes) the CPU kernel snapshots: their
+    flat indices, one after another (``offsets``), and one float32 buffer (``host``, with a torch view per
+    parameter) that holds the values before the update, then the update itself."""
 
     def __init__(self, names: list[str], indices: list[np.ndarray | None], numels: list[int]) -> None:
         self.names = names
         self.numels = numels
+        self.sizes = np.array(numels, dtype=np.int64)
         parts = [np.arange(n, dtype=np.int64) if i is None else i.astype(np.int64) for i, n in zip(indices, numels)]
         self.index = np.concatenate(parts)
         self.offsets = np.cumsum([0] + [len(q) for q in parts], dtype=np.int64)
-        self.host = np.empty(int(self.offsets[-1]), dtype=np.float32)  # what the kernel writes; out: the same memory
-        self.out = torch.from_numpy(self.host)
-        self.views = [self.out[int(a) : int(z)] for a, z in zip(self.offsets[:-1], self.offsets[1:])]
+        self.host = np.empty(int(self.offsets[-1]), dtype=np.float32)
+        out = torch.from_numpy(self.host)
+        self.views = [out[int(a) : int(z)] for a, z in zip(self.offsets[:-1], self.offsets[1:])]
+
+    def gather(self, addresses: np.ndarray, subtract: bool) -> None:
+        """The subvectors now (or, ``subtract``, now minus the snapshot) into ``host``, by the CPU kernel."""
+        bad = _reduction.cpukernel.gather_f32(addresses, self.sizes, self.index, self.offsets, self.host, subtract)
+        if bad >= 0:
+            raise RuntimeError(f"parameter {self.names[bad]!r} is smaller than its sampled positions")
 
 
 def _per_stream(value: int | Mapping[str, int], name: str) -> dict[str, int]:
@@ -231,7 +239,10 @@ class Collector:
         self.commit_every = max(1, int(commit_every))
         self._modules = {clean_name(n): m for n, m in self.inner.named_modules()}
         self._params = {clean_name(n): p for n, p in self.inner.named_parameters()}
-        self._sel_modules, self._sel_params = select(list(self._modules), list(self._params), self._patterns)
+        sel_modules, sel_params = select(list(self._modules), list(self._params), self._patterns)
+        # in the model's order (reductions run in it, and 'first non-finite' means first in execution order)
+        self._sel_modules = dict.fromkeys(n for n in self._modules if n in sel_modules)
+        self._sel_params = dict.fromkeys(n for n in self._params if n in sel_params)
         self._facets: dict[str, list[tuple[str | None, tuple[int, ...], str]]] | None = None
         self._plan: Plan | None = None
         self._handles: dict[tuple, object] = {}
@@ -243,8 +254,8 @@ class Collector:
         dev = next((p.device for p in self.inner.parameters()), torch.device("cpu"))
         self._ledger = Ledger(dev)
         self._lag = 1 if self._ledger.device.type == "cuda" else 0
-        self._indices: dict[str, torch.Tensor | None] = {}
-        self._sample: dict[str, np.ndarray | None] = {}  # the same indices, as sample_indices gave them
+        # parameter -> (its size, its seeded param_delta positions as numpy and on its device; None: all of it)
+        self._indices: dict[str, tuple[int, np.ndarray | None, torch.Tensor | None]] = {}
         self._delta_batch: _DeltaBatch | None = None
         self._state: _Step | None = None
         self._discovery: dict | None = None
@@ -349,7 +360,7 @@ class Collector:
         if not self._fwd_handles:
             hooked = {ROOT}
             if {"activation", "activation_grad"} & set(self.streams):
-                hooked |= self._sel_modules
+                hooked.update(self._sel_modules)
             for path in hooked:
                 m = self._modules[path]
                 h = m.register_forward_hook(partial(self._on_forward, path))
@@ -469,13 +480,7 @@ class Collector:
         if st.due["param"]:
             self._reduce_many([(("param", name, None, "default"), self._params[name]) for name in self._sel_params])
         if st.due["param_delta"]:
-            self._batched_deltas(st)
-            for name, (idx, before) in st.snapshots.items():
-                key = ("param_delta", name, None, "default")
-                try:
-                    self._reduce(key, self._gather(name, idx).sub_(before))
-                except Exception as e:  # noqa: BLE001
-                    self._fail(key, e)
+            self._deltas(st)
         for oi, opt in enumerate(self._optimizers):
             for gi, g in enumerate(opt.param_groups):
                 name = f"lr/group{gi}" if len(self._optimizers) == 1 else f"lr/opt{oi}.group{gi}"
@@ -550,9 +555,9 @@ class Collector:
             self._fail(key, e)
 
     def _reduce_many(self, items: list[tuple[tuple, torch.Tensor]]) -> None:
-        """:meth:`_reduce` of many (key, tensor) pairs with no aliasing (parameters, their gradients): on the CPU
-        kernel's path the plain float tensors are reduced by one compiled call (:func:`fused_many`), the others
-        one by one; the rows are the same."""
+        """:meth:`_reduce` of the (key, tensor) pairs of one stream, with no aliasing (parameters, gradients,
+        updates), in order: on the CPU kernel's path the :func:`fusable` tensors are reduced by one compiled call
+        (:func:`fused_many`), the others one by one; the rows are the same."""
         st = self._state
         if st is None or not items:
             return
@@ -571,16 +576,11 @@ class Collector:
                 continue
             keys.append(key)
             tensors.append(t)
-        by_sketch: dict[bool, list[int]] = {}
-        for i, key in enumerate(keys):
-            by_sketch.setdefault(st.sketch.get(key[0], True), []).append(i)
+        pick = [i for i, t in enumerate(tensors) if fusable(t)]
         done: set[int] = set()
-        for sketch, idx in by_sketch.items():
-            try:
-                rows = self._ledger.addresses([keys[i] for i in idx])
-                done.update(idx[j] for j in fused_many([tensors[i] for i in idx], rows, sketch))
-            except Exception as e:  # noqa: BLE001 -- left to the per-tensor path, which records a failing site
-                self._warn_once("batched", f"trainhist: a batched reduction failed ({e!r}); reducing one by one")
+        if pick:
+            rows = self._ledger.addresses([keys[i] for i in pick])
+            done = {pick[j] for j in fused_many([tensors[i] for i in pick], rows, st.sketch.get(keys[0][0], True))}
         for i, (key, t) in enumerate(zip(keys, tensors)):
             if i not in done:
                 self._reduce(key, t)
@@ -763,56 +763,88 @@ class Collector:
         g = flat.clone() if idx is None else flat.index_select(0, idx)
         return g if g.dtype == torch.float32 else g.to(torch.float32)
 
+    def _sample_of(self, name: str) -> tuple[int, np.ndarray | None, torch.Tensor | None]:
+        """The parameter's size and its seeded ``param_delta`` positions (numpy, and on its device; ``None``: all
+        of it), drawn again when the loop has resized it."""
+        p = self._params[name]
+        n = local_tensor(p).numel()
+        got = self._indices.get(name)
+        if got is None or got[0] != n:
+            idx = sample_indices(name, n, self.delta_elements, self.seed)
+            got = self._indices[name] = (n, idx, None if idx is None else torch.from_numpy(idx).to(p.device))
+        return got
+
     def _snapshot(self, st: _Step) -> None:
-        batched = []
+        """The parameters' sampled values before the update: float32 ones by the CPU kernel into one buffer
+        (:class:`_DeltaBatch`), the others (and all of them off the CPU path) by :meth:`_gather`."""
+        batched, sizes = [], []
         for name in self._sel_params:
-            p = self._params[name]
-            if not p.requires_grad:
-                continue
-            if name not in self._indices:
-                n = local_tensor(p).numel()
-                idx = self._sample[name] = sample_indices(name, n, self.delta_elements, self.seed)
-                self._indices[name] = None if idx is None else torch.from_numpy(idx).to(p.device)
-            idx = self._indices[name]
-            if st.fused and self._delta_batchable(name):
-                batched.append(name)
+            if not self._params[name].requires_grad:
                 continue
             try:
-                st.snapshots[name] = (idx, self._gather(name, idx))
+                n, _, idx = self._sample_of(name)
+                if st.fused and self._delta_batchable(name):
+                    batched.append(name)
+                    sizes.append(n)
+                else:
+                    st.snapshots[name] = (idx, self._gather(name, idx))
             except Exception as e:  # noqa: BLE001
                 self._fail(("param_delta", name, None, "default"), e)
-        if batched:
+        if not batched:
+            return
+        try:
             b = self._delta_batch
-            if b is None or b.names != batched:
-                b = self._delta_batch = _DeltaBatch(batched, [self._sample[n] for n in batched],
-                                                    [local_tensor(self._params[n]).numel() for n in batched])
-            _reduction.cpukernel.gather_f32(self._addresses(batched), b.index, b.offsets, b.host, False)
+            if b is None or b.names != batched or b.numels != sizes:
+                b = self._delta_batch = _DeltaBatch(batched, [self._indices[n][1] for n in batched], sizes)
+            b.gather(self._addresses(batched), False)
             st.batched = batched
+        except Exception as e:  # noqa: BLE001 -- the torch path takes them
+            self._warn_once("delta_batch", f"trainhist: the batched param_delta snapshot failed ({e!r}); "
+                            "taking it parameter by parameter")
+            for name in batched:
+                try:
+                    st.snapshots[name] = (self._indices[name][2], self._gather(name, self._indices[name][2]))
+                except Exception as e2:  # noqa: BLE001
+                    self._fail(("param_delta", name, None, "default"), e2)
 
     def _delta_batchable(self, name: str) -> bool:
         """Whether the update of parameter ``name`` can be taken by the CPU kernel: plain contiguous float32 CPU
         memory (any other dtype or layout takes the torch path, :meth:`_gather`)."""
         t = local_tensor(self._params[name])
-        return (t.dtype is torch.float32 and is_plain(t) and t.is_cpu and t.is_contiguous() and not t.is_neg()
-                and t.numel() > 0 and t.data_ptr() != 0)
+        return t.dtype is torch.float32 and fusable(t)
 
     def _addresses(self, names: list[str]) -> np.ndarray:
         return np.array([local_tensor(self._params[n]).data_ptr() for n in names], dtype=np.int64)
 
-    def _batched_deltas(self, st: _Step) -> None:
-        """``param_delta`` of the parameters snapshotted by the CPU kernel: ``after - before`` on every seeded
-        subvector in one compiled call, reduced by another. A parameter whose memory changed kind or size during
-        the step (replaced by the loop) sends all of them through the torch path, from the same snapshot."""
-        b, names = self._delta_batch, st.batched
-        if not names or b is None:
-            return
-        if all(self._delta_batchable(n) and local_tensor(self._params[n]).numel() == m
-               for n, m in zip(names, b.numels)):
-            _reduction.cpukernel.gather_f32(self._addresses(names), b.index, b.offsets, b.host, True)
-            self._reduce_many([(("param_delta", n, None, "default"), v) for n, v in zip(names, b.views)])
-            return
-        for n, v in zip(names, b.views):
-            st.snapshots[n] = (self._indices[n], v.clone())
+    def _deltas(self, st: _Step) -> None:
+        """``param_delta``: ``after - before`` on every snapshotted subvector, reduced in the model's order. The
+        kernel's snapshot is subtracted in one compiled call; if a parameter changed kind or size during the step
+        (replaced by the loop), all of them take the torch path from the same snapshot."""
+        b, names, done = self._delta_batch, st.batched, {}
+        if names and b is not None:
+            if all(self._delta_batchable(n) and local_tensor(self._params[n]).numel() == m
+                   for n, m in zip(names, b.numels)):
+                try:
+                    b.gather(self._addresses(names), True)
+                    done = dict(zip(names, b.views))
+                except Exception as e:  # noqa: BLE001 -- nothing was written: the snapshot is intact
+                    self._warn_once("delta_batch", f"trainhist: the batched param_delta failed ({e!r}); taking it "
+                                    "parameter by parameter")
+            if not done:
+                for n, v in zip(names, b.views):
+                    st.snapshots[n] = (self._indices[n][2], v.clone())
+        items = []
+        for name in self._sel_params:
+            key = ("param_delta", name, None, "default")
+            if name in done:
+                items.append((key, done[name]))
+            elif name in st.snapshots:
+                idx, before = st.snapshots[name]
+                try:
+                    items.append((key, self._gather(name, idx).sub_(before)))
+                except Exception as e:  # noqa: BLE001
+                    self._fail(key, e)
+        self._reduce_many(items)
 
     # -- host side: decode and write ------------------------------------------------------------------------
     def _finish(self, st: _Step) -> None:

@@ -276,19 +276,25 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
 
 
 @njit(cache=True, nogil=True)
-def gather_f32(addresses, index, offsets, out, subtract):
-    """For each float32 tensor ``j`` at ``addresses[j]``: its elements at the flat positions
-    ``index[offsets[j]:offsets[j+1]]`` into the same slice of ``out``, or (``subtract``) those elements minus what
-    ``out`` holds there, in IEEE float32 arithmetic (no fast-math: the sign of a zero difference is kept). The
-    parameter update of a step, ``after - before`` on the seeded subvectors of every parameter, in two calls."""
+def gather_f32(addresses, numels, index, offsets, out, subtract):
+    """For each float32 tensor ``j`` of ``numels[j]`` elements at ``addresses[j]``: its elements at the flat
+    positions ``index[offsets[j]:offsets[j+1]]`` into the same slice of ``out``, or (``subtract``) those elements
+    minus what ``out`` holds there, in IEEE float32 arithmetic (no fast-math: the sign of a zero difference is
+    kept). The parameter update of a step, ``after - before`` on the seeded subvectors of every parameter, in two
+    calls. Every position is checked against its tensor's size before anything is read: returns -1, or the first
+    ``j`` with a position outside its tensor (then nothing was read or written)."""
     for j in range(addresses.size):
-        lo, hi = offsets[j], offsets[j + 1]
-        x = carray(_pointer(addresses[j]), index[hi - 1] + 1 if hi > lo else 0, np.float32)
-        for i in range(lo, hi):
+        for i in range(offsets[j], offsets[j + 1]):
+            if index[i] < 0 or index[i] >= numels[j]:
+                return j
+    for j in range(addresses.size):
+        x = carray(_pointer(addresses[j]), numels[j], np.float32)
+        for i in range(offsets[j], offsets[j + 1]):
             if subtract:
                 out[i] = x[index[i]] - out[i]
             else:
                 out[i] = x[index[i]]
+    return -1
 
 
 def make_merge(col_min: int, row_len: int) -> Callable:

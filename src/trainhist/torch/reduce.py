@@ -37,8 +37,8 @@ except ImportError as _e:  # numba missing, or not yet released for this Python
     warnings.warn(f"trainhist.torch: the fused CPU reduction is unavailable ({_e}); CPU tensors are reduced with "
                   "torch operations, several times slower (pip install numba)", RuntimeWarning, stacklevel=2)
 
-__all__ = ["ROW", "CHUNK", "METHODS", "reduce_into", "fused_into", "fused_many", "is_plain", "merge_row", "decode_row",
-           "decode_rows", "Ledger", "PendingTransfer"]
+__all__ = ["ROW", "CHUNK", "METHODS", "reduce_into", "fused_into", "fused_many", "fusable", "is_plain", "merge_row",
+           "decode_row", "decode_rows", "Ledger", "PendingTransfer"]
 
 NK = grid.NKEYS
 COL_NEGZERO = NK  # count of -0.0 (the grid's zero key counts +0.0 only here; decode adds them)
@@ -237,26 +237,37 @@ def fused_into(x: torch.Tensor, row_address: int, sketch: bool) -> None:
         (sketch_ if sketch else spine)(x.data_ptr(), n, row_address)
 
 
+def fusable(x: torch.Tensor) -> bool:
+    """Whether the CPU kernel can read ``x`` by address as it is: a non-empty plain contiguous float32/float64 CPU
+    tensor (no negative view); others go through :func:`fused_into`, which widens or copies them first."""
+    dt = x.dtype
+    return ((dt is torch.float32 or dt is torch.float64) and is_plain(x) and x.is_cpu and x.is_contiguous()
+            and not x.is_neg() and x.numel() > 0 and x.data_ptr() != 0)
+
+
 def fused_many(xs: list[torch.Tensor], row_addresses: list[int], sketch: bool) -> list[int]:
     """:func:`fused_into` of many tensors, one compiled call per float width: the positions in ``xs`` of the
-    tensors it took. The others (not plain contiguous float32/float64 CPU tensors, or empty) are left to the
-    caller's per-tensor path. The same kernels run, so the rows are those of one :func:`fused_into` per tensor."""
-    taken: list[int] = []
-    groups: dict[torch.dtype, tuple[list[int], list[int], list[int]]] = {}
-    f32, f64 = torch.float32, torch.float64
+    tensors it reduced. The others (not :func:`fusable`, or of a width whose call failed) are left to the caller's
+    per-tensor path. The same kernels run, so the rows are those of one :func:`fused_into` per tensor."""
+    groups: dict[torch.dtype, tuple[list[int], list[int], list[int], list[int]]] = {}
     for i, x in enumerate(xs):
-        dt = x.dtype
-        if ((dt is f32 or dt is f64) and is_plain(x) and x.is_cpu and x.is_contiguous() and not x.is_neg()
-                and x.numel() and x.data_ptr()):
-            g = groups.setdefault(dt, ([], [], []))
-            g[0].append(x.data_ptr())
-            g[1].append(x.numel())
-            g[2].append(row_addresses[i])
-            taken.append(i)
-    for dt, (addresses, ns, rows) in groups.items():
-        many = (_F64 if dt is f64 else _F32).kernels[2]
-        many(np.array(addresses, dtype=np.int64), np.array(ns, dtype=np.int64), np.array(rows, dtype=np.int64),
-             sketch)
+        if fusable(x):
+            g = groups.setdefault(x.dtype, ([], [], [], []))
+            g[0].append(i)
+            g[1].append(x.data_ptr())
+            g[2].append(x.numel())
+            g[3].append(row_addresses[i])
+    taken: list[int] = []
+    for dt, (pos, addresses, ns, rows) in groups.items():
+        many = (_F64 if dt is torch.float64 else _F32).kernels[2]
+        args = (np.array(addresses, dtype=np.int64), np.array(ns, dtype=np.int64), np.array(rows, dtype=np.int64))
+        try:  # (a compiled call fails at dispatch, before it writes anything)
+            many(*args, sketch)
+        except Exception as e:  # noqa: BLE001 -- the per-tensor path reduces these
+            warnings.warn(f"trainhist.torch: the batched CPU reduction failed ({e!r}); reducing one by one",
+                          RuntimeWarning, stacklevel=2)
+            continue
+        taken.extend(pos)
     return taken
 
 
@@ -428,7 +439,7 @@ class Ledger:
     def merge_on_host(self, dst: object, src: object) -> None:
         """:func:`merge_row` of the row of ``src`` into that of ``dst``, in place in a CPU ledger by address (one
         compiled call, not five torch ops on fresh slices)."""
-        if self.device.type != "cpu" or _MERGE is None:
+        if not self._cpu or _MERGE is None:
             raise ValueError(f"merge_on_host needs a CPU ledger and numba, not {self.device}")
         if src == dst:
             raise ValueError("a row cannot be merged into itself")
