@@ -7,7 +7,9 @@ limbs and exponents. Values whose canonical encoding needs more than ``4 * MAX_L
 they are kept as :class:`~trainhist.dyadic.Dyadic` objects in ``w`` (their limbs and exponent are zero) and handled
 by the Python path, as are group sums whose aligned span exceeds ``MAX_ACC`` limbs and results that round to a
 subnormal float. Everything else (decode with its checks, group sums, rounding to float64, encode) is done with
-whole-array integer arithmetic, and gives the same bits as the Python path: the tests compare the two.
+whole-array integer arithmetic, and gives the same bits as the Python path: the tests compare the two. Where
+numba is installed, decoding and group sums run instead through the compiled loops of :mod:`trainhist.mergekernel`
+(:func:`trainhist.fastpath.kernels`), which give the same values; the numpy code here is the fallback.
 """
 
 from __future__ import annotations
