@@ -289,7 +289,10 @@ def _two(d: Dir, fn0, fn1, run: str | None = None) -> list[str]:
     for r, fn in enumerate((fn0, fn1)):
         d.n += 1
         p = os.path.join(d.path, f"r{r}_{d.n}.th")
-        with trainhist.HistoryWriter(p, run_id=run, rank=r, world_size=2, fsync="never") as w:
+        # one creation time for both ranks: their run manifests are then identical (kept once), as a real job's
+        # ranks started in the same second would write them (two seconds apart they are two manifests)
+        with trainhist.HistoryWriter(p, run_id=run, rank=r, world_size=2, fsync="never",
+                                     created="2026-01-01T00:00:00+00:00") as w:
             fn(w)
         out.append(p)
     return out
