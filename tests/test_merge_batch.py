@@ -72,6 +72,10 @@ def test_merge_batched_equals_per_chunk(shards: list[Path], tmp_path: Path, monk
                                         workers: int) -> None:
     for codec in ("packed", "raw", "shuffle"):
         _both(monkeypatch, lambda o: trainhist.merge(shards, o, codec=codec, workers=workers), tmp_path / codec)
+    if workers > 1:  # the sites built in worker processes (payloads handed over in spool files): the same bytes
+        trainhist.merge(shards, tmp_path / "serial.th", workers=1)
+        assert (tmp_path / "serial.th").read_bytes() == (tmp_path / "packed").with_suffix(".batch").read_bytes()
+        assert not [f.name for f in tmp_path.iterdir() if "spool" in f.name or f.name.endswith(".tmp")]
 
 
 def test_coarsen_and_merge_of_merges_batched_equals_per_chunk(shards: list[Path], tmp_path: Path,
@@ -122,3 +126,5 @@ def test_damaged_input_chunk_named_with_path_offset_code(tmp_path: Path, damage:
         with pytest.raises(CorruptError) as ei:
             trainhist.merge([p, q], tmp_path / "out.th", workers=workers)
         assert (ei.value.code, ei.value.offset, ei.value.path) == (want, target, str(q))
+        # no output, no temporary file and no worker's spool file is left behind
+        assert sorted(f.name for f in tmp_path.iterdir()) == ["a.thist", "b.thist"]

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -578,13 +579,20 @@ class CanonicalWriter:
 
     def _record(self, rtype: int, payload: bytes, site: int = NO_ID, segment: int = NO_ID, rows: int = 0,
                 lo: int = 0, hi: int = 0) -> None:
-        hdr = RecordHeader(rtype, 0, len(payload), self._seq, self._salt, crc32c(payload)).pack()
+        self._framed(rtype, len(payload), crc32c(payload), lambda: self._f.write(payload), site, segment, rows,
+                     lo, hi)
+
+    def _framed(self, rtype: int, length: int, crc: int, write_payload: Callable[[], object], site: int = NO_ID,
+                segment: int = NO_ID, rows: int = 0, lo: int = 0, hi: int = 0) -> None:
+        """One record: its header (``length`` payload bytes whose CRC32C is ``crc``), the payload as
+        ``write_payload`` writes it, the padding; and its commit entry."""
+        hdr = RecordHeader(rtype, 0, length, self._seq, self._salt, crc).pack()
         self._f.write(hdr)
-        self._f.write(payload)
-        self._f.write(b"\0" * pad8(len(payload)))
+        write_payload()
+        self._f.write(b"\0" * pad8(length))
         if rtype != RecordType.COMMIT:
             self._entries.append((self._offset, rtype, site, segment, rows, lo, hi))
-        self._offset += len(hdr) + len(payload) + pad8(len(payload))
+        self._offset += len(hdr) + length + pad8(length)
         self._seq += 1
 
     def manifest(self, doc: dict) -> None:
@@ -592,6 +600,17 @@ class CanonicalWriter:
 
     def obs(self, payload: bytes, site: int, segment: int, rows: int, lo: int, hi: int) -> None:
         self._record(RecordType.OBS, payload, site, segment, rows, lo, hi)
+
+    def obs_from(self, fd: int, offset: int, length: int, crc: int, site: int, segment: int, rows: int, lo: int,
+                 hi: int) -> None:
+        """:meth:`obs` of a payload already encoded into file ``fd`` at ``offset`` (``length`` bytes, CRC32C
+        ``crc``), copied by the kernel (a merge's worker processes hand their sites over this way, not through a
+        pipe)."""
+        def copy() -> None:
+            self._f.flush()
+            _copy_range(fd, self._f.fileno(), offset, length)
+
+        self._framed(RecordType.OBS, length, crc, copy, site, segment, rows, lo, hi)
 
     def steps(self, payload: bytes, segment: int, rows: int, lo: int, hi: int) -> None:
         self._record(RecordType.STEPS, payload, NO_ID, segment, rows, lo, hi)
@@ -622,6 +641,19 @@ class CanonicalWriter:
 
     def abort(self) -> None:
         self._f.close()
+
+
+def _copy_range(src: int, dst: int, offset: int, length: int) -> None:
+    """Append ``length`` bytes of file ``src`` from ``offset`` at ``dst``'s position (in the kernel where it can)."""
+    end = offset + length
+    while offset < end:
+        try:
+            n = os.copy_file_range(src, dst, end - offset, offset)
+        except (AttributeError, OSError):  # not Linux, or a file system without it: through memory
+            n = os.write(dst, os.pread(src, min(end - offset, 1 << 24), offset))
+        if n <= 0:
+            raise OSError(f"copying a record: {end - offset} bytes left unread at offset {offset}")
+        offset += n
 
 
 CODECS = {"packed": Codec.PACKED, "shuffle": Codec.SHUFFLE_DEFLATE, "raw": Codec.RAW}

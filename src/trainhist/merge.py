@@ -10,6 +10,7 @@ and a coarser sketch scale.
 
 from __future__ import annotations
 
+import glob
 import math
 import multiprocessing as mp
 import os
@@ -880,8 +881,18 @@ class _Engine:
                 "divergences": self.report.divergences[divergences:]}
 
     def _write_site(self, w: CanonicalWriter, res: dict) -> None:
-        for payload, site, seg, rows, lo, hi in res["records"]:
-            w.obs(payload, site, seg, rows, lo, hi)
+        """Append a built site's records (payloads in hand, or in a worker's spool file) and commit them."""
+        spool = res.get("spool")
+        fd = None if spool is None else self._spool_fds.get(spool)
+        if spool is not None and fd is None:
+            fd = self._spool_fds[spool] = os.open(spool, os.O_RDONLY)
+        for rec in res["records"]:
+            if fd is None:
+                payload, site, seg, rows, lo, hi = rec
+                w.obs(payload, site, seg, rows, lo, hi)
+            else:
+                offset, length, crc, site, seg, rows, lo, hi = rec
+                w.obs_from(fd, offset, length, crc, site, seg, rows, lo, hi)
             self.report.rows_out += rows
         w.commit()
 
@@ -957,9 +968,10 @@ class _Engine:
             self.report.workers = n
             global _ENGINE
             _ENGINE = self
+            self._spool_fds: dict[str, int] = {}
             try:
                 synced = w.bytes_written
-                with mp.get_context("fork").Pool(n, initializer=_worker_init) as pool:
+                with mp.get_context("fork").Pool(n, initializer=_worker_init, initargs=(w.path,)) as pool:
                     for res in pool.imap(_worker_site, sites):
                         res = _unwrap(res)
                         self.report.rows_in += res["rows_in"]
@@ -971,6 +983,10 @@ class _Engine:
                             synced = w.bytes_written
             finally:
                 _ENGINE = None
+                for fd in self._spool_fds.values():
+                    os.close(fd)
+                for name in glob.glob(glob.escape(w.path) + ".spool*"):
+                    os.unlink(name)
         else:
             for out_site in sites:
                 self._write_site(w, self._site(out_site))
@@ -1005,19 +1021,33 @@ class _Engine:
 _ENGINE: "_Engine | None" = None  # the engine a forked worker inherits
 
 
-def _worker_init() -> None:
+_SPOOL: list = []  # a worker's spool file: the encoded payloads of the sites it built
+
+
+def _worker_init(output: str) -> None:
     assert _ENGINE is not None
     _ENGINE.pool = _Pool(FD_POOL)  # descriptors of its own (pread needs no shared offset, but keep them apart)
     _ENGINE.report.divergences = []
+    _SPOOL[:] = [open(f"{output}.spool{os.getpid()}", "wb")]  # removed by the merging process
 
 
 def _worker_site(out_site: int) -> tuple:
-    """Build one site in a worker; a trainhist error comes back as data and is raised again in the parent."""
+    """Build one site in a worker; a trainhist error comes back as data and is raised again in the parent. The
+    records' payloads go to the worker's spool file (with their CRC32C), from which the parent copies them into
+    the output in the kernel: through the result pipe they would be copied and pickled several times."""
     assert _ENGINE is not None
     try:
-        return ("ok", _ENGINE._site(out_site))
+        res = _ENGINE._site(out_site)
     except TrainhistError as e:
         return _error_data(e)
+    f = _SPOOL[0]
+    records = []
+    for payload, site, seg, rows, lo, hi in res["records"]:
+        records.append((f.tell(), len(payload), crc32c(payload), site, seg, rows, lo, hi))
+        f.write(payload)
+    f.flush()
+    res["records"], res["spool"] = records, f.name
+    return ("ok", res)
 
 
 def _worker_source(item: tuple[int, str]) -> tuple:
