@@ -180,12 +180,13 @@ def test_rounding_equals_python(m, e, neg, tie):
     assert bits(f[0]) == bits(m.to_float())
 
 
-def test_decode_refuses_bad_encodings():
+def bad_exact_encodings() -> list[tuple[bytes, float]]:
+    """Exact-value blobs a reader must refuse, each with the float64 column stored beside it."""
     def blob(e: int, mb: bytes) -> bytes:
         return struct.pack("<i", e) + mb
 
     good = Dyadic((1 << 60) + 1, -3)
-    cases = [
+    return [
         (blob(-3, ((1 << 60) + 2).to_bytes(8, "little")), (1 << 60) * 2.0**-3),  # even mantissa
         (blob(-3, ((1 << 60) + 1).to_bytes(9, "little")), good.to_float()),  # a redundant 0x00 byte
         (blob(-3, (-(1 << 60) - 1).to_bytes(9, "little", signed=True)), -good.to_float()),  # a redundant 0xff
@@ -196,6 +197,10 @@ def test_decode_refuses_bad_encodings():
         (blob(-3, ((1 << 300) + 1).to_bytes(40, "little")), 2.0**297),  # wide, redundant byte
         (blob(-3, ((1 << 300) + 1).to_bytes(39, "little")), 2.0**296),  # wide, wrongly rounded
     ]
+
+
+def test_decode_refuses_bad_encodings():
+    cases = bad_exact_encodings()
     for b, f in cases:
         with pytest.raises(CorruptError) as ei:
             xv.decode_exact("sum", np.array([1.0, f]), np.array([0, len(b)], np.uint32),

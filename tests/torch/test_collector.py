@@ -24,6 +24,20 @@ def mlp(seed: int = 0) -> torch.nn.Module:
     )
 
 
+def assert_param_rows(h: trainhist.History, step: int, after: dict, before: dict, grads: dict | None,
+                      elements: int, *, sketch: bool) -> None:
+    """``param``, ``param_grad`` (when ``grads`` is given) and ``param_delta`` (the seeded subvector of
+    ``elements``) of every parameter at ``step`` equal the numpy reference of the values the loop saw."""
+    for n in after:
+        assert_row(h, n, "param", step, ref_summary([after[n]]), sketch=sketch)
+        if grads is not None:
+            assert_row(h, n, "param_grad", step, ref_summary([grads[n]]), sketch=sketch)
+        d = (after[n].float() - before[n].float()).reshape(-1)
+        idx = sample_indices(n, d.numel(), elements, 0)
+        assert_row(h, n, "param_delta", step, ref_summary([d if idx is None else d[torch.from_numpy(idx)]]),
+                   sketch=sketch)
+
+
 def test_mlp_matches_numpy_reference(tmp_path):
     """Every stream, with 2 micro-batches per step, equals the numpy reference of the same tensors."""
     model = mlp()
@@ -62,13 +76,7 @@ def test_mlp_matches_numpy_reference(tmp_path):
         for (s, name, facet), gs in spy.grads.items():
             if s == step:
                 assert_row(h, name, "activation_grad", step, ref_summary(gs), facet=facet, sketch=sk)
-        for n in params:
-            assert_row(h, n, "param", step, ref_summary([after[step][n]]), sketch=sk)
-            assert_row(h, n, "param_grad", step, ref_summary([grads[step][n]]), sketch=sk)
-            d = (after[step][n].float() - before[step][n].float()).reshape(-1)
-            idx = sample_indices(n, d.numel(), 100, 0)
-            assert_row(h, n, "param_delta", step, ref_summary([d if idx is None else d[torch.from_numpy(idx)]]),
-                       sketch=sk)
+        assert_param_rows(h, step, after[step], before[step], grads[step], 100, sketch=sk)
     # param_delta is sampled (and says so) only where the tensor is larger than the subvector
     sites = {(s.path, s.stream): s for s in h.sites}
     assert sites[("2.weight", "param_delta")].sample == {"elements": 100, "of": 1024, "seed": 0}
@@ -201,7 +209,7 @@ def test_gradscaler_skipped_step_records_skipped_delta_and_basis(tmp_path):
     path = tmp_path / "s.thist"
     col = Collector(model, path, streams=("param_grad", "param_delta"), every=1)
     col.attach(optimizer=opt, scaler=scaler)
-    w0 = model[0].weight.detach().clone()
+    w0 = w1 = model[0].weight.detach().clone()  # w1: the weight after the previous step
     for step in range(3):
         with col.step(step):
             x = torch.randn(4, 8)
@@ -614,14 +622,7 @@ def test_batched_parameter_reductions_match_the_reference(tmp_path, monkeypatch,
     assert set(col._delta_batch.names) == ({"lin.bias"} if case == "replaced mid-step" else {"lin.weight", "lin.bias"})
     h = trainhist.open(path)
     for step in range(3):
-        sk = step % 2 == 0
-        for n in params:
-            assert_row(h, n, "param", step, ref_summary([after[step][n]]), sketch=sk)
-            assert_row(h, n, "param_grad", step, ref_summary([grads[step][n]]), sketch=sk)
-            d = (after[step][n].float() - before[step][n].float()).reshape(-1)
-            idx = sample_indices(n, d.numel(), 64, 0)
-            assert_row(h, n, "param_delta", step, ref_summary([d if idx is None else d[torch.from_numpy(idx)]]),
-                       sketch=sk)
+        assert_param_rows(h, step, after[step], before[step], grads[step], 64, sketch=step % 2 == 0)
 
 
 def test_a_parameter_resized_between_steps_is_sampled_again(tmp_path):
@@ -648,12 +649,7 @@ def test_a_parameter_resized_between_steps_is_sampled_again(tmp_path):
     col.close()
     h = trainhist.open(path)
     for step in range(3):
-        for n in ("lin.weight", "lin.bias", "scale"):
-            assert_row(h, n, "param", step, ref_summary([after[step][n]]), sketch=False)
-            d = (after[step][n].float() - before[step][n].float()).reshape(-1)
-            idx = sample_indices(n, d.numel(), 64, 0)
-            assert_row(h, n, "param_delta", step, ref_summary([d if idx is None else d[torch.from_numpy(idx)]]),
-                       sketch=False)
+        assert_param_rows(h, step, after[step], before[step], None, 64, sketch=False)
 
 
 def test_gather_refuses_positions_outside_a_tensor_before_reading():
