@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import msgpack
@@ -75,7 +77,20 @@ def test_merge_batched_equals_per_chunk(shards: list[Path], tmp_path: Path, monk
     if workers > 1:  # the sites built in worker processes (payloads handed over in spool files): the same bytes
         trainhist.merge(shards, tmp_path / "serial.th", workers=1)
         assert (tmp_path / "serial.th").read_bytes() == (tmp_path / "packed").with_suffix(".batch").read_bytes()
-        assert not [f.name for f in tmp_path.iterdir() if "spool" in f.name or f.name.endswith(".tmp")]
+        assert not [f.name for f in tmp_path.iterdir() if f.name.startswith(".")]  # no temporary file or folder
+
+
+def test_workers_with_an_output_name_near_the_length_limit(shards: list[Path], tmp_path: Path) -> None:
+    """Worker processes keep their spool files in a private folder with short names: an output name near the file
+    system's 255-byte limit merges with workers as without (the spool files once took the output's name plus a
+    suffix, failed to open in every worker, and multiprocessing replaced the workers forever). Run in a child
+    process with a generous timeout, so that a hang fails the test instead of stalling the suite."""
+    out = tmp_path / ("m" * 230 + ".th")
+    code = ("import sys, trainhist; trainhist.merge(sys.argv[1:-1], sys.argv[-1], workers=2)")
+    subprocess.run([sys.executable, "-c", code, *map(str, shards), str(out)], check=True, timeout=600)
+    trainhist.merge(shards, tmp_path / "serial.th", workers=1)
+    assert out.read_bytes() == (tmp_path / "serial.th").read_bytes()
+    assert sorted(f.name for f in tmp_path.iterdir()) == sorted([out.name, "serial.th"])  # no spool folder left
 
 
 def test_coarsen_and_merge_of_merges_batched_equals_per_chunk(shards: list[Path], tmp_path: Path,

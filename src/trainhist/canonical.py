@@ -643,16 +643,24 @@ class CanonicalWriter:
         self._f.close()
 
 
+_KERNEL_COPY = [hasattr(os, "copy_file_range")]  #: False once the system refused it: copy through memory
+
+
 def _copy_range(src: int, dst: int, offset: int, length: int) -> None:
     """Append ``length`` bytes of file ``src`` from ``offset`` at ``dst``'s position (in the kernel where it can)."""
     end = offset + length
     while offset < end:
-        try:
-            n = os.copy_file_range(src, dst, end - offset, offset)
-        except (AttributeError, OSError):  # not Linux, or a file system without it: through memory
-            n = os.write(dst, os.pread(src, min(end - offset, 1 << 24), offset))
-        if n <= 0:
-            raise OSError(f"copying a record: {end - offset} bytes left unread at offset {offset}")
+        n = 0
+        if _KERNEL_COPY[0]:
+            try:
+                n = os.copy_file_range(src, dst, end - offset, offset)
+            except OSError:  # not on this file system (or a real error, which the copy below meets again)
+                _KERNEL_COPY[0] = False
+        if n <= 0:  # (some file systems answer 0 instead of an error)
+            data = os.pread(src, min(end - offset, 1 << 24), offset)
+            if not data:
+                raise OSError(f"copying a record: {end - offset} bytes missing at offset {offset} of its source")
+            n = os.write(dst, data)
         offset += n
 
 

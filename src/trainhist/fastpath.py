@@ -14,7 +14,8 @@ from types import ModuleType
 
 __all__ = ["ENABLED", "kernels"]
 
-ENABLED: bool = os.environ.get("TRAINHIST_NO_NUMBA", "") in ("", "0")  #: False: always the numpy code
+#: False: always the numpy code (``TRAINHIST_NO_NUMBA`` set to 1, true, yes or on when imported)
+ENABLED: bool = os.environ.get("TRAINHIST_NO_NUMBA", "").strip().lower() not in ("1", "true", "yes", "on")
 _loaded: ModuleType | None = None
 _tried = False
 

@@ -10,10 +10,12 @@ and a coarser sketch scale.
 
 from __future__ import annotations
 
-import glob
+import contextlib
 import math
 import multiprocessing as mp
 import os
+import shutil
+import tempfile
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -969,9 +971,11 @@ class _Engine:
             global _ENGINE
             _ENGINE = self
             self._spool_fds: dict[str, int] = {}
+            # the workers' spool files: in a private folder beside the output (same file system; short names)
+            spools = tempfile.mkdtemp(prefix=".trainhist-", dir=os.path.dirname(os.path.abspath(w.path)))
             try:
                 synced = w.bytes_written
-                with mp.get_context("fork").Pool(n, initializer=_worker_init, initargs=(w.path,)) as pool:
+                with mp.get_context("fork").Pool(n, initializer=_worker_init, initargs=(spools,)) as pool:
                     for res in pool.imap(_worker_site, sites):
                         res = _unwrap(res)
                         self.report.rows_in += res["rows_in"]
@@ -984,9 +988,9 @@ class _Engine:
             finally:
                 _ENGINE = None
                 for fd in self._spool_fds.values():
-                    os.close(fd)
-                for name in glob.glob(glob.escape(w.path) + ".spool*"):
-                    os.unlink(name)
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                shutil.rmtree(spools, ignore_errors=True)  # never hides the error being raised
         else:
             for out_site in sites:
                 self._write_site(w, self._site(out_site))
@@ -1021,14 +1025,25 @@ class _Engine:
 _ENGINE: "_Engine | None" = None  # the engine a forked worker inherits
 
 
-_SPOOL: list = []  # a worker's spool file: the encoded payloads of the sites it built
+_SPOOL: dict = {}  # a worker's spool: the folder, and once opened the file of the encoded payloads of its sites
 
 
-def _worker_init(output: str) -> None:
+def _worker_init(spools: str) -> None:
+    """Set up a worker. Nothing here may raise: multiprocessing replaces a worker whose initializer fails, forever."""
     assert _ENGINE is not None
     _ENGINE.pool = _Pool(FD_POOL)  # descriptors of its own (pread needs no shared offset, but keep them apart)
     _ENGINE.report.divergences = []
-    _SPOOL[:] = [open(f"{output}.spool{os.getpid()}", "wb")]  # removed by the merging process
+    _SPOOL.clear()
+    _SPOOL["dir"] = spools
+
+
+def _spool_file() -> Any:
+    """This worker's spool file, created on first use (its errors reach the merging process with the site)."""
+    if "file" not in _SPOOL:
+        path = os.path.join(_SPOOL["dir"], f"{os.getpid()}.spool")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        _SPOOL["file"], _SPOOL["path"] = os.fdopen(fd, "wb"), path
+    return _SPOOL["file"]
 
 
 def _worker_site(out_site: int) -> tuple:
@@ -1040,13 +1055,13 @@ def _worker_site(out_site: int) -> tuple:
         res = _ENGINE._site(out_site)
     except TrainhistError as e:
         return _error_data(e)
-    f = _SPOOL[0]
+    f = _spool_file()
     records = []
     for payload, site, seg, rows, lo, hi in res["records"]:
         records.append((f.tell(), len(payload), crc32c(payload), site, seg, rows, lo, hi))
         f.write(payload)
     f.flush()
-    res["records"], res["spool"] = records, f.name
+    res["records"], res["spool"] = records, _SPOOL["path"]
     return ("ok", res)
 
 
