@@ -89,7 +89,7 @@ def _nbits_tz(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _shr(a: np.ndarray, t: np.ndarray, width: int) -> np.ndarray:
     """Non-negative normalized limbs shifted right by ``t`` bits (per row), as ``width`` limbs."""
-    n, w = a.shape
+    n = a.shape[0]
     ap = np.concatenate([a, np.zeros((n, width + 1), np.int64)], axis=1)
     q, r = (t // 32)[:, None], (t % 32)[:, None]
     k = np.arange(width)[None, :]
@@ -506,7 +506,7 @@ def _store(out: ExactCol, out_f: np.ndarray, gi: np.ndarray, fr: np.ndarray, mc:
 def encode_exact(x: ExactCol) -> tuple[np.ndarray, bytes] | None:
     """The ``_xn`` and ``_x`` columns for the rows whose value is not exactly a finite float64 (None: no row)."""
     n = len(x)
-    neg, a = _magnitude(x.m)
+    _, a = _magnitude(x.m)
     nbits, _ = _nbits_tz(a)
     isf = (nbits <= 53) & (x.e >= -1074) & (x.e + nbits <= 1024)
     need = ~isf
