@@ -258,11 +258,16 @@ def gather(view: memoryview, col: "_Col", dt: str, ns: list[int]) -> np.ndarray:
     return _gather_runs(view, col, dt, ns)
 
 
+def all_patched(col: "_Col") -> bool:
+    """Whether the column is stored, and in patched-bytes blocks only (whose values have a cheap upper bound)."""
+    return bool(col.codec) and all(c == Codec.PATCHED for c in col.codec)
+
+
 def upper_bound(view: memoryview, col: "_Col", ns: list[int]) -> int | None:
     """An upper bound on the values of an unsigned column of patched-bytes blocks that :func:`gather` decoded
     (``ns[i]`` values in block ``i``; the blocks passed its checks): 254, the largest code, or the largest
     exception; None for other codecs (the caller takes the maximum of the values)."""
-    if not col.codec or any(c != Codec.PATCHED for c in col.codec):
+    if not all_patched(col):
         return None
     ends = [a + b - n for a, b, n in zip(col.start, col.slen, ns)]  # each block's exceptions end where codes begin
     exc = np.frombuffer(join(view, col.start, ends), "<u8") if ends != col.start else np.zeros(0, np.uint64)

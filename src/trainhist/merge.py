@@ -52,7 +52,7 @@ from .errors import MergeError, TrainhistError, UsageError
 from .framing import RECORD_HEADER_SIZE
 from .grid import nbins
 from .model import CANONICAL_NAN, CANONICAL_NAN_BITS, U64_UNKNOWN, Presence
-from .batchdecode import Fallback, check_chunk, gather, join, layout, upper_bound
+from .batchdecode import Fallback, all_patched, check_chunk, gather, join, layout, upper_bound
 from .chunk import _INT_CODES, _RANGE, DTYPES, Codec
 from .framing import crc32c
 from .model import OBS_COLUMNS, SKETCH_COLUMNS, TALLY_COLUMNS
@@ -314,7 +314,7 @@ def _gather(view: memoryview, col: Any, dt: str, ns: list[int], bound: bool = Fa
         raise Fallback
     if not bound:
         return values
-    return values, int(top) if col.codec and all(c == Codec.PATCHED for c in col.codec) else None
+    return values, int(top) if all_patched(col) else None
 
 
 def _batch_columns(batch: list[tuple[_Source, Any]], raw: list[bytes]) -> _BatchColumns:

@@ -123,7 +123,6 @@ class _DeltaBatch:
 
     def __init__(self, names: list[str], indices: list[np.ndarray | None], numels: list[int]) -> None:
         self.names = names
-        self.numels = numels
         self.sizes = np.array(numels, dtype=np.int64)
         parts = [np.arange(n, dtype=np.int64) if i is None else i.astype(np.int64) for i, n in zip(indices, numels)]
         self.index = np.concatenate(parts)
@@ -794,7 +793,7 @@ class Collector:
             return
         try:
             b = self._delta_batch
-            if b is None or b.names != batched or b.numels != sizes:
+            if b is None or b.names != batched or b.sizes.tolist() != sizes:
                 b = self._delta_batch = _DeltaBatch(batched, [self._indices[n][1] for n in batched], sizes)
             b.gather(self._addresses(batched), False)
             st.batched = batched
@@ -823,7 +822,7 @@ class Collector:
         b, names, done = self._delta_batch, st.batched, {}
         if names and b is not None:
             if all(self._delta_batchable(n) and local_tensor(self._params[n]).numel() == m
-                   for n, m in zip(names, b.numels)):
+                   for n, m in zip(names, b.sizes.tolist())):
                 try:
                     b.gather(self._addresses(names), True)
                     done = dict(zip(names, b.views))
