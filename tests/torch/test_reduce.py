@@ -294,6 +294,59 @@ def test_decode_rows_equals_decode_row_and_isolates_bad_rows():
         decode_row(p.row(data, ("sp", 0)), counts[1], sketch=True)
 
 
+def _strict(s: object) -> tuple:
+    """A summary (or error) as a tuple in which -0.0 and 0.0 differ."""
+    if isinstance(s, Exception):
+        return ("error", str(s))
+    sk = s.sketch
+    return (s.count, s.nan, s.pinf, s.ninf, s.zero, repr(s.min), repr(s.max), s.sum, s.sumsq, s.sum_method,
+            None if sk is None else (sk.pos.tolist(), sk.neg.tolist(), sk.under_pos, sk.under_neg, sk.over_pos,
+                                     sk.over_neg))
+
+
+def test_decode_rows_vectorized_path_equals_the_per_row_path():
+    """decode_rows decodes valid spine rows with array operations and leaves sketch rows and rows that fail a check
+    to the per-row decode: on rows of every kind, some corrupted, both give the same summary or the same error."""
+    from trainhist.torch import reduce as rd
+
+    rng = np.random.default_rng(7)
+    special = np.array([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan, 1e-40, -1e-40, 3e38, -2.5], dtype=np.float32)
+    errors = 0
+    for trial in range(150):
+        led = Ledger("cpu")
+        keys = list(range(int(rng.integers(1, 7))))
+        counts, sketches = [], []
+        for k in keys:
+            sketch, n = bool(rng.integers(0, 2)), 0
+            led.row(k)
+            for _ in range(int(rng.integers(0, 3))):
+                m = int(rng.integers(1, 40))
+                x = torch.from_numpy(rng.choice(special, m)) if rng.random() < 0.7 else torch.randn(m) * 1e30
+                if rng.random() < 0.2:
+                    x = x.double() * 1e300  # float64 sums that overflow
+                reduce_into(x, led.row(k), sketch=sketch)
+                n += m
+            counts.append(n + (int(rng.integers(-1, 2)) if rng.random() < 0.1 else 0))
+            sketches.append(sketch if rng.random() < 0.9 else not sketch)
+        data = led.transfer().wait().copy()
+        if rng.random() < 0.15:  # a corrupted count or value anywhere in the buffer
+            data[int(rng.integers(0, data.size))] += int(rng.integers(-3, 4))
+        offsets = [led.rows[k] for k in keys]
+        got = [_strict(s) for s in rd.decode_rows(data, offsets, counts, sketches)]
+        want = []
+        for o, n, sk in zip(offsets, counts, sketches):
+            row = data[o : o + ROW]
+            try:
+                want.append(_strict(rd._decode(row, n, sk, int(row[: rd.NCOUNT].sum()),
+                                               row[rd.COL_NEGZERO : COL_MIN].tolist(),
+                                               row[COL_MIN:].view(np.float64).tolist())))
+            except RuntimeError as e:
+                want.append(_strict(e))
+        assert got == want, trial
+        errors += sum(w[0] == "error" for w in want)
+    assert errors > 10  # the corrupted rows were exercised
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("case", ["negative", "positive", "mixed", "zeros", "negative zeros", "tiny"])
 def test_fused_min_max_from_bit_pattern_extremes(dtype, case):

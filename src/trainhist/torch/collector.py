@@ -499,8 +499,8 @@ class Collector:
             self._ledger.scalar(key).copy_(t.reshape(-1)[:1])
             st.dev_scalars.append((s, name, key))
         self._late = []
-        if st.counts or st.dev_scalars:
-            st.pending = self._ledger.transfer()
+        if st.counts or st.dev_scalars:  # (with no lag, the step is decoded before the ledger is touched again)
+            st.pending = self._ledger.transfer(copy=self._lag > 0)
         self._pending.append(st)
 
     def _put_scalar(self, st: _Step, step: int, name: str, value: object) -> None:

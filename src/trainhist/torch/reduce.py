@@ -327,35 +327,73 @@ def decode_rows(data: np.ndarray, offsets: list[int], counts: list[int],
                 sketches: list[bool]) -> list[Summary | RuntimeError]:
     """:func:`decode_row` of the rows at ``offsets`` in the landed ledger ``data``, with one set of numpy
     operations for all of them (a step has hundreds of rows): a :class:`Summary`, or the ``RuntimeError`` of a
-    row that cannot have come from its count."""
+    row that cannot have come from its count.
+
+    Only the few tail columns of a spine row are read (its key columns are checked to sum to zero, by one pass
+    over the buffer); sketch rows, and rows that fail a check (to name the failure), take :func:`_decode`."""
     if not offsets:
         return []
-    m = data[np.add.outer(np.asarray(offsets, dtype=np.int64), np.arange(ROW))]
-    keyed = m[:, :NCOUNT].sum(axis=1).tolist()
-    raw = m[:, COL_NEGZERO:COL_MIN].tolist()  # -0.0 count, spare, five spine counts
-    f = np.ascontiguousarray(m[:, COL_MIN:]).view(np.float64)
-    floats = f.tolist()
-    finite = np.isfinite(f[:, 2:4]).all(axis=1)
-    it = iter(dyadics_of(f[finite, 2:4].reshape(-1)))
-    sums = [(next(it), next(it)) if ok else None for ok in finite.tolist()]
+    off = np.asarray(offsets, dtype=np.int64)
+    cnt = np.asarray(counts, dtype=np.int64)
+    if off.min() < 0 or off.max() > data.size - ROW:
+        raise ValueError("a row offset lies outside the ledger")
+    order = np.argsort(off, kind="stable")
+    bounds = np.empty(2 * off.size, dtype=np.int64)  # [start, end of key columns] of each row, in memory order
+    bounds[0::2] = off[order]
+    bounds[1::2] = off[order] + NCOUNT
+    keyed = np.empty(off.size, dtype=np.int64)
+    keyed[order] = np.add.reduceat(data, bounds)[0::2]
+    tail = data[off[:, None] + np.arange(COL_NEGZERO, ROW)]  # -0.0 count, spare, five spine counts, four floats
+    spare = tail[:, 1]
+    fin_nz, fin_nzbits, nzbits, with_nan, with_pinf = tail[:, 2:7].T
+    f = np.ascontiguousarray(tail[:, COL_MIN - COL_NEGZERO:]).view(np.float64)
+    # the spine counts (see COL_SPINE and _decode)
+    negz, posz, nonfin = fin_nzbits - fin_nz, cnt - nzbits, nzbits - fin_nzbits
+    nan, pinf = with_nan - fin_nzbits, with_pinf - fin_nzbits
+    ninf, zero = nonfin - nan - pinf, posz + negz
+    sk = np.asarray(sketches, dtype=bool)
+    fast = ((spare == 0) & (keyed == 0) & ~(sk & (cnt > 0)) & (fin_nz >= 0) & (negz >= 0) & (posz >= 0)
+            & (nan >= 0) & (pinf >= 0) & (ninf >= 0) & (fin_nz + zero + nonfin == cnt))
+    has = fast & (fin_nz + zero > 0)  # rows with a finite value: min, max and sums
+    mn, mx = f[:, 0], -f[:, 1]
+    mn = np.where(mn == 0, np.where(negz > 0, -0.0, 0.0), mn)  # the sign of a zero extreme, from the zero counts
+    mx = np.where(mx == 0, np.where(posz > 0, 0.0, -0.0), mx)
+    sums_ok = has & np.isfinite(f[:, 2:4]).all(axis=1)
+    it = iter(dyadics_of(f[sums_ok, 2:4].reshape(-1)))
+    rows = zip(fast.tolist(), has.tolist(), sums_ok.tolist(), cnt.tolist(), nan.tolist(), pinf.tolist(),
+               ninf.tolist(), zero.tolist(), mn.tolist(), mx.tolist())
     out: list[Summary | RuntimeError] = []
-    for i, (count, sketch) in enumerate(zip(counts, sketches)):
+    for i, (ok, h, sok, n, a, p, q, z, lo, hi) in enumerate(rows):
+        if ok:
+            s = Summary(count=n, nan=a, pinf=p, ninf=q, zero=z, sum_method=SumMethod.F64)
+            if h:
+                s.min, s.max = lo, hi
+                if sok:
+                    s.sum, s.sumsq = next(it), next(it)
+                else:  # float64 accumulation overflowed: no bound can be stated
+                    s.sum_method = SumMethod.UNKNOWN
+            if sketches[i]:  # (a sketch of zero values)
+                s.sketch = Sketch.from_key_counts(np.zeros(NK, dtype=np.int64))
+            out.append(s)
+            continue
+        row = data[offsets[i]: offsets[i] + ROW]
         try:
-            out.append(_decode(m[i] if sketch or keyed[i] else None, count, sketch, keyed[i], raw[i], floats[i],
-                               sums[i]))
+            out.append(_decode(row, counts[i], sketches[i], int(keyed[i]), row[COL_NEGZERO:COL_MIN].tolist(),
+                              row[COL_MIN:].view(np.float64).tolist()))
         except RuntimeError as e:
             out.append(e)
     return out
 
 
-def _decode(row: np.ndarray | None, count: int, sketch: bool, keyed: int, raw: list[int], floats: list[float],
-            sums: tuple[Dyadic, Dyadic] | None) -> Summary:
+def _decode(row: np.ndarray, count: int, sketch: bool, keyed: int, raw: list[int], floats: list[float]) -> Summary:
+    """One row of :func:`decode_rows` the vectorized path does not take: a sketch row, or one that fails a check
+    (``keyed``: the sum of its key columns; ``raw``: its columns from COL_NEGZERO, ``floats``: from COL_MIN)."""
     negzero, spare = raw[0], raw[1]
     if spare != 0:
         raise RuntimeError("ledger row has counts in its impossible slot")
     counts = None
     if count and keyed == count:  # a sketch row: grid-key counts
-        counts = row[:NK].copy()  # type: ignore[index]
+        counts = row[:NK].copy()
         poszero = int(counts[grid.KEY_ZERO])
         counts[grid.KEY_ZERO] += negzero
         total = int(counts.sum())
@@ -380,8 +418,8 @@ def _decode(row: np.ndarray | None, count: int, sketch: bool, keyed: int, raw: l
         mx = -nmx
         s.min = (-0.0 if negzero else 0.0) if mn == 0 else mn  # -0.0 < +0.0 (IEEE totalOrder)
         s.max = (0.0 if poszero else -0.0) if mx == 0 else mx
-        if sums is not None:
-            s.sum, s.sumsq = sums
+        if math.isfinite(floats[2]) and math.isfinite(floats[3]):
+            s.sum, s.sumsq = Dyadic.from_float(floats[2]), Dyadic.from_float(floats[3])
         else:  # float64 accumulation overflowed: no bound can be stated
             s.sum, s.sumsq, s.sum_method = ZERO, ZERO, SumMethod.UNKNOWN
     if sketch:
@@ -480,9 +518,13 @@ class Ledger:
         """Re-initialise every row and slot (one device copy)."""
         self.buf.copy_(self._template)
 
-    def transfer(self) -> "PendingTransfer":
-        """Start the step's single device-to-host copy of the whole buffer."""
+    def transfer(self, copy: bool = True) -> "PendingTransfer":
+        """Start the step's single device-to-host copy of the whole buffer. ``copy=False`` on a CPU ledger hands
+        over the buffer itself (already host memory), for a caller that reads it before the next :meth:`reset`
+        or reduction."""
         self.transfers += 1
+        if not copy and self._cpu:
+            return PendingTransfer(self.buf, None, dict(self.rows), dict(self.scalars))
         host = torch.empty(self.buf.shape, dtype=torch.int64, pin_memory=self._pinned)
         host.copy_(self.buf, non_blocking=self._pinned)
         event = None
