@@ -329,8 +329,9 @@ def decode_rows(data: np.ndarray, offsets: list[int], counts: list[int],
     operations for all of them (a step has hundreds of rows): a :class:`Summary`, or the ``RuntimeError`` of a
     row that cannot have come from its count.
 
-    Only the few tail columns of a spine row are read (its key columns are checked to sum to zero, by one pass
-    over the buffer); sketch rows, and rows that fail a check (to name the failure), take :func:`_decode`."""
+    The key columns are summed by one pass over the buffer; a spine row (its keys sum to zero) is decoded from its
+    few tail columns, a sketch row (they sum to its count) from its key counts too. A row that fails a check takes
+    :func:`_decode`, which names the failure."""
     if not offsets:
         return []
     off = np.asarray(offsets, dtype=np.int64)
@@ -343,28 +344,39 @@ def decode_rows(data: np.ndarray, offsets: list[int], counts: list[int],
     bounds[1::2] = off[order] + NCOUNT
     keyed = np.empty(off.size, dtype=np.int64)
     keyed[order] = np.add.reduceat(data, bounds)[0::2]
-    tail = data[off[:, None] + np.arange(COL_NEGZERO, ROW)]  # -0.0 count, spare, five spine counts, four floats
+    window = np.lib.stride_tricks.sliding_window_view  # rows as views of the buffer: taking them copies once
+    tail = window(data, ROW - COL_NEGZERO)[off + COL_NEGZERO]  # -0.0 count, spare, five spine counts, 4 floats
     spare = tail[:, 1]
     fin_nz, fin_nzbits, nzbits, with_nan, with_pinf = tail[:, 2:7].T
     f = np.ascontiguousarray(tail[:, COL_MIN - COL_NEGZERO:]).view(np.float64)
-    # the spine counts (see COL_SPINE and _decode)
+    # spine rows: the counts from the five raw counts (see COL_SPINE)
     negz, posz, nonfin = fin_nzbits - fin_nz, cnt - nzbits, nzbits - fin_nzbits
     nan, pinf = with_nan - fin_nzbits, with_pinf - fin_nzbits
-    ninf, zero = nonfin - nan - pinf, posz + negz
+    ninf = nonfin - nan - pinf
     sk = np.asarray(sketches, dtype=bool)
-    fast = ((spare == 0) & (keyed == 0) & ~(sk & (cnt > 0)) & (fin_nz >= 0) & (negz >= 0) & (posz >= 0)
-            & (nan >= 0) & (pinf >= 0) & (ninf >= 0) & (fin_nz + zero + nonfin == cnt))
-    has = fast & (fin_nz + zero > 0)  # rows with a finite value: min, max and sums
+    spine = ((spare == 0) & (keyed == 0) & ~(sk & (cnt > 0)) & (fin_nz >= 0) & (negz >= 0) & (posz >= 0)
+             & (nan >= 0) & (pinf >= 0) & (ninf >= 0) & (fin_nz + posz + negz + nonfin == cnt))
+    # sketch rows: the counts from the grid keys (their sum, with the -0.0 and spare slots, is the count)
+    keyrows = np.flatnonzero((spare == 0) & (cnt > 0) & (keyed == cnt))
+    keys = window(data, NK)[off[keyrows]]
+    negz[keyrows] = tail[keyrows, 0]
+    posz[keyrows] = keys[:, grid.KEY_ZERO]
+    keys[:, grid.KEY_ZERO] += tail[keyrows, 0]
+    nan[keyrows], pinf[keyrows], ninf[keyrows] = keys[:, grid.KEY_NAN], keys[:, grid.KEY_PINF], keys[:, grid.KEY_NINF]
+    ok = spine.copy()
+    ok[keyrows] = True
+    has = ok & (cnt - nan - pinf - ninf > 0)  # rows with a finite value: min, max and sums
     mn, mx = f[:, 0], -f[:, 1]
     mn = np.where(mn == 0, np.where(negz > 0, -0.0, 0.0), mn)  # the sign of a zero extreme, from the zero counts
     mx = np.where(mx == 0, np.where(posz > 0, 0.0, -0.0), mx)
     sums_ok = has & np.isfinite(f[:, 2:4]).all(axis=1)
     it = iter(dyadics_of(f[sums_ok, 2:4].reshape(-1)))
-    rows = zip(fast.tolist(), has.tolist(), sums_ok.tolist(), cnt.tolist(), nan.tolist(), pinf.tolist(),
-               ninf.tolist(), zero.tolist(), mn.tolist(), mx.tolist())
+    sketch_of = dict(zip(keyrows.tolist(), _sketches(keys)))
+    rows = zip(ok.tolist(), has.tolist(), sums_ok.tolist(), cnt.tolist(), nan.tolist(), pinf.tolist(),
+               ninf.tolist(), (posz + negz).tolist(), mn.tolist(), mx.tolist())
     out: list[Summary | RuntimeError] = []
-    for i, (ok, h, sok, n, a, p, q, z, lo, hi) in enumerate(rows):
-        if ok:
+    for i, (good, h, sok, n, a, p, q, z, lo, hi) in enumerate(rows):
+        if good:
             s = Summary(count=n, nan=a, pinf=p, ninf=q, zero=z, sum_method=SumMethod.F64)
             if h:
                 s.min, s.max = lo, hi
@@ -372,8 +384,8 @@ def decode_rows(data: np.ndarray, offsets: list[int], counts: list[int],
                     s.sum, s.sumsq = next(it), next(it)
                 else:  # float64 accumulation overflowed: no bound can be stated
                     s.sum_method = SumMethod.UNKNOWN
-            if sketches[i]:  # (a sketch of zero values)
-                s.sketch = Sketch.from_key_counts(np.zeros(NK, dtype=np.int64))
+            if sketches[i]:  # (a spine row's sketch holds no values)
+                s.sketch = sketch_of[i] if i in sketch_of else Sketch.from_key_counts(np.zeros(NK, dtype=np.int64))
             out.append(s)
             continue
         row = data[offsets[i]: offsets[i] + ROW]
@@ -383,6 +395,17 @@ def decode_rows(data: np.ndarray, offsets: list[int], counts: list[int],
         except RuntimeError as e:
             out.append(e)
     return out
+
+
+def _sketches(keys: np.ndarray) -> list[Sketch]:
+    """:meth:`Sketch.from_key_counts` of every row of ``keys`` (grid-key counts, the zero key with -0.0 added), with
+    array operations; each sketch's bins are a row of one block per sign."""
+    c = keys.astype(np.uint64)
+    pos = np.ascontiguousarray(c[:, 1 : grid.KEY_OVER])
+    neg = np.ascontiguousarray(c[:, _SIDE + 1 : _SIDE + grid.KEY_OVER])
+    bands = c[:, [grid.KEY_UNDER, grid.KEY_OVER, _SIDE + grid.KEY_UNDER, _SIDE + grid.KEY_OVER]].tolist()
+    return [Sketch(scale=grid.NATIVE_SCALE, pos=p, neg=q, under_pos=up, over_pos=op, under_neg=un, over_neg=on)
+            for p, q, (up, op, un, on) in zip(pos, neg, bands)]
 
 
 def _decode(row: np.ndarray, count: int, sketch: bool, keyed: int, raw: list[int], floats: list[float]) -> Summary:
