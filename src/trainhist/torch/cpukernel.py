@@ -5,13 +5,13 @@ kernel with its own output); on a CPU that costs more than many layers' own forw
 measures both). These
 kernels, compiled by numba, make the same row in one pass over blocks of :data:`BLOCK` elements: one loop of vector
 lanes takes the float64 sums, the zero counts and the extreme bit patterns (from which min and max follow), and a
-block that turns out to hold NaN or infinity (rare) is redone element by element; sketches add the raw bin code of
-every element (integer arithmetic on the bits) and a histogram of them.
+block that turns out to hold NaN or infinity (rare) is redone element by element; sketches add the grid key of
+every element (integer arithmetic on the bits, in vector lanes) and a histogram of the keys.
 
 They write exactly what :func:`trainhist.torch.reduce.reduce_into` writes: the same counts, bins and min/max bits;
 the float64 sums accumulate in another order (``SumMethod.F64`` bounds any order). Nothing here is used off the CPU.
-The compiled code is cached on disk by numba (the entry points capture only numbers and a small table), so only the
-first use on a machine pays the few seconds of compilation.
+The compiled code is cached on disk by numba (the entry points capture only numbers), so only the first use on a
+machine pays the few seconds of compilation.
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ from numba.extending import intrinsic
 __all__ = ["make", "make_merge", "gather_f32", "BLOCK"]
 
 BLOCK = 4096  #: elements per block: the loops of one block share its L1-resident data
+#: elements whose keys are computed (in vector lanes) before they are counted (scalar): small enough that the CPU
+#: overlaps one group's counting with the next group's arithmetic, which one loop over the block would serialise (a
+#: multiple of 4: the counting loop takes a word of four keys per turn)
+GROUP = 32
 #: lets LLVM split the float64 sums into vector lanes and fuse the square into its sum (exact for float32, whose
 #: square fits a float64; within the f64_accumulate bound for float64); no NaN/inf assumptions
 _FASTMATH = {"reassoc", "nsz", "contract"}
@@ -62,8 +66,9 @@ def _block(x, u, v, acc, cnt, ext, smax_, zeros, c, T):
     in a second loop over its (L1-resident) elements. Returns whether the block held a zero.
 
     ``acc`` = [min, max, sum, sum of squares] (float64) of the masked blocks' elements and of all blocks; ``cnt`` =
-    [NaN, +inf, -inf, zeros, negative zeros]; ``ext`` (least, greatest unsigned pattern), ``smax_`` (greatest signed
-    pattern): of the other blocks' elements (combined across blocks; made floats once, in :func:`_finish`).
+    [NaN, +inf, -inf, zeros, negative zeros, NaN with the sign bit set]; ``ext`` (least, greatest unsigned pattern),
+    ``smax_`` (greatest signed pattern): of the other blocks' elements (combined across blocks; made floats once, in
+    :func:`_finish`).
     """
     sign, absmask, allones = c[1], c[2], c[5]
     s = 0.0
@@ -115,8 +120,9 @@ def _block(x, u, v, acc, cnt, ext, smax_, zeros, c, T):
 
 @njit(inline="always")
 def _masked(x, u, acc, cnt, c, T):
-    """A block holding NaN or infinity: count them, and take min/max/sums over the finite elements only."""
-    absmask, expmask = c[2], c[3]
+    """A block holding NaN or infinity: count them (NaN also by sign, for the sketch's keys), and take min/max/sums
+    over the finite elements only."""
+    top, absmask, expmask = c[0], c[2], c[3]
     mn, mx = acc[0], acc[1]
     s = 0.0
     q = 0.0
@@ -126,6 +132,7 @@ def _masked(x, u, acc, cnt, c, T):
         if a >= expmask:
             if a > expmask:
                 cnt[0] += 1
+                cnt[5] += np.int64(b >> top)
             elif b == expmask:
                 cnt[1] += 1
             else:
@@ -149,7 +156,7 @@ def _start(address, n, row_address, row_len, col_min, F, U, S, c, smin):
     row = carray(_pointer(row_address), row_len, np.int64)
     fl = carray(_pointer(row_address + 8 * col_min), row_len - col_min, np.float64)
     acc = np.array([np.inf, -np.inf, 0.0, 0.0])
-    cnt = np.zeros(5, dtype=np.int64)
+    cnt = np.zeros(6, dtype=np.int64)
     ext = np.array([c[5], U(0)], dtype=U)
     smax = np.array([smin], dtype=S)
     return carray(p, n, F), carray(p, n, U), carray(p, n, S), row, fl, acc, cnt, ext, smax
@@ -184,7 +191,7 @@ def _spine(address, n, row_address, L, F, U, S, c, smin):
         stop = min(start + BLOCK, n)
         zeros = _block(x[start:stop], u[start:stop], v[start:stop], acc, cnt, ext, smax, zeros, c, U)
     _finish(acc, ext, smax, fl, F, c, U)
-    nan, pinf, ninf, zeros, negzeros = cnt
+    nan, pinf, ninf, zeros, negzeros = cnt[0], cnt[1], cnt[2], cnt[3], cnt[4]
     fin_nz = n - nan - pinf - ninf - zeros
     fin_nzbits = fin_nz + negzeros
     row[col_spine] += fin_nz
@@ -195,50 +202,96 @@ def _spine(address, n, row_address, L, F, U, S, c, smin):
 
 
 @njit(inline="always")
-def _sketch(address, n, row_address, L, F, U, S, c, smin, k, keys, ncount):
-    """Add the grid-key counts, min, -max and the sums of the ``n`` elements at ``address`` to the row (``k`` =
-    the raw-code constants: fraction mask, mantissa bits, the three thresholds, the non-finite shift, the sign
-    side, 4; ``keys`` folds raw codes to the row's ``ncount`` key columns)."""
-    # (cnt is not used here: the keys count zeros, NaN and infinities)
+def _key(b, k, U):
+    """The grid key of the element with bit pattern ``b`` (unsigned type ``U``; ``k``: see :func:`make`), plus
+    ``offset - 1``: the caller subtracts that in its histogram's index (for free: an address offset).
+
+    The key of a finite non-zero value with biased exponent ``e`` is ``clamp(4*e + q + 1 - offset, under, over)``,
+    plus ``side`` when it is negative; ``q + 1`` is how many of 0 and the three quarter-octave thresholds lie below
+    its fraction ``f`` (see :class:`trainhist.torch.reduce._Width`). ``4*e + q`` is read from ``d = b - 1``, as
+    ``4*exp(d)`` plus how many of the thresholds minus one lie below ``frac(d)``: when ``f`` is not zero, ``d`` has
+    the exponent ``e`` and the fraction ``f - 1``, so that count is ``q + 1`` less the one for ``f > 0``; when ``f``
+    is zero, ``d`` has the exponent ``e - 1`` and an all-ones fraction, above every threshold: ``4*(e - 1) + 3`` is
+    ``4*e + q`` with ``q = -1`` all the same (one subtraction instead of a comparison with 0 and an addition).
+    Clamped to ``[lo, hi] = [offset - 1 + under, offset - 1 + over]``, ``4*e + q`` is the key plus ``offset - 1``.
+    Subnormals (``e = 0``) fall below ``lo``: the underflow key, as they should.
+    Zeros, infinities and NaN land in their side's overflow (+0 wraps to all ones: the negative side; -0 to the
+    positive one) and :func:`_sketch` moves them from there.
+
+    The fraction comparisons take the element's width; the rest is done on its top 32 bits (sign, exponent: for
+    float64, four lanes then fill half a vector register). Narrow integers are cast back at every step (numba widens
+    them to 64 bits otherwise), and the sign is a signed comparison, not a shift (x86 runs vector shifts on one port).
+    """
+    fracmask, t1, t2, t3, hshift, eshift, emask, lo, hi, side = k
+    W = np.uint32
+    d = U(b - U(1))
+    frac = U(d & fracmask)
+    q = W(U(frac > t1) + U(frac > t2) + U(frac > t3))
+    top = W(d >> hshift)
+    idx = W(W(W(top >> eshift) & emask) + q)
+    return np.uint16(min(max(idx, lo), hi) + W(np.int32(top) < np.int32(0)) * side)
+
+
+@njit(inline="always")
+def _sketch(address, n, row_address, L, F, U, S, c, smin, k, cols, ncount):
+    """Add the grid-key counts, min, -max and the sums of the ``n`` elements at ``address`` to the row (``k`` = the
+    key constants of :func:`_key`; ``cols`` = the row's key columns: underflow, overflow, the side offset, zero, NaN,
+    +inf, -inf, -0.0).
+
+    Each group of :data:`GROUP` elements has its keys computed in vector lanes (:func:`_key`) and then counted in
+    four histograms in turn: neighbours often share a key, and one histogram would make each count wait for the
+    previous one's store. Zeros, NaN and infinities were counted in their side's overflow key; the spine counts of
+    :func:`_block` (which this kernel keeps anyway) move them to their own keys at the end.
+    """
     row_len, col_min, _ = L
     x, u, v, row, fl, acc, cnt, ext, smax = _start(address, n, row_address, row_len, col_min, F, U, S, c, smin)
     hist = np.zeros((4, ncount), dtype=np.int64)
     h0, h1, h2, h3 = hist[0], hist[1], hist[2], hist[3]
-    codes = np.empty(BLOCK, dtype=U)
+    keys = np.empty(GROUP, dtype=np.uint16)
+    # read four keys at a time (which histogram gets which key of a word does not matter, so neither does the
+    # byte order)
+    words = keys.view(np.uint64)
+    under, over, side, kzero, knan, kpinf, kninf, cnegzero = cols
+    shift = np.uint64(k[7] - under)  # _key's keys plus this; unsigned: no negative-index fixup
+    mask = np.uint64(0xFFFF)
     zeros = False
-    top, absmask, expmask, one = c[0], c[2], c[3], c[4]
-    fracmask, mb, t1, t2, t3, ushift, uside, u4 = k
     for start in range(0, n, BLOCK):
         stop = min(start + BLOCK, n)
         xb, ub, vb = x[start:stop], u[start:stop], v[start:stop]
         m = ub.size
-        for i in range(m):  # the raw code (see reduce._Width), in vector lanes
-            b = ub[i]
-            a = U(b & absmask)
-            frac = U(b & fracmask)
-            codes[i] = (u4 * U(a >> mb) + one + U(frac > t1) + U(frac > t2) + U(frac > t3)
-                        - U(frac == 0) + U(a >= expmask) * ushift + U(b >> top) * uside)
-        # four histograms in turn: neighbours often share a bin, and one histogram would make each count wait
-        # for the previous one's store
-        m4 = m - m % 4
-        for j in range(0, m4, 4):
-            h0[keys[codes[j]]] += 1
-            h1[keys[codes[j + 1]]] += 1
-            h2[keys[codes[j + 2]]] += 1
-            h3[keys[codes[j + 3]]] += 1
-        for j in range(m4, m):
-            h0[keys[codes[j]]] += 1
+        mg = m - m % GROUP
+        for g in range(0, mg, GROUP):
+            for i in range(GROUP):
+                keys[i] = _key(ub[g + i], k, U)
+            for j in range(GROUP // 4):
+                w = words[j]
+                h0[(w & mask) - shift] += 1
+                h1[((w >> np.uint64(16)) & mask) - shift] += 1
+                h2[((w >> np.uint64(32)) & mask) - shift] += 1
+                h3[(w >> np.uint64(48)) - shift] += 1
+        for i in range(mg, m):
+            h0[np.uint64(_key(ub[i], k, U)) - shift] += 1
         zeros = _block(xb, ub, vb, acc, cnt, ext, smax, zeros, c, U)
     _finish(acc, ext, smax, fl, F, c, U)
     for j in range(ncount):
         row[j] += h0[j] + h1[j] + h2[j] + h3[j]
+    nan, pinf, ninf, zero, negzero, negnan = cnt
+    row[over] -= nan - negnan + pinf + negzero
+    row[over + side] -= negnan + ninf + zero - negzero
+    row[kzero] += zero - negzero
+    row[cnegzero] += negzero
+    row[knan] += nan
+    row[kpinf] += pinf
+    row[kninf] += ninf
 
 
-def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift: int, side: int,
-         col_spine: int, ncount: int, col_min: int, row_len: int, fold: np.ndarray) -> tuple[Callable, ...]:
-    """The ``(spine, sketch, many)`` kernels of one IEEE width, for the ledger row layout of :mod:`.reduce` (raw
-    codes folded to keys by ``fold``, :data:`~.reduce.COL_SPINE`, :data:`~.reduce.NCOUNT`,
-    :data:`~.reduce.COL_MIN`, ``row_len`` int64 entries); the constants are frozen into the compiled code.
+def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], offset: int, cols: tuple[int, ...],
+         col_spine: int, ncount: int, col_min: int, row_len: int) -> tuple[Callable, ...]:
+    """The ``(spine, sketch, many)`` kernels of one IEEE width, for the ledger row layout of :mod:`.reduce` (grid
+    keys ``clamp(4*exp + q + 1 - offset, under, over)`` for the quarter-octave ``thresh`` and the key columns
+    ``cols`` = underflow, overflow, the negative side's offset, zero, NaN, +inf, -inf and -0.0 (see :func:`_key`),
+    :data:`~.reduce.COL_SPINE`, :data:`~.reduce.NCOUNT`, :data:`~.reduce.COL_MIN`, ``row_len`` int64 entries); the
+    constants are frozen into the compiled code.
 
     ``spine`` and ``sketch`` take ``(address, n, row_address)``: the addresses of ``n`` contiguous elements and of
     the int64 ledger row. Passing addresses, not arrays, spares the few microseconds per call that making numpy
@@ -249,11 +302,16 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
     U = np.uint32 if bits == 32 else np.uint64
     S = np.int32 if bits == 32 else np.int64
     F = np.float32 if bits == 32 else np.float64
+    W = np.uint32
     c = (U(bits - 1), U(1 << (bits - 1)), U((1 << (bits - 1)) - 1), U(((1 << ebits) - 1) << mbits), U(1),
          U((1 << bits) - 1))
     smin = S(-(1 << (bits - 1)))
-    k = (U((1 << mbits) - 1), U(mbits), U(thresh[0]), U(thresh[1]), U(thresh[2]), U(shift), U(side), U(4))
-    keys = fold.astype(np.uint16)  # raw code -> grid key (all below ncount); unsigned: no negative-index fixup
+    under, over, side = cols[:3]
+    if not (0 <= under <= over < side and 2 * side <= ncount):  # (the kernel indexes its histograms unchecked)
+        raise ValueError(f"key columns {cols} do not fit the layout of _key in {ncount} columns")
+    hshift = bits - 32  # the top 32 bits: the sign, the exponent and 20 bits of the fraction (float64)
+    k = (U((1 << mbits) - 1), U(thresh[0] - 1), U(thresh[1] - 1), U(thresh[2] - 1), U(hshift), W(mbits - hshift - 2),
+         W(((1 << ebits) - 1) << 2), W(offset - 1 + under), W(offset - 1 + over), W(side))
     L = (row_len, col_min, col_spine)
 
     @njit(cache=True, nogil=True, fastmath=_FASTMATH, boundscheck=False)
@@ -262,13 +320,13 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], shift:
 
     @njit(cache=True, nogil=True, fastmath=_FASTMATH, boundscheck=False)
     def sketch(address, n, row_address):
-        _sketch(address, n, row_address, L, F, U, S, c, smin, k, keys, ncount)
+        _sketch(address, n, row_address, L, F, U, S, c, smin, k, cols, ncount)
 
     @njit(cache=True, nogil=True, fastmath=_FASTMATH, boundscheck=False)
     def many(addresses, ns, row_addresses, with_sketch):
         for j in range(addresses.size):
             if with_sketch:
-                _sketch(addresses[j], ns[j], row_addresses[j], L, F, U, S, c, smin, k, keys, ncount)
+                _sketch(addresses[j], ns[j], row_addresses[j], L, F, U, S, c, smin, k, cols, ncount)
             else:
                 _spine(addresses[j], ns[j], row_addresses[j], L, F, U, S, c, smin)
 

@@ -75,10 +75,14 @@ class _Width:
         self.shift = 4 * self.e + 1
         self.side = 8 * self.e + 2
         self.thresh = thresh
+        #: a positive finite non-zero value's raw code minus its grid key before the clamp to under/overflow (_fold)
+        self.offset = 4 * ((1 << (ebits - 1)) - 1) + grid.index_min(grid.NATIVE_SCALE)
         self.fold_np = self._fold(ebits)
         self.fold = torch.from_numpy(self.fold_np)
         self.kernels = None if cpukernel is None else cpukernel.make(
-            self.nbits, mbits, ebits, thresh, self.shift, self.side, COL_SPINE, NCOUNT, COL_MIN, ROW, self.fold_np)
+            self.nbits, mbits, ebits, thresh, self.offset, (grid.KEY_UNDER, grid.KEY_OVER, _SIDE, grid.KEY_ZERO,
+                                                            grid.KEY_NAN, grid.KEY_PINF, grid.KEY_NINF, COL_NEGZERO),
+            COL_SPINE, NCOUNT, COL_MIN, ROW)
         self._fold_dev: dict[torch.device, torch.Tensor] = {}
 
     def _fold(self, ebits: int) -> np.ndarray:
