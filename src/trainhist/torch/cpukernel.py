@@ -28,7 +28,7 @@ __all__ = ["make", "make_merge", "gather_f32", "BLOCK"]
 BLOCK = 4096  #: elements per block: the loops of one block share its L1-resident data
 #: elements whose keys are computed (in vector lanes) before they are counted (scalar): small enough that the CPU
 #: overlaps one group's counting with the next group's arithmetic, which one loop over the block would serialise (a
-#: multiple of 4: the counting loop takes a word of four keys per turn)
+#: multiple of 8: the counting loop takes two words of four keys per turn)
 GROUP = 32
 #: lets LLVM split the float64 sums into vector lanes and fuse the square into its sum (exact for float32, whose
 #: square fits a float64; within the f64_accumulate bound for float64); no NaN/inf assumptions
@@ -239,14 +239,15 @@ def _sketch(address, n, row_address, L, F, U, S, c, smin, k, cols, ncount):
     +inf, -inf, -0.0).
 
     Each group of :data:`GROUP` elements has its keys computed in vector lanes (:func:`_key`) and then counted in
-    four histograms in turn: neighbours often share a key, and one histogram would make each count wait for the
-    previous one's store. Zeros, NaN and infinities were counted in their side's overflow key; the spine counts of
-    :func:`_block` (which this kernel keeps anyway) move them to their own keys at the end.
+    eight histograms in turn: neighbours often share a key (a constant tensor, the zeros of a ReLU), and one
+    histogram would make each count wait for the previous one's store (four still waited on constant data). Zeros,
+    NaN and infinities were counted in their side's overflow key; the spine counts of :func:`_block` (which this
+    kernel keeps anyway) move them to their own keys at the end.
     """
     row_len, col_min, _ = L
     x, u, v, row, fl, acc, cnt, ext, smax = _start(address, n, row_address, row_len, col_min, F, U, S, c, smin)
-    hist = np.zeros((4, ncount), dtype=np.int64)
-    h0, h1, h2, h3 = hist[0], hist[1], hist[2], hist[3]
+    hist = np.zeros((8, ncount), dtype=np.int64)
+    h0, h1, h2, h3, h4, h5, h6, h7 = hist[0], hist[1], hist[2], hist[3], hist[4], hist[5], hist[6], hist[7]
     keys = np.empty(GROUP, dtype=np.uint16)
     # read four keys at a time (which histogram gets which key of a word does not matter, so neither does the
     # byte order)
@@ -263,18 +264,23 @@ def _sketch(address, n, row_address, L, F, U, S, c, smin, k, cols, ncount):
         for g in range(0, mg, GROUP):
             for i in range(GROUP):
                 keys[i] = _key(ub[g + i], k, U)
-            for j in range(GROUP // 4):
+            for j in range(0, GROUP // 4, 2):
                 w = words[j]
                 h0[(w & mask) - shift] += 1
                 h1[((w >> np.uint64(16)) & mask) - shift] += 1
                 h2[((w >> np.uint64(32)) & mask) - shift] += 1
                 h3[(w >> np.uint64(48)) - shift] += 1
+                w = words[j + 1]
+                h4[(w & mask) - shift] += 1
+                h5[((w >> np.uint64(16)) & mask) - shift] += 1
+                h6[((w >> np.uint64(32)) & mask) - shift] += 1
+                h7[(w >> np.uint64(48)) - shift] += 1
         for i in range(mg, m):
             h0[np.uint64(_key(ub[i], k, U)) - shift] += 1
         zeros = _block(xb, ub, vb, acc, cnt, ext, smax, zeros, c, U)
     _finish(acc, ext, smax, fl, F, c, U)
     for j in range(ncount):
-        row[j] += h0[j] + h1[j] + h2[j] + h3[j]
+        row[j] += h0[j] + h1[j] + h2[j] + h3[j] + h4[j] + h5[j] + h6[j] + h7[j]
     nan, pinf, ninf, zero, negzero, negnan = cnt
     row[over] -= nan - negnan + pinf + negzero
     row[over + side] -= negnan + ninf + zero - negzero
