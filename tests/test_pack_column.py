@@ -1,8 +1,13 @@
 """``chunk._pack_column`` (the packed codec's choice per column, sizes first, only the winning block built)
-against building every candidate block and keeping the smallest after padding, raw on ties (spec 7.3)."""
+against building every candidate block and keeping the smallest after padding, raw on ties (spec 7.3); the
+same for many columns packed together (``_pack_columns``, ``encode_chunks``: one set of numpy calls for all of
+them), and the directory layout against re-packing the directory until its offsets hold still."""
 
 from __future__ import annotations
 
+import struct
+
+import msgpack
 import numpy as np
 import pytest
 
@@ -13,6 +18,10 @@ from trainhist.chunk import (
     _encode_for,
     _encode_patched,
     _pack_column,
+    _pack_columns,
+    decode_chunk,
+    encode_chunk,
+    encode_chunks,
 )
 from trainhist.framing import pad8
 
@@ -52,3 +61,81 @@ def test_pack_column_equals_building_every_block(dt: str) -> None:
             for arr in (a, a.astype(np.int64) if dt in ("u2", "u4", "i4") else a):
                 assert _pack_column(dt, arr) == _every_block(dt, arr), (dt, n, spread)
     assert _pack_column("bytes", b"abc") == (Codec.RAW, b"abc")
+
+
+def _random_column(rng: np.random.Generator, dt: str, n: int) -> np.ndarray | bytes:
+    """Values of ``dt`` that reach each codec: constant, narrow and full ranges, values of 255 and more, binary32."""
+    if dt == "bytes":
+        return rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+    if dt == "f8":
+        a = rng.standard_normal(n) * 10.0 ** rng.integers(-300, 300)
+        if rng.random() < 0.5:
+            with np.errstate(over="ignore"):
+                a = a.astype(np.float32).astype(np.float64)
+        if n and rng.random() < 0.3:
+            a[rng.integers(0, n)] = rng.choice([np.nan, np.inf, -0.0])
+        return a
+    info = np.iinfo(DTYPES[dt])
+    lo = [int(info.min), 0, min(250, int(info.max)), int(info.max)][int(rng.integers(0, 4))]
+    spread = [0, 1, 255, 256, 70000, 1 << 40][int(rng.integers(0, 6))]
+    hi = min(int(info.max), lo + spread)
+    a = np.array([int(v) for v in rng.integers(0, hi - lo + 1, n, dtype=np.uint64)], dtype=object) + lo
+    return a.astype(DTYPES[dt])
+
+
+def test_pack_columns_together_equal_each_alone() -> None:
+    """Columns of every dtype and of several lengths packed in one call: each as building every block picks it."""
+    rng = np.random.default_rng(11)
+    dts = ["u1", "u2", "u4", "u8", "i1", "i2", "i4", "i8", "f8", "bytes"]
+    for _ in range(60):
+        cols = []
+        for _ in range(int(rng.integers(1, 40))):
+            dt = str(rng.choice(dts))
+            cols.append((dt, _random_column(rng, dt, int(rng.choice([0, 1, 2, 7, 30, 31, 300])))))
+        got = _pack_columns(cols)
+        for (dt, arr), (codec, stored, rlen) in zip(cols, got):
+            want = (Codec.RAW, arr) if isinstance(arr, bytes) else _every_block(dt, arr)
+            assert (codec, stored) == want, dt
+            assert rlen == (len(arr) if isinstance(arr, bytes) else arr.size * DTYPES[dt].itemsize)
+
+
+def test_encode_chunks_equals_encode_chunk_of_each() -> None:
+    rng = np.random.default_rng(12)
+    for codec in (Codec.RAW, Codec.DEFLATE, Codec.SHUFFLE_DEFLATE, Codec.PACKED):
+        chunks = []
+        for k in range(8):
+            n = int(rng.choice([1, 3, 30]))
+            cols = {f"c{j}": (dt, _random_column(rng, dt, n))
+                    for j, dt in enumerate(rng.choice(["u1", "u4", "u8", "i8", "f8", "bytes"], 6))}
+            chunks.append(({"site": k, "rows": n}, cols))
+        assert encode_chunks(chunks, codec) == [encode_chunk(meta, cols, codec) for meta, cols in chunks]
+
+
+def _least_layout(meta: dict, blocks: list[bytes]) -> bytes:
+    """The directory found the straightforward way: offsets from the directory packed with every offset 0, then
+    re-packed with the offsets it implies until they hold still."""
+    offsets = [0] * len(blocks)
+    while True:
+        packed = msgpack.packb(dict(meta, cols=[[f"c{j}", "u1", 0, o, len(b), len(b)]
+                                               for j, (o, b) in enumerate(zip(offsets, blocks))]), use_bin_type=True)
+        pos, new = 4 + len(packed) + pad8(4 + len(packed)), []
+        for b in blocks:
+            new.append(pos)
+            pos += len(b) + pad8(len(b))
+        if new == offsets:
+            return packed
+        offsets = new
+
+
+@pytest.mark.parametrize("sizes", [[1], [100, 20], [120, 5, 9], [250, 3], [65400, 100, 1], [65536] * 3,
+                                   [10, 65500, 7, 200]])
+def test_directory_offsets_are_the_least_consistent_layout(sizes: list[int]) -> None:
+    """Offsets crossing the msgpack widths (128, 256, 65536): the directory is the one re-packing settles on."""
+    blocks = [bytes([j + 1]) * n for j, n in enumerate(sizes)]
+    meta = {"rows": 1}
+    payload = encode_chunk(meta, {f"c{j}": ("u1", b) for j, b in enumerate(blocks)}, Codec.RAW)
+    (mlen,) = struct.unpack_from("<I", payload)
+    assert payload[4 : 4 + mlen] == _least_layout(meta, blocks)
+    ch = decode_chunk(memoryview(payload), 0, None, {f"c{j}": "u1" for j in range(len(blocks))},
+                      frozenset(f"c{j}" for j in range(len(blocks))))
+    assert [ch.column(f"c{j}").tobytes() for j in range(len(blocks))] == blocks

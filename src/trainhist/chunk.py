@@ -7,8 +7,10 @@ patched bytes: spec 7.3) are decoded with a few numpy operations and widened to 
 
 from __future__ import annotations
 
+import itertools
 import struct
 import zlib
+from bisect import bisect_left
 from dataclasses import dataclass
 
 import msgpack
@@ -17,7 +19,7 @@ import numpy as np
 from .errors import CorruptError, LimitError, UnsupportedError
 from .framing import pad8
 
-__all__ = ["Codec", "DTYPES", "encode_chunk", "decode_chunk", "Chunk", "MAX_ROWS", "MAX_COLUMNS"]
+__all__ = ["Codec", "DTYPES", "encode_chunk", "encode_chunks", "decode_chunk", "Chunk", "MAX_ROWS", "MAX_COLUMNS"]
 
 MAX_ROWS = 1 << 20
 MAX_COLUMNS = 64
@@ -126,36 +128,123 @@ def _padded(n: int) -> int:
 
 
 def _pack_column(dt: str, arr: np.ndarray | bytes, raw: bytes | None = None) -> tuple[int, bytes]:
-    """The smallest of raw and the lightweight codecs that apply to ``dt`` (raw on ties: it is read in place).
+    """The smallest of raw and the lightweight codecs that apply to ``dt`` (raw on ties: it is read in place), as
+    :func:`_pack_columns` picks it. ``raw``: the raw bytes, when the caller has them."""
+    codec, blk, _ = _pack_columns([(dt, arr)])[0]
+    return codec, raw if codec == Codec.RAW and raw is not None else blk
+
+
+def _pack_columns(columns: list[tuple[str, np.ndarray | bytes]]) -> list[tuple[int, bytes, int]]:
+    """``(codec, stored block, raw length)`` of each ``(dtype code, array or bytes)`` under ``Codec.PACKED``: the
+    smallest (after padding) of raw and the lightweight codecs that apply to the dtype, raw on ties.
 
     The sizes of frame of reference and patched bytes follow from the range and the number of values of 255 or
-    more, so only the block that wins is built. ``raw``: the raw bytes, when the caller has them."""
-    if isinstance(arr, (bytes, bytearray)):
-        return Codec.RAW, arr if raw is None else raw
-    a = np.ascontiguousarray(arr, DTYPES[dt])
-    if dt == "bytes":
-        return Codec.RAW, a.tobytes() if raw is None else raw
-    best, size = Codec.RAW, a.nbytes
-    if dt == "f8":
-        blk = _encode_f32(a)
-        if blk is not None and _padded(len(blk)) < _padded(size):
-            return Codec.F32, blk
-    elif a.size:
-        lo = int(a.min())
-        w = _for_width(int(a.max()) - lo)
-        if _padded(8 + w * a.size) < _padded(size):
-            best, size = Codec.FOR, 8 + w * a.size
-        big = None
-        if dt in ("u2", "u4", "u8"):
-            big = a >= 255
-            k = int(np.count_nonzero(big))
-            if _padded(k * a.itemsize + a.size) < _padded(size):
-                best, size = Codec.PATCHED, k * a.itemsize + a.size
-        if best == Codec.FOR:
-            return best, _encode_for(a, dt, lo, w)
-        if best == Codec.PATCHED:
-            return best, _encode_patched(a, dt, big)
-    return Codec.RAW, a.tobytes() if raw is None else raw
+    more, so only the block that wins is built. A commit packs thousands of short columns, and a numpy call costs
+    more than its work on one of them: the columns are packed together, integers as one uint64 vector and f8 as
+    one float64 vector, each column a segment of it (statistics by ``reduceat``, blocks cut from one buffer)."""
+    out: list[tuple[int, bytes, int]] = [(Codec.RAW, b"", 0)] * len(columns)
+    ints: list[tuple[int, str, np.ndarray]] = []
+    floats: list[tuple[int, str, np.ndarray]] = []
+    for i, (dt, arr) in enumerate(columns):
+        if isinstance(arr, (bytes, bytearray)):
+            out[i] = (Codec.RAW, arr, len(arr))
+            continue
+        a = np.ascontiguousarray(arr, DTYPES[dt]).ravel()
+        if dt == "bytes" or not a.size:
+            out[i] = (Codec.RAW, a.tobytes(), a.nbytes)
+        else:
+            (floats if dt == "f8" else ints).append((i, dt, a))
+    if floats:
+        _pack_f8(floats, out)
+    if ints:
+        _pack_ints(ints, out)
+    return out
+
+
+def _pack_f8(columns: list[tuple[int, str, np.ndarray]], out: list[tuple[int, bytes, int]]) -> None:
+    """Binary32 (codec 4) for each f8 column whose values (NaN bit patterns included) all survive the round trip
+    and whose block is smaller after padding, raw otherwise; into ``out`` at each column's index."""
+    sizes = [a.size for _, _, a in columns]
+    starts = list(itertools.accumulate(sizes, initial=0))
+    flat = np.concatenate([a for _, _, a in columns])
+    with np.errstate(all="ignore"):
+        narrow = flat.astype("<f4")
+    exact = np.logical_and.reduceat(narrow.astype("<f8").view("<u8") == flat.view("<u8"), starts[:-1]).tolist()
+    f32 = narrow.tobytes()
+    for (i, _, a), ok, s, n in zip(columns, exact, starts, sizes):
+        if ok and _padded(4 * n) < _padded(8 * n):
+            out[i] = (Codec.F32, f32[4 * s : 4 * (s + n)], a.nbytes)
+        else:
+            out[i] = (Codec.RAW, a.tobytes(), a.nbytes)
+
+
+#: frame-of-reference widths by ``searchsorted(_FOR_LIMITS, span, "right")``: 0 bytes for span 0, 1 below 256, ...
+_FOR_LIMITS = np.array([1, 1 << 8, 1 << 16, 1 << 32], np.uint64)
+_FOR_WIDTH_AT = np.array([0, 1, 2, 4, 8], np.int64)
+_SIGN = np.uint64(1 << 63)
+
+
+def _pack_ints(columns: list[tuple[int, str, np.ndarray]], out: list[tuple[int, bytes, int]]) -> None:
+    """Frame of reference (codec 3), patched bytes (codec 5, unsigned of 2 or more bytes) or raw for each integer
+    column, whichever is smallest after padding (raw, then frame of reference, on ties); into ``out``."""
+    sizes = np.array([a.size for _, _, a in columns], np.int64)
+    itemsize = np.array([a.itemsize for _, _, a in columns], np.int64)
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    signed = np.array([dt[0] == "i" for _, dt, _ in columns])
+    bias = np.where(signed, _SIGN, np.uint64(0))
+    flat = np.concatenate([a for _, _, a in columns], dtype=np.uint64, casting="unsafe")
+    if signed.any():
+        flat ^= np.repeat(bias, sizes)  # v + 2**63 (mod 2**64): signed values onto uint64 in the same order
+    lows = np.minimum.reduceat(flat, starts)
+    width = _FOR_WIDTH_AT[np.searchsorted(_FOR_LIMITS, np.maximum.reduceat(flat, starts) - lows, "right")]
+    nbig = np.add.reduceat(flat >= 255, starts, dtype=np.int64)
+    # sizes compare in 8-byte words, after padding
+    raw_words = -(-sizes * itemsize // 8)
+    for_words = -(-(8 + width * sizes) // 8)
+    patched_words = -(-(nbig * itemsize + sizes) // 8)
+    patchable = np.array([dt in APPLIES[Codec.PATCHED] for _, dt, _ in columns])
+    codec = np.where(for_words < raw_words, Codec.FOR, Codec.RAW)
+    codec[patchable & (patched_words < np.minimum(for_words, raw_words))] = Codec.PATCHED
+    bases = (lows ^ bias).astype("<u8").tobytes()  # each least value as stored: "<q" of it for signed columns
+    offsets = {}  # width -> every value less the least of its column, at that width
+    used = set(width[codec == Codec.FOR].tolist()) - {0}
+    if used:
+        diff = flat - np.repeat(lows, sizes)  # v - lo (mod 2**64), whose low bytes are the offsets
+        offsets = {w: diff.astype(_FOR_WIDTHS[w]).tobytes() for w in used}
+    codes = np.minimum(flat, 255).astype(np.uint8).tobytes() if (codec == Codec.PATCHED).any() else b""
+    for k, ((i, _, a), c, w, s, n, nb) in enumerate(
+        zip(columns, codec.tolist(), width.tolist(), starts.tolist(), sizes.tolist(), nbig.tolist())
+    ):
+        if c == Codec.FOR:
+            blk = bases[8 * k : 8 * k + 8] + (offsets[w][w * s : w * (s + n)] if w else b"")
+        elif c == Codec.PATCHED:
+            blk = (a[a >= 255].tobytes() if nb else b"") + codes[s : s + n]
+        else:
+            blk = a.tobytes()
+        out[i] = (c, blk, a.nbytes)
+
+
+#: (value, bytes added): a non-negative integer takes 1 byte in msgpack below 128, one more from 128, one more from
+#: 256, two more from 65536, four more from 2**32 (the packer takes the shortest form)
+_UINT_GROWS = ((128, 1), (256, 1), (65536, 2), (1 << 32, 4))
+
+
+def _encode_column(dt: str, arr: np.ndarray | bytes, codec: int) -> tuple[int, bytes, int]:
+    """``(codec, stored block, raw length)`` of one column under a stored codec: raw, deflate, or shuffle-deflate
+    (plain deflate for 1-byte items); raw when the compressed block is no smaller."""
+    raw = arr if isinstance(arr, (bytes, bytearray)) else np.ascontiguousarray(arr, DTYPES[dt]).tobytes()
+    c = codec
+    if c == Codec.SHUFFLE_DEFLATE and DTYPES[dt].itemsize == 1:
+        c = Codec.DEFLATE
+    if c == Codec.DEFLATE:
+        stored = zlib.compress(raw, 6)
+    elif c == Codec.SHUFFLE_DEFLATE:
+        stored = zlib.compress(_shuffle(raw, DTYPES[dt].itemsize), 6)
+    else:
+        stored = raw
+    if c != Codec.RAW and len(stored) >= len(raw):
+        c, stored = Codec.RAW, raw
+    return c, stored, len(raw)
 
 
 def encode_chunk(meta: dict, columns: dict[str, tuple[str, np.ndarray | bytes]], codec: int) -> bytes:
@@ -164,54 +253,44 @@ def encode_chunk(meta: dict, columns: dict[str, tuple[str, np.ndarray | bytes]],
     ``codec`` applies to every column; columns of 1-byte items use plain deflate instead of shuffle.
     ``Codec.PACKED`` picks per column the smallest (after padding) of raw, FOR, F32 and PATCHED, raw on ties.
     """
-    blocks = []
-    cols = []
-    for name, (dt, arr) in columns.items():
-        c = codec
-        if c == Codec.PACKED:
-            c, stored = _pack_column(dt, arr)
-            rlen = len(arr) if isinstance(arr, (bytes, bytearray)) else np.asarray(arr).size * DTYPES[dt].itemsize
+    return encode_chunks([(meta, columns)], codec)[0]
+
+
+def encode_chunks(chunks: list[tuple[dict, dict[str, tuple[str, np.ndarray | bytes]]]], codec: int) -> list[bytes]:
+    """:func:`encode_chunk` of each ``(meta, columns)``; the columns of all of them are packed together."""
+    if codec == Codec.PACKED:
+        packed = iter(_pack_columns([col for _, columns in chunks for col in columns.values()]))
+    out = []
+    for meta, columns in chunks:
+        cols, blocks = [], []
+        for name, (dt, arr) in columns.items():
+            c, stored, rlen = next(packed) if codec == Codec.PACKED else _encode_column(dt, arr, codec)
             cols.append([name, dt, c, 0, len(stored), rlen])
             blocks.append(stored)
-            continue
-        raw = arr if isinstance(arr, (bytes, bytearray)) else np.ascontiguousarray(arr, DTYPES[dt]).tobytes()
-        if c == Codec.SHUFFLE_DEFLATE and DTYPES[dt].itemsize == 1:
-            c = Codec.DEFLATE
-        if c == Codec.DEFLATE:
-            stored = zlib.compress(raw, 6)
-        elif c == Codec.SHUFFLE_DEFLATE:
-            stored = zlib.compress(_shuffle(raw, DTYPES[dt].itemsize), 6)
-        else:
-            stored = raw
-        if c != Codec.RAW and len(stored) >= len(raw):
-            c, stored = Codec.RAW, raw
-        cols.append([name, dt, c, 0, len(stored), len(raw)])
-        blocks.append(stored)
+        out.append(_assemble(meta, cols, blocks))
+    return out
+
+
+def _assemble(meta: dict, cols: list[list], blocks: list[bytes]) -> bytes:
+    """The payload: the msgpack directory ``meta`` + ``cols`` (each ``[name, dtype, codec, offset, stored, raw]``,
+    offsets filled in here), then the blocks, each 8-aligned."""
     meta = dict(meta, cols=cols)
-    # offsets depend on the directory's length, which depends on the offsets: fix them in two passes.
-    for _ in range(2):
-        packed = msgpack.packb(meta, use_bin_type=True)
-        pos = 4 + len(packed)
-        pos += pad8(pos)
-        for col, blk in zip(cols, blocks):
-            col[3] = pos
-            pos += len(blk) + pad8(len(blk))
-    packed2 = msgpack.packb(meta, use_bin_type=True)
-    if packed2 != packed:  # offsets grew an integer width; one more pass settles it
-        packed = packed2
-        pos = 4 + len(packed) + pad8(4 + len(packed))
-        for col, blk in zip(cols, blocks):
-            col[3] = pos
-            pos += len(blk) + pad8(len(blk))
-        packed = msgpack.packb(meta, use_bin_type=True)
-    out = bytearray(struct.pack("<I", len(packed)))
-    out += packed
-    out += b"\0" * pad8(len(out))
-    for col, blk in zip(cols, blocks):
-        assert len(out) == col[3]
-        out += blk
-        out += b"\0" * pad8(len(blk))
-    return bytes(out)
+    # The offsets depend on the directory's length, which depends on the offsets' msgpack widths: starting from
+    # the length with every offset 0, recompute the offsets until they hold still (the least consistent layout).
+    rel = list(itertools.accumulate([len(b) + pad8(len(b)) for b in blocks], initial=0))[:-1]  # past the directory
+    base = len(msgpack.packb(meta, use_bin_type=True))
+    length, start = base, -1
+    while start != 4 + length + pad8(4 + length):
+        start = 4 + length + pad8(4 + length)
+        length = base + sum(grow * (len(rel) - bisect_left(rel, at - start)) for at, grow in _UINT_GROWS)
+    for col, r in zip(cols, rel):
+        col[3] = start + r
+    packed = msgpack.packb(meta, use_bin_type=True)
+    assert len(packed) == length
+    parts = [struct.pack("<I", len(packed)), packed, b"\0" * pad8(4 + len(packed))]
+    for blk in blocks:
+        parts += (blk, b"\0" * pad8(len(blk)))
+    return b"".join(parts)
 
 
 @dataclass

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 import struct
+from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
 
 __all__ = ["Dyadic", "ZERO", "exact_sums", "float_of", "fits_float", "mant_bytes", "dyadics_of", "float_parts",
-           "canonical_parts"]
+           "canonical_parts", "floats_of"]
 
 
 def float_of(m: int, e: int) -> float:
@@ -121,6 +122,29 @@ def dyadics_of(values: np.ndarray) -> list[Dyadic]:
         raise ValueError("a dyadic needs a finite value")
     m, e = float_parts(a)
     return [Dyadic(mi, ei) for mi, ei in zip(m.tolist(), e.tolist())]
+
+
+def floats_of(values: list[Dyadic]) -> tuple[np.ndarray, list[bool]]:
+    """``[v.to_float() for v in values]`` as a float64 array, and ``[v.is_float() for v in values]``: with a few numpy
+    operations when every ``m`` and ``e`` fits int64 (a chunk stores two sums a row), value by value otherwise."""
+    try:
+        me = np.fromiter(chain.from_iterable(values), np.int64, 2 * len(values))
+    except OverflowError:
+        return np.array([v.to_float() for v in values], np.float64), [v.is_float() for v in values]
+    m, e = me[0::2], me[1::2]
+    mf = m.astype(np.float64)  # exact when |m| < 2**53; larger stays >= 2**53
+    bits = np.frexp(mf)[1]  # bit length of |m|, or more than 53
+    # is_float: canonical (m odd, or m == e == 0) and exactly a finite float64: |m| < 2**53 and
+    # -1074 <= e <= 1024 - bits (as unsigned, e + 1074 wraps past the bound when e is below -1074 or near 2**63)
+    in_range = (bits <= 53) & ((e + 1074).view(np.uint64) <= (2098 - bits).astype(np.uint64))
+    exact = (((m & 1) == 1) & in_range) | ((m | e) == 0)
+    f = np.ldexp(mf, np.where(exact, e, 0))  # exactly the value where it is a float64
+    is_float = exact.tolist()
+    if False in is_float:
+        for i, ok in enumerate(is_float):
+            if not ok:
+                f[i] = values[i].to_float()
+    return f, is_float
 
 
 # Limb plans: (mantissa bits, limb bits, limbs, block elements) chosen so every float64 partial sum in

@@ -13,14 +13,17 @@ import os
 import socket
 import time
 import uuid
+from bisect import bisect_left
 from dataclasses import dataclass
+from itertools import accumulate, chain
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
 
 from . import __version__
-from .chunk import MAX_ROWS, Codec, encode_chunk
-from .dyadic import Dyadic
+from .chunk import MAX_ROWS, Codec, encode_chunk, encode_chunks
+from .dyadic import Dyadic, floats_of
 from .errors import ReadOnlyError, UsageError
 from .framing import (
     FILE_HEADER_SIZE,
@@ -65,68 +68,104 @@ class SiteHandle:
     facet: str | None
 
 
+_EMPTY = Summary(count=0)  # the numbers of a row that has none (a mark)
+_COUNTS = ("count", "nan", "pinf", "ninf", "zero")
+_counts_of = attrgetter(*_COUNTS)
+_range_of = attrgetter("min", "max")
+_sums_of = attrgetter("sum", "sumsq")
+_SKETCH_COLUMNS = ("sk", "sk_plo", "sk_pn", "sk_nlo", "sk_nn", "sk_up", "sk_un", "sk_op", "sk_on")
+_SKETCH_DTYPES = ("u1", "u2", "u2", "u2", "u2", "u8", "u8", "u8", "u8")
+
+
+def _gather(fields: Any, items: list, dtype: type, width: int) -> np.ndarray:
+    """``width`` values per item (``fields(item)``, a tuple) as a ``(width, len(items))`` array, one row a field."""
+    flat = np.fromiter(chain.from_iterable(map(fields, items)), dtype, width * len(items))
+    return flat.reshape(-1, width).T.copy()
+
+
+def _windows(arrays: list[np.ndarray]) -> tuple[list[int], list[int], np.ndarray]:
+    """Where each array's values from its first to its last non-zero one start, how many they are (0, 0 for an array
+    of zeros), and all those values, concatenated: with one set of numpy calls for all the arrays (sketch counts,
+    uint64)."""
+    flat = np.concatenate(arrays, dtype=np.uint64, casting="unsafe")
+    ends = list(accumulate(len(a) for a in arrays))
+    starts = [0, *ends[:-1]]
+    nz = np.flatnonzero(flat)
+    first_nz, past_nz = np.searchsorted(nz, starts).tolist(), np.searchsorted(nz, ends).tolist()
+    nz_at = nz.tolist()
+    firsts, lengths, pieces = [], [], []
+    for start, a, b in zip(starts, first_nz, past_nz):
+        if a == b:
+            firsts.append(0)
+            lengths.append(0)
+        else:
+            firsts.append(nz_at[a] - start)
+            lengths.append(nz_at[b - 1] - nz_at[a] + 1)
+            pieces.append(flat[nz_at[a] : nz_at[b - 1] + 1])
+    return firsts, lengths, np.concatenate(pieces) if pieces else np.zeros(0, np.uint64)
+
+
 def encode_obs_rows(rows: list[tuple], site: int, segment: int, codec: int) -> tuple[bytes, int, int]:
     """Chunk payload of obs rows ``(step, span, micro, phase, presence, Summary|None)``; returns payload, steps."""
-    n = len(rows)
-    step = np.fromiter((r[0] for r in rows), np.int64, n)
-    cols: dict[str, tuple[str, Any]] = {
-        "step": ("i8", step),
-        "span": ("u4", np.fromiter((r[1] for r in rows), np.uint32, n)),
-        "micro": ("u4", np.fromiter((r[2] for r in rows), np.uint32, n)),
-        "phase": ("u1", np.fromiter((r[3] for r in rows), np.uint8, n)),
-        "presence": ("u1", np.fromiter((r[4] for r in rows), np.uint8, n)),
+    return encode_obs_chunks([(rows, site, segment)], codec)[0]
+
+
+def encode_obs_chunks(chunks: list[tuple[list[tuple], int, int]], codec: int) -> list[tuple[bytes, int, int]]:
+    """:func:`encode_obs_rows` of each ``(rows, site, segment)``.
+
+    A commit encodes hundreds of chunks of a few rows each: every field is gathered for the rows of all of them at
+    once, and the chunks are packed together (:func:`encode_chunks`)."""
+    edges = list(accumulate((len(rows) for rows, _, _ in chunks), initial=0))  # chunk i: rows edges[i]:edges[i + 1]
+    n = edges[-1]
+    steps, spans, micros, phases, presences, summaries = zip(*(r for rows, _, _ in chunks for r in rows))
+    sums = [s if s is not None else _EMPTY for s in summaries]
+    table: dict[str, tuple[str, np.ndarray]] = {  # the fixed columns, for every row
+        "step": ("i8", np.array(steps, np.int64)),
+        "span": ("u4", np.array(spans, np.uint32)),
+        "micro": ("u4", np.array(micros, np.uint32)),
+        "phase": ("u1", np.array(phases, np.uint8)),
+        "presence": ("u1", np.array(presences, np.uint8)),
+        "method": ("u1", np.array([s.sum_method for s in sums], np.uint8)),
     }
-    sums = [r[5] if r[5] is not None else Summary(count=0) for r in rows]
-    cols["method"] = ("u1", np.fromiter((s.sum_method for s in sums), np.uint8, n))
-    for name in ("count", "nan", "pinf", "ninf", "zero"):
-        cols[name] = ("u8", np.array([getattr(s, name) for s in sums], np.uint64))
-    for name in ("min", "max"):
-        col = np.array([getattr(s, name) for s in sums], np.float64)
-        col[np.isnan(col)] = CANONICAL_NAN
-        cols[name] = ("f8", col)
-    exact: dict[str, tuple[str, Any]] = {}
-    for name in ("sum", "sumsq"):
-        vals = [getattr(s, name) for s in sums]
-        cols[name] = ("f8", np.array([v.to_float() for v in vals], np.float64))
-        blobs = [b"" if v.is_float() else v.to_bytes() for v in vals]
-        if any(blobs):
-            exact[name + "_xn"] = ("u4", np.array([len(b) for b in blobs], np.uint32))
-            exact[name + "_x"] = ("bytes", b"".join(blobs))
-    cols.update(exact)
-    sketches = [s.sketch for s in sums]
-    scale = None
-    if any(sk is not None for sk in sketches):
-        scales = {sk.scale for sk in sketches if sk is not None}
-        if len(scales) != 1:
-            raise UsageError(f"one chunk cannot mix sketch scales {sorted(scales)}")
-        scale = scales.pop()
-        has = np.zeros(n, np.uint8)
-        lo = np.zeros((2, n), np.uint16)
-        cnt = np.zeros((2, n), np.uint16)
-        bands = np.zeros((4, n), np.uint64)
-        parts = []
-        for i, sk in enumerate(sketches):
-            if sk is None:
-                continue
-            has[i] = 1
-            for side, arr in enumerate((sk.pos, sk.neg)):
-                nz = np.flatnonzero(arr)
-                if nz.size:
-                    lo[side, i] = nz[0]
-                    cnt[side, i] = nz[-1] - nz[0] + 1
-                    parts.append(arr[nz[0] : nz[-1] + 1])
-            bands[:, i] = (sk.under_pos, sk.under_neg, sk.over_pos, sk.over_neg)
-        cols["sk"] = ("u1", has)
-        cols["sk_plo"], cols["sk_pn"] = ("u2", lo[0]), ("u2", cnt[0])
-        cols["sk_nlo"], cols["sk_nn"] = ("u2", lo[1]), ("u2", cnt[1])
-        for j, name in enumerate(("sk_up", "sk_un", "sk_op", "sk_on")):
-            cols[name] = ("u8", bands[j])
-        counts = np.concatenate(parts).astype(np.uint64) if parts else np.zeros(0, np.uint64)
-        cols["sk_counts"] = ("u8", counts)
-    meta: dict[str, Any] = {"site": site, "segment": segment, "rows": n}
-    if scale is not None:
-        meta["scale"] = scale
-    return encode_chunk(meta, cols, codec), int(step.min()), int(step.max())
+    table.update((name, ("u8", col)) for name, col in zip(_COUNTS, _gather(_counts_of, sums, np.uint64, 5)))
+    ranges = _gather(_range_of, sums, np.float64, 2)
+    ranges[np.isnan(ranges)] = CANONICAL_NAN
+    table["min"], table["max"] = ("f8", ranges[0]), ("f8", ranges[1])
+    values = list(chain.from_iterable(map(_sums_of, sums)))  # sum, sumsq of row 0, then of row 1, ...
+    floats, is_float = floats_of(values)
+    floats = floats.reshape(n, 2).T.copy()
+    table["sum"], table["sumsq"] = ("f8", floats[0]), ("f8", floats[1])
+    sketched = [i for i, s in enumerate(sums) if s.sketch is not None]
+    if sketched:
+        sketches = [sums[i].sketch for i in sketched]
+        firsts, lengths, counts = _windows([arr for sk in sketches for arr in (sk.pos, sk.neg)])  # type: ignore[union-attr]
+        at = list(accumulate((lengths[2 * j] + lengths[2 * j + 1] for j in range(len(sketched))), initial=0))
+        rows_of = np.array([(1, firsts[2 * j], lengths[2 * j], firsts[2 * j + 1], lengths[2 * j + 1], sk.under_pos,
+                             sk.under_neg, sk.over_pos, sk.over_neg) for j, sk in enumerate(sketches)], np.uint64)
+        sk_table = np.zeros((len(_SKETCH_COLUMNS), n), np.uint64)  # the values of _SKETCH_COLUMNS, for every row
+        sk_table[:, sketched] = rows_of.T
+    encoded = []
+    for (_, site, segment), lo, hi in zip(chunks, edges, edges[1:]):
+        cols: dict[str, tuple[str, Any]] = {name: (dt, col[lo:hi]) for name, (dt, col) in table.items()}
+        for k, name in enumerate(("sum", "sumsq")):
+            if not all(is_float[2 * lo + k : 2 * hi : 2]):
+                blobs = [b"" if ok else v.to_bytes() for v, ok in zip(values[2 * lo + k : 2 * hi : 2],
+                                                                       is_float[2 * lo + k : 2 * hi : 2])]
+                cols[name + "_xn"] = ("u4", np.array([len(b) for b in blobs], np.uint32))
+                cols[name + "_x"] = ("bytes", b"".join(blobs))
+        meta: dict[str, Any] = {"site": site, "segment": segment, "rows": hi - lo}
+        first, past = bisect_left(sketched, lo), bisect_left(sketched, hi)  # this chunk's sketched rows
+        if past > first:
+            scales = {sketches[j].scale for j in range(first, past)}  # type: ignore[union-attr]
+            if len(scales) != 1:
+                raise UsageError(f"one chunk cannot mix sketch scales {sorted(scales)}")
+            meta["scale"] = scales.pop()
+            for name, dt, col in zip(_SKETCH_COLUMNS, _SKETCH_DTYPES, sk_table):
+                cols[name] = (dt, col[lo:hi])
+            cols["sk_counts"] = ("u8", counts[at[first] : at[past]])
+        encoded.append((meta, cols, min(steps[lo:hi]), max(steps[lo:hi])))
+    payloads = encode_chunks([(meta, cols) for meta, cols, _, _ in encoded], codec)
+    return [(p, first_step, last_step) for p, (_, _, first_step, last_step) in zip(payloads, encoded)]
 
 
 class HistoryWriter:
@@ -417,11 +456,28 @@ class HistoryWriter:
             doc, self._segment_manifest = self._segment_manifest, None
             self._manifest(doc)
 
+    def _flush_all(self) -> None:
+        """Write every buffered row, one chunk per (site, segment) in that order, the chunks encoded together."""
+        keys = sorted(self._buffers)
+        if not keys:
+            return
+        try:
+            encoded = encode_obs_chunks([(self._buffers[k], *k) for k in keys], self._codec)
+        except Exception:
+            # chunk by chunk instead: the first chunk that cannot be encoded raises, after the chunks before it
+            # were written, as when each is flushed on its own
+            for sid, segment in keys:
+                self._flush_site(sid, segment)
+            return
+        self._write_segment_manifest()
+        for (sid, segment), (payload, lo, hi) in zip(keys, encoded):
+            rows = self._buffers.pop((sid, segment))
+            self._record(RecordType.OBS, payload, site=sid, segment=segment, rows=len(rows), steps=(lo, hi))
+
     def commit(self) -> None:
         """Write every buffered row and a commit record; after it returns, a reader sees all of it."""
         self._check_open()
-        for sid, segment in sorted(self._buffers):
-            self._flush_site(sid, segment)
+        self._flush_all()
         for segment, rows in sorted(self._steps.items()):
             self._write_segment_manifest()
             step = np.array([r[0] for r in rows], np.int64)

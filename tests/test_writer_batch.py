@@ -1,0 +1,148 @@
+"""The writer's batched encoding (one set of numpy calls for all the chunks of a commit) against the straightforward
+path it replaces: ``dyadic.floats_of`` against ``to_float``/``is_float`` value by value, ``writer._windows`` against
+``flatnonzero`` per array, ``encode_obs_chunks`` against ``encode_obs_rows`` chunk by chunk, and a whole file written
+with the batched commit against one written flushing site by site (where a chunk cannot be encoded, too)."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trainhist import grid
+from trainhist.chunk import Codec
+from trainhist.dyadic import Dyadic, dyadics_of, floats_of
+from trainhist.errors import UsageError
+from trainhist.model import MICRO_ALL, Presence
+from trainhist.summary import Sketch, Summary, SumMethod, summarize
+from trainhist.writer import HistoryWriter, _windows, encode_obs_chunks, encode_obs_rows
+
+from history_helpers import FAST
+
+
+def _dyadics(r: random.Random) -> list[Dyadic]:
+    """Canonical and non-canonical values around every float64 edge (subnormal, largest, 53 bits), and beyond."""
+    edges = [0.0, -0.0, 1.0, -1.5, 5e-324, -5e-324, 2.2250738585072014e-308, 1.7976931348623157e308, 2.0**-1074]
+    out = [Dyadic.from_float(x) for x in edges] + [
+        Dyadic(m, e) for m in (0, 1, -1, 2, 3, (1 << 53) - 1, (1 << 53) + 1, -(1 << 53) + 1, (1 << 63) - 1, -(1 << 63))
+        for e in (0, 1, -1074, -1075, 970, 971, 972, 1023, 1024, -(1 << 20), 1 << 20)
+    ]
+    for _ in range(400):
+        out.append(Dyadic.make(r.randint(-(1 << r.randint(1, 62)), 1 << r.randint(1, 62)), r.randint(-1200, 1100)))
+        out.append(Dyadic(r.randint(-(1 << 62), 1 << 62), r.randint(-1100, 1100)))  # mostly not canonical
+    return out
+
+
+def test_floats_of_equals_value_by_value() -> None:
+    r = random.Random(3)
+    values = _dyadics(r)
+    r.shuffle(values)
+    for k in range(0, len(values), 7):
+        part = values[k : k + 7]
+        f, exact = floats_of(part)
+        assert exact == [v.is_float() for v in part]
+        assert f.tobytes() == np.array([v.to_float() for v in part], np.float64).tobytes()
+    big = [Dyadic.make((1 << 80) + 1, -10), Dyadic(3, 0), Dyadic.make(-(1 << 70) - 1, 900)]  # m beyond int64
+    f, exact = floats_of(big)
+    assert exact == [v.is_float() for v in big] == [False, True, False]
+    assert f.tobytes() == np.array([v.to_float() for v in big], np.float64).tobytes()
+
+
+def test_windows_equal_flatnonzero_per_array() -> None:
+    rng = np.random.default_rng(4)
+    arrays = []
+    for _ in range(50):
+        a = np.zeros(int(rng.choice([1, 5, 256])), np.uint64)
+        for _ in range(int(rng.integers(0, 4))):
+            a[rng.integers(0, a.size)] = rng.integers(1, 1 << 62, dtype=np.uint64)
+        arrays.append(a)
+    firsts, lengths, counts = _windows(arrays)
+    parts = []
+    for a, first, length in zip(arrays, firsts, lengths):
+        nz = np.flatnonzero(a)
+        assert (first, length) == ((int(nz[0]), int(nz[-1] - nz[0] + 1)) if nz.size else (0, 0))
+        parts.append(a[first : first + length])
+    assert counts.dtype == np.uint64 and counts.tobytes() == np.concatenate(parts).tobytes()
+
+
+def _summary(r: random.Random, rng: np.random.Generator, scale: int, sketch: bool) -> Summary:
+    kind = r.random()
+    if kind < 0.3:  # an exact reduction: sums often beyond float64
+        s = summarize(rng.standard_normal(r.randint(1, 40)) * 10.0 ** r.randint(-20, 20), sketch=False)
+    elif kind < 0.8:  # the torch collector's kind: float64 sums, huge counts
+        sm, sq = dyadics_of(np.array([r.uniform(-1e6, 1e6), r.uniform(0, 1e12)]))
+        lo, hi = (math.nan, math.nan) if r.random() < 0.2 else sorted([r.uniform(-5, 5), r.choice([0.0, -0.0, 5.0])])
+        s = Summary(count=r.choice([1, 1000, 1 << 33, (1 << 64) - 1]), nan=r.choice([0, 2]), pinf=r.choice([0, 1]),
+                    zero=r.choice([0, 300]), min=lo, max=hi, sum=sm, sumsq=sq, sum_method=SumMethod.F64)
+    else:
+        s = Summary(count=3, min=-1.0, max=1.0, sum=Dyadic.make(r.randint(-(1 << 200), 1 << 200), -40),
+                    sumsq=Dyadic.make(r.randint(1, 1 << 60), r.randint(-1100, 900)))
+    if sketch:
+        s.sketch = Sketch.empty(scale)
+        for side in (s.sketch.pos, s.sketch.neg):
+            if r.random() < 0.7:
+                lo = r.randrange(side.size)
+                side[lo : lo + r.randint(1, 20)] = r.choice([1, 254, 255, 1 << 40])
+        s.sketch.over_pos = r.choice([0, 1 << 63])
+    return s
+
+
+def _rows(r: random.Random, rng: np.random.Generator) -> list[tuple]:
+    scale, every = r.choice([0, 1, grid.NATIVE_SCALE]), r.choice([0, 1, 3, 10])
+    rows, step = [], r.choice([0, -7, 1 << 40])
+    for i in range(r.choice([1, 2, 30, r.randint(1, 200)])):
+        step += r.choice([0, 1, 1, 5])
+        presence = Presence.OBSERVED if r.random() < 0.8 else r.choice([Presence.ABSENT, Presence.FAILED])
+        summ = _summary(r, rng, scale, every > 0 and i % every == 0) if presence == Presence.OBSERVED else None
+        rows.append((step, 1, r.choice([MICRO_ALL, 0, 3]), r.randrange(3), presence, summ))
+    return rows
+
+
+@pytest.mark.parametrize("codec", [Codec.RAW, Codec.DEFLATE, Codec.SHUFFLE_DEFLATE, Codec.PACKED])
+def test_encode_obs_chunks_equals_each_chunk_alone(codec: int) -> None:
+    r, rng = random.Random(codec), np.random.default_rng(codec)
+    for _ in range(6):
+        chunks = [(_rows(r, rng), r.randrange(500), r.randrange(3)) for _ in range(r.randint(1, 12))]
+        assert encode_obs_chunks(chunks, codec) == [encode_obs_rows(*chunk, codec) for chunk in chunks]
+    mixed = [(1, 1, MICRO_ALL, 0, Presence.OBSERVED, Summary(count=1, sketch=Sketch.empty(s))) for s in (1, 2)]
+    with pytest.raises(UsageError, match=r"cannot mix sketch scales \[1, 2\]"):
+        encode_obs_chunks([(_rows(r, rng), 0, 0), (mixed, 1, 0)], codec)
+
+
+def _write(path: Path, one_by_one: bool, monkeypatch: pytest.MonkeyPatch) -> int:
+    """A seeded run of many sites; ``one_by_one`` flushes site by site (the straightforward path). Returns the
+    number of commits that raised."""
+    if one_by_one:
+        monkeypatch.setattr(HistoryWriter, "_flush_all",
+                            lambda self: [self._flush_site(*key) for key in sorted(self._buffers)])
+    r, rng = random.Random(5), np.random.default_rng(5)
+    errors = 0
+    with HistoryWriter(path, codec="packed", salt=1, run_id="1" * 32, writer_id="2" * 32, created="2024-01-01",
+                       pid=1, host="h", software={}, **FAST) as w:
+        sites = [w.site(f"s{i}", "param") for i in range(40)]
+        for step in range(30):
+            for k, site in enumerate(sites):
+                if r.random() < 0.8:
+                    w.observe(site, step, summary=_summary(r, rng, grid.NATIVE_SCALE, step % 10 == k % 10))
+                else:
+                    w.mark(site, step, "absent")
+            if step in (12, 21):  # a site in the middle gets sketches at two scales: the next commit raises
+                for scale in (1, grid.NATIVE_SCALE):
+                    w.observe(sites[17], step, summary=Summary(count=1, sketch=Sketch.empty(scale)))
+            if step % 6 == 5:
+                try:
+                    w.commit()
+                except UsageError:
+                    errors += 1
+    monkeypatch.undo()
+    return errors
+
+
+def test_batched_commit_writes_the_file_of_site_by_site_flushes(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _write(tmp_path / "batched.thist", False, monkeypatch) == 2
+    assert _write(tmp_path / "one_by_one.thist", True, monkeypatch) == 2
+    assert (tmp_path / "batched.thist").read_bytes() == (tmp_path / "one_by_one.thist").read_bytes()
