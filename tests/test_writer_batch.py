@@ -146,3 +146,23 @@ def test_batched_commit_writes_the_file_of_site_by_site_flushes(tmp_path: Path,
     assert _write(tmp_path / "batched.thist", False, monkeypatch) == 2
     assert _write(tmp_path / "one_by_one.thist", True, monkeypatch) == 2
     assert (tmp_path / "batched.thist").read_bytes() == (tmp_path / "one_by_one.thist").read_bytes()
+
+
+def test_observe_checks_the_site_as_before(tmp_path: Path) -> None:
+    """The identity shortcut for this writer's handles keeps the old check for any other object: an equal handle
+    (from a writer of the same sites) is accepted, another writer's handle and non-handles are refused."""
+    from trainhist.writer import SiteHandle
+
+    with HistoryWriter(tmp_path / "a.thist", **FAST) as w, HistoryWriter(tmp_path / "b.thist", **FAST) as v:
+        a = w.site("x", "param")
+        w.observe(SiteHandle(a.id, a.path, a.stream, a.facet), 0, np.ones(3))  # equal, not identical
+        w.observe(v.site("x", "param"), 0, np.ones(3))  # the same site of another writer: equal too
+        for bad in (v.site("y", "param"), SiteHandle(a.id, "y", a.stream, a.facet), a.id, None):
+            with pytest.raises(UsageError, match="is not a site of this writer"):
+                w.observe(bad, 0, np.ones(3))  # type: ignore[arg-type]
+        with pytest.raises(UsageError, match="is not one of"):
+            w.observe(a, 1, np.ones(3), phase="later")
+    with HistoryWriter(tmp_path / "a.thist", mode="a", **FAST) as w:  # handles of a resumed file
+        w.observe(w.site("x", "param"), 2, np.ones(3), phase="post_clip", micro=1)
+    with pytest.raises(UsageError, match="closed"):
+        w.observe(a, 3, np.ones(3))

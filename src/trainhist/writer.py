@@ -52,6 +52,8 @@ from .summary import Summary, summarize
 __all__ = ["HistoryWriter", "SiteHandle"]
 
 NO_ID = 0xFFFFFFFF
+_FLUSH_ROWS = MAX_ROWS // 16  #: rows of one (site, segment) written as a chunk without waiting for the commit
+_PHASE_CODES = {name: code for code, name in enumerate(Phase.NAMES)}
 
 
 def _now() -> str:
@@ -213,6 +215,7 @@ class HistoryWriter:
         self._commit_every = commit_every
         self._commit_seconds = commit_seconds
         self._sites: dict[tuple[str, str, str | None], SiteHandle] = {}
+        self._handles: dict[int, SiteHandle] = {}  # the same handles by id
         self._site_meta: dict[int, dict] = {}
         self._buffers: dict[tuple[int, int], list[tuple]] = {}  # rows per (site, segment)
         self._steps: dict[int, list[tuple]] = {}
@@ -271,6 +274,7 @@ class HistoryWriter:
         for s in h.sites:
             handle = SiteHandle(s.id, s.path, s.stream, s.facet)
             self._sites[(s.path, s.stream, s.facet)] = handle
+            self._handles[s.id] = handle
             self._site_meta[s.id] = s.manifest
         self._next_segment = max((g.id for g in h.segments), default=-1) + 1
         self._previous_segment = h.segments[-1].id if h.segments else None
@@ -331,6 +335,7 @@ class HistoryWriter:
         self._manifest(doc)
         handle = SiteHandle(sid, path, stream, facet)
         self._sites[key] = handle
+        self._handles[sid] = handle
         self._site_meta[sid] = doc
         return handle
 
@@ -346,17 +351,27 @@ class HistoryWriter:
 
     def _add(self, site: SiteHandle, step: int, phase: str, micro: int | None, presence: int,
              summary: Summary | None) -> None:
-        self._check_open()
-        if not isinstance(site, SiteHandle) or self._sites.get((site.path, site.stream, site.facet)) != site:
-            raise UsageError(f"{site!r} is not a site of this writer: get one from HistoryWriter.site()")
-        self._at_step(int(step))
+        """Buffer one row (the collector adds hundreds a step: the common case takes the shortest path)."""
+        if self._closed:
+            self._check_open()
+        if type(site) is not SiteHandle or self._handles.get(site.id) is not site:  # else: one of this writer's
+            if not isinstance(site, SiteHandle) or self._sites.get((site.path, site.stream, site.facet)) != site:
+                raise UsageError(f"{site!r} is not a site of this writer: get one from HistoryWriter.site()")
+        step = int(step)
+        if step != self._last_step:
+            self._at_step(step)
         if self._segment_manifest is not None and self._segment_manifest["first_step"] is None:
-            self._segment_manifest["first_step"] = int(step)
-        row = (int(step), 1, MICRO_ALL if micro is None else int(micro), Phase.code(phase), presence, summary)
-        buf = self._buffers.setdefault((site.id, self.segment), [])
+            self._segment_manifest["first_step"] = step
+        code = _PHASE_CODES.get(phase) if type(phase) is str else None
+        row = (step, 1, MICRO_ALL if micro is None else int(micro), Phase.code(phase) if code is None else code,
+               presence, summary)
+        key = (site.id, self.segment)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = []
         buf.append(row)
-        if len(buf) >= MAX_ROWS // 16:
-            self._flush_site(site.id, self.segment)
+        if len(buf) >= _FLUSH_ROWS:
+            self._flush_site(*key)
 
     def observe(
         self,
