@@ -424,10 +424,13 @@ class Collector:
         try:
             return fn(*args, **kwargs)  # type: ignore[operator]
         except Exception as e:  # noqa: BLE001 -- a broken disk must not kill the training run
-            self.writer_errors += 1
-            self._warn_once("writer", f"trainhist: writing {self.path or 'the history'} failed ({e!r}); "
-                            "training continues, further write errors are not reported")
+            self._writer_error(e)
             return None
+
+    def _writer_error(self, e: Exception) -> None:
+        self.writer_errors += 1
+        self._warn_once("writer", f"trainhist: writing {self.path or 'the history'} failed ({e!r}); "
+                        "training continues, further write errors are not reported")
 
     def _warn_once(self, key: object, msg: str) -> None:
         if key not in self._warned:
@@ -886,14 +889,15 @@ class Collector:
             if (key[1], key[0], key[2]) not in self._handles:
                 self._handle(key[1], key[0], key[2])
         grad_sq: float | None = 0.0 if st.due["param_grad"] and not st.clip_seen else None
+        decoded, failed = st.decoded, st.failed
         for s in self.plan.sites:
             if s.provisional or not st.due[s.stream]:
                 continue
             for phase in self._phases(s, st):
                 key = (s.stream, s.path, s.facet, phase)
-                summ = self._summary(st, data, key)
+                summ = decoded[key] if key in decoded else self._summary(st, data, key)
                 if s.stream == "param_grad" and grad_sq is not None:
-                    if key in st.failed:
+                    if key in failed:
                         grad_sq = None
                     elif summ is not None:
                         bad = math.nan if summ.nan else math.inf
@@ -968,13 +972,16 @@ class Collector:
         return summ
 
     def _emit(self, st: _Step, s: PlannedSite, phase: str, key: tuple, summ: object, applied: bool | None) -> None:
-        h = self._handle(s.path, s.stream, s.facet)
+        h = self._handles.get((s.path, s.stream, s.facet)) or self._handle(s.path, s.stream, s.facet)
         if h is None:
             return
-        if s.stream == "param_delta" and applied is False:
+        if summ is not None and not (applied is False and s.stream == "param_delta"):
+            try:  # (the common case, without _safe's extra call)
+                self._writer.observe(h, st.step, summary=summ, phase=phase)
+            except Exception as e:  # noqa: BLE001 -- a broken disk must not kill the training run
+                self._writer_error(e)
+        elif s.stream == "param_delta" and applied is False:
             self._safe(self._writer.mark, h, st.step, "skipped", phase=phase)
-        elif summ is not None:
-            self._safe(self._writer.observe, h, st.step, summary=summ, phase=phase)
         else:
             self._safe(self._writer.mark, h, st.step, "failed" if key in st.failed else "absent", phase=phase)
 
