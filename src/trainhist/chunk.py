@@ -149,7 +149,9 @@ def _pack_columns(columns: list[tuple[str, np.ndarray | bytes]]) -> list[tuple[i
         if isinstance(arr, (bytes, bytearray)):
             out[i] = (Codec.RAW, arr, len(arr))
             continue
-        a = np.ascontiguousarray(arr, DTYPES[dt]).ravel()
+        a = np.ascontiguousarray(arr, DTYPES[dt])
+        if a.ndim != 1:
+            a = a.ravel()
         if dt == "bytes" or not a.size:
             out[i] = (Codec.RAW, a.tobytes(), a.nbytes)
         else:
@@ -227,6 +229,7 @@ def _pack_ints(columns: list[tuple[int, str, np.ndarray]], out: list[tuple[int, 
 #: (value, bytes added): a non-negative integer takes 1 byte in msgpack below 128, one more from 128, one more from
 #: 256, two more from 65536, four more from 2**32 (the packer takes the shortest form)
 _UINT_GROWS = ((128, 1), (256, 1), (65536, 2), (1 << 32, 4))
+_ZEROS = [b"\0" * k for k in range(8)]  #: padding of k bytes
 
 
 def _encode_column(dt: str, arr: np.ndarray | bytes, codec: int) -> tuple[int, bytes, int]:
@@ -258,26 +261,27 @@ def encode_chunk(meta: dict, columns: dict[str, tuple[str, np.ndarray | bytes]],
 
 def encode_chunks(chunks: list[tuple[dict, dict[str, tuple[str, np.ndarray | bytes]]]], codec: int) -> list[bytes]:
     """:func:`encode_chunk` of each ``(meta, columns)``; the columns of all of them are packed together."""
-    if codec == Codec.PACKED:
-        packed = iter(_pack_columns([col for _, columns in chunks for col in columns.values()]))
-    out = []
+    packed = _pack_columns([col for _, columns in chunks for col in columns.values()]) if codec == Codec.PACKED else []
+    out, k = [], 0
     for meta, columns in chunks:
-        cols, blocks = [], []
-        for name, (dt, arr) in columns.items():
-            c, stored, rlen = next(packed) if codec == Codec.PACKED else _encode_column(dt, arr, codec)
-            cols.append([name, dt, c, 0, len(stored), rlen])
-            blocks.append(stored)
-        out.append(_assemble(meta, cols, blocks))
+        if codec == Codec.PACKED:
+            stored = packed[k : k + len(columns)]
+            k += len(columns)
+        else:
+            stored = [_encode_column(dt, arr, codec) for dt, arr in columns.values()]
+        cols = [[name, dt, c, 0, len(blk), rlen] for (name, (dt, _)), (c, blk, rlen) in zip(columns.items(), stored)]
+        out.append(_assemble(meta, cols, [blk for _, blk, _ in stored]))
     return out
 
 
 def _assemble(meta: dict, cols: list[list], blocks: list[bytes]) -> bytes:
     """The payload: the msgpack directory ``meta`` + ``cols`` (each ``[name, dtype, codec, offset, stored, raw]``,
-    offsets filled in here), then the blocks, each 8-aligned."""
+    offsets 0, filled in here), then the blocks, each 8-aligned."""
     meta = dict(meta, cols=cols)
     # The offsets depend on the directory's length, which depends on the offsets' msgpack widths: starting from
     # the length with every offset 0, recompute the offsets until they hold still (the least consistent layout).
-    rel = list(itertools.accumulate([len(b) + pad8(len(b)) for b in blocks], initial=0))[:-1]  # past the directory
+    sizes = [len(b) for b in blocks]
+    rel = list(itertools.accumulate([(n + 7) & ~7 for n in sizes], initial=0))[:-1]  # padded; past the directory
     base = len(msgpack.packb(meta, use_bin_type=True))
     length, start = base, -1
     while start != 4 + length + pad8(4 + length):
@@ -287,9 +291,9 @@ def _assemble(meta: dict, cols: list[list], blocks: list[bytes]) -> bytes:
         col[3] = start + r
     packed = msgpack.packb(meta, use_bin_type=True)
     assert len(packed) == length
-    parts = [struct.pack("<I", len(packed)), packed, b"\0" * pad8(4 + len(packed))]
-    for blk in blocks:
-        parts += (blk, b"\0" * pad8(len(blk)))
+    parts = [struct.pack("<I", len(packed)), packed, _ZEROS[pad8(4 + len(packed))]]
+    for blk, n in zip(blocks, sizes):
+        parts += (blk, _ZEROS[pad8(n)])
     return b"".join(parts)
 
 
