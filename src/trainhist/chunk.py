@@ -208,7 +208,7 @@ def _pack_ints(columns: list[tuple[int, str, np.ndarray]], out: list[tuple[int, 
     codec = np.where(for_words < raw_words, Codec.FOR, Codec.RAW)
     codec[patchable & (patched_words < np.minimum(for_words, raw_words))] = Codec.PATCHED
     bases = (lows ^ bias).astype("<u8").tobytes()  # each least value as stored: "<q" of it for signed columns
-    offsets = {}  # width -> every value less the least of its column, at that width
+    offsets: dict[int, bytes] = {}  # width -> every value less the least of its column, at that width
     used = set(width[codec == Codec.FOR].tolist()) - {0}
     if used:
         diff = flat - np.repeat(lows, sizes)  # v - lo (mod 2**64), whose low bytes are the offsets
