@@ -49,6 +49,8 @@ def test_floats_of_equals_value_by_value() -> None:
     f, exact = floats_of(big)
     assert exact == [v.is_float() for v in big] == [False, True, False]
     assert f.tobytes() == np.array([v.to_float() for v in big], np.float64).tobytes()
+    with pytest.raises(TypeError):  # a non-integer field is refused, as value by value, never truncated
+        floats_of([Dyadic(3, 0), Dyadic(1.5, 0)])
 
 
 def test_windows_equal_flatnonzero_per_array() -> None:

@@ -7,6 +7,7 @@ is associative and commutative bit for bit; ``to_float`` rounds correctly (ties 
 from __future__ import annotations
 
 import math
+import operator
 import struct
 from itertools import chain
 from typing import NamedTuple
@@ -128,7 +129,8 @@ def floats_of(values: list[Dyadic]) -> tuple[np.ndarray, list[bool]]:
     """``[v.to_float() for v in values]`` as a float64 array, and ``[v.is_float() for v in values]``: with a few numpy
     operations when every ``m`` and ``e`` fits int64 (a chunk stores two sums a row), value by value otherwise."""
     try:
-        me = np.fromiter(chain.from_iterable(values), np.int64, 2 * len(values))
+        # (operator.index: a non-integer field raises TypeError, as the value-by-value path does, not truncated)
+        me = np.fromiter(map(operator.index, chain.from_iterable(values)), np.int64, 2 * len(values))
     except OverflowError:
         return np.array([v.to_float() for v in values], np.float64), [v.is_float() for v in values]
     m, e = me[0::2], me[1::2]
