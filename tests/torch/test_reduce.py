@@ -304,9 +304,21 @@ def _strict(s: object) -> tuple:
                                      sk.over_neg))
 
 
+def _per_row(data: np.ndarray, offset: int, count: int, sketch: bool) -> tuple:
+    """The per-row decode (reduce._decode) of one row, as a strict tuple."""
+    from trainhist.torch import reduce as rd
+
+    row = data[offset : offset + ROW]
+    try:
+        return _strict(rd._decode(row, count, sketch, int(row[: rd.NCOUNT].sum()),
+                                  row[rd.COL_NEGZERO : COL_MIN].tolist(), row[COL_MIN:].view(np.float64).tolist()))
+    except RuntimeError as e:
+        return _strict(e)
+
+
 def test_decode_rows_vectorized_path_equals_the_per_row_path():
-    """decode_rows decodes valid spine rows with array operations and leaves sketch rows and rows that fail a check
-    to the per-row decode: on rows of every kind, some corrupted, both give the same summary or the same error."""
+    """decode_rows decodes spine and sketch rows with array operations and leaves rows that fail a check to the
+    per-row decode: on rows of every kind, some corrupted, both give the same summary or the same error."""
     from trainhist.torch import reduce as rd
 
     rng = np.random.default_rng(7)
@@ -333,18 +345,35 @@ def test_decode_rows_vectorized_path_equals_the_per_row_path():
             data[int(rng.integers(0, data.size))] += int(rng.integers(-3, 4))
         offsets = [led.rows[k] for k in keys]
         got = [_strict(s) for s in rd.decode_rows(data, offsets, counts, sketches)]
-        want = []
-        for o, n, sk in zip(offsets, counts, sketches):
-            row = data[o : o + ROW]
-            try:
-                want.append(_strict(rd._decode(row, n, sk, int(row[: rd.NCOUNT].sum()),
-                                               row[rd.COL_NEGZERO : COL_MIN].tolist(),
-                                               row[COL_MIN:].view(np.float64).tolist())))
-            except RuntimeError as e:
-                want.append(_strict(e))
+        want = [_per_row(data, o, n, sk) for o, n, sk in zip(offsets, counts, sketches)]
         assert got == want, trial
         errors += sum(w[0] == "error" for w in want)
     assert errors > 10  # the corrupted rows were exercised
+
+
+def test_decode_rows_vectorized_path_never_wraps_int64():
+    """Corrupted rows whose counts would wrap int64, or whose zero counts are negative, decode as the per-row path
+    (Python integers) decodes them: with the same zero signs, the same error, no finite values where it has none."""
+    from trainhist import grid
+    from trainhist.torch import reduce as rd
+
+    def row(mn: float, mx: float) -> np.ndarray:
+        r = np.zeros(ROW, np.int64)
+        r[COL_MIN:] = np.array([mn, -mx, 1.0, 1.0]).view(np.int64)
+        return r
+
+    big = (1 << 62) + 1
+    a = row(0.0, 0.0)  # sketch row: -0.0 count -1, minimum 0
+    a[grid.KEY_ZERO], a[rd.COL_NEGZERO] = 4, -1
+    b = row(-1.0, 0.0)  # sketch row: +0 key -1, maximum 0
+    b[grid.KEY_ZERO], b[rd.COL_NEGZERO], b[5] = -1, 2, 2
+    c = row(1.0, 2.0)  # spine row whose raw counts wrap
+    c[rd.COL_SPINE : rd.COL_SPINE + 5] = [big, -big, 0, -big, -big]
+    d = row(1.0, 2.0)  # sketch row: NaN, +inf and -inf counts that sum past 2**64
+    d[[grid.KEY_NAN, grid.KEY_PINF, grid.KEY_NINF]] = 1 << 62
+    d[100] = (1 << 62) + 10
+    for r, n, sketch in ((a, 3, True), (b, 3, True), (c, 10, False), (d, 10, True)):
+        assert _strict(rd.decode_rows(r, [0], [n], [sketch])[0]) == _per_row(r, 0, n, sketch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -342,6 +342,8 @@ def decode_rows(data: np.ndarray, offsets: list[int], counts: list[int],
     cnt = np.asarray(counts, dtype=np.int64)
     if off.min() < 0 or off.max() > data.size - ROW:
         raise ValueError("a row offset lies outside the ledger")
+    # (in memory order, so that the spans between one row's key columns and the next row's, summed and dropped,
+    # add up to one pass over the buffer)
     order = np.argsort(off, kind="stable")
     bounds = np.empty(2 * off.size, dtype=np.int64)  # [start, end of key columns] of each row, in memory order
     bounds[0::2] = off[order]
@@ -353,26 +355,30 @@ def decode_rows(data: np.ndarray, offsets: list[int], counts: list[int],
     spare = tail[:, 1]
     fin_nz, fin_nzbits, nzbits, with_nan, with_pinf = tail[:, 2:7].T
     f = np.ascontiguousarray(tail[:, COL_MIN - COL_NEGZERO:]).view(np.float64)
+    # The array path takes a row only where every count lies in [0, count] and count < 2**53, so no int64
+    # arithmetic below can wrap (the per-row path computes with Python integers); any other row takes _decode.
+    small = (cnt >= 0) & (cnt < 2**53) & (spare == 0)
     # spine rows: the counts from the five raw counts (see COL_SPINE)
     negz, posz, nonfin = fin_nzbits - fin_nz, cnt - nzbits, nzbits - fin_nzbits
     nan, pinf = with_nan - fin_nzbits, with_pinf - fin_nzbits
     ninf = nonfin - nan - pinf
     sk = np.asarray(sketches, dtype=bool)
-    spine = ((spare == 0) & (keyed == 0) & ~(sk & (cnt > 0)) & (fin_nz >= 0) & (negz >= 0) & (posz >= 0)
-             & (nan >= 0) & (pinf >= 0) & (ninf >= 0) & (fin_nz + posz + negz + nonfin == cnt))
+    ok = (small & (keyed == 0) & ~(sk & (cnt > 0)) & (fin_nz >= 0) & (fin_nz <= fin_nzbits) & (fin_nzbits <= nzbits)
+          & (nzbits <= cnt) & (fin_nzbits <= with_nan) & (with_nan <= nzbits) & (fin_nzbits <= with_pinf)
+          & (with_pinf <= nzbits) & (ninf >= 0))
     # sketch rows: the counts from the grid keys (their sum, with the -0.0 and spare slots, is the count)
-    keyrows = np.flatnonzero((spare == 0) & (cnt > 0) & (keyed == cnt))
+    keyrows = np.flatnonzero(small & (cnt > 0) & (keyed == cnt))
     keys = window(data, NK)[off[keyrows]]
+    ok[keyrows] = ((keys.min(axis=1, initial=0) >= 0) & (keys.max(axis=1, initial=0) <= cnt[keyrows])
+                   & (tail[keyrows, 0] >= 0) & (tail[keyrows, 0] <= cnt[keyrows]))
     negz[keyrows] = tail[keyrows, 0]
     posz[keyrows] = keys[:, grid.KEY_ZERO]
     keys[:, grid.KEY_ZERO] += tail[keyrows, 0]
     nan[keyrows], pinf[keyrows], ninf[keyrows] = keys[:, grid.KEY_NAN], keys[:, grid.KEY_PINF], keys[:, grid.KEY_NINF]
-    ok = spine.copy()
-    ok[keyrows] = True
     has = ok & (cnt - nan - pinf - ninf > 0)  # rows with a finite value: min, max and sums
     mn, mx = f[:, 0], -f[:, 1]
-    mn = np.where(mn == 0, np.where(negz > 0, -0.0, 0.0), mn)  # the sign of a zero extreme, from the zero counts
-    mx = np.where(mx == 0, np.where(posz > 0, 0.0, -0.0), mx)
+    mn = np.where(mn == 0, np.where(negz != 0, -0.0, 0.0), mn)  # the sign of a zero extreme, from the zero counts
+    mx = np.where(mx == 0, np.where(posz != 0, 0.0, -0.0), mx)
     sums_ok = has & np.isfinite(f[:, 2:4]).all(axis=1)
     it = iter(dyadics_of(f[sums_ok, 2:4].reshape(-1)))
     sketch_of = dict(zip(keyrows.tolist(), _sketches(keys)))
