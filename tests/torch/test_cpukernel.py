@@ -140,3 +140,20 @@ def test_make_refuses_a_key_layout_the_kernel_cannot_index():
         cpukernel.make(32, mbits, ebits, thresh, 316, (0, 258, 258) + cols[3:], 522, 522, 529, 533)
     with pytest.raises(ValueError, match="do not fit"):
         cpukernel.make(32, mbits, ebits, thresh, 316, cols, 522, 515, 529, 533)
+    ok = (32, mbits, ebits, thresh, 316, cols, 522, 522, 527, 531)  # the collector's float32 layout
+    cpukernel.make(*ok)
+    bad_layouts = [
+        ((5, cols[:3] + (600, 601, 602, 603, 604)), "do not fit"),  # zero/NaN/inf/-0 columns past the histogram
+        ((7, 530), "do not fit"),  # histogram over the spine counts
+        ((8, 525), "do not fit"),  # spine counts over the floats
+        ((9, 530), "do not fit"),  # floats past the row
+        ((4, 70000), "grid offset"),  # uint16 keys would wrap: an index far outside the histogram
+        ((4, 0), "grid offset"),  # keys below 0
+        ((4, 2), "grid offset"),  # subnormals above the underflow key
+        ((4, 800), "grid offset"),  # infinities below the overflow key
+    ]
+    for (i, value), match in bad_layouts:
+        args = list(ok)
+        args[i] = value
+        with pytest.raises(ValueError, match=match):
+            cpukernel.make(*args)

@@ -313,8 +313,18 @@ def make(bits: int, mbits: int, ebits: int, thresh: tuple[int, int, int], offset
          U((1 << bits) - 1))
     smin = S(-(1 << (bits - 1)))
     under, over, side = cols[:3]
-    if not (0 <= under <= over < side and 2 * side <= ncount):  # (the kernel indexes its histograms unchecked)
-        raise ValueError(f"key columns {cols} do not fit the layout of _key in {ncount} columns")
+    lo, hi = offset - 1 + under, offset - 1 + over
+    emax = (1 << ebits) - 1  # the all-ones exponent: infinities and NaN
+    # (the kernel indexes its histograms and the row unchecked: every key and column must lie inside them)
+    if not (0 <= under <= over < side and 2 * side <= ncount and all(0 <= x < ncount for x in cols[3:])
+            and ncount <= col_spine and col_spine + 5 <= col_min and col_min + 4 <= row_len):
+        raise ValueError(f"key columns {cols} do not fit the layout of _key in {ncount} columns of a {row_len}-entry "
+                         f"row (spine counts at {col_spine}, floats at {col_min})")
+    # keys are uint16; subnormals must clamp to the underflow key, the largest finite values, infinities and NaN
+    # (whose 4*exp + q is at least 4*(emax - 1) + 3) to the overflow key, from where _sketch moves the last two
+    if not (4 <= lo and hi <= 4 * (emax - 1) + 3 and hi + side < 1 << 16):
+        raise ValueError(f"grid offset {offset} puts the keys at [{lo}, {hi}] (side {side}): they must lie in "
+                         f"[4, {4 * (emax - 1) + 3}] and below {(1 << 16) - side}")
     hshift = bits - 32  # the top 32 bits: the sign, the exponent and 20 bits of the fraction (float64)
     k = (U((1 << mbits) - 1), U(thresh[0] - 1), U(thresh[1] - 1), U(thresh[2] - 1), U(hshift), W(mbits - hshift - 2),
          W(((1 << ebits) - 1) << 2), W(offset - 1 + under), W(offset - 1 + over), W(side))
