@@ -60,11 +60,13 @@ def batches(args: argparse.Namespace, n: int) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def instrument(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, tmp: Path,
-               sample: torch.Tensor) -> Iterator[Callable[[int, float], contextlib.AbstractContextManager]]:
-    """Yield ``wrap(step, loss_value_fn)``: a context manager around one training step of ``name``."""
+               sample: torch.Tensor) -> Iterator[tuple[Callable, Callable, Callable]]:
+    """Yield ``(wrap, log, settle)``: ``wrap(step)`` a context manager around one training step of ``name``,
+    ``log(step, loss)`` after it, ``settle()`` after the warm-up steps (trainhist commits their rows then)."""
     nullstep = lambda step: contextlib.nullcontext()  # noqa: E731
+    nothing = lambda: None  # noqa: E731
     if name.startswith("baseline"):
-        yield nullstep, lambda step, loss: None
+        yield nullstep, lambda step, loss: None, nothing
         return
     if name.startswith("trainhist"):
         from trainhist.torch import Collector
@@ -82,7 +84,7 @@ def instrument(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, tm
         col.discover({"input_ids": sample, "labels": sample})
         col.attach(optimizer=opt)
         try:
-            yield (lambda step: col.step(step)), (lambda step, loss: col.scalars(step, loss=loss))
+            yield (lambda step: col.step(step)), (lambda step, loss: col.scalars(step, loss=loss)), col.commit
         finally:
             col.close()
         return
@@ -94,7 +96,7 @@ def instrument(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, tm
         run = wandb.init(project="trainhist-bench", dir=str(tmp), mode="offline", reinit="finish_previous")
         wandb.watch(model, log="all", log_freq=1)
         try:
-            yield nullstep, lambda step, loss: wandb.log({"loss": loss}, step=step)
+            yield nullstep, lambda step, loss: wandb.log({"loss": loss}, step=step), nothing
         finally:
             wandb.unwatch(model)
             run.finish()
@@ -112,7 +114,7 @@ def instrument(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, tm
                     tb.add_histogram(n + ".grad", p.grad, step)
 
         try:
-            yield nullstep, log
+            yield nullstep, log, nothing
         finally:
             tb.close()
         return
@@ -156,8 +158,9 @@ def run_config(name: str, init_state: dict, args: argparse.Namespace, data: list
     (whose cost is the average over the period: a median would miss the recording steps).
 
     trainhist buffers a step's rows and writes them at a commit (every 30 s by default, inside a step of a long
-    run); these runs are shorter, so the rows are written by ``close()``. Its time, spread over the steps whose
-    rows it wrote, is added to every step of a trainhist configuration (``"deferred"``: seconds per step)."""
+    run); these runs are shorter: the warm-up steps' rows are committed before the timed steps, and the timed
+    steps' rows by ``close()``. Its time, spread over the timed steps, is added to each of them (``"deferred"``:
+    seconds per step)."""
     model = make_model(args)
     model.load_state_dict(init_state)
     model.to(args.device)
@@ -166,8 +169,10 @@ def run_config(name: str, init_state: dict, args: argparse.Namespace, data: list
     data = [data[i % len(data)].to(args.device) for i in range(n)]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     times, cpu = [], []
-    with instrument(name, model, opt, tmp, data[0]) as (wrap, log):
+    with instrument(name, model, opt, tmp, data[0]) as (wrap, log, settle):
         for step, x in enumerate(data):
+            if step == args.warmup:
+                settle()
             t0, c0 = time.perf_counter(), time.process_time()
             with wrap(step):
                 out = model(input_ids=x, labels=x)
@@ -182,7 +187,7 @@ def run_config(name: str, init_state: dict, args: argparse.Namespace, data: list
         t0, c0 = time.perf_counter(), time.process_time()
     dw, dc = 0.0, 0.0
     if name.startswith("trainhist"):
-        dw, dc = (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+        dw, dc = (time.perf_counter() - t0) / len(times), (time.process_time() - c0) / len(times)
     return {"median": (statistics.median(times) + dw, statistics.median(cpu) + dc),
             "mean": (statistics.fmean(times) + dw, statistics.fmean(cpu) + dc), "deferred": (dw, dc)}
 
@@ -267,10 +272,12 @@ def main(argv: list[str] | None = None) -> int:
            "median over the timed steps; for the configurations that record at a cadence, the mean over one whole "
            "cadence period, recording steps included, divided by the baseline's mean); ") + 
         "shown as median [min, max] over repetitions. trainhist writes the rows it buffers at a commit: every 30 s by "
-        "default, so inside some step of a long run, but only at `close()` in these short runs; the time of that "
-        "`close()`, divided by the steps whose rows it wrote (warm-up included), is added to every step of a "
-        "trainhist configuration (the 'written at close' column; the peers write from their own threads and "
-        "processes during the steps, and their shutdown is not counted). The CPU-time ratio uses the process CPU time of each step instead of wall-clock time: "
+        "default, so inside some step of a long run; here the warm-up steps' rows are committed before the timed "
+        "steps, and the timed steps' rows by `close()`, whose time, divided by the timed steps, is added to each "
+        "step of a trainhist configuration (a long run commits about 30 steps at a time here, these runs 10 to 12: "
+        "the fixed cost of a commit and of closing the file weighs more; the 'written at close' column). The peers "
+        "write from their own threads and processes during the steps; their shutdown is not counted. The CPU-time "
+        "ratio uses the process CPU time of each step instead of wall-clock time: "
         "less sensitive to other jobs taking the CPUs, it is the cost of the work itself.",
         "",
         "| configuration | coverage | ms/step (wall, median over reps) | of which written at close | "

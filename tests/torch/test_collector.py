@@ -334,6 +334,27 @@ def test_writer_error_warns_once_and_training_goes_on(tmp_path):
     assert col.writer_errors > 3
 
 
+def test_commit_between_steps_makes_them_readable_before_close(tmp_path):
+    """commit() writes every finished step durably: a reader sees them while the run goes on; inside a step, or
+    after close, it is refused."""
+    from trainhist.errors import UsageError
+
+    model = mlp()
+    col = Collector(model, tmp_path / "c.thist", every=1)
+    col.discover(torch.randn(2, 8))
+    for step in range(2):
+        with col.step(step):
+            model(torch.randn(2, 8)).sum().backward()
+            with pytest.raises(UsageError, match="between steps"):
+                col.commit()
+    col.commit()
+    h = trainhist.open(tmp_path / "c.thist")
+    assert h.spine("0", "activation").step.tolist() == [0, 1]
+    col.close()
+    with pytest.raises(UsageError, match="closed"):
+        col.commit()
+
+
 def test_nan_injected_by_another_forward_hook_is_attributed_to_its_module(tmp_path):
     model = mlp()
     path = tmp_path / "n.thist"

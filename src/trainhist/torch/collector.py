@@ -989,6 +989,18 @@ class Collector:
         while self._pending:
             self._finish(self._pending.pop(0))
 
+    def commit(self) -> None:
+        """Write every finished step now, durably (a commit of the writer), e.g. before saving a checkpoint; the
+        collector otherwise commits every ``commit_every`` steps and every 30 s."""
+        if self._closed:
+            raise UsageError("the collector is closed")
+        if self._state is not None:
+            raise UsageError(f"commit() inside step {self._state.step}: call it between steps")
+        self._drain()
+        self._since_commit = 0
+        if self._writer is not None:
+            self._safe(self._writer.commit)
+
     def close(self) -> None:
         """Write what is pending, remove every hook, restore the scaler, and close the writer. Idempotent."""
         if self._closed:
