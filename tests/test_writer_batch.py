@@ -143,8 +143,12 @@ def _write(path: Path, one_by_one: bool, monkeypatch: pytest.MonkeyPatch) -> int
     return errors
 
 
-def test_batched_commit_writes_the_file_of_site_by_site_flushes(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("group_rows", [1 << 16, 50])  # one group per commit; groups of a few sites
+def test_batched_commit_writes_the_file_of_site_by_site_flushes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                group_rows: int) -> None:
+    import trainhist.writer as wr
+
+    monkeypatch.setattr(wr, "GROUP_ROWS", group_rows)
     assert _write(tmp_path / "batched.thist", False, monkeypatch) == 2
     assert _write(tmp_path / "one_by_one.thist", True, monkeypatch) == 2
     assert (tmp_path / "batched.thist").read_bytes() == (tmp_path / "one_by_one.thist").read_bytes()

@@ -126,14 +126,27 @@ def dyadics_of(values: np.ndarray) -> list[Dyadic]:
     return [new(Dyadic, pair) for pair in zip(m.tolist(), e.tolist())]
 
 
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+
+
 def floats_of(values: list[Dyadic]) -> tuple[np.ndarray, list[bool]]:
     """``[v.to_float() for v in values]`` as a float64 array, and ``[v.is_float() for v in values]``: with a few numpy
-    operations when every ``m`` and ``e`` fits int64 (a chunk stores two sums a row), value by value otherwise."""
+    operations for the values whose ``m`` and ``e`` fit int64 (a chunk stores two sums a row), the others value by
+    value."""
     try:
         # (operator.index: a non-integer field raises TypeError, as the value-by-value path does, not truncated)
         me = np.fromiter(map(operator.index, chain.from_iterable(values)), np.int64, 2 * len(values))
-    except OverflowError:
-        return np.array([v.to_float() for v in values], np.float64), [v.is_float() for v in values]
+    except OverflowError:  # the values whose fields fit int64 together, only the others one by one
+        fits = [_I64_MIN <= v.m <= _I64_MAX and _I64_MIN <= v.e <= _I64_MAX for v in values]
+        part, part_exact = floats_of([v for v, ok in zip(values, fits) if ok])
+        f = np.empty(len(values), np.float64)
+        f[np.array(fits, dtype=bool)] = part
+        it = iter(part_exact)
+        exact = [next(it) if ok else v.is_float() for v, ok in zip(values, fits)]
+        for i, ok in enumerate(fits):
+            if not ok:
+                f[i] = values[i].to_float()
+        return f, exact
     m, e = me[0::2], me[1::2]
     mf = m.astype(np.float64)  # exact when |m| < 2**53; larger stays >= 2**53
     bits = np.frexp(mf)[1]  # bit length of |m|, or more than 53

@@ -70,6 +70,7 @@ class SiteHandle:
     facet: str | None
 
 
+GROUP_ROWS = _FLUSH_ROWS  #: rows of the chunks a commit encodes together, at most (or one site's chunk)
 _EMPTY = Summary(count=0)  # the numbers of a row that has none (a mark)
 _COUNTS = ("count", "nan", "pinf", "ninf", "zero")
 _counts_of = attrgetter(*_COUNTS)
@@ -117,6 +118,8 @@ def encode_obs_chunks(chunks: list[tuple[list[tuple], int, int]], codec: int) ->
 
     A commit encodes hundreds of chunks of a few rows each: every field is gathered for the rows of all of them at
     once, and the chunks are packed together (:func:`encode_chunks`)."""
+    if not chunks:
+        return []
     edges = list(accumulate((len(rows) for rows, _, _ in chunks), initial=0))  # chunk i: rows edges[i]:edges[i + 1]
     n = edges[-1]
     steps, spans, micros, phases, presences, summaries = zip(*(r for rows, _, _ in chunks for r in rows))
@@ -472,15 +475,27 @@ class HistoryWriter:
             self._manifest(doc)
 
     def _flush_all(self) -> None:
-        """Write every buffered row, one chunk per (site, segment) in that order, the chunks encoded together."""
-        keys = sorted(self._buffers)
-        if not keys:
-            return
+        """Write every buffered row, one chunk per (site, segment) in that order, the chunks encoded together in
+        groups of at most :data:`GROUP_ROWS` rows (so a commit's extra memory stays bounded)."""
+        group: list[tuple[int, int]] = []
+        rows = 0
+        for key in sorted(self._buffers):
+            group.append(key)
+            rows += len(self._buffers[key])
+            if rows >= GROUP_ROWS:
+                self._flush_group(group)
+                group, rows = [], 0
+        if group:
+            self._flush_group(group)
+
+    def _flush_group(self, keys: list[tuple[int, int]]) -> None:
         try:
             encoded = encode_obs_chunks([(self._buffers[k], *k) for k in keys], self._codec)
-        except Exception:
-            # chunk by chunk instead: the first chunk that cannot be encoded raises, after the chunks before it
-            # were written, as when each is flushed on its own
+        except Exception:  # noqa: BLE001 -- raised again below, by the chunk that cannot be encoded
+            encoded = None
+        if encoded is None:
+            # chunk by chunk instead (outside the handler: the error is not shown twice): the first chunk that
+            # cannot be encoded raises, after the chunks before it were written, as when each is flushed on its own
             for sid, segment in keys:
                 self._flush_site(sid, segment)
             return
