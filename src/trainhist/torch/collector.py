@@ -889,15 +889,14 @@ class Collector:
             if (key[1], key[0], key[2]) not in self._handles:
                 self._handle(key[1], key[0], key[2])
         grad_sq: float | None = 0.0 if st.due["param_grad"] and not st.clip_seen else None
-        decoded, failed = st.decoded, st.failed
         for s in self.plan.sites:
             if s.provisional or not st.due[s.stream]:
                 continue
             for phase in self._phases(s, st):
                 key = (s.stream, s.path, s.facet, phase)
-                summ = decoded[key] if key in decoded else self._summary(st, data, key)
+                summ = self._summary(st, data, key)
                 if s.stream == "param_grad" and grad_sq is not None:
-                    if key in failed:
+                    if key in st.failed:
                         grad_sq = None
                     elif summ is not None:
                         bad = math.nan if summ.nan else math.inf
@@ -972,16 +971,16 @@ class Collector:
         return summ
 
     def _emit(self, st: _Step, s: PlannedSite, phase: str, key: tuple, summ: object, applied: bool | None) -> None:
-        h = self._handles.get((s.path, s.stream, s.facet)) or self._handle(s.path, s.stream, s.facet)
+        h = self._handle(s.path, s.stream, s.facet)
         if h is None:
             return
-        if summ is not None and not (applied is False and s.stream == "param_delta"):
+        if s.stream == "param_delta" and applied is False:
+            self._safe(self._writer.mark, h, st.step, "skipped", phase=phase)
+        elif summ is not None:
             try:  # (the common case, without _safe's extra call)
                 self._writer.observe(h, st.step, summary=summ, phase=phase)
             except Exception as e:  # noqa: BLE001 -- a broken disk must not kill the training run
                 self._writer_error(e)
-        elif s.stream == "param_delta" and applied is False:
-            self._safe(self._writer.mark, h, st.step, "skipped", phase=phase)
         else:
             self._safe(self._writer.mark, h, st.step, "failed" if key in st.failed else "absent", phase=phase)
 

@@ -419,8 +419,9 @@ def _sketches(keys: np.ndarray) -> list[Sketch]:
 
 
 def _decode(row: np.ndarray, count: int, sketch: bool, keyed: int, raw: list[int], floats: list[float]) -> Summary:
-    """One row of :func:`decode_rows` the vectorized path does not take: a sketch row, or one that fails a check
-    (``keyed``: the sum of its key columns; ``raw``: its columns from COL_NEGZERO, ``floats``: from COL_MIN)."""
+    """One row of :func:`decode_rows` its array path does not take (one that fails a check there), with Python
+    integers: the summary, or the RuntimeError that names the failure (``keyed``: the sum of its key columns;
+    ``raw``: its columns from COL_NEGZERO, ``floats``: from COL_MIN)."""
     negzero, spare = raw[0], raw[1]
     if spare != 0:
         raise RuntimeError("ledger row has counts in its impossible slot")
