@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import importlib.util
 import math
 import os
 import platform
@@ -42,6 +43,10 @@ CONFIGS = [
     ("wandb.watch(log='all', log_freq=1)", "offline mode; histograms of every parameter and gradient every step"),
     ("TensorBoard add_histogram", "every parameter and gradient every step"),
 ]
+
+
+#: the package each peer needs (a peer whose package is missing is left out of the table, and the text says so)
+PEER_PACKAGES = {"wandb": "wandb", "TensorBoard": "tensorboard"}
 
 
 def make_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -121,15 +126,22 @@ def instrument(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, tm
     raise ValueError(name)
 
 
-def _cpu_method() -> str:
-    """The collector's CPU reduction method, in words (with the numba version for the compiled kernel)."""
+def _cpu_method(device: str) -> str:
+    """Where and how the collector reduces, in words (with the numba version for the compiled CPU kernel)."""
     from trainhist.torch import reduce
 
+    if device != "cpu":
+        probe = torch.zeros(1, device=device)
+        if reduce.device_method(probe) == "triton":
+            import triton
+
+            return f"the fused Triton kernel on the device ({device}; method `triton`, Triton {triton.__version__})"
+        return f"torch operations on the device ({device}; method `index_add`)"
     if reduce.CPU_METHOD != "fused":
-        return f"torch operations (method `{reduce.CPU_METHOD}`)"
+        return f"torch operations on the CPU (method `{reduce.CPU_METHOD}`)"
     import numba
 
-    return f"the fused kernel (method `fused`, numba {numba.__version__})"
+    return f"the fused CPU kernel (method `fused`, numba {numba.__version__})"
 
 
 def _default_cadence() -> tuple[int, int]:
@@ -216,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     configs = [c for c in CONFIGS if not (args.quick and c[0].split()[0] in ("wandb.watch(log='all',", "TensorBoard"))]
+    missing = [c[0] for c in configs if any(c[0].startswith(peer) and importlib.util.find_spec(pkg) is None
+                                            for peer, pkg in PEER_PACKAGES.items())]
+    configs = [c for c in configs if c[0] not in missing]
     if args.only:
         configs = [c for c in configs if c[0].startswith("baseline") or any(s in c[0] for s in args.only)]
     names = [c[0] for c in configs]
@@ -261,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{'/'.join(f'{v:.2f}' for v in load_before)}, after {'/'.join(f'{v:.2f}' for v in load_after)} "
         f"(the measurement itself keeps one CPU busy: a load above 1 means other work shared the machine); 1-minute "
         f"load sampled after each configuration: {min(loads):.2f} to {max(loads):.2f}, median "
-        f"{statistics.median(loads):.2f}. trainhist reduces on the CPU with {_cpu_method()}.",
+        f"{statistics.median(loads):.2f}. trainhist reduces with {_cpu_method(args.device)}."
+        + (f" Not run: {', '.join(missing)} (the package is not installed here)." if missing else ""),
         "",
         f"Model: transformers GPT-2, {args.layers} layers, width {args.width}, sequence {args.seq}, batch {args.batch}, "
         f"vocabulary {args.vocab}, random init, AdamW; device {args.device}. {args.reps} repetitions, each running every "

@@ -3,26 +3,31 @@
     python tools/cuda_check.py --out benchmarks/cuda.md            # on a GPU machine
     python tools/cuda_check.py --device cpu --quick                # rehearsal of the same code paths on the CPU
 
-1. Bit-exactness: the on-device reduction (``reduce_into`` + one transfer + ``decode_row``; the sketch kernel and
-   the spine-only kernel) against the numpy reference ``trainhist.summarize`` on the same tensors — counts, every
-   bin, min and max must be equal bit for bit
+1. Bit-exactness: the on-device reductions (``reduce_into`` + one transfer + ``decode_row``; the fused Triton kernel,
+   the default on CUDA, and the torch ops with and without the sketch; each whole and in two parts merged in one
+   row) against the numpy reference ``trainhist.summarize`` on the same tensors — counts, every bin, min and max
+   must be equal bit for bit
    (float16, bfloat16, float32, float64; special values, subnormals, bin edges, sizes from 0 to 4M).
-2. No hidden host sync: a real training step of a HF GPT-2 is run under ``torch.cuda.set_sync_debug_mode("warn")``
-   with and without the collector; the collector may add no synchronising call (its one deliberate transfer is a
-   non-blocking copy into pinned memory).
+2. No hidden host sync: real training steps (a HF GPT-2 and an MLP; fp32, and fp16 autocast with a GradScaler) run
+   under ``torch.cuda.set_sync_debug_mode("warn")`` with and without the collector, counting synchronising calls
+   and where they happen; the collector may add none. Then ``set_sync_debug_mode("error")`` around whole steps of
+   the MLP (whose own loop makes none) with the collector: no error. Its one deliberate transfer per step is a
+   non-blocking copy into pinned memory, awaited through an event.
 3. Overhead on the GPU: ``tools/bench_overhead.py --device cuda`` (interleaved A/B with an A/A noise band).
 
-Exit status 0 when checks 1 and 2 pass; the report is written to ``--out``.
+Exit status 0 when checks 1 and 2 pass; the report is rewritten to ``--out`` after each check.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import io
+import os
 import platform
 import sys
 import tempfile
+import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -69,119 +74,232 @@ def reference(t: torch.Tensor):
     return summarize(t.numpy())
 
 
+def differences(got, ref) -> list[str]:
+    """The fields in which ``got`` differs from the reference ``ref`` (empty: equal bit for bit)."""
+    out = [f"{k} {getattr(got, k)} != {getattr(ref, k)}" for k in ("count", "nan", "pinf", "ninf", "zero")
+           if getattr(got, k) != getattr(ref, k)]
+    for k in ("min", "max"):
+        a, b = np.float64(getattr(got, k)), np.float64(getattr(ref, k))
+        if a.tobytes() != b.tobytes():
+            out.append(f"{k} {a!r} != {b!r}")
+    if (got.sketch is None) != (ref.sketch is None):
+        out.append("sketch present/absent")
+    elif got.sketch is not None and got.sketch != ref.sketch:
+        g, r = got.sketch, ref.sketch
+        nb = int(np.sum(g.pos != r.pos)) + int(np.sum(g.neg != r.neg)) if g.pos.shape == r.pos.shape else -1
+        out.append(f"sketch: {nb} bins differ, scale {g.scale}/{r.scale}, under/over "
+                   f"{(g.under_pos, g.under_neg, g.over_pos, g.over_neg)} != "
+                   f"{(r.under_pos, r.under_neg, r.over_pos, r.over_neg)}")
+    return out
+
+
+def methods(device: str) -> list[str]:
+    """The device reductions checked: the fused Triton kernel (the default on CUDA; on a CPU rehearsal only under
+    ``TRITON_INTERPRET=1``) and the torch ops (``index_add``, with and without the sketch)."""
+    triton = device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return (["triton"] if triton else []) + ["index_add", "index_add spine-only"]
+
+
 def check_exact(device: str, quick: bool) -> tuple[int, list[str]]:
+    """Every tensor family through each device reduction, one transfer, and the decoder, against the reference;
+    each also reduced in two halves into one row (the merge a micro-batch makes)."""
     failures = []
+    ms = methods(device)
     for name, t in cases(quick):
         ledger = Ledger(torch.device(device))
-        # on the CPU rehearsal, take the kernel path CUDA takes (index_add_, not bincount)
-        reduce_into(t.to(device), ledger.row(name), method="index_add")
-        reduce_into(t.to(device), ledger.row((name, "spine")), sketch=False)  # the spine-only kernel
+        x = t.to(device)
+        diff, ok = [], []
+        for m in ms:
+            try:
+                for part in ((x,), (x[: x.numel() // 3], x[x.numel() // 3:])):
+                    for y in part:
+                        reduce_into(y, ledger.row((m, len(part))), method=m.split()[0], sketch="spine" not in m)
+                ok.append(m)
+            except Exception:  # noqa: BLE001 -- a failing method is a finding: report it, check the others
+                diff.append(f"{m} raised: {traceback.format_exc(limit=-3)}")
         pending = ledger.transfer()
         data = pending.wait()
-        got = decode_row(pending.row(data, name), t.numel(), sketch=True)
-        spine = decode_row(pending.row(data, (name, "spine")), t.numel(), sketch=False)
         ref = reference(t)
-        same = all(
-            (g.count, g.nan, g.pinf, g.ninf, g.zero) == (ref.count, ref.nan, ref.pinf, ref.ninf, ref.zero)
-            and np.float64(g.min).tobytes() == np.float64(ref.min).tobytes()
-            and np.float64(g.max).tobytes() == np.float64(ref.max).tobytes()
-            for g in (got, spine)
-        ) and got.sketch == ref.sketch
-        if not same:
-            failures.append(name)
-        print(f"  {'ok  ' if same else 'FAIL'} {name}", flush=True)
+        for m in ok:
+            for k in (1, 2):
+                got = decode_row(pending.row(data, (m, k)), t.numel(), sketch="spine" not in m)
+                diff += [f"{m}{' in two parts' if k == 2 else ''}: {d}" for d in differences(got, ref)
+                         if "spine" not in m or "sketch" not in d]
+        if diff:
+            failures.append(f"{name} ({'; '.join(diff)})")
+        print(f"  {'ok  ' if not diff else 'FAIL'} {name} {'; '.join(diff)}", flush=True)
     return len(cases(quick)), failures
 
 
-def check_sync(device: str) -> tuple[int, int]:
-    """Synchronising calls reported per training step without and with the collector."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.LayerNorm(256), torch.nn.GELU(),
+                               torch.nn.ReLU(inplace=True), torch.nn.Linear(256, 64))
 
+
+def _syncs(device: str, model_name: str, instrumented: bool, amp: bool, mode: str) -> tuple[int, dict[str, int], str]:
+    """Synchronising calls over 5 training steps (after 3 warm-up steps) under ``set_sync_debug_mode(mode)``:
+    (count, {location: count}, error text or '')."""
     from trainhist.torch import Collector
 
-    counts = []
-    for instrumented in (False, True):
-        torch.manual_seed(0)
-        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, n_positions=64, vocab_size=512)).to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        x = torch.randint(0, 512, (4, 64), device=device)
-        col = None
-        with tempfile.TemporaryDirectory() as d:
-            if instrumented:
-                col = Collector(model, Path(d) / "s.thist", every=1, sketch_every=1)
-                col.discover({"input_ids": x, "labels": x})
-                col.attach(optimizer=opt)
+    torch.manual_seed(0)
+    if model_name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
 
-            def step(i: int) -> None:
-                ctx = col.step(i) if col is not None else contextlib.nullcontext()
-                with ctx:
-                    loss = model(input_ids=x, labels=x).loss
-                    loss.backward()
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, n_positions=64, vocab_size=512))
+        x = torch.randint(0, 512, (4, 64))
+        batch = {"input_ids": x.to(device), "labels": x.to(device)}
+        loss_of = lambda m: m(**batch).loss  # noqa: E731
+    else:
+        model = _mlp()
+        x = torch.randn(32, 64).to(device)
+        batch = x
+        loss_of = lambda m: m(x).pow(2).mean()  # noqa: E731
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler(device, enabled=amp)
+    col = None
+    with tempfile.TemporaryDirectory() as d:
+        if instrumented:
+            col = Collector(model, Path(d) / "s.thist", every=1, sketch_every=1)
+            col.discover(batch)
+            col.attach(optimizer=opt, scaler=scaler if amp else None)
 
-            for i in range(3):  # warm-up: allocations, lazy inits, pinned buffers
-                step(i)
+        def step(i: int) -> None:
+            ctx = col.step(i) if col is not None else contextlib.nullcontext()
+            with ctx:
+                with torch.autocast(device, dtype=torch.float16, enabled=amp):
+                    loss = loss_of(model)
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+
+        for i in range(3):  # warm-up: allocations, lazy inits, pinned buffers
+            step(i)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        err = ""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             if device == "cuda":
-                torch.cuda.synchronize()
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode(mode)
+            try:
+                for i in range(3, 8):
+                    step(i)
+            except RuntimeError as e:
+                err = str(e).splitlines()[0]
+            finally:
                 if device == "cuda":
-                    torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    for i in range(3, 8):
-                        step(i)
-                finally:
-                    if device == "cuda":
-                        torch.cuda.set_sync_debug_mode("default")
-            if col is not None:
-                col.close()
-        counts.append(sum("synchroniz" in str(w.message).lower() for w in caught))
-    return counts[0], counts[1]
+                    torch.cuda.set_sync_debug_mode("default")
+        if col is not None:
+            col.close()
+    where: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message).lower():
+            key = f"{Path(w.filename).name}:{w.lineno}"
+            where[key] = where.get(key, 0) + 1
+    return sum(where.values()), where, err
+
+
+def check_sync(device: str) -> tuple[bool, str]:
+    """Host synchronisations without and with the collector, in "warn" mode (counted, with where they happen) for
+    GPT-2 in fp32 and under fp16 autocast with a GradScaler, then in "error" mode for an MLP whose own loop makes
+    none: there the collector must run 5 whole steps without raising."""
+    lines, ok = [], True
+    lines.append("| model | precision | syncs per 5 steps, without the collector | with it | where (with it) |")
+    lines.append("|---|---|---|---|---|")
+    for model_name in ("gpt2", "mlp"):
+        for amp in (False, True):
+            base, wb, _ = _syncs(device, model_name, False, amp, "warn")
+            inst, wi, _ = _syncs(device, model_name, True, amp, "warn")
+            extra = {k: v for k, v in wi.items() if v > wb.get(k, 0)}
+            ok &= inst <= base
+            lines.append(f"| {model_name} | {'fp16 autocast + GradScaler' if amp else 'fp32'} | {base} | {inst} | "
+                         f"{', '.join(f'{k} ×{v}' for k, v in sorted(wi.items())) or '–'}"
+                         f"{' (collector adds: ' + ', '.join(sorted(extra)) + ')' if extra else ''} |")
+            print("  " + lines[-1], flush=True)
+    base_n, _, base_err = _syncs(device, "mlp", False, False, "error")
+    n, _, err = _syncs(device, "mlp", True, False, "error")
+    ok &= not err or bool(base_err)
+    text = "\n".join(lines) + (
+        f"\n\n`torch.cuda.set_sync_debug_mode('error')` around 5 whole fp32 steps of the MLP: without the collector "
+        f"{'raised: ' + base_err if base_err else 'no error'}; with the collector "
+        f"{'raised: ' + err if err else 'no error'}.\n")
+    print("  error mode, MLP:", base_err or "no error", "/", err or "no error", flush=True)
+    return ok, text
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--no-overhead", action="store_true")
+    ap.add_argument("--sections", default="123", help="which checks to run (default 123: all)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of the overhead benchmark")
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --device cpu for a rehearsal", file=sys.stderr)
         return 2
-    rep = io.StringIO()
-    dev = torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or platform.machine()
-    rep.write(f"# CUDA checks of the torch collector\n\nGenerated by `python tools/cuda_check.py {' '.join(sys.argv[1:])}`"
-              f" on {dev}, torch {torch.__version__}.\n\n")
-    if a.device != "cuda":
-        rep.write("**A CPU rehearsal of the script's code paths, not a CUDA result.**\n\n")
-    print("1. bit-exactness against the numpy reference", flush=True)
-    n, fails = check_exact(a.device, a.quick)
-    rep.write(f"## 1. Bit-exactness\n\n{n - len(fails)} of {n} tensor families equal the numpy reference bit for bit "
-              f"(counts, every bin, min, max){': failures ' + ', '.join(fails) if fails else ''}.\n\n")
-    print("2. host synchronisations per 5 steps (without, with the collector)", flush=True)
-    base, inst = check_sync(a.device)
-    rep.write(f"## 2. Host synchronisation\n\nSynchronising calls reported by `torch.cuda.set_sync_debug_mode('warn')` "
-              f"over 5 training steps: {base} without the collector, {inst} with it (the collector's own: "
-              f"{inst - base}).\n\n")
-    ok = not fails and inst <= base
-    if not a.no_overhead:
+    report: list[str] = []
+
+    def emit(text: str) -> None:  # the report so far, rewritten after every section (a timeout keeps what ran)
+        report.append(text)
+        print(text, flush=True)
+        if a.out:
+            Path(a.out).write_text("".join(report), "utf-8")
+
+    if a.device == "cuda":
+        p = torch.cuda.get_device_properties(0)
+        dev = (f"{p.name} ({p.multi_processor_count} multiprocessors, {p.total_memory / 2**30:.0f} GiB), "
+               f"CUDA {torch.version.cuda}")
+    else:
+        dev = platform.processor() or platform.machine()
+    emit(f"# CUDA checks of the torch collector\n\nGenerated by `python tools/cuda_check.py {' '.join(sys.argv[1:])}` "
+         f"on {dev}, torch {torch.__version__}, Python {platform.python_version()}, "
+         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n"
+         + ("" if a.device == "cuda" else "**A CPU rehearsal of the script's code paths, not a CUDA result.**\n\n"))
+    ok = True
+
+    def guarded(section: str, fn):  # a section that raises is reported, and the next one still runs
+        try:
+            return fn()
+        except Exception:  # noqa: BLE001
+            emit(f"## {section}\n\nRaised:\n\n```\n{traceback.format_exc()}```\n\n")
+            return None
+
+    if "1" in a.sections:
+        print("1. bit-exactness against the numpy reference", flush=True)
+        got = guarded("1. Bit-exactness", lambda: check_exact(a.device, a.quick))
+        n, fails = got if got is not None else (0, ["raised"])
+        ok &= not fails
+        emit(f"## 1. Bit-exactness\n\n{n - len(fails)} of {n} tensor families equal the numpy reference "
+             "`trainhist.summarize` bit for bit in counts (total, NaN, +inf, -inf, zero), every bin, min and max, "
+             f"through each reduction ({', '.join(methods(a.device))}), whole and in two parts merged in one row, "
+             "the one transfer and the decoder"
+             f"{': failures ' + '; '.join(fails) if fails else ''}.\n\n")
+    if "2" in a.sections:
+        print("2. host synchronisations", flush=True)
+        sync_ok, text = guarded("2. Host synchronisation", lambda: check_sync(a.device)) or (False, "(raised)")
+        ok &= sync_ok
+        emit("## 2. Host synchronisation\n\nSynchronising calls reported by `torch.cuda.set_sync_debug_mode('warn')` "
+             "over 5 training steps (after 3 warm-up steps), every site recorded with spine and sketch every step. "
+             "The collector's one deliberate transfer per step is a non-blocking copy into pinned memory, "
+             "awaited through a CUDA event one step later; neither is a synchronising call in this sense.\n\n"
+             + text + "\n")
+    if "3" in a.sections:
         import bench_overhead
 
-        out = io.StringIO()
-        args = ["--device", a.device, "--reps", "2" if a.quick else "5", "--steps", "3" if a.quick else "20"]
+        print("3. overhead", flush=True)
+        args = ["--device", a.device, "--reps", "2" if a.quick else str(a.reps), "--steps", "3" if a.quick else "12",
+                "--only", "spine", "sketches", "default"]
         if a.device == "cuda":
-            args += ["--layers", "12", "--width", "768", "--seq", "512", "--batch", "8", "--vocab", "50257"]
+            args += ["--threads", "4", "--layers", "12", "--width", "768", "--seq", "256", "--batch", "8",
+                     "--vocab", "50257"]
         with tempfile.NamedTemporaryFile("r", suffix=".md") as f:
-            bench_overhead.main(args + ["--out", f.name])
-            out.write(Path(f.name).read_text())
-        rep.write("## 3. Overhead\n\n" + out.getvalue().split("\n", 1)[1] + "\n")
-    text = rep.getvalue()
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text, "utf-8")
+            if guarded("3. Overhead", lambda: bench_overhead.main(args + ["--out", f.name])) is not None:
+                emit("## 3. Overhead\n\n" + Path(f.name).read_text().split("\n", 1)[1].lstrip("\n") + "\n")
     return 0 if ok else 1
 
 

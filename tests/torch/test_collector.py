@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
-from torch_helpers import Spy, Wrapper, assert_row, presence, ref_summary
+from torch_helpers import CPU_METHODS, Spy, Wrapper, assert_row, presence, ref_summary
 
 import trainhist
 from trainhist.torch import Collector, StepTruth
@@ -38,8 +38,15 @@ def assert_param_rows(h: trainhist.History, step: int, after: dict, before: dict
                    sketch=sketch)
 
 
-def test_mlp_matches_numpy_reference(tmp_path):
-    """Every stream, with 2 micro-batches per step, equals the numpy reference of the same tensors."""
+@pytest.mark.parametrize("method", [None] + (["triton"] if "triton" in CPU_METHODS else []))
+def test_mlp_matches_numpy_reference(tmp_path, monkeypatch, method):
+    """Every stream, with 2 micro-batches per step, equals the numpy reference of the same tensors: with the
+    CPU's default reduction, and with the GPU's (the Triton kernel, run in Triton's interpreter), whose rows hold
+    key counts even at steps where only the spine is due."""
+    if method is not None:
+        import trainhist.torch.reduce as rd
+
+        monkeypatch.setattr(rd, "CPU_METHOD", method)
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     path = tmp_path / "mlp.thist"
@@ -92,7 +99,7 @@ def test_mlp_matches_numpy_reference(tmp_path):
     assert np.all(h.spine("tokens_per_s", "scalar").max > 0)
 
 
-@pytest.mark.parametrize("method", ["index_add", "fused"])
+@pytest.mark.parametrize("method", ["index_add", "fused"] + (["triton"] if "triton" in CPU_METHODS else []))
 def test_one_host_transfer_per_step_and_no_per_site_syncs(tmp_path, monkeypatch, method):
     """``index_add`` is the path every device takes (as on CUDA); ``fused`` the CPU kernel, which reads each CPU
     tensor and writes the (host) ledger row in place by address: no transfer, no host read of a tensor."""
@@ -146,7 +153,7 @@ def test_one_host_transfer_per_step_and_no_per_site_syncs(tmp_path, monkeypatch,
     assert len(h.spine("loss", "scalar")) == 3
 
 
-@pytest.mark.parametrize("method", ["index_add", "fused"])
+@pytest.mark.parametrize("method", ["index_add", "fused"] + (["triton"] if "triton" in CPU_METHODS else []))
 def test_hooks_do_not_sync_during_forward_and_backward(tmp_path, monkeypatch, method):
     """Neither the path every device takes (torch ops, ``index_add``) nor the CPU kernel (which reads tensors by
     address) makes a host read of a tensor inside a hook."""

@@ -9,10 +9,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch_helpers import Wrapper, bits, ref_summary
+from torch_helpers import CPU_METHODS, Wrapper, bits, ref_summary
 
 from trainhist.summary import SumMethod
-from trainhist.torch.reduce import COL_MIN, METHODS, ROW, Ledger, decode_row, merge_row, reduce_into
+from trainhist.torch.reduce import COL_MIN, ROW, Ledger, decode_row, merge_row, reduce_into
 
 SPECIALS = [0.0, -0.0, math.nan, math.inf, -math.inf, 1e-45, -1e-45, 2.0**-48, -(2.0**-48), 2.0**16, 2.0**16 + 64,
             65504.0, -65504.0, 3e38, -1e-300, 1.0, -1.0, 2.0**0.25, 1.1892071]
@@ -46,7 +46,7 @@ def check(got, ref) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", CPU_METHODS)
 @pytest.mark.parametrize("sketch", [True, False])
 def test_kernel_matches_reference(dtype, method, sketch):
     g = torch.Generator().manual_seed(0)
@@ -148,7 +148,7 @@ def check_spine(got, ref) -> None:
 KERNELS = {"full": (run, check), "spine": (run_spine, check_spine)}
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", CPU_METHODS)
 @pytest.mark.parametrize("kernel", list(KERNELS))
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=64), st.integers(1, 3))
@@ -160,7 +160,7 @@ def test_any_float32_bit_pattern(kernel, method, words, chunks):
     check_(reduce_(parts, method=method), ref_summary([torch.from_numpy(a)]))
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", CPU_METHODS)
 @pytest.mark.parametrize("kernel", list(KERNELS))
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=64))
@@ -183,7 +183,7 @@ def test_fused_blocks_with_and_without_non_finite_values(sketch):
         x[BLOCK - 1], x[BLOCK], x[2 * BLOCK + 7], x[-1] = math.nan, -math.inf, -0.0, math.inf
         x[5] = 0.0
         rows = {}
-        for method in METHODS:
+        for method in CPU_METHODS if sketch else ("fused", "bincount", "index_add"):  # (triton: a sketch row always)
             led = Ledger("cpu")
             reduce_into(x, led.row("k"), method=method, sketch=sketch)
             reduce_into(x[:100], led.row("k"), method=method, sketch=sketch)  # a second micro-batch
@@ -241,7 +241,7 @@ def test_chunked_and_strided_inputs(monkeypatch, dtype):
     x[::17] = torch.tensor([0.0, -0.0, math.nan, math.inf, -math.inf, 1e-300] * 3)[: x[::17].numel()]
     x = x.to(dtype)
     for t in (x, x.view(20, 15).t(), x[:30]):
-        for method in METHODS:  # the fused kernel takes no chunks; strided inputs go through the scratch copy
+        for method in CPU_METHODS:  # the fused kernels take no chunks; strided inputs go through the scratch copy
             check(run([t], method=method), ref_summary([t.contiguous()]))
             check_spine(run_spine([t], method=method), ref_summary([t.contiguous()]))
 
@@ -404,7 +404,7 @@ def test_fused_refuses_what_it_cannot_read_by_address():
     with pytest.raises(TypeError, match="complex"):
         reduce_into(torch.ones(3, dtype=torch.complex64), row, method="fused")
     neg = torch._neg_view(torch.tensor([1.0, -2.0, 3.0]))  # a lazily negated view: its memory holds the opposite
-    for method in METHODS:
+    for method in CPU_METHODS:
         check(run([neg], method=method), ref_summary([neg.resolve_neg()]))
 
 
@@ -453,7 +453,7 @@ def test_fused_never_reads_memory_that_does_not_hold_the_values(monkeypatch):
     base = torch.randn(200, generator=g)
     base[1::2] = -1.0  # what a contiguous read of base[::2] would wrongly see
     for t in (base[::2], torch.full((1,), 2.5).expand(150), base.view(20, 10)[:, 3]):
-        for method in METHODS:
+        for method in CPU_METHODS:
             check(run([t], method=method), ref_summary([t.contiguous()]))
     w = Wrapper(torch.tensor([1.0, -2.0, 4.0]))
     check(run([w]), ref_summary([w.inner]))  # default method: the torch ops read it through dispatch
@@ -494,3 +494,57 @@ def test_ledger_growth_keeps_every_new_slot_initialised():
             assert buf[off + COL_MIN : off + COL_MIN + 2].tolist() == inf.tolist(), (i, k)
     got = decode_row(led.transfer().wait()[led.rows["first"] :][:ROW], 2, sketch=True)
     assert (got.min, got.max) == (-2.0, 1.0)
+
+
+@pytest.mark.skipif("triton" not in CPU_METHODS, reason="Triton is not installed")
+def test_triton_refuses_what_it_cannot_read_by_address():
+    """The Triton kernel reads memory by address too: a tensor subclass, a row that is not a contiguous int64 row
+    of ROW entries, or a row on another device is refused, never read."""
+    row = Ledger("cpu").row("k")
+    with pytest.raises(ValueError, match="plain strided"):
+        reduce_into(Wrapper(torch.tensor([1.0, 2.0])), row, method="triton")
+    with pytest.raises(ValueError, match="contiguous int64 row"):
+        reduce_into(torch.ones(3), torch.zeros(ROW, 2, dtype=torch.int64)[:, 0], method="triton")
+    with pytest.raises(ValueError, match="on its device"):
+        reduce_into(torch.ones(3), torch.zeros(ROW, dtype=torch.int64, device="meta"), method="triton")
+
+
+@pytest.mark.parametrize("sketch", [True, False])
+def test_triton_rows_hold_key_counts_and_decode_either_way(sketch):
+    """The Triton kernel always writes the key counts (on a GPU they cost no extra pass): such a row decodes to
+    the reference spine when no sketch is due and to the reference sketch when one is, over micro-batches."""
+    if "triton" not in CPU_METHODS:
+        pytest.skip("Triton is not installed")
+    g = torch.Generator().manual_seed(21)
+    parts = [torch.randn(3000, generator=g, dtype=torch.float64).to(torch.bfloat16),
+             torch.tensor([0.0, -0.0, math.nan, math.inf, -math.inf, 1e-40], dtype=torch.bfloat16)]
+    got = run(parts, method="triton", sketch=sketch)
+    (check if sketch else check_spine)(got, ref_summary([torch.cat(parts)]))
+
+
+def test_a_failing_triton_launch_falls_back_to_torch_ops_with_key_rows(monkeypatch):
+    """Where the Triton kernel fails (an untested GPU, say), the reduction warns once and the torch ops take over
+    for the rest of the run, writing key counts even where only the spine is due: rows the kernel began this step
+    hold key counts, and one row must not mix the two layouts."""
+    import types
+
+    import trainhist.torch.reduce as rd
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(rd, "CPU_METHOD", "triton")
+    monkeypatch.setitem(rd._TRITON, "module", types.SimpleNamespace(reduce_row=broken))
+    monkeypatch.setitem(rd._TRITON, "failed", False)
+    g = torch.Generator().manual_seed(22)
+    x = torch.cat([torch.randn(500, generator=g), torch.tensor([-0.0, math.nan])])
+    led = Ledger("cpu")
+    with pytest.warns(RuntimeWarning, match="fused GPU reduction failed") as w:
+        reduce_into(x, led.row("a"), sketch=False)
+        reduce_into(x, led.row("b"), sketch=False)  # the torch ops from now on, without another warning
+    assert len([m for m in w if "GPU reduction" in str(m.message)]) == 1
+    assert rd.device_method(x) == "index_add"
+    p = led.transfer()
+    data = p.wait()
+    for key in ("a", "b"):
+        check(decode_row(p.row(data, key), x.numel(), sketch=True), ref_summary([x]))

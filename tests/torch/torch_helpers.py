@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import torch
 
 import trainhist
 from trainhist.summary import Summary, summarize
 from trainhist.torch.plan import flatten_output
+from trainhist.torch.reduce import METHODS
+
+#: the reduction methods this machine can run on CPU tensors: the Triton kernel in Triton's interpreter (conftest)
+#: where Triton is installed
+CPU_METHODS = tuple(m for m in METHODS if m != "triton" or importlib.util.find_spec("triton") is not None)
 
 
 def ref_summary(tensors: list[torch.Tensor]) -> Summary:

@@ -9,8 +9,11 @@ values, stored bit-cast in the int64 buffer. Reducing again into the same row me
 clamp, sums add (float64 accumulation, ``SumMethod.F64``); the sign of a zero minimum or maximum is resolved from
 the zero counts at decode time.
 
-Two implementations write the same row. On the CPU, :mod:`.cpukernel` reads each tensor once (an order of magnitude
-faster than the torch ops there: ``tools/bench_reduce.py``). On any other device, and on the CPU when asked, torch ops:
+Three implementations write the same row. On the CPU, :mod:`.cpukernel` reads each tensor once (an order of
+magnitude faster than the torch ops there: ``tools/bench_reduce.py``). On a CUDA GPU, :mod:`.tritonkernel` reads
+each tensor once too, in two launches instead of a couple of dozen (it always writes the key counts: a sketch row,
+which also decodes to its spine alone). On any other device, where Triton is missing, and on the CPU when asked,
+torch ops:
 every full-size intermediate is written into a per-device scratch buffer (``out=``), never a fresh allocation (on a
 CPU a fresh multi-megabyte tensor costs more in page faults than the pass that fills it); tensors above ``CHUNK``
 elements are reduced chunk by chunk so that the scratch stays bounded.
@@ -37,8 +40,8 @@ except ImportError as _e:  # numba missing, or not yet released for this Python
     warnings.warn(f"trainhist.torch: the fused CPU reduction is unavailable ({_e}); CPU tensors are reduced with "
                   "torch operations, several times slower (pip install numba)", RuntimeWarning, stacklevel=2)
 
-__all__ = ["ROW", "CHUNK", "METHODS", "reduce_into", "fused_into", "fused_many", "fusable", "is_plain", "merge_row",
-           "decode_row", "decode_rows", "Ledger", "PendingTransfer"]
+__all__ = ["ROW", "CHUNK", "METHODS", "reduce_into", "device_method", "triton_into", "fused_into", "fused_many",
+           "fusable", "is_plain", "merge_row", "decode_row", "decode_rows", "Ledger", "PendingTransfer"]
 
 NK = grid.NKEYS
 COL_NEGZERO = NK  # count of -0.0 (the grid's zero key counts +0.0 only here; decode adds them)
@@ -178,10 +181,47 @@ def _raw_codes(bits: torch.Tensor, w: _Width) -> torch.Tensor:
     return raw
 
 
-#: reduction methods: one fused pass (CPU, :mod:`.cpukernel`), or torch ops with the bin counts by ``bincount``
-#: (CPU) or ``index_add_`` (any device; ``bincount`` would synchronise on CUDA)
-METHODS = ("fused", "bincount", "index_add")
+#: reduction methods: one fused pass (CPU, :mod:`.cpukernel`; GPU, ``triton``: :mod:`.tritonkernel`), or torch ops
+#: with the bin counts by ``bincount`` (CPU) or ``index_add_`` (any device; ``bincount`` would synchronise on CUDA)
+METHODS = ("fused", "triton", "bincount", "index_add")
 CPU_METHOD = "fused" if cpukernel is not None else "bincount"  #: the method used on the CPU when none is given
+_TRITON: dict[str, object] = {"module": None, "failed": False}
+
+
+def _tritonkernel() -> object | None:
+    """The Triton kernels' module, imported on first use (Triton is heavy, and CPU-only users never need it); None
+    where Triton is missing or a launch has failed (then the torch ops serve, and say so once)."""
+    tk = _TRITON["module"]
+    if tk is None and not _TRITON["failed"]:
+        try:
+            from . import tritonkernel as tk
+        except Exception as e:  # noqa: BLE001 -- no Triton (or a broken one): the torch ops serve
+            _triton_failed(e, "is unavailable")
+            return None
+        _TRITON["module"] = tk
+    return tk
+
+
+def _triton_failed(e: BaseException, what: str) -> None:
+    _TRITON["module"], _TRITON["failed"] = None, True
+    warnings.warn(f"trainhist.torch: the fused GPU reduction {what} ({e!r}); tensors off the CPU are reduced with "
+                  "torch operations, many times slower", RuntimeWarning, stacklevel=3)
+
+
+def _wants_triton(x: torch.Tensor) -> bool:
+    """Whether the default method for ``x`` is the Triton kernel (while it works): plain CUDA tensors (and CPU
+    tensors where :data:`CPU_METHOD` is ``triton``, as the tests set it to run the kernel in Triton's interpreter)."""
+    dev = x.device.type
+    return is_plain(x) and (dev == "cuda" or (dev == "cpu" and CPU_METHOD == "triton"))
+
+
+def device_method(x: torch.Tensor) -> str:
+    """The method :func:`reduce_into` uses for ``x`` when none is given."""
+    if _wants_triton(x):
+        return "triton" if _tritonkernel() is not None else "index_add"
+    if x.device.type == "cpu":
+        return CPU_METHOD if CPU_METHOD != "fused" or is_plain(x) else "bincount"
+    return "index_add"
 
 
 def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None, sketch: bool = True) -> None:
@@ -195,11 +235,21 @@ def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None
     max and the sums; the sign of a zero min/max is resolved from the -0.0/+0.0 counts at decode time.
     """
     if method is None:
-        method = CPU_METHOD if x.device.type == "cpu" else "index_add"
-        if method == "fused" and not is_plain(x):  # a tensor subclass: its memory need not hold its values
-            method = "bincount"
+        method = device_method(x)
+        if method == "triton":
+            try:
+                triton_into(x, row)
+                return
+            except Exception as e:  # noqa: BLE001 -- a launch failed (an untested GPU, say): the torch ops serve
+                _triton_failed(e, "failed")
+                method = "index_add"
+        if _TRITON["failed"] and _wants_triton(x):
+            sketch = True  # rows the Triton kernel began this step hold key counts: so must the rest of them
     elif method not in METHODS:
         raise ValueError(f"unknown reduction method {method!r}: expected one of {METHODS}")
+    if method == "triton":
+        triton_into(x, row)
+        return
     if method == "fused":
         if cpukernel is None:
             raise ValueError("the fused reduction needs numba (pip install numba)")
@@ -214,6 +264,29 @@ def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None
         return
     for i in range(0, n, CHUNK):
         _reduce_chunk(x[i : i + CHUNK] if n > CHUNK else x, row, method == "bincount", sketch)
+
+
+def triton_into(x: torch.Tensor, row: torch.Tensor) -> None:
+    """The ``triton`` method of :func:`reduce_into`: one fused kernel reads ``x`` once (and a second folds its
+    partial results into the row). It always writes the key counts (a sketch row), whatever ``sketch`` asks: on a
+    GPU they cost no extra pass. Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (tests)."""
+    tk = _tritonkernel()
+    if tk is None:
+        raise ValueError("the triton reduction needs Triton (installed with torch's CUDA builds on Linux)")
+    if not is_plain(x) or x.device != row.device:
+        raise ValueError(f"the triton reduction reads a plain strided tensor's memory, not a {type(x).__name__} "
+                         f"({x.layout}, {x.device}); the row must be on its device ({row.device})")
+    if row.dtype != torch.int64 or row.numel() != ROW or not row.is_contiguous() or row.is_neg():
+        raise ValueError(f"the triton reduction needs a contiguous int64 row of {ROW} entries")
+    x = x.detach()
+    if x.is_neg():
+        x = x.resolve_neg()
+    dt = x.dtype
+    if not (dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16) and x.is_contiguous()):
+        x = _widen(x).contiguous()  # (the kernel reads by address: contiguous, as it reads it)
+        dt = x.dtype
+    w = _F64 if dt is torch.float64 else _F32
+    tk.reduce_row(x.view(-1), row, NCOUNT, row[COL_MIN:].view(torch.float64), w.fold_on(x.device), w)
 
 
 def is_plain(x: torch.Tensor) -> bool:
