@@ -712,3 +712,112 @@ def test_parameters_are_reduced_in_the_model_order(tmp_path):
             model[0].bias[1] = math.inf
     col.close()
     assert col.first_nonfinite == (0, "0.bias", "param", None)
+
+
+class Shared(torch.nn.Module):
+    """A module called twice in one forward (one site, two reductions in a step), an in-place ReLU after a Linear,
+    a tuple output, and an in-place change of a child's output inside the parent's forward (switched on later)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.act = torch.nn.ReLU(inplace=True)
+        self.block = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 2)
+        self.late_inplace = False
+
+    def forward(self, x):
+        h = self.act(self.inp(x))
+        h = self.block(torch.tanh(self.block(h)))
+        y = self.head(h)
+        if self.late_inplace:
+            y.mul_(2.0)  # changes head's output after its hook saw it
+        return y, h
+
+
+def _all_rows(path):
+    """Every row of every site (every phase; no scalars: step times differ) of a file: presence, counts, and
+    min/max bits where observed."""
+    h = trainhist.open(path)
+    out = {}
+    for s in h.sites:
+        if s.stream == "scalar":
+            continue
+        sp = h.spine(s.path, s.stream, s.facet, phase="*")
+        for i in range(len(sp.step)):
+            row = (sp.presence_names[i],)
+            if row[0] == "observed":
+                row += tuple(int(getattr(sp, f)[i]) for f in ("count", "nan", "pinf", "ninf", "zero"))
+                row += tuple(float(getattr(sp, f)[i]).hex() for f in ("min", "max"))
+            out[(s.path, s.stream, s.facet, int(sp.step[i]), i)] = row
+    return out
+
+
+@pytest.mark.skipif("triton" not in CPU_METHODS, reason="Triton is not installed")
+def test_batched_gpu_path_records_what_the_cpu_path_records(tmp_path, monkeypatch):
+    """The GPU's batched path (outputs and gradients held, then reduced in batched launches; here the Triton
+    kernel in its interpreter, with batches of 3 so that they fill up mid-forward and mid-backward) writes the
+    same rows as the CPU kernel, row for row: a module called twice in a forward, an in-place ReLU after a Linear
+    (found by discover(): reduced as soon as produced), two micro-batches, every stream."""
+    import trainhist.torch.collector as cm
+    import trainhist.torch.reduce as rd
+
+    def train(path, method):
+        if method is not None:
+            monkeypatch.setattr(rd, "CPU_METHOD", method)
+            monkeypatch.setattr(cm, "DEFER_TENSORS", 3)
+        torch.manual_seed(0)
+        model = Shared()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        col = Collector(model, path, every=1, sketch_every=2)
+        col.discover(torch.randn(4, 8))
+        col.attach(optimizer=opt)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(3):
+            with col.step(step):
+                for _ in range(2):
+                    y, h = model(torch.randn(8, 8, generator=gen))
+                    (y.square().mean() + h.mean()).backward()
+                opt.step()
+                opt.zero_grad()
+        col.close()
+        monkeypatch.undo()
+        return col
+
+    train(tmp_path / "cpu.thist", None)
+    cpu = _all_rows(tmp_path / "cpu.thist")
+    col = train(tmp_path / "gpu.thist", "triton")
+    gpu = _all_rows(tmp_path / "gpu.thist")
+    assert ("activation", "inp", None) in col._eager  # discover() saw the in-place ReLU rewrite it
+    assert cpu.keys() == gpu.keys()
+    assert {r[0] for r in gpu.values()} == {"observed"} and len(gpu) > 80
+    assert cpu == gpu
+
+
+@pytest.mark.skipif("triton" not in CPU_METHODS, reason="Triton is not installed")
+def test_batched_gpu_path_fails_a_site_changed_in_place_after_discover_then_reduces_it_at_once(tmp_path,
+                                                                                                monkeypatch):
+    """An output changed in place after it was held (by code discover() did not see do it) cannot be read as it
+    was: that step records 'failed' for the site, with a warning that says why, and from then on the site is
+    reduced as soon as it is produced, correctly."""
+    import trainhist.torch.reduce as rd
+
+    monkeypatch.setattr(rd, "CPU_METHOD", "triton")
+    torch.manual_seed(0)
+    model = Shared()
+    path = tmp_path / "s.thist"
+    col = Collector(model, path, streams=("activation",), every=1)
+    col.discover(torch.randn(4, 8))
+    model.late_inplace = True
+    xs = [torch.randn(4, 8) for _ in range(2)]
+    with pytest.warns(RuntimeWarning, match="changed in place"):
+        for step, x in enumerate(xs):
+            with col.step(step):
+                with torch.no_grad():
+                    model(x)
+    col.close()
+    h = trainhist.open(path)
+    assert list(h.spine("head", "activation").presence_names) == ["failed", "observed"]
+    with torch.no_grad():
+        ref = model.head(model.block(torch.tanh(model.block(model.act(model.inp(xs[1]))))))
+    assert_row(h, "head", "activation", 1, ref_summary([ref]), sketch=False)

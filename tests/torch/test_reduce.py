@@ -548,3 +548,37 @@ def test_a_failing_triton_launch_falls_back_to_torch_ops_with_key_rows(monkeypat
     data = p.wait()
     for key in ("a", "b"):
         check(decode_row(p.row(data, key), x.numel(), sketch=True), ref_summary([x]))
+
+
+def test_triton_many_equals_the_reference_and_leaves_what_it_cannot_batch(monkeypatch):
+    """The batched GPU kernel (one launch per dtype, each tensor cut into chunks whose partials the last chunk
+    folds) gives every row the reference, over two calls into the same rows (micro-batches); tensors it cannot
+    read by address as they are (non-contiguous, empty, a subclass) are left to the per-tensor path; every ticket
+    is re-armed."""
+    if "triton" not in CPU_METHODS:
+        pytest.skip("Triton is not installed")
+    import trainhist.torch.reduce as rd
+    import trainhist.torch.tritonkernel as tk
+
+    monkeypatch.setattr(tk, "CHUNK_BLOCKS", 2)  # chunks of 2048 elements: several per tensor
+    g = torch.Generator().manual_seed(23)
+    xs = []
+    for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        for n in (1, 7, 2048, 2049, 6000):
+            x = (torch.randn(n, generator=g, dtype=torch.float64) * 10).to(dt)
+            if n > 10:
+                x[3], x[5], x[2047 % n] = math.nan, -0.0, -math.inf
+            xs.append(x)
+    odd = [torch.randn(10, 10, generator=g).t(), torch.zeros(0), Wrapper(torch.tensor([1.0, 2.0]))]
+    led = Ledger("cpu")
+    keys = [("k", i) for i in range(len(xs) + len(odd))]
+    offsets = led.offsets(keys)
+    assert led.offsets(keys) == offsets  # allocated once
+    for _ in range(2):
+        done = rd.triton_many(xs + odd, offsets, led)
+        assert sorted(done) == list(range(len(xs)))
+    assert int(tk._SCRATCH[torch.device("cpu")][1].abs().sum()) == 0
+    p = led.transfer()
+    data = p.wait()
+    for i, x in enumerate(xs):
+        check(decode_row(p.row(data, keys[i]), 2 * x.numel(), sketch=True), ref_summary([x, x]))

@@ -51,7 +51,7 @@ from .plan import (
 )
 from . import reduce as _reduction
 from .reduce import (Ledger, PendingTransfer, decode_rows, fusable, fused_into, fused_many, is_plain, merge_row,
-                     reduce_into)
+                     reduce_into, triton_batchable, triton_many)
 
 __all__ = ["Collector", "StepTruth"]
 
@@ -59,6 +59,10 @@ _GRAD_BASES = ("scaled", "unscaled")
 #: default cadences (steps) of the per-site spines and sketches (issue 4: spine every step, sketches sparser); see
 #: the Collector docstring for the cost and for a cheaper cadence
 DEFAULT_EVERY = 1
+#: On a GPU (the batched Triton kernel), outputs and gradients are reduced in batches: each is held until this many
+#: tensors, or this many bytes of them, are waiting, or the forward ends, or the step does.
+DEFER_TENSORS = 64
+DEFER_BYTES = 256 << 20
 DEFAULT_SKETCH_EVERY = 10
 # id of the autograd graph task running on this thread, -1 outside backward (activation-checkpoint recompute
 # runs forwards inside backward)
@@ -114,6 +118,7 @@ class _Step:
     reductions: dict[tuple, int] = field(default_factory=dict)  # key -> reductions into its row this step
     seen: dict[tuple, tuple] = field(default_factory=dict)  # tensor identity -> (weakref, version, key)
     fused: bool = False  # reductions go through the CPU kernel (a CPU ledger, reduce.CPU_METHOD == "fused")
+    defer: bool = False  # outputs and gradients are reduced in batches (the GPU's batched kernel): _flush_deferred
 
 
 class _DeltaBatch:
@@ -262,6 +267,10 @@ class Collector:
         self._late: list[tuple[int, str, torch.Tensor]] = []
         self._warned: set[object] = set()
         self._dtypes: dict[tuple, str] = {}  # (path, stream, facet) -> dtype name, as first seen
+        self._deferred: list[tuple[tuple, torch.Tensor, int]] = []  # (key, tensor, its version when recorded)
+        self._deferred_bytes = 0
+        self._eager: set[tuple] = set()  # (stream, path, facet) changed in place after recording: never deferred
+        self._versions: list[tuple[str, str | None, torch.Tensor, int]] = []  # discover(): outputs, their versions
         self._since_commit = 0
         self._closed = False
         self.writer_errors = 0
@@ -271,22 +280,30 @@ class Collector:
     def discover(self, batch: object) -> object:
         """Run one real forward of ``batch`` to learn every module's output facets; returns the model output."""
         self._discovery = {}
+        self._versions = []
         handles = [
             m.register_forward_hook(partial(self._on_discover, n)) for n, m in self._modules.items()
             if n in self._sel_modules
         ]
         try:
             out = _call(self.model, batch)
+            # an output a later operation of the forward changes in place (a ReLU(inplace=True) after it, say)
+            # must be reduced as soon as it is produced, never held for a batch
+            self._eager.update(("activation", p, f) for p, f, t, v in self._versions if t._version != v)
         finally:
             for h in handles:
                 h.remove()
-            self._facets, self._discovery = self._discovery, None
+            self._facets, self._discovery, self._versions = self._discovery, None, []
         self._plan = None
         return out
 
     def _on_discover(self, path: str, module: torch.nn.Module, args: tuple, output: object) -> None:
         if self._discovery is not None and path not in self._discovery:
-            self._discovery[path] = [(f, tuple(t.shape), _dtype_name(t)) for f, t in flatten_output(output)]
+            facets = list(flatten_output(output))
+            self._discovery[path] = [(f, tuple(t.shape), _dtype_name(t)) for f, t in facets]
+            for f, t in facets:
+                with contextlib.suppress(RuntimeError):  # (an inference tensor has no version counter)
+                    self._versions.append((path, f, t, t._version))
 
     @property
     def plan(self) -> Plan:
@@ -456,6 +473,7 @@ class Collector:
             sketch={s: self.sketch_every[s] > 0 and step % self.sketch_every[s] == 0 for s in STREAMS},
             fused=self._ledger.device.type == "cpu" and _reduction.CPU_METHOD == "fused",
         )
+        st.defer = not st.fused and _reduction.batch_method(self._ledger.device) is not None
         self._ledger.reset()
         for m, hid in self._fwd_handles:  # run last: see the module's final output
             if m._forward_hooks and next(reversed(m._forward_hooks)) != hid:
@@ -477,6 +495,7 @@ class Collector:
                 self._state = None
 
     def _exit(self, st: _Step) -> None:
+        self._flush_deferred()
         if not st.clip_seen:
             self._capture_grads("default", None)
         if st.due["param"]:
@@ -491,6 +510,7 @@ class Collector:
         if sc is not None and sc.is_enabled() and getattr(sc, "_scale", None) is not None:
             self._put_scalar(st, st.step, "loss_scale", sc._scale)
         st.host_scalars.append((st.step, "step_time", time.perf_counter() - st.t0))
+        self._flush_deferred()  # (a parameter the batched kernel could not take may have been deferred)
         self._transfer(st)
         while len(self._pending) > self._lag:
             self._finish(self._pending.pop(0))
@@ -542,7 +562,10 @@ class Collector:
                 self._dtypes[site] = _dtype_name(t)
             n = t.numel()
             if n:
-                if not (alias and self._merge_alias(st, key, t)):
+                if (st.defer and key[:3] not in self._eager and triton_batchable(t, self._ledger.device)
+                        and not t.is_inference()):  # (an inference tensor has no version counter)
+                    self._defer(key, t)
+                elif not (alias and not st.defer and self._merge_alias(st, key, t)):
                     sketch = st.sketch.get(key[0], True)
                     if st.fused and is_plain(t):
                         # the CPU kernel, straight into the (host) ledger row
@@ -556,14 +579,58 @@ class Collector:
         except Exception as e:  # noqa: BLE001 -- one bad site must not stop training
             self._fail(key, e)
 
+    def _defer(self, key: tuple, t: torch.Tensor) -> None:
+        """Hold ``t`` for the next batched reduction (its version, to see a later in-place change)."""
+        self._deferred.append((key, t, t._version))
+        self._deferred_bytes += t.numel() * t.element_size()
+        if len(self._deferred) >= DEFER_TENSORS or self._deferred_bytes >= DEFER_BYTES:
+            self._flush_deferred()
+
+    def _flush_deferred(self) -> None:
+        """Reduce the held tensors with the batched kernel, in rounds that each reduce into a row once (the same
+        site can be held twice: a module called twice in a forward). A tensor changed in place since it was
+        held cannot be read as it was: its site records 'failed' this step and is reduced as soon as it is
+        produced from then on (discover() finds most such sites before step 0)."""
+        items, self._deferred, self._deferred_bytes = self._deferred, [], 0
+        st = self._state
+        if not items or st is None:
+            return
+        rounds: list[dict[tuple, torch.Tensor]] = []
+        for key, t, version in items:
+            if key in st.failed:
+                continue
+            if t._version != version:
+                self._eager.add(key[:3])
+                self._fail(key, RuntimeError("its values were changed in place by a later operation before the "
+                                             "batched reduction read them; from now on it is reduced as soon as "
+                                             "it is produced"))
+                continue
+            for r in rounds:
+                if key not in r:
+                    r[key] = t
+                    break
+            else:
+                rounds.append({key: t})
+        for r in rounds:
+            keys, tensors = list(r), list(r.values())
+            done = set(triton_many(tensors, self._ledger.offsets(keys), self._ledger))
+            for i, (key, t) in enumerate(zip(keys, tensors)):
+                if i not in done:  # (the batched launch failed: the per-tensor path, the torch ops from now on)
+                    try:
+                        reduce_into(t, self._ledger.row(key))
+                    except Exception as e:  # noqa: BLE001 -- one bad site must not stop training
+                        self._fail(key, e)
+
     def _reduce_many(self, items: list[tuple[tuple, torch.Tensor]]) -> None:
         """:meth:`_reduce` of the (key, tensor) pairs of one stream, with no aliasing (parameters, gradients,
         updates), in order: on the CPU kernel's path the :func:`fusable` tensors are reduced by one compiled call
-        (:func:`fused_many`), the others one by one; the rows are the same."""
+        (:func:`fused_many`), on a GPU with Triton the plain contiguous float tensors by one launch per dtype
+        (:func:`triton_many`), the others one by one; the rows are the same."""
         st = self._state
         if st is None or not items:
             return
-        if not st.fused:
+        batched = st.fused or _reduction.batch_method(self._ledger.device) is not None
+        if not batched:
             for key, t in items:
                 self._reduce(key, t)
             return
@@ -578,11 +645,15 @@ class Collector:
                 continue
             keys.append(key)
             tensors.append(t)
-        pick = [i for i, t in enumerate(tensors) if fusable(t)]
         done: set[int] = set()
-        if pick:
-            rows = self._ledger.addresses([keys[i] for i in pick])
-            done = {pick[j] for j in fused_many([tensors[i] for i in pick], rows, st.sketch.get(keys[0][0], True))}
+        if st.fused:
+            pick = [i for i, t in enumerate(tensors) if fusable(t)]
+            if pick:
+                rows = self._ledger.addresses([keys[i] for i in pick])
+                done = {pick[j] for j in fused_many([tensors[i] for i in pick], rows,
+                                                    st.sketch.get(keys[0][0], True))}
+        elif tensors:  # the GPU's batched kernel (key counts always: no sketch flag)
+            done = set(triton_many(tensors, self._ledger.offsets(keys), self._ledger))
         for i, (key, t) in enumerate(zip(keys, tensors)):
             if i not in done:
                 self._reduce(key, t)
@@ -636,14 +707,15 @@ class Collector:
         in_backward = _graph_task_id() != -1
         if path == ROOT and not in_backward:
             st.micro += 1
-        if path not in self._sel_modules:
-            return
-        act, grad = st.due["activation"], st.due["activation_grad"]
-        for facet, t in flatten_output(output):
-            if act and not in_backward:
-                self._reduce(("activation", path, facet, "default"), t, alias=True)
-            if grad and t.requires_grad:
-                t.register_hook(partial(self._on_grad, ("activation_grad", path, facet, "default")))
+        if path in self._sel_modules:
+            act, grad = st.due["activation"], st.due["activation_grad"]
+            for facet, t in flatten_output(output):
+                if act and not in_backward:
+                    self._reduce(("activation", path, facet, "default"), t, alias=True)
+                if grad and t.requires_grad:
+                    t.register_hook(partial(self._on_grad, ("activation_grad", path, facet, "default")))
+        if path == ROOT and self._deferred:  # the forward is over: reduce what it held
+            self._flush_deferred()
 
     def _on_grad(self, key: tuple, grad: torch.Tensor) -> None:
         self._reduce(key, grad, alias=True)

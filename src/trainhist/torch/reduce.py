@@ -11,7 +11,7 @@ the zero counts at decode time.
 
 Three implementations write the same row. On the CPU, :mod:`.cpukernel` reads each tensor once (an order of
 magnitude faster than the torch ops there: ``tools/bench_reduce.py``). On a CUDA GPU, :mod:`.tritonkernel` reads
-each tensor once too, in two launches instead of a couple of dozen (it always writes the key counts: a sketch row,
+each tensor once too, in one launch instead of a couple of dozen (it always writes the key counts: a sketch row,
 which also decodes to its spine alone). On any other device, where Triton is missing, and on the CPU when asked,
 torch ops:
 every full-size intermediate is written into a per-device scratch buffer (``out=``), never a fresh allocation (on a
@@ -40,7 +40,9 @@ except ImportError as _e:  # numba missing, or not yet released for this Python
     warnings.warn(f"trainhist.torch: the fused CPU reduction is unavailable ({_e}); CPU tensors are reduced with "
                   "torch operations, several times slower (pip install numba)", RuntimeWarning, stacklevel=2)
 
-__all__ = ["ROW", "CHUNK", "METHODS", "reduce_into", "device_method", "triton_into", "fused_into", "fused_many",
+__all__ = ["ROW", "CHUNK", "METHODS", "reduce_into", "device_method", "batch_method", "triton_into", "triton_many",
+           "triton_batchable",
+           "fused_into", "fused_many",
            "fusable", "is_plain", "merge_row", "decode_row", "decode_rows", "Ledger", "PendingTransfer"]
 
 NK = grid.NKEYS
@@ -287,6 +289,44 @@ def triton_into(x: torch.Tensor, row: torch.Tensor) -> None:
         dt = x.dtype
     w = _F64 if dt is torch.float64 else _F32
     tk.reduce_row(x.view(-1), row, NCOUNT, row[COL_MIN:].view(torch.float64), w.fold_on(x.device), w)
+
+
+def batch_method(device: torch.device) -> str | None:
+    """The batched reduction :func:`triton_many` serves on ``device`` (``"triton"``), or None."""
+    dev = device.type
+    if dev == "cuda" or (dev == "cpu" and CPU_METHOD == "triton"):
+        return "triton" if _tritonkernel() is not None else None
+    return None
+
+
+def triton_batchable(x: torch.Tensor, device: torch.device) -> bool:
+    """Whether :func:`triton_many` reads ``x`` as it is: a plain contiguous non-empty float tensor on ``device``."""
+    return (x.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16) and is_plain(x)
+            and x.device == device and x.is_contiguous() and not x.is_neg() and x.numel() > 0 and x.data_ptr() != 0)
+
+
+def triton_many(xs: list[torch.Tensor], offsets: list[int], ledger: "Ledger") -> list[int]:
+    """:func:`triton_into` of many tensors into the rows at ``offsets`` of ``ledger`` (distinct rows), one launch
+    per dtype: the positions in ``xs`` it reduced. The others (not plain contiguous float tensors on the ledger's
+    device, or all of them once a launch has failed) are left to the caller's per-tensor path."""
+    tk = _tritonkernel()
+    if tk is None:
+        return []
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, x in enumerate(xs):
+        if triton_batchable(x, ledger.device):
+            groups.setdefault(x.dtype, []).append(i)
+    taken: list[int] = []
+    for dt, pos in groups.items():
+        w = _F64 if dt is torch.float64 else _F32
+        try:
+            tk.reduce_many([xs[i].detach().view(-1) for i in pos], [offsets[i] for i in pos], ledger.buf, NCOUNT,
+                           COL_MIN, w.fold_on(ledger.device), w)
+        except Exception as e:  # noqa: BLE001 -- the per-tensor path (the torch ops from now on) reduces these
+            _triton_failed(e, "failed")
+            break
+        taken.extend(pos)
+    return taken
 
 
 def is_plain(x: torch.Tensor) -> bool:
@@ -592,6 +632,14 @@ class Ledger:
             if key not in self.rows:
                 self.row(key)
         _MERGE(self.address(dst), self.address(src))
+
+    def offsets(self, keys: list[object]) -> list[int]:
+        """The offsets of the rows of ``keys`` in the buffer, allocating those not yet used."""
+        rows = self.rows
+        for key in keys:
+            if key not in rows:
+                self.row(key)
+        return [rows[key] for key in keys]
 
     def address(self, key: object) -> int:
         """The memory address of the row of ``key`` in a CPU ledger (for :func:`fused_into`), allocating the row
