@@ -6,7 +6,7 @@
 1. Bit-exactness: the on-device reductions (``reduce_into`` + one transfer + ``decode_row``; the fused Triton kernel,
    the default on CUDA, and the torch ops with and without the sketch; each whole and in two parts merged in one
    row) against the numpy reference ``trainhist.summarize`` on the same tensors — counts, every bin, min and max
-   must be equal bit for bit
+   must be equal bit for bit; then all of them at once through the batched kernel (``triton_many``)
    (float16, bfloat16, float32, float64; special values, subnormals, bin edges, sizes from 0 to 4M).
 2. No hidden host sync: real training steps (a HF GPT-2 and an MLP; fp32, and fp16 autocast with a GradScaler) run
    under ``torch.cuda.set_sync_debug_mode("warn")`` with and without the collector, counting synchronising calls
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from trainhist import summarize  # noqa: E402
 from trainhist.grid import THRESH_F32  # noqa: E402
-from trainhist.torch.reduce import Ledger, decode_row, reduce_into  # noqa: E402
+from trainhist.torch.reduce import Ledger, decode_row, reduce_into, triton_many  # noqa: E402
 
 
 def cases(quick: bool) -> list[tuple[str, torch.Tensor]]:
@@ -68,10 +68,11 @@ def cases(quick: bool) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def reference(t: torch.Tensor):
+def reference(t: torch.Tensor, times: int = 1):
+    """The numpy reference summary of ``t`` (repeated ``times`` times)."""
     if t.dtype == torch.bfloat16:
-        return summarize(t.view(torch.int16).numpy().view(np.uint16), dtype="bfloat16")
-    return summarize(t.numpy())
+        return summarize(np.tile(t.view(torch.int16).numpy().view(np.uint16), times), dtype="bfloat16")
+    return summarize(np.tile(t.numpy(), times))
 
 
 def differences(got, ref) -> list[str]:
@@ -129,6 +130,87 @@ def check_exact(device: str, quick: bool) -> tuple[int, list[str]]:
             failures.append(f"{name} ({'; '.join(diff)})")
         print(f"  {'ok  ' if not diff else 'FAIL'} {name} {'; '.join(diff)}", flush=True)
     return len(cases(quick)), failures
+
+
+def check_batched(device: str, quick: bool) -> tuple[int, list[str]]:
+    """Every tensor family at once through the batched Triton kernel (``triton_many``: one launch per dtype, the
+    collector's path for parameters, gradients, updates and held outputs), twice into the same rows."""
+    fams = [(name, t.to(device)) for name, t in cases(quick) if t.numel()]
+    ledger = Ledger(torch.device(device))
+    offsets = ledger.offsets([name for name, _ in fams])
+    done = set()
+    for _ in range(2):
+        done = set(triton_many([t for _, t in fams], offsets, ledger))
+    pending = ledger.transfer()
+    data = pending.wait()
+    failures = []
+    for i, (name, t) in enumerate(fams):
+        if i not in done:
+            failures.append(f"{name} (not reduced by the batched kernel)")
+            continue
+        diff = differences(decode_row(pending.row(data, name), 2 * t.numel(), sketch=True), reference(t.cpu(), 2))
+        if diff:
+            failures.append(f"{name} ({'; '.join(diff)})")
+        print(f"  {'ok  ' if not diff else 'FAIL'} {name} {'; '.join(diff)}", flush=True)
+    return len(fams), failures
+
+
+def check_collector(device: str) -> tuple[int, list[str]]:
+    """The collector's rows on the device (outputs held and reduced in batches of 3, so that batches fill up
+    mid-forward and mid-backward; an in-place ReLU after a Linear; two micro-batches per step) against the numpy
+    reference of clones of the very tensors its hooks saw: every activation and activation-gradient row."""
+    import trainhist
+    from trainhist.torch import Collector
+    from trainhist.torch import collector as cm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(inplace=True), torch.nn.Linear(256, 256),
+                                torch.nn.GELU(), torch.nn.Linear(256, 64)).to(device)
+    caps: dict[tuple, list[torch.Tensor]] = {}
+    step = [0]
+
+    def capture(name: str, module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        caps.setdefault((step[0], "activation", name), []).append(out.detach().clone())
+        if out.requires_grad:
+            out.register_hook(lambda g: caps.setdefault((step[0], "activation_grad", name), []).append(g.clone()))
+
+    for name, m in model.named_modules():
+        if name:
+            m.register_forward_hook(lambda mod, a, o, name=name: capture(name, mod, a, o))
+    saved = cm.DEFER_TENSORS
+    cm.DEFER_TENSORS = 3
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "c.thist"
+            col = Collector(model, path, streams=("activation", "activation_grad"), every=1, sketch_every=1)
+            col.discover(torch.randn(4, 64, device=device))
+            caps.clear()  # (what discover's forward produced is not recorded)
+            g = torch.Generator().manual_seed(1)
+            for step[0] in range(3):
+                with col.step(step[0]):
+                    for _ in range(2):
+                        x = (torch.randn(32, 64, generator=g) * 2.0 ** (8 * step[0])).to(device)
+                        x[0, :3] = torch.tensor([float("nan"), -0.0, float("inf")])
+                        model(x).square().mean().backward()
+            col.close()
+            h = trainhist.open(path)
+            failures = []
+            for (st, stream, name), ts in sorted(caps.items()):
+                sp = h.spine(name, stream)
+                (i,) = np.flatnonzero(sp.step == st)
+                ref = summarize(np.concatenate([t.reshape(-1).cpu().numpy() for t in ts]))
+                counts = ("count", "nan", "pinf", "ninf", "zero")
+                got = [sp.presence_names[i]] + [int(getattr(sp, f)[i]) for f in counts]
+                want = ["observed"] + [getattr(ref, f) for f in counts]
+                same = got == want and all(np.float64(getattr(sp, f)[i]).tobytes()
+                                           == np.float64(getattr(ref, f)).tobytes() for f in ("min", "max"))
+                if not same:
+                    failures.append(f"{name} {stream} step {st}: {got} min/max {sp.min[i]!r}/{sp.max[i]!r}, want "
+                                    f"{want} {ref.min!r}/{ref.max!r}")
+            print(f"  collector rows: {len(caps) - len(failures)} of {len(caps)} equal", flush=True)
+            return len(caps), failures
+    finally:
+        cm.DEFER_TENSORS = saved
 
 
 def _mlp() -> torch.nn.Module:
@@ -239,6 +321,10 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3, help="repetitions of the overhead benchmark")
     ap.add_argument("--out")
     a = ap.parse_args()
+    if a.device == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        from trainhist.torch import reduce as rd
+
+        rd.CPU_METHOD = "triton"  # the rehearsal takes the GPU's path (the Triton kernels, in the interpreter)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --device cpu for a rehearsal", file=sys.stderr)
         return 2
@@ -279,6 +365,22 @@ def main() -> int:
              f"through each reduction ({', '.join(methods(a.device))}), whole and in two parts merged in one row, "
              "the one transfer and the decoder"
              f"{': failures ' + '; '.join(fails) if fails else ''}.\n\n")
+        print("1b. the collector's rows", flush=True)
+        got = guarded("1b. The collector's rows", lambda: check_collector(a.device))
+        n, fails = got if got is not None else (0, ["raised"])
+        ok &= not fails
+        emit(f"The collector on the device: {n - len(fails)} of {n} activation and activation-gradient rows (an MLP "
+             "with an in-place ReLU, two micro-batches a step, held outputs reduced in batches of 3) equal the "
+             "numpy reference of clones of the tensors its hooks saw (counts, min, max)"
+             f"{': failures ' + '; '.join(fails) if fails else ''}.\n\n")
+        if "triton" in methods(a.device):
+            print("1c. the batched kernel", flush=True)
+            got = guarded("1c. Bit-exactness of the batched kernel", lambda: check_batched(a.device, a.quick))
+            n, fails = got if got is not None else (0, ["raised"])
+            ok &= not fails
+            emit(f"{n - len(fails)} of {n} non-empty tensor families, all reduced together by the batched kernel "
+                 "(`triton_many`, one launch per dtype) twice into the same rows, equal the reference of the family "
+                 f"taken twice{': failures ' + '; '.join(fails) if fails else ''}.\n\n")
     if "2" in a.sections:
         print("2. host synchronisations", flush=True)
         sync_ok, text = guarded("2. Host synchronisation", lambda: check_sync(a.device)) or (False, "(raised)")
