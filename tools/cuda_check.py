@@ -156,9 +156,10 @@ def check_batched(device: str, quick: bool) -> tuple[int, list[str]]:
 
 
 def check_collector(device: str) -> tuple[int, list[str]]:
-    """The collector's rows on the device (outputs held and reduced in batches of 3, so that batches fill up
-    mid-forward and mid-backward; an in-place ReLU after a Linear; two micro-batches per step) against the numpy
-    reference of clones of the very tensors its hooks saw: every activation and activation-gradient row."""
+    """The collector's rows on the device (``batch_outputs=True``: outputs held and reduced in batches of 3, so
+    that batches fill up mid-forward and mid-backward; an in-place ReLU after a Linear; two micro-batches per
+    step) against the numpy reference of clones of the very tensors its hooks saw: every activation and
+    activation-gradient row."""
     import trainhist
     from trainhist.torch import Collector
     from trainhist.torch import collector as cm
@@ -182,7 +183,8 @@ def check_collector(device: str) -> tuple[int, list[str]]:
     try:
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / "c.thist"
-            col = Collector(model, path, streams=("activation", "activation_grad"), every=1, sketch_every=1)
+            col = Collector(model, path, streams=("activation", "activation_grad"), every=1, sketch_every=1,
+                            batch_outputs=True)
             col.discover(torch.randn(4, 64, device=device))
             caps.clear()  # (what discover's forward produced is not recorded)
             g = torch.Generator().manual_seed(1)
@@ -370,7 +372,7 @@ def main() -> int:
         n, fails = got if got is not None else (0, ["raised"])
         ok &= not fails
         emit(f"The collector on the device: {n - len(fails)} of {n} activation and activation-gradient rows (an MLP "
-             "with an in-place ReLU, two micro-batches a step, held outputs reduced in batches of 3) equal the "
+             "with an in-place ReLU, two micro-batches a step, `batch_outputs=True` with batches of 3) equal the "
              "numpy reference of clones of the tensors its hooks saw (counts, min, max)"
              f"{': failures ' + '; '.join(fails) if fails else ''}.\n\n")
         if "triton" in methods(a.device):

@@ -755,10 +755,11 @@ def _all_rows(path):
 
 @pytest.mark.skipif("triton" not in CPU_METHODS, reason="Triton is not installed")
 def test_batched_gpu_path_records_what_the_cpu_path_records(tmp_path, monkeypatch):
-    """The GPU's batched path (outputs and gradients held, then reduced in batched launches; here the Triton
-    kernel in its interpreter, with batches of 3 so that they fill up mid-forward and mid-backward) writes the
-    same rows as the CPU kernel, row for row: a module called twice in a forward, an in-place ReLU after a Linear
-    (found by discover(): reduced as soon as produced), two micro-batches, every stream."""
+    """The GPU's batched path (``batch_outputs=True``: outputs and gradients held, then reduced in batched
+    launches; here the Triton kernel in its interpreter, with batches of 3 so that they fill up mid-forward and
+    mid-backward) writes the same rows as the CPU kernel, row for row (counts and min/max): a module called twice
+    in a forward, an in-place ReLU after a Linear (found by discover(): reduced as soon as produced), two
+    micro-batches, every stream."""
     import trainhist.torch.collector as cm
     import trainhist.torch.reduce as rd
 
@@ -769,7 +770,7 @@ def test_batched_gpu_path_records_what_the_cpu_path_records(tmp_path, monkeypatc
         torch.manual_seed(0)
         model = Shared()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        col = Collector(model, path, every=1, sketch_every=2)
+        col = Collector(model, path, every=1, sketch_every=2, batch_outputs=True)
         col.discover(torch.randn(4, 8))
         col.attach(optimizer=opt)
         gen = torch.Generator().manual_seed(1)
@@ -806,7 +807,7 @@ def test_batched_gpu_path_fails_a_site_changed_in_place_after_discover_then_redu
     torch.manual_seed(0)
     model = Shared()
     path = tmp_path / "s.thist"
-    col = Collector(model, path, streams=("activation",), every=1)
+    col = Collector(model, path, streams=("activation",), every=1, batch_outputs=True)
     col.discover(torch.randn(4, 8))
     model.late_inplace = True
     xs = [torch.randn(4, 8) for _ in range(2)]
@@ -821,3 +822,44 @@ def test_batched_gpu_path_fails_a_site_changed_in_place_after_discover_then_redu
     with torch.no_grad():
         ref = model.head(model.block(torch.tanh(model.block(model.act(model.inp(xs[1]))))))
     assert_row(h, "head", "activation", 1, ref_summary([ref]), sketch=False)
+
+
+@pytest.mark.skipif("triton" not in CPU_METHODS, reason="Triton is not installed")
+def test_outputs_are_reduced_when_produced_unless_batching_is_asked_for(tmp_path, monkeypatch):
+    """By default nothing is held (a write the version counter cannot see, by a custom kernel or a collective,
+    would otherwise be recorded in place of the module's value); ``batch_outputs=True`` holds outputs and
+    gradients for batched launches; after a failed batched launch nothing more is held."""
+    import trainhist.torch.reduce as rd
+
+    monkeypatch.setattr(rd, "CPU_METHOD", "triton")
+    held = []
+    for batch in (False, True):
+        model = mlp()
+        col = Collector(model, tmp_path / f"{batch}.thist", every=1, batch_outputs=batch)
+        col.discover(torch.randn(2, 8))
+        real = col._defer
+        monkeypatch.setattr(col, "_defer", lambda key, t, real=real: (held.append((batch, key)), real(key, t)))
+        with col.step(0):
+            model(torch.randn(4, 8)).sum().backward()
+        col.close()
+    assert {b for b, _ in held} == {True} and len(held) > 5
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    import types
+
+    monkeypatch.setitem(rd._TRITON, "module", types.SimpleNamespace(reduce_row=broken, reduce_many=broken))
+    monkeypatch.setitem(rd._TRITON, "failed", False)
+    model = mlp()
+    col = Collector(model, tmp_path / "f.thist", every=1, batch_outputs=True)
+    col.discover(torch.randn(2, 8))
+    with pytest.warns(RuntimeWarning, match="GPU reduction failed"):
+        with col.step(0):
+            model(torch.randn(4, 8)).sum().backward()
+            assert not col._deferred  # the failed flush at the forward's end: nothing held since
+    col.close()
+    h = trainhist.open(tmp_path / "f.thist")
+    assert {s.stream for s in h.sites} >= {"activation", "activation_grad"}
+    assert all(h.spine(s.path, s.stream, s.facet, phase="*").presence_names[0] == "observed" for s in h.sites
+               if s.stream != "scalar")

@@ -524,8 +524,9 @@ def test_triton_rows_hold_key_counts_and_decode_either_way(sketch):
 
 def test_a_failing_triton_launch_falls_back_to_torch_ops_with_key_rows(monkeypatch):
     """Where the Triton kernel fails (an untested GPU, say), the reduction warns once and the torch ops take over
-    for the rest of the run, writing key counts even where only the spine is due: rows the kernel began this step
-    hold key counts, and one row must not mix the two layouts."""
+    for the rest of the run. Until the ledger is reset (the next step) they write key counts even where only the
+    spine is due: rows the kernel began this step hold key counts, and one row must not mix the two layouts; after
+    the reset, spine rows again (the cheap pass)."""
     import types
 
     import trainhist.torch.reduce as rd
@@ -548,6 +549,27 @@ def test_a_failing_triton_launch_falls_back_to_torch_ops_with_key_rows(monkeypat
     data = p.wait()
     for key in ("a", "b"):
         check(decode_row(p.row(data, key), x.numel(), sketch=True), ref_summary([x]))
+    led.reset()
+    reduce_into(x, led.row("a"), sketch=False)
+    p = led.transfer()
+    data = p.wait()
+    check_spine(decode_row(p.row(data, "a"), x.numel(), sketch=False), ref_summary([x]))
+    with pytest.raises(RuntimeError, match="spine-only"):
+        decode_row(p.row(data, "a"), x.numel(), sketch=True)
+
+
+@pytest.mark.skipif("triton" not in CPU_METHODS, reason="Triton is not installed")
+def test_a_bad_input_does_not_turn_the_triton_kernel_off(monkeypatch):
+    """An input no method can reduce (a complex tensor) is an error of that input, not a failed launch: the
+    kernel stays on for everything else."""
+    import trainhist.torch.reduce as rd
+
+    monkeypatch.setattr(rd, "CPU_METHOD", "triton")
+    monkeypatch.setitem(rd._TRITON, "failed", False)
+    led = Ledger("cpu")
+    with pytest.raises(TypeError, match="complex"):
+        reduce_into(torch.ones(3, dtype=torch.complex64), led.row("c"))
+    assert not rd._TRITON["failed"] and rd.device_method(torch.ones(2)) == "triton"
 
 
 def test_triton_many_equals_the_reference_and_leaves_what_it_cannot_batch(monkeypatch):
@@ -577,7 +599,7 @@ def test_triton_many_equals_the_reference_and_leaves_what_it_cannot_batch(monkey
     for _ in range(2):
         done = rd.triton_many(xs + odd, offsets, led)
         assert sorted(done) == list(range(len(xs)))
-    assert int(tk._SCRATCH[torch.device("cpu")][1].abs().sum()) == 0
+    assert int(tk._SCRATCH[(torch.device("cpu"), 0)][1].abs().sum()) == 0
     p = led.transfer()
     data = p.wait()
     for i, x in enumerate(xs):

@@ -59,8 +59,9 @@ _GRAD_BASES = ("scaled", "unscaled")
 #: default cadences (steps) of the per-site spines and sketches (issue 4: spine every step, sketches sparser); see
 #: the Collector docstring for the cost and for a cheaper cadence
 DEFAULT_EVERY = 1
-#: On a GPU (the batched Triton kernel), outputs and gradients are reduced in batches: each is held until this many
-#: tensors, or this many bytes of them, are waiting, or the forward ends, or the step does.
+#: With ``batch_outputs=True`` on a GPU (the batched Triton kernel), module outputs and their gradients are reduced
+#: in batches: each is held until this many tensors, or this many bytes of them, are waiting, or the forward ends,
+#: or the step does.
 DEFER_TENSORS = 64
 DEFER_BYTES = 256 << 20
 DEFAULT_SKETCH_EVERY = 10
@@ -206,6 +207,15 @@ class Collector:
     cadence (e.g. ``every=25, sketch_every=50``, measured in the same table): the scalars still give the exact
     *step* of the first non-finite gradient or loss, but the *site* is seen only at the next spine step, possibly
     after the values spread downstream (the triage then brackets it), or narrow ``sites=`` / ``streams=``.
+
+    ``batch_outputs`` (GPU with Triton only; default off): hold module outputs and their gradients and reduce them in
+    batches (:data:`DEFER_TENSORS`, :data:`DEFER_BYTES`, the end of each forward and step), one kernel launch per
+    batch instead of one per tensor. Only for code that never writes into a module's output or gradient after it
+    is produced other than through torch operations: a write torch's version counter does not see (a custom
+    kernel, a collective, a fused loss that reuses the logits' memory for their gradient) would be recorded
+    instead of the value the module produced. In-place torch operations are seen: such a site is reduced as
+    soon as it is produced (discover() finds them; one found later records 'failed' at that step, and says why).
+    Reductions are issued on the stream current at the hook: one stream per collector.
     """
 
     def __init__(
@@ -221,6 +231,7 @@ class Collector:
         seed: int = 0,
         writer: object | None = None,
         commit_every: int = 200,
+        batch_outputs: bool = False,
         **writer_options: object,
     ) -> None:
         self.streams = tuple(streams)
@@ -241,6 +252,7 @@ class Collector:
         self._writer = writer
         self._writer_options = writer_options
         self.commit_every = max(1, int(commit_every))
+        self.batch_outputs = bool(batch_outputs)
         self._modules = {clean_name(n): m for n, m in self.inner.named_modules()}
         self._params = {clean_name(n): p for n, p in self.inner.named_parameters()}
         sel_modules, sel_params = select(list(self._modules), list(self._params), self._patterns)
@@ -473,7 +485,8 @@ class Collector:
             sketch={s: self.sketch_every[s] > 0 and step % self.sketch_every[s] == 0 for s in STREAMS},
             fused=self._ledger.device.type == "cpu" and _reduction.CPU_METHOD == "fused",
         )
-        st.defer = not st.fused and _reduction.batch_method(self._ledger.device) is not None
+        st.defer = (self.batch_outputs and not st.fused
+                    and _reduction.batch_method(self._ledger.device) is not None)
         self._ledger.reset()
         for m, hid in self._fwd_handles:  # run last: see the module's final output
             if m._forward_hooks and next(reversed(m._forward_hooks)) != hid:
@@ -563,7 +576,8 @@ class Collector:
             n = t.numel()
             if n:
                 if (st.defer and key[:3] not in self._eager and triton_batchable(t, self._ledger.device)
-                        and not t.is_inference()):  # (an inference tensor has no version counter)
+                        and not t.is_inference()  # (an inference tensor has no version counter)
+                        and _reduction.batch_method(self._ledger.device) is not None):  # (not after a failure)
                     self._defer(key, t)
                 elif not (alias and not st.defer and self._merge_alias(st, key, t)):
                     sketch = st.sketch.get(key[0], True)

@@ -188,6 +188,9 @@ def _raw_codes(bits: torch.Tensor, w: _Width) -> torch.Tensor:
 METHODS = ("fused", "triton", "bincount", "index_add")
 CPU_METHOD = "fused" if cpukernel is not None else "bincount"  #: the method used on the CPU when none is given
 _TRITON: dict[str, object] = {"module": None, "failed": False}
+#: ids of ledger buffers whose rows the Triton kernel may have begun this step when a launch failed: reductions
+#: into them fall back to key counts (the row layout the kernel writes) until the ledger is reset
+_KEYED: set[int] = set()
 
 
 def _tritonkernel() -> object | None:
@@ -230,8 +233,10 @@ def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None
     """Accumulate the counts, finite min/max and float64 sums of ``x`` into the int64 ledger ``row``.
 
     ``row`` must be a contiguous int64 tensor of length ``ROW`` on ``x``'s device. Empty tensors are a no-op.
-    ``method`` is one of :data:`METHODS`; the default is :data:`CPU_METHOD` on the CPU, ``index_add`` elsewhere. All
-    three write the same counts, bins and min/max; the float64 sums may differ in their last bits (another order).
+    ``method`` is one of :data:`METHODS`; the default (:func:`device_method`) is :data:`CPU_METHOD` on the CPU,
+    ``triton`` on CUDA where Triton works, ``index_add`` elsewhere. All of them write the same counts, bins and
+    min/max; the float64 sums differ from one method to another in their last bits (another order), and by more
+    where large values cancel (``SumMethod.F64`` bounds any order).
     ``sketch=False`` skips the bin codes (the costly part) and counts only what the spine needs; every reduction
     into one row in one step must use the same ``sketch``. Non-finite values are counted and excluded from min,
     max and the sums; the sign of a zero min/max is resolved from the -0.0/+0.0 counts at decode time.
@@ -239,18 +244,15 @@ def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None
     if method is None:
         method = device_method(x)
         if method == "triton":
-            try:
-                triton_into(x, row)
+            if _triton_into(x, row, fallback=True):
                 return
-            except Exception as e:  # noqa: BLE001 -- a launch failed (an untested GPU, say): the torch ops serve
-                _triton_failed(e, "failed")
-                method = "index_add"
-        if _TRITON["failed"] and _wants_triton(x):
-            sketch = True  # rows the Triton kernel began this step hold key counts: so must the rest of them
+            method = "index_add"
+        if _KEYED and _buffer_id(row) in _KEYED:
+            sketch = True  # the Triton kernel may have begun rows of this ledger this step: keep its row layout
     elif method not in METHODS:
         raise ValueError(f"unknown reduction method {method!r}: expected one of {METHODS}")
     if method == "triton":
-        triton_into(x, row)
+        _triton_into(x, row, fallback=False)
         return
     if method == "fused":
         if cpukernel is None:
@@ -268,10 +270,20 @@ def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None
         _reduce_chunk(x[i : i + CHUNK] if n > CHUNK else x, row, method == "bincount", sketch)
 
 
+def _buffer_id(row: torch.Tensor) -> int:
+    return id(row._base if row._base is not None else row)
+
+
 def triton_into(x: torch.Tensor, row: torch.Tensor) -> None:
-    """The ``triton`` method of :func:`reduce_into`: one fused kernel reads ``x`` once (and a second folds its
-    partial results into the row). It always writes the key counts (a sketch row), whatever ``sketch`` asks: on a
-    GPU they cost no extra pass. Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (tests)."""
+    """The ``triton`` method of :func:`reduce_into`: one fused kernel launch reads ``x`` once. It always writes the
+    key counts (a sketch row), whatever ``sketch`` asks: on a GPU they cost no extra pass. Runs on CUDA tensors, or
+    on CPU tensors under ``TRITON_INTERPRET=1`` (tests)."""
+    _triton_into(x, row, fallback=False)
+
+
+def _triton_into(x: torch.Tensor, row: torch.Tensor, fallback: bool) -> bool:
+    """:func:`triton_into`; with ``fallback``, a failed launch (not a bad input, not a lack of memory) turns the
+    kernel off with one warning and returns False, for the caller to reduce ``x`` with the torch ops."""
     tk = _tritonkernel()
     if tk is None:
         raise ValueError("the triton reduction needs Triton (installed with torch's CUDA builds on Linux)")
@@ -288,7 +300,19 @@ def triton_into(x: torch.Tensor, row: torch.Tensor) -> None:
         x = _widen(x).contiguous()  # (the kernel reads by address: contiguous, as it reads it)
         dt = x.dtype
     w = _F64 if dt is torch.float64 else _F32
-    tk.reduce_row(x.view(-1), row, NCOUNT, row[COL_MIN:].view(torch.float64), w.fold_on(x.device), w)
+    args = (x.view(-1), row, NCOUNT, row[COL_MIN:].view(torch.float64), w.fold_on(x.device), w)
+    if not fallback:
+        tk.reduce_row(*args)
+        return True
+    try:
+        tk.reduce_row(*args)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- the launch failed (an untested GPU, say): the torch ops serve
+        _triton_failed(e, "failed")
+        _KEYED.add(_buffer_id(row))
+        return False
+    return True
 
 
 def batch_method(device: torch.device) -> str | None:
@@ -322,8 +346,11 @@ def triton_many(xs: list[torch.Tensor], offsets: list[int], ledger: "Ledger") ->
         try:
             tk.reduce_many([xs[i].detach().view(-1) for i in pos], [offsets[i] for i in pos], ledger.buf, NCOUNT,
                            COL_MIN, w.fold_on(ledger.device), w)
+        except torch.OutOfMemoryError:
+            raise
         except Exception as e:  # noqa: BLE001 -- the per-tensor path (the torch ops from now on) reduces these
             _triton_failed(e, "failed")
+            _KEYED.add(id(ledger.buf))
             break
         taken.extend(pos)
     return taken
@@ -606,6 +633,9 @@ class Ledger:
             self._template = torch.from_numpy(init).to(self.device)
             new = self._template.clone()
             new[:off].copy_(self.buf[:off])  # this step's values so far; not the unused tail, where the new slot starts
+            if id(self.buf) in _KEYED:  # (its rows keep their layout in the new buffer)
+                _KEYED.discard(id(self.buf))
+                _KEYED.add(id(new))
             self.buf = new
         else:
             self._template[off : self._used].copy_(torch.from_numpy(extra).to(self.device))
@@ -672,6 +702,7 @@ class Ledger:
     def reset(self) -> None:
         """Re-initialise every row and slot (one device copy)."""
         self.buf.copy_(self._template)
+        _KEYED.discard(id(self.buf))
 
     def transfer(self, copy: bool = True) -> "PendingTransfer":
         """Start the step's single device-to-host copy of the whole buffer. ``copy=False`` on a CPU ledger hands

@@ -6,7 +6,8 @@ again. Here one kernel reads it once: each program walks a strided set of blocks
 from its bits (integer arithmetic, the same as :func:`reduce._raw_codes` and the fold table), histograms the keys
 in registers and adds its histogram to the row with integer atomics (exact in any order), and writes its finite
 min, negated max and float64 sums to a partials buffer; the last program to finish (an atomic ticket) folds the
-partials, in program order, into the row's float columns: the row, sums included, is the same from run to run.
+partials, in program order, into the row's float columns: the row, sums included, is the same from run to run
+(for the same kernel and tensor sizes: another method, or the batched kernel, sums in another order).
 
 The row is always written with its full key counts (a *sketch* row; decoding it asks for the spine alone where no
 sketch is due): on a GPU the keys cost no extra pass. float16 and bfloat16 are read as they are and widened in
@@ -67,7 +68,7 @@ def _finish(row_ptr, f_ptr, part_ptr, slot, hist, mn, nmx, s1, s2, ticket_ptr, f
     ``nparts`` programs of the row (atomic ticket) folds their partials (slots ``first`` on), in slot order, into
     the row's float columns and re-arms the ticket."""
     bins = tl.arange(0, NBINS)
-    tl.atomic_add(row_ptr + bins, hist, mask=(bins < NCOUNT) & (hist != 0))
+    tl.atomic_add(row_ptr + bins, hist, mask=(bins < NCOUNT) & (hist != 0), sem="relaxed")  # (never read here)
     tl.store(part_ptr + slot * 4 + 0, tl.min(mn, axis=0))
     tl.store(part_ptr + slot * 4 + 1, tl.min(nmx, axis=0))
     tl.store(part_ptr + slot * 4 + 2, tl.sum(s1, axis=0))
@@ -149,7 +150,7 @@ def _many_kernel(meta_ptr, owner_ptr, buf_ptr, fold_ptr, part_ptr, ticket_ptr,
 
 
 _NPROG: dict[torch.device, int] = {}
-_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_SCRATCH: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _programs(device: torch.device) -> int:
@@ -162,12 +163,14 @@ def _programs(device: torch.device) -> int:
 
 def _scratch(device: torch.device, parts: int, tickets: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Partials (four float64 per program) and tickets (zero between reductions: the last program re-arms its
-    own), reused by every reduction on the device in stream order; grown (zeroed tickets) when too small."""
-    got = _SCRATCH.get(device)
+    own), reused by every reduction on the device's current stream, in stream order (one set per stream: launches
+    on two streams may overlap); grown (zeroed tickets) when too small."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    got = _SCRATCH.get(key)
     if got is None or got[0].numel() < 4 * parts or got[1].numel() < tickets:
         p = max(parts, MAXPROG, 0 if got is None else got[0].numel() // 4)
         q = max(tickets, 64, 0 if got is None else got[1].numel())
-        got = _SCRATCH[device] = (torch.empty(4 * p, dtype=torch.float64, device=device),
+        got = _SCRATCH[key] = (torch.empty(4 * p, dtype=torch.float64, device=device),
                                   torch.zeros(q, dtype=torch.int32, device=device))
     return got
 
