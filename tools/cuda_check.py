@@ -357,32 +357,31 @@ def main() -> int:
             emit(f"## {section}\n\nRaised:\n\n```\n{traceback.format_exc()}```\n\n")
             return None
 
+    def counted(label: str, section: str, fn, text: str) -> None:  # a check that returns (how many, failures)
+        nonlocal ok
+        print(label, flush=True)
+        got = guarded(section, fn)
+        n, fails = got if got is not None else (0, ["raised"])
+        ok &= not fails
+        emit(text.format(good=n - len(fails), n=n) + (": failures " + "; ".join(fails) if fails else "") + ".\n\n")
+
     if "1" in a.sections:
-        print("1. bit-exactness against the numpy reference", flush=True)
-        got = guarded("1. Bit-exactness", lambda: check_exact(a.device, a.quick))
-        n, fails = got if got is not None else (0, ["raised"])
-        ok &= not fails
-        emit(f"## 1. Bit-exactness\n\n{n - len(fails)} of {n} tensor families equal the numpy reference "
-             "`trainhist.summarize` bit for bit in counts (total, NaN, +inf, -inf, zero), every bin, min and max, "
-             f"through each reduction ({', '.join(methods(a.device))}), whole and in two parts merged in one row, "
-             "the one transfer and the decoder"
-             f"{': failures ' + '; '.join(fails) if fails else ''}.\n\n")
-        print("1b. the collector's rows", flush=True)
-        got = guarded("1b. The collector's rows", lambda: check_collector(a.device))
-        n, fails = got if got is not None else (0, ["raised"])
-        ok &= not fails
-        emit(f"The collector on the device: {n - len(fails)} of {n} activation and activation-gradient rows (an MLP "
-             "with an in-place ReLU, two micro-batches a step, `batch_outputs=True` with batches of 3) equal the "
-             "numpy reference of clones of the tensors its hooks saw (counts, min, max)"
-             f"{': failures ' + '; '.join(fails) if fails else ''}.\n\n")
+        counted("1. bit-exactness against the numpy reference", "1. Bit-exactness",
+                lambda: check_exact(a.device, a.quick),
+                "## 1. Bit-exactness\n\n{good} of {n} tensor families equal the numpy reference "
+                "`trainhist.summarize` bit for bit in counts (total, NaN, +inf, -inf, zero), every bin, min and max, "
+                f"through each reduction ({', '.join(methods(a.device))}), whole and in two parts merged in one "
+                "row, the one transfer and the decoder")
+        counted("1b. the collector's rows", "1b. The collector's rows", lambda: check_collector(a.device),
+                "The collector on the device: {good} of {n} activation and activation-gradient rows (an MLP with an "
+                "in-place ReLU, two micro-batches a step, `batch_outputs=True` with batches of 3) equal the numpy "
+                "reference of clones of the tensors its hooks saw (counts, min, max)")
         if "triton" in methods(a.device):
-            print("1c. the batched kernel", flush=True)
-            got = guarded("1c. Bit-exactness of the batched kernel", lambda: check_batched(a.device, a.quick))
-            n, fails = got if got is not None else (0, ["raised"])
-            ok &= not fails
-            emit(f"{n - len(fails)} of {n} non-empty tensor families, all reduced together by the batched kernel "
-                 "(`triton_many`, one launch per dtype) twice into the same rows, equal the reference of the family "
-                 f"taken twice{': failures ' + '; '.join(fails) if fails else ''}.\n\n")
+            counted("1c. the batched kernel", "1c. Bit-exactness of the batched kernel",
+                    lambda: check_batched(a.device, a.quick),
+                    "{good} of {n} non-empty tensor families, all reduced together by the batched kernel "
+                    "(`triton_many`, one launch per dtype) twice into the same rows, equal the reference of the "
+                    "family taken twice")
     if "2" in a.sections:
         print("2. host synchronisations", flush=True)
         sync_ok, text = guarded("2. Host synchronisation", lambda: check_sync(a.device)) or (False, "(raised)")

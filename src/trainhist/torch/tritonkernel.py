@@ -34,6 +34,14 @@ CHUNK_BLOCKS = 8  #: blocks per program in a batched reduction (each tensor is c
 
 
 @triton.jit
+def _start(BLOCK: tl.constexpr, NBINS: tl.constexpr):
+    """A program's empty accumulators: histogram, min, negated max, sum, sum of squares (per lane)."""
+    inf = tl.full([BLOCK], float("inf"), dtype=tl.float64)
+    zero = tl.zeros([BLOCK], dtype=tl.float64)
+    return tl.zeros([NBINS], dtype=tl.int64), inf, inf, zero, zero
+
+
+@triton.jit
 def _block(x_ptr, offs, m, fold_ptr, hist, mn, nmx, s1, s2,
            BF16: tl.constexpr, ITYPE: tl.constexpr, FTYPE: tl.constexpr, MBITS: tl.constexpr, EMAX: tl.constexpr,
            T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, SHIFT: tl.constexpr, SIDE: tl.constexpr,
@@ -104,11 +112,7 @@ def _row_kernel(x_ptr, n, iters, fold_ptr, row_ptr, f_ptr, part_ptr, ticket_ptr,
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     lanes = tl.arange(0, BLOCK)
-    hist = tl.zeros([NBINS], dtype=tl.int64)
-    mn = tl.full([BLOCK], float("inf"), dtype=tl.float64)
-    nmx = tl.full([BLOCK], float("inf"), dtype=tl.float64)
-    s1 = tl.zeros([BLOCK], dtype=tl.float64)
-    s2 = tl.zeros([BLOCK], dtype=tl.float64)
+    hist, mn, nmx, s1, s2 = _start(BLOCK, NBINS)
     for i in range(iters):
         offs = (pid + i * nprog).to(tl.int64) * BLOCK + lanes
         hist, mn, nmx, s1, s2 = _block(x_ptr, offs, offs < n, fold_ptr, hist, mn, nmx, s1, s2, BF16, ITYPE, FTYPE,
@@ -135,11 +139,7 @@ def _many_kernel(meta_ptr, owner_ptr, buf_ptr, fold_ptr, part_ptr, ticket_ptr,
     x_ptr = addr.to(tl.pointer_type(ELEM))
     start = (pid - first).to(tl.int64) * (BLOCK * CHUNK_BLOCKS)
     lanes = tl.arange(0, BLOCK)
-    hist = tl.zeros([NBINS], dtype=tl.int64)
-    mn = tl.full([BLOCK], float("inf"), dtype=tl.float64)
-    nmx = tl.full([BLOCK], float("inf"), dtype=tl.float64)
-    s1 = tl.zeros([BLOCK], dtype=tl.float64)
-    s2 = tl.zeros([BLOCK], dtype=tl.float64)
+    hist, mn, nmx, s1, s2 = _start(BLOCK, NBINS)
     for i in range(CHUNK_BLOCKS):
         offs = start + i * BLOCK + lanes
         hist, mn, nmx, s1, s2 = _block(x_ptr, offs, offs < n, fold_ptr, hist, mn, nmx, s1, s2, BF16, ITYPE, FTYPE,
