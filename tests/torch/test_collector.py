@@ -863,3 +863,35 @@ def test_outputs_are_reduced_when_produced_unless_batching_is_asked_for(tmp_path
     assert {s.stream for s in h.sites} >= {"activation", "activation_grad"}
     assert all(h.spine(s.path, s.stream, s.facet, phase="*").presence_names[0] == "observed" for s in h.sites
                if s.stream != "scalar")
+
+
+@pytest.mark.skipif("triton" not in CPU_METHODS, reason="Triton is not installed")
+def test_out_of_memory_in_a_batched_launch_fails_those_sites_and_training_goes_on(tmp_path, monkeypatch):
+    """Out of memory in the batched kernel (parameters, gradients, updates) records those sites as 'failed' for
+    the step, keeps the kernel on, and never reaches the training loop."""
+    import trainhist.torch.reduce as rd
+    import trainhist.torch.tritonkernel as tk
+
+    monkeypatch.setattr(rd, "CPU_METHOD", "triton")
+    monkeypatch.setitem(rd._TRITON, "failed", False)
+
+    def oom(*a, **k):
+        raise rd._OOM("CUDA out of memory")
+
+    monkeypatch.setattr(tk, "reduce_many", oom)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    col = Collector(model, tmp_path / "o.thist", every=1)
+    col.discover(torch.randn(2, 8))
+    col.attach(optimizer=opt)
+    with pytest.warns(RuntimeWarning, match="out of memory"):
+        with col.step(0):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+    col.close()
+    assert not rd._TRITON["failed"]
+    h = trainhist.open(tmp_path / "o.thist")
+    got = {(s.stream, h.spine(s.path, s.stream, s.facet, phase="*").presence_names[0]) for s in h.sites
+           if s.stream != "scalar"}
+    assert got == {("activation", "observed"), ("activation_grad", "observed"), ("param", "failed"),
+                   ("param_grad", "failed"), ("param_delta", "failed")}, got

@@ -524,44 +524,58 @@ def test_triton_rows_hold_key_counts_and_decode_either_way(sketch):
 
 def test_a_failing_triton_launch_falls_back_to_torch_ops_with_key_rows(monkeypatch):
     """Where the Triton kernel fails (an untested GPU, say), the reduction warns once and the torch ops take over
-    for the rest of the run. Until the ledger is reset (the next step) they write key counts even where only the
-    spine is due: rows the kernel began this step hold key counts, and one row must not mix the two layouts; after
-    the reset, spine rows again (the cheap pass)."""
+    for the rest of the run, writing key counts even where only the spine is due: rows the kernel began this step,
+    in any ledger alive (two collectors, say), hold key counts, and one row must not mix the two layouts; a tensor
+    subclass (never the kernel's) writes key counts on that device too, before the failure and after it."""
     import types
 
     import trainhist.torch.reduce as rd
 
-    def broken(*a, **k):
-        raise RuntimeError("no kernel image is available for execution on the device")
+    calls = {"n": 0}
+
+    def flaky(x, row, ncount, f_cols, fold, width):  # works twice, then fails
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise RuntimeError("no kernel image is available for execution on the device")
+        rd.reduce_into(x, row, method="index_add", sketch=True)  # (what the kernel writes: key counts)
 
     monkeypatch.setattr(rd, "CPU_METHOD", "triton")
-    monkeypatch.setitem(rd._TRITON, "module", types.SimpleNamespace(reduce_row=broken))
+    monkeypatch.setitem(rd._TRITON, "module", types.SimpleNamespace(reduce_row=flaky))
+    monkeypatch.setitem(rd._TRITON, "loaded", True)
     monkeypatch.setitem(rd._TRITON, "failed", False)
     g = torch.Generator().manual_seed(22)
     x = torch.cat([torch.randn(500, generator=g), torch.tensor([-0.0, math.nan])])
-    led = Ledger("cpu")
-    with pytest.warns(RuntimeWarning, match="fused GPU reduction failed") as w:
-        reduce_into(x, led.row("a"), sketch=False)
-        reduce_into(x, led.row("b"), sketch=False)  # the torch ops from now on, without another warning
-    assert len([m for m in w if "GPU reduction" in str(m.message)]) == 1
+    w = Wrapper(x.clone())
+    one, two = Ledger("cpu"), Ledger("cpu")
+    reduce_into(x, one.row("a"), sketch=False)  # by the kernel
+    reduce_into(x, two.row("a"), sketch=False)  # by the kernel, in another ledger
+    reduce_into(w, two.row("w"), sketch=False)  # a subclass: the torch ops
+    with pytest.warns(RuntimeWarning, match="fused GPU reduction failed") as caught:
+        reduce_into(x, one.row("b"), sketch=False)  # the launch fails: the torch ops
+        reduce_into(x, two.row("a"), sketch=False)  # the torch ops, into a row the kernel began
+        for _ in range(20):  # (rows enough to grow the buffer)
+            two.row(("more", _))
+        reduce_into(w, two.row("w"), sketch=False)
+    assert len([m for m in caught if "GPU reduction" in str(m.message)]) == 1
     assert rd.device_method(x) == "index_add"
-    p = led.transfer()
-    data = p.wait()
-    for key in ("a", "b"):
-        check(decode_row(p.row(data, key), x.numel(), sketch=True), ref_summary([x]))
-    led.reset()
-    reduce_into(x, led.row("a"), sketch=False)
-    p = led.transfer()
-    data = p.wait()
-    check_spine(decode_row(p.row(data, "a"), x.numel(), sketch=False), ref_summary([x]))
-    with pytest.raises(RuntimeError, match="spine-only"):
-        decode_row(p.row(data, "a"), x.numel(), sketch=True)
+    for led, keys in ((one, {"a": 1, "b": 1}), (two, {"a": 2, "w": 2})):
+        p = led.transfer()
+        data = p.wait()
+        for key, times in keys.items():
+            ref = ref_summary([x] * times)
+            check(decode_row(p.row(data, key), x.numel() * times, sketch=True), ref)
+            check_spine(decode_row(p.row(data, key), x.numel() * times, sketch=False), ref_summary([x] * times))
+    one.reset()
+    reduce_into(x, one.row("a"), sketch=False)  # next step: still key counts (the cost of a failed kernel)
+    p = one.transfer()
+    check(decode_row(p.row(p.wait(), "a"), x.numel(), sketch=True), ref_summary([x]))
 
 
 @pytest.mark.skipif("triton" not in CPU_METHODS, reason="Triton is not installed")
-def test_a_bad_input_does_not_turn_the_triton_kernel_off(monkeypatch):
-    """An input no method can reduce (a complex tensor) is an error of that input, not a failed launch: the
-    kernel stays on for everything else."""
+def test_a_bad_input_or_a_lack_of_memory_does_not_turn_the_triton_kernel_off(monkeypatch):
+    """An input no method can reduce (a complex tensor) is an error of that input, and out of memory a lack of
+    memory, not a failed launch: both reach the caller (the collector records the site as failed) and the kernel
+    stays on for everything else."""
     import trainhist.torch.reduce as rd
 
     monkeypatch.setattr(rd, "CPU_METHOD", "triton")
@@ -569,6 +583,18 @@ def test_a_bad_input_does_not_turn_the_triton_kernel_off(monkeypatch):
     led = Ledger("cpu")
     with pytest.raises(TypeError, match="complex"):
         reduce_into(torch.ones(3, dtype=torch.complex64), led.row("c"))
+    assert not rd._TRITON["failed"] and rd.device_method(torch.ones(2)) == "triton"
+    import trainhist.torch.tritonkernel as tk
+
+    def oom(*a, **k):
+        raise rd._OOM("CUDA out of memory")
+
+    monkeypatch.setattr(tk, "reduce_row", oom)
+    monkeypatch.setattr(tk, "reduce_many", oom)
+    with pytest.raises(rd._OOM):
+        reduce_into(torch.ones(3), led.row("d"))
+    with pytest.raises(rd._OOM):
+        rd.triton_many([torch.ones(3)], led.offsets(["e"]), led)
     assert not rd._TRITON["failed"] and rd.device_method(torch.ones(2)) == "triton"
 
 

@@ -627,7 +627,12 @@ class Collector:
                 rounds.append({key: t})
         for r in rounds:
             keys, tensors = list(r), list(r.values())
-            done = set(triton_many(tensors, self._ledger.offsets(keys), self._ledger))
+            try:
+                done = set(triton_many(tensors, self._ledger.offsets(keys), self._ledger))
+            except Exception as e:  # noqa: BLE001 -- out of memory, say: these sites fail, training goes on
+                for key in keys:
+                    self._fail(key, e)
+                continue
             for i, (key, t) in enumerate(zip(keys, tensors)):
                 if i not in done:  # (the batched launch failed: the per-tensor path, the torch ops from now on)
                     try:
@@ -667,7 +672,12 @@ class Collector:
                 done = {pick[j] for j in fused_many([tensors[i] for i in pick], rows,
                                                     st.sketch.get(keys[0][0], True))}
         elif tensors:  # the GPU's batched kernel (key counts always: no sketch flag)
-            done = set(triton_many(tensors, self._ledger.offsets(keys), self._ledger))
+            try:
+                done = set(triton_many(tensors, self._ledger.offsets(keys), self._ledger))
+            except Exception as e:  # noqa: BLE001 -- out of memory, say: these sites fail, training goes on
+                for key in keys:
+                    self._fail(key, e)
+                return
         for i, (key, t) in enumerate(zip(keys, tensors)):
             if i not in done:
                 self._reduce(key, t)

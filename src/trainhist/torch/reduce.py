@@ -187,10 +187,11 @@ def _raw_codes(bits: torch.Tensor, w: _Width) -> torch.Tensor:
 #: with the bin counts by ``bincount`` (CPU) or ``index_add_`` (any device; ``bincount`` would synchronise on CUDA)
 METHODS = ("fused", "triton", "bincount", "index_add")
 CPU_METHOD = "fused" if cpukernel is not None else "bincount"  #: the method used on the CPU when none is given
-_TRITON: dict[str, object] = {"module": None, "failed": False}
-#: ids of ledger buffers whose rows the Triton kernel may have begun this step when a launch failed: reductions
-#: into them fall back to key counts (the row layout the kernel writes) until the ledger is reset
-_KEYED: set[int] = set()
+#: the Triton kernels' module once imported; ``loaded``: it was imported (and may have written rows), ``failed``: the
+#: import or a launch failed (the torch ops serve from then on)
+_TRITON: dict[str, object] = {"module": None, "loaded": False, "failed": False}
+#: out of memory (a lack of memory, not a broken kernel); torch.OutOfMemoryError exists from torch 2.4 on
+_OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 
 
 def _tritonkernel() -> object | None:
@@ -203,7 +204,7 @@ def _tritonkernel() -> object | None:
         except Exception as e:  # noqa: BLE001 -- no Triton (or a broken one): the torch ops serve
             _triton_failed(e, "is unavailable")
             return None
-        _TRITON["module"] = tk
+        _TRITON["module"], _TRITON["loaded"] = tk, True
     return tk
 
 
@@ -224,9 +225,18 @@ def device_method(x: torch.Tensor) -> str:
     """The method :func:`reduce_into` uses for ``x`` when none is given."""
     if _wants_triton(x):
         return "triton" if _tritonkernel() is not None else "index_add"
-    if x.device.type == "cpu":
-        return CPU_METHOD if CPU_METHOD != "fused" or is_plain(x) else "bincount"
+    if x.device.type == "cpu":  # (the kernels read memory by address: a subclass goes through the torch ops)
+        return CPU_METHOD if CPU_METHOD not in ("fused", "triton") or is_plain(x) else "bincount"
     return "index_add"
+
+
+def _keyed_device(x: torch.Tensor) -> bool:
+    """Whether rows of ``x``'s device may hold the Triton kernel's layout (key counts): a CUDA device once the
+    kernel has loaded (a CPU one where the tests route it there). Every default reduction there writes key counts,
+    so that one row never mixes that layout with the spine-only one (after a failed launch the torch ops serve,
+    writing key counts too, which costs them more)."""
+    dev = x.device.type
+    return bool(_TRITON["loaded"]) and (dev == "cuda" or (dev == "cpu" and CPU_METHOD == "triton"))
 
 
 def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None, sketch: bool = True) -> None:
@@ -238,8 +248,11 @@ def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None
     min/max; the float64 sums differ from one method to another in their last bits (another order), and by more
     where large values cancel (``SumMethod.F64`` bounds any order).
     ``sketch=False`` skips the bin codes (the costly part) and counts only what the spine needs; every reduction
-    into one row in one step must use the same ``sketch``. Non-finite values are counted and excluded from min,
-    max and the sums; the sign of a zero min/max is resolved from the -0.0/+0.0 counts at decode time.
+    into one row in one step must write the same layout: the same ``sketch``, and key counts (``sketch=True``)
+    wherever the ``triton`` method writes to the row (it always writes them). With the default method this holds
+    by itself: on a device where the Triton kernel has loaded, every reduction writes key counts. Non-finite values
+    are counted and excluded from min, max and the sums; the sign of a zero min/max is resolved from the
+    -0.0/+0.0 counts at decode time.
     """
     if method is None:
         method = device_method(x)
@@ -247,8 +260,8 @@ def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None
             if _triton_into(x, row, fallback=True):
                 return
             method = "index_add"
-        if _KEYED and _buffer_id(row) in _KEYED:
-            sketch = True  # the Triton kernel may have begun rows of this ledger this step: keep its row layout
+        if not sketch and _keyed_device(x):
+            sketch = True  # rows on this device hold the Triton kernel's layout (key counts): so must this one
     elif method not in METHODS:
         raise ValueError(f"unknown reduction method {method!r}: expected one of {METHODS}")
     if method == "triton":
@@ -268,10 +281,6 @@ def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None
         return
     for i in range(0, n, CHUNK):
         _reduce_chunk(x[i : i + CHUNK] if n > CHUNK else x, row, method == "bincount", sketch)
-
-
-def _buffer_id(row: torch.Tensor) -> int:
-    return id(row._base if row._base is not None else row)
 
 
 def triton_into(x: torch.Tensor, row: torch.Tensor) -> None:
@@ -306,11 +315,10 @@ def _triton_into(x: torch.Tensor, row: torch.Tensor, fallback: bool) -> bool:
         return True
     try:
         tk.reduce_row(*args)
-    except torch.OutOfMemoryError:
+    except _OOM:
         raise
     except Exception as e:  # noqa: BLE001 -- the launch failed (an untested GPU, say): the torch ops serve
         _triton_failed(e, "failed")
-        _KEYED.add(_buffer_id(row))
         return False
     return True
 
@@ -346,11 +354,10 @@ def triton_many(xs: list[torch.Tensor], offsets: list[int], ledger: "Ledger") ->
         try:
             tk.reduce_many([xs[i].detach().view(-1) for i in pos], [offsets[i] for i in pos], ledger.buf, NCOUNT,
                            COL_MIN, w.fold_on(ledger.device), w)
-        except torch.OutOfMemoryError:
+        except _OOM:
             raise
         except Exception as e:  # noqa: BLE001 -- the per-tensor path (the torch ops from now on) reduces these
             _triton_failed(e, "failed")
-            _KEYED.add(id(ledger.buf))
             break
         taken.extend(pos)
     return taken
@@ -633,9 +640,6 @@ class Ledger:
             self._template = torch.from_numpy(init).to(self.device)
             new = self._template.clone()
             new[:off].copy_(self.buf[:off])  # this step's values so far; not the unused tail, where the new slot starts
-            if id(self.buf) in _KEYED:  # (its rows keep their layout in the new buffer)
-                _KEYED.discard(id(self.buf))
-                _KEYED.add(id(new))
             self.buf = new
         else:
             self._template[off : self._used].copy_(torch.from_numpy(extra).to(self.device))
@@ -702,7 +706,6 @@ class Ledger:
     def reset(self) -> None:
         """Re-initialise every row and slot (one device copy)."""
         self.buf.copy_(self._template)
-        _KEYED.discard(id(self.buf))
 
     def transfer(self, copy: bool = True) -> "PendingTransfer":
         """Start the step's single device-to-host copy of the whole buffer. ``copy=False`` on a CPU ledger hands
