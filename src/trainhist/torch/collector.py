@@ -627,11 +627,8 @@ class Collector:
                 rounds.append({key: t})
         for r in rounds:
             keys, tensors = list(r), list(r.values())
-            try:
-                done = set(triton_many(tensors, self._ledger.offsets(keys), self._ledger))
-            except Exception as e:  # noqa: BLE001 -- out of memory, say: these sites fail, training goes on
-                for key in keys:
-                    self._fail(key, e)
+            done = self._batched(keys, tensors)
+            if done is None:
                 continue
             for i, (key, t) in enumerate(zip(keys, tensors)):
                 if i not in done:  # (the batched launch failed: the per-tensor path, the torch ops from now on)
@@ -639,6 +636,16 @@ class Collector:
                         reduce_into(t, self._ledger.row(key))
                     except Exception as e:  # noqa: BLE001 -- one bad site must not stop training
                         self._fail(key, e)
+
+    def _batched(self, keys: list[tuple], tensors: list[torch.Tensor]) -> set[int] | None:
+        """:func:`triton_many` of ``tensors`` into the rows of ``keys`` (distinct): the positions it reduced, or
+        None when it raised (out of memory, say), after recording every one of these sites as failed."""
+        try:
+            return set(triton_many(tensors, self._ledger.offsets(keys), self._ledger))
+        except Exception as e:  # noqa: BLE001 -- these sites fail, training goes on
+            for key in keys:
+                self._fail(key, e)
+            return None
 
     def _reduce_many(self, items: list[tuple[tuple, torch.Tensor]]) -> None:
         """:meth:`_reduce` of the (key, tensor) pairs of one stream, with no aliasing (parameters, gradients,
@@ -672,12 +679,10 @@ class Collector:
                 done = {pick[j] for j in fused_many([tensors[i] for i in pick], rows,
                                                     st.sketch.get(keys[0][0], True))}
         elif tensors:  # the GPU's batched kernel (key counts always: no sketch flag)
-            try:
-                done = set(triton_many(tensors, self._ledger.offsets(keys), self._ledger))
-            except Exception as e:  # noqa: BLE001 -- out of memory, say: these sites fail, training goes on
-                for key in keys:
-                    self._fail(key, e)
+            got = self._batched(keys, tensors)
+            if got is None:
                 return
+            done = got
         for i, (key, t) in enumerate(zip(keys, tensors)):
             if i not in done:
                 self._reduce(key, t)
