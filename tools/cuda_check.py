@@ -1,13 +1,18 @@
 """The CUDA checks of the torch collector, as one prepared script for a machine with a GPU.
 
-    python tools/cuda_check.py --out benchmarks/cuda.md            # on a GPU machine
-    python tools/cuda_check.py --device cpu --quick                # rehearsal of the same code paths on the CPU
+    python tools/cuda_check.py --out benchmarks/cuda.md                  # on a GPU machine
+    TRITON_INTERPRET=1 python tools/cuda_check.py --device cpu --quick   # rehearsal of the same code on the CPU
+
+On a machine with torch but without this project installed, ``PYTHONPATH=src`` and the reader's dependencies
+(crc32c, jsonschema and its own: jsonschema-specifications, referencing, rpds-py; numpy and msgpack) suffice;
+transformers is needed for checks 2 and 3. A run takes about two minutes on one H200.
 
 1. Bit-exactness: the on-device reductions (``reduce_into`` + one transfer + ``decode_row``; the fused Triton kernel,
    the default on CUDA, and the torch ops with and without the sketch; each whole and in two parts merged in one
    row) against the numpy reference ``trainhist.summarize`` on the same tensors — counts, every bin, min and max
-   must be equal bit for bit; then all of them at once through the batched kernel (``triton_many``)
-   (float16, bfloat16, float32, float64; special values, subnormals, bin edges, sizes from 0 to 4M).
+   must be equal bit for bit (float16, bfloat16, float32, float64; special values, subnormals, bin edges, sizes
+   from 0 to 4M). 1b: the collector's rows on the device (``batch_outputs=True``) against the reference of clones
+   of the tensors its hooks saw. 1c: every family at once through the batched kernel (``triton_many``).
 2. No hidden host sync: real training steps (a HF GPT-2 and an MLP; fp32, and fp16 autocast with a GradScaler) run
    under ``torch.cuda.set_sync_debug_mode("warn")`` with and without the collector, counting synchronising calls
    and where they happen; the collector may add none. Then ``set_sync_debug_mode("error")`` around whole steps of
@@ -15,7 +20,7 @@
    non-blocking copy into pinned memory, awaited through an event.
 3. Overhead on the GPU: ``tools/bench_overhead.py --device cuda`` (interleaved A/B with an A/A noise band).
 
-Exit status 0 when checks 1 and 2 pass; the report is rewritten to ``--out`` after each check.
+Exit status 0 when checks 1 (with 1b and 1c) and 2 pass; the report is rewritten to ``--out`` after each check.
 """
 
 from __future__ import annotations
