@@ -523,7 +523,6 @@ class Collector:
         if sc is not None and sc.is_enabled() and getattr(sc, "_scale", None) is not None:
             self._put_scalar(st, st.step, "loss_scale", sc._scale)
         st.host_scalars.append((st.step, "step_time", time.perf_counter() - st.t0))
-        self._flush_deferred()  # (a parameter the batched kernel could not take may have been deferred)
         self._transfer(st)
         while len(self._pending) > self._lag:
             self._finish(self._pending.pop(0))

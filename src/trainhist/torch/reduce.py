@@ -41,9 +41,8 @@ except ImportError as _e:  # numba missing, or not yet released for this Python
                   "torch operations, several times slower (pip install numba)", RuntimeWarning, stacklevel=2)
 
 __all__ = ["ROW", "CHUNK", "METHODS", "reduce_into", "device_method", "batch_method", "triton_into", "triton_many",
-           "triton_batchable",
-           "fused_into", "fused_many",
-           "fusable", "is_plain", "merge_row", "decode_row", "decode_rows", "Ledger", "PendingTransfer"]
+           "triton_batchable", "fused_into", "fused_many", "fusable", "is_plain", "merge_row", "decode_row",
+           "decode_rows", "Ledger", "PendingTransfer"]
 
 NK = grid.NKEYS
 COL_NEGZERO = NK  # count of -0.0 (the grid's zero key counts +0.0 only here; decode adds them)
@@ -214,11 +213,16 @@ def _triton_failed(e: BaseException, what: str) -> None:
                   "torch operations, many times slower", RuntimeWarning, stacklevel=3)
 
 
+def _triton_device(device: torch.device) -> bool:
+    """Whether the Triton kernels serve ``device`` (while they work): CUDA (and the CPU where :data:`CPU_METHOD` is
+    ``triton``, as the tests set it to run the kernels in Triton's interpreter)."""
+    dev = device.type
+    return dev == "cuda" or (dev == "cpu" and CPU_METHOD == "triton")
+
+
 def _wants_triton(x: torch.Tensor) -> bool:
-    """Whether the default method for ``x`` is the Triton kernel (while it works): plain CUDA tensors (and CPU
-    tensors where :data:`CPU_METHOD` is ``triton``, as the tests set it to run the kernel in Triton's interpreter)."""
-    dev = x.device.type
-    return is_plain(x) and (dev == "cuda" or (dev == "cpu" and CPU_METHOD == "triton"))
+    """Whether the default method for ``x`` is the Triton kernel (while it works): a plain tensor it serves."""
+    return is_plain(x) and _triton_device(x.device)
 
 
 def device_method(x: torch.Tensor) -> str:
@@ -235,8 +239,7 @@ def _keyed_device(x: torch.Tensor) -> bool:
     kernel has loaded (a CPU one where the tests route it there). Every default reduction there writes key counts,
     so that one row never mixes that layout with the spine-only one (after a failed launch the torch ops serve,
     writing key counts too, which costs them more)."""
-    dev = x.device.type
-    return bool(_TRITON["loaded"]) and (dev == "cuda" or (dev == "cpu" and CPU_METHOD == "triton"))
+    return bool(_TRITON["loaded"]) and _triton_device(x.device)
 
 
 def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None, sketch: bool = True) -> None:
@@ -309,15 +312,13 @@ def _triton_into(x: torch.Tensor, row: torch.Tensor, fallback: bool) -> bool:
         x = _widen(x).contiguous()  # (the kernel reads by address: contiguous, as it reads it)
         dt = x.dtype
     w = _F64 if dt is torch.float64 else _F32
-    args = (x.view(-1), row, NCOUNT, row[COL_MIN:].view(torch.float64), w.fold_on(x.device), w)
-    if not fallback:
-        tk.reduce_row(*args)
-        return True
     try:
-        tk.reduce_row(*args)
+        tk.reduce_row(x.view(-1), row, NCOUNT, row[COL_MIN:].view(torch.float64), w.fold_on(x.device), w)
     except _OOM:
         raise
     except Exception as e:  # noqa: BLE001 -- the launch failed (an untested GPU, say): the torch ops serve
+        if not fallback:
+            raise
         _triton_failed(e, "failed")
         return False
     return True
@@ -325,10 +326,7 @@ def _triton_into(x: torch.Tensor, row: torch.Tensor, fallback: bool) -> bool:
 
 def batch_method(device: torch.device) -> str | None:
     """The batched reduction :func:`triton_many` serves on ``device`` (``"triton"``), or None."""
-    dev = device.type
-    if dev == "cuda" or (dev == "cpu" and CPU_METHOD == "triton"):
-        return "triton" if _tritonkernel() is not None else None
-    return None
+    return "triton" if _triton_device(device) and _tritonkernel() is not None else None
 
 
 def triton_batchable(x: torch.Tensor, device: torch.device) -> bool:
@@ -690,11 +688,9 @@ class Ledger:
         """:meth:`address` of every key, all rows allocated first (so no later allocation moves an earlier one)."""
         if not self._cpu:
             raise ValueError(f"a row address is for a CPU ledger, not {self.device}")
-        for key in keys:
-            if key not in self.rows:
-                self.row(key)
-        base, rows = self.buf.data_ptr(), self.rows
-        return [base + 8 * rows[key] for key in keys]
+        offsets = self.offsets(keys)
+        base = self.buf.data_ptr()  # (after the allocations)
+        return [base + 8 * off for off in offsets]
 
     def scalar(self, key: object) -> torch.Tensor:
         """A one-element float64 view of the scalar slot of ``key`` (NaN-initialised each step)."""

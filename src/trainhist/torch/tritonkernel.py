@@ -171,7 +171,7 @@ def _scratch(device: torch.device, parts: int, tickets: int) -> tuple[torch.Tens
         p = max(parts, MAXPROG, 0 if got is None else got[0].numel() // 4)
         q = max(tickets, 64, 0 if got is None else got[1].numel())
         got = _SCRATCH[key] = (torch.empty(4 * p, dtype=torch.float64, device=device),
-                                  torch.zeros(q, dtype=torch.int32, device=device))
+                               torch.zeros(q, dtype=torch.int32, device=device))
     return got
 
 
