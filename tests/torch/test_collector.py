@@ -114,15 +114,20 @@ def test_one_host_transfer_per_step_and_no_per_site_syncs(tmp_path, monkeypatch,
     calls = {"item": 0, "cpu": 0, "tolist": 0, "numpy": 0, "__float__": 0}
     fused = {"calls": 0}
     in_step = {"on": False}
-    real_fused = rd.fused_into
+    real_fused, real_at = rd.fused_into, rd.fused_at
 
     def fused_spy(x, address, sketch):
         fused["calls"] += 1
         return real_fused(x, address, sketch)
 
+    def at_spy(*args):
+        fused["calls"] += 1
+        return real_at(*args)
+
     import trainhist.torch.collector as cm
 
     monkeypatch.setattr(cm, "fused_into", fused_spy)
+    monkeypatch.setattr(cm, "fused_at", at_spy)
     for name in calls:
         orig = getattr(torch.Tensor, name)
 
@@ -299,16 +304,16 @@ def test_absent_and_failed_sites(tmp_path, monkeypatch):
         if step == 2:  # the reducer breaks on one site: that site is 'failed', the rest is recorded
             import trainhist.torch.collector as cm
 
-            real = cm.fused_into  # the CPU's reduction
+            real = cm.fused_at  # the CPU's reduction (address, elements, dtype, row, sketch)
 
-            def flaky(t, *args):
-                if t.shape == (2, 4) and flaky.n == 0:
+            def flaky(address, n, *args):
+                if n == 8 and flaky.n == 0:  # the (2, 4) output
                     flaky.n += 1
                     raise RuntimeError("boom")
-                return real(t, *args)
+                return real(address, n, *args)
 
             flaky.n = 0
-            monkeypatch.setattr(cm, "fused_into", flaky)
+            monkeypatch.setattr(cm, "fused_at", flaky)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with col.step(step):

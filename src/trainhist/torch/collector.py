@@ -50,8 +50,8 @@ from .plan import (
     unwrap,
 )
 from . import reduce as _reduction
-from .reduce import (Ledger, PendingTransfer, decode_rows, fusable, fused_into, fused_many, is_plain, merge_row,
-                     reduce_into, triton_batchable, triton_many)
+from .reduce import (Ledger, PendingTransfer, decode_rows, fusable, fused_at, fused_into, fused_many, is_plain,
+                     merge_row, reduce_into, triton_batchable, triton_many)
 
 __all__ = ["Collector", "StepTruth"]
 
@@ -279,6 +279,7 @@ class Collector:
         self._late: list[tuple[int, str, torch.Tensor]] = []
         self._warned: set[object] = set()
         self._dtypes: dict[tuple, str] = {}  # (path, stream, facet) -> dtype name, as first seen
+        self._typed: set[tuple] = set()  # keys whose site has its dtype in _dtypes
         self._deferred: list[tuple[tuple, torch.Tensor, int]] = []  # (key, tensor, its version when recorded)
         self._deferred_bytes = 0
         self._eager: set[tuple] = set()  # (stream, path, facet) changed in place after recording: never deferred
@@ -568,6 +569,9 @@ class Collector:
         if st is None or key in st.failed:
             return
         try:
+            if st.fused and fusable(t):  # the common case on the CPU: the kernel reads the tensor in place
+                self._reduce_plain(st, key, t, alias)
+                return
             t = local_tensor(t)
             site = (key[1], key[0], key[2])
             if site not in self._dtypes:
@@ -578,7 +582,7 @@ class Collector:
                         and not t.is_inference()  # (an inference tensor has no version counter)
                         and _reduction.batch_method(self._ledger.device) is not None):  # (not after a failure)
                     self._defer(key, t)
-                elif not (alias and not st.defer and self._merge_alias(st, key, t)):
+                elif not (alias and not st.defer and self._merge_alias(st, key, t, self._identity(key, t))):
                     sketch = st.sketch.get(key[0], True)
                     if st.fused and is_plain(t):
                         # the CPU kernel, straight into the (host) ledger row
@@ -591,6 +595,19 @@ class Collector:
             st.counts[key] = st.counts.get(key, 0) + n
         except Exception as e:  # noqa: BLE001 -- one bad site must not stop training
             self._fail(key, e)
+
+    def _reduce_plain(self, st: _Step, key: tuple, t: torch.Tensor, alias: bool) -> None:
+        """:meth:`_reduce` of a tensor :func:`fusable` accepted, with none of its checks repeated (hundreds of
+        reductions a step take this path on the CPU)."""
+        if key not in self._typed:
+            self._typed.add(key)
+            self._dtypes.setdefault((key[1], key[0], key[2]), _dtype_name(t))
+        n, address, dt = t.numel(), t.data_ptr(), t.dtype
+        # (on the CPU, with no negative view: the identity of _identity without those two fields)
+        if not (alias and self._merge_alias(st, key, t, (key[0], address, t.shape, t.stride(), dt))):
+            fused_at(address, n, dt, self._ledger.address(key), st.sketch.get(key[0], True))
+        st.reductions[key] = st.reductions.get(key, 0) + 1
+        st.counts[key] = st.counts.get(key, 0) + n
 
     def _defer(self, key: tuple, t: torch.Tensor) -> None:
         """Hold ``t`` for the next batched reduction (its version, to see a later in-place change)."""
@@ -692,21 +709,27 @@ class Collector:
             st.reductions[key] = st.reductions.get(key, 0) + 1
             st.counts[key] = st.counts.get(key, 0) + t.numel()
 
-    def _merge_alias(self, st: _Step, key: tuple, t: torch.Tensor) -> bool:
-        """Reuse an earlier reduction of the very same tensor (same memory, layout and version) in this step.
+    @staticmethod
+    def _identity(key: tuple, t: torch.Tensor) -> tuple | None:
+        """What makes two tensors the very same values for :meth:`_merge_alias` (None: no aliasing shortcut)."""
+        if not is_plain(t):
+            return None  # a subclass may have no storage of its own (data_ptr 0 for all): no aliasing shortcut
+        try:
+            ident = (key[0], t.data_ptr(), t.get_device(), t.shape, t.stride(), t.dtype, t.is_neg())
+        except Exception:  # noqa: BLE001 -- a tensor without plain storage: no aliasing shortcut
+            return None
+        return None if ident[1] == 0 else ident
+
+    def _merge_alias(self, st: _Step, key: tuple, t: torch.Tensor, ident: tuple | None) -> bool:
+        """Reuse an earlier reduction of the very same tensor (``ident``: same memory, layout and version) in this
+        step.
 
         A module often returns a tensor another module already returned (a container returns its last child's
         output, dropout in eval mode or with p=0 its input), and gradient hooks of one tensor see one gradient.
         The earlier row is merged in only while it holds that reduction alone; the earlier tensor is still
         alive (weak reference), so its memory cannot have been reused by another tensor.
         """
-        if not is_plain(t):
-            return False  # a subclass may have no storage of its own (data_ptr 0 for all): no aliasing shortcut
-        try:
-            ident = (key[0], t.data_ptr(), t.get_device(), t.shape, t.stride(), t.dtype, t.is_neg())
-        except Exception:  # noqa: BLE001 -- a tensor without plain storage: no aliasing shortcut
-            return False
-        if ident[1] == 0:
+        if ident is None:
             return False
         hit = st.seen.get(ident)
         if hit is not None:

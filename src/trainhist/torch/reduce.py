@@ -386,6 +386,13 @@ def fused_into(x: torch.Tensor, row_address: int, sketch: bool) -> None:
         (sketch_ if sketch else spine)(x.data_ptr(), n, row_address)
 
 
+def fused_at(address: int, n: int, dtype: torch.dtype, row_address: int, sketch: bool) -> None:
+    """The CPU kernel on ``n > 0`` elements of ``dtype`` at ``address``, of a tensor :func:`fusable` has accepted
+    (the caller's checks are not repeated: the collector's hot path)."""
+    spine, sketch_, _ = (_F64 if dtype is torch.float64 else _F32).kernels
+    (sketch_ if sketch else spine)(address, n, row_address)
+
+
 def fusable(x: torch.Tensor) -> bool:
     """Whether the CPU kernel can read ``x`` by address as it is: a non-empty plain contiguous float32/float64 CPU
     tensor (no negative view); others go through :func:`fused_into`, which widens or copies them first."""
@@ -622,6 +629,7 @@ class Ledger:
         self._used = 0
         self._init = np.zeros(0, dtype=np.int64)
         self.buf = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._base = self.buf.data_ptr()  # (the buffer's address, kept as it moves: for address())
         self._template = self.buf
         self._pinned = self.device.type == "cuda"
         self._cpu = self.device.type == "cpu"  # (torch builds the type string anew on every read)
@@ -639,6 +647,7 @@ class Ledger:
             new = self._template.clone()
             new[:off].copy_(self.buf[:off])  # this step's values so far; not the unused tail, where the new slot starts
             self.buf = new
+            self._base = new.data_ptr()
         else:
             self._template[off : self._used].copy_(torch.from_numpy(extra).to(self.device))
             self.buf[off : self._used].copy_(self._template[off : self._used])
@@ -682,7 +691,7 @@ class Ledger:
         if off is None:
             self.row(key)
             off = self.rows[key]
-        return self.buf.data_ptr() + 8 * off
+        return self._base + 8 * off
 
     def addresses(self, keys: list[object]) -> list[int]:
         """:meth:`address` of every key, all rows allocated first (so no later allocation moves an earlier one)."""
