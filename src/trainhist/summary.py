@@ -21,12 +21,21 @@ class SumMethod:
     """How the sum and sum of squares relate to the true values of the tensor (spec 5.4)."""
 
     EXACT = 0  #: the stored dyadic is the exact value
-    F64 = 1  #: float64 accumulation; |error| <= 2 * n**2 * 2**-53 * maxabs**p
-    F32 = 2  #: float32 accumulation; |error| <= 2 * n**2 * 2**-24 * maxabs**p
+    F64 = 1  #: float64 accumulation; |error| <= 2 * n**2 * 2**-53 * maxabs**p + n * 2**-1074
+    F32 = 2  #: float32 accumulation; |error| <= 2 * n**2 * 2**-24 * maxabs**p + n * 2**-149
     UNKNOWN = 255  #: no bound is known
 
     NAMES = {EXACT: "exact", F64: "f64_accumulate", F32: "f32_accumulate", UNKNOWN: "unknown"}
-    UNIT = {EXACT: 0.0, F64: 2.0**-53, F32: 2.0**-24}
+    UNIT = {EXACT: 0.0, F64: 2.0**-53, F32: 2.0**-24}  #: the unit roundoff of each accumulation
+    TINY = {EXACT: 0.0, F64: 2.0**-1074, F32: 2.0**-149}  #: the smallest subnormal of each accumulation
+
+    @staticmethod
+    def bound(method: int, finite: int, maxabs: float, p: int) -> float:
+        """The most a stored sum (``p = 1``) or sum of squares (``p = 2``) of ``finite`` values of magnitude at most
+        ``maxabs`` may differ from the exact one under ``method`` (spec 5.4); infinite for UNKNOWN."""
+        if method not in SumMethod.UNIT:
+            return math.inf
+        return 2 * finite * finite * SumMethod.UNIT[method] * maxabs**p + finite * SumMethod.TINY[method]
 
 
 @dataclass

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import numpy as np
 import torch
 
 import trainhist
-from trainhist.summary import Summary, summarize
+from trainhist.summary import SumMethod, Summary, summarize
 from trainhist.torch.plan import flatten_output
 from trainhist.torch.reduce import METHODS
 
@@ -47,7 +48,8 @@ def assert_row(h: trainhist.History, path: str, stream: str, step: int, ref: Sum
         for name, p in (("sum", 1), ("sumsq", 2)):
             got = getattr(sp, name)[i]
             want = getattr(ref, name).to_float()
-            assert abs(got - want) <= 2 * n * n * 2.0**-53 * maxabs**p + 1e-300, (path, stream, name, got, want)
+            bound = SumMethod.bound(SumMethod.F64, n, maxabs, p) + math.ulp(want) / 2  # (want: rounded once)
+            assert abs(got - want) <= bound, (path, stream, name, got, want)
     else:
         assert np.isnan(sp.min[i]) and np.isnan(sp.max[i])
     if sketch:
