@@ -12,12 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import trainhist
 from trainhist import grid
 from trainhist.chunk import Codec
 from trainhist.dyadic import Dyadic, dyadics_of, floats_of
 from trainhist.errors import UsageError
 from trainhist.model import MICRO_ALL, Presence
-from trainhist.summary import Sketch, Summary, SumMethod, summarize
+from trainhist.summary import Sketch, SpineTable, Summary, SumMethod, summarize
 from trainhist.writer import HistoryWriter, _windows, encode_obs_chunks, encode_obs_rows
 
 from history_helpers import FAST
@@ -172,3 +173,84 @@ def test_observe_checks_the_site_as_before(tmp_path: Path) -> None:
         w.observe(w.site("x", "param"), 2, np.ones(3), phase="post_clip", micro=1)
     with pytest.raises(UsageError, match="closed"):
         w.observe(a, 3, np.ones(3))
+
+
+def _table(r: random.Random, n: int) -> SpineTable:
+    """``n`` spine rows around the edges: no finite value, zero sums of either sign, overflowed sums (an unknown
+    bound), float32 bounds, counts beyond 2**53."""
+    cols: dict[str, list] = {k: [] for k in ("count", "nan", "pinf", "ninf", "zero", "min", "max", "sum", "sumsq",
+                                               "method")}
+    for _ in range(n):
+        nan, pinf, ninf, zero = (r.choice([0, 0, 1, 7]) for _ in range(4))
+        finite = r.choice([0, 1, 5, 1 << 33, (1 << 60)])
+        method = r.choice([SumMethod.F64, SumMethod.F64, SumMethod.F32, SumMethod.UNKNOWN])
+        lo, hi = sorted([r.uniform(-5, 5), r.choice([0.0, -0.0, 5.0, 2.0**-1074])])
+        s, q = r.choice([0.0, -0.0, r.uniform(-1e6, 1e6)]), r.choice([-0.0, r.uniform(0, 1e300)])
+        if method == SumMethod.UNKNOWN:
+            s, q = r.choice([(math.inf, math.inf), (-math.inf, math.nan), (1.0, 2.0)])
+        if finite == 0:
+            lo = hi = math.nan
+        for k, v in zip(cols, (finite + nan + pinf + ninf, nan, pinf, ninf, min(zero, finite), lo, hi, s, q, method)):
+            cols[k].append(v)
+    return SpineTable(**{k: np.array(v, dtype=np.float64 if k in ("min", "max", "sum", "sumsq") else np.uint64)
+                         for k, v in cols.items()})
+
+
+def _write_spines(path: Path, batched: bool) -> None:
+    """A seeded run whose spine rows go through one observe_spines call a step (``batched``) or one observe each
+    (with the table row's Summary), between marks and summaries of other sites and phases."""
+    r = random.Random(9)
+    with HistoryWriter(path, codec="packed", salt=1, run_id="1" * 32, writer_id="2" * 32, created="2024-01-01",
+                       pid=1, host="h", software={}, **FAST) as w:
+        sites = [w.site(f"s{i}", "param_grad") for i in range(25)]
+        for step in range(12):
+            table = _table(r, 20)
+            picked = r.sample(range(25), 20)
+            phases = [r.choice(["default", "pre_clip", "post_clip"]) for _ in picked]
+            w.mark(sites[picked[0]], step, "failed", phase="post_clip")  # the same site as a table row, too
+            if batched:
+                w.observe_spines([sites[k] for k in picked], step, table, phases=phases)
+            else:
+                for i, (k, phase) in enumerate(zip(picked, phases)):
+                    w.observe(sites[k], step, summary=table.row(i), phase=phase)
+            for k in set(range(25)) - set(picked):
+                w.observe(sites[k], step, summary=_summary(r, np.random.default_rng(step), 2, k == 3))
+            if step % 5 == 4:
+                w.commit()
+
+
+def test_observe_spines_writes_the_file_of_observe_row_by_row(tmp_path: Path) -> None:
+    _write_spines(tmp_path / "batched.thist", True)
+    _write_spines(tmp_path / "rows.thist", False)
+    assert (tmp_path / "batched.thist").read_bytes() == (tmp_path / "rows.thist").read_bytes()
+
+
+def test_observe_spines_refuses_what_observe_could_not_write(tmp_path: Path) -> None:
+    r = random.Random(2)
+    with HistoryWriter(tmp_path / "a.thist", **FAST) as w, HistoryWriter(tmp_path / "b.thist", **FAST) as v:
+        a, b = w.site("a", "param"), w.site("b", "param")
+        good = _table(r, 2)
+        w.observe_spines([a, b], 0, good, phases=["default", "pre_clip"])
+        f = {k: getattr(good, k) for k in good.__dataclass_fields__}
+        bad_tables = {
+            "one site per table row": dict(f),
+            "one-dimensional": {**f, "min": np.zeros((2, 1))},
+            "non-negative integers": {**f, "nan": np.array([-1, 0])},
+            "more NaN, infinities and zeros than values": {**f, "count": np.array([0, 0], np.uint64),
+                                                           "nan": np.array([1, 0], np.uint64)},
+            "F64, F32 or UNKNOWN": {**f, "method": np.array([SumMethod.EXACT, SumMethod.F64], np.uint8)},
+            "must be finite": {**f, "sum": np.array([math.inf, 0.0]),
+                               "method": np.array([SumMethod.F64, SumMethod.F64], np.uint8)},
+        }
+        for message, cols in bad_tables.items():
+            sites = [a] if message.startswith("one site") else [a, b]
+            with pytest.raises(UsageError, match=message):
+                w.observe_spines(sites, 1, SpineTable(**cols))
+        with pytest.raises(UsageError, match="is not a site of this writer"):
+            w.observe_spines([a, v.site("x", "param")], 1, good)
+        with pytest.raises(UsageError, match="is not one of"):
+            w.observe_spines([a, b], 1, good, phases=["default", "later"])
+    with pytest.raises(UsageError, match="closed"):
+        w.observe_spines([a, b], 2, good)
+    h = trainhist.open(tmp_path / "a.thist")
+    assert h.spine("b", "param", phase="pre_clip").count.tolist() == [int(good.count[1])]

@@ -14,7 +14,7 @@ import numpy as np
 from . import grid
 from .dyadic import ZERO, Dyadic, exact_sums
 
-__all__ = ["SumMethod", "Sketch", "Summary", "summarize", "total_order_min", "total_order_max"]
+__all__ = ["SumMethod", "Sketch", "Summary", "SpineTable", "summarize", "total_order_min", "total_order_max"]
 
 
 class SumMethod:
@@ -112,6 +112,39 @@ class Summary:
     def scalar(value: float) -> "Summary":
         """The spine of one number (a run-level scalar such as the loss)."""
         return summarize(np.array([value], dtype=np.float64), sketch=False)
+
+
+@dataclass(frozen=True)
+class SpineTable:
+    """The spines (no sketches) of many observations as columns, row ``i`` one observation: what
+    :meth:`trainhist.HistoryWriter.observe_spines` takes to record hundreds of sites a step without a
+    :class:`Summary` each. Counts are non-negative integers (``count`` at least the other four together); ``min``,
+    ``max`` the finite extremes in IEEE total order (NaN where a row has no finite value); ``sum``, ``sumsq`` the
+    sums as finite float64 values, bounded as ``method`` says (:class:`SumMethod`: F32, F64 or UNKNOWN, whose sums
+    are stored as 0)."""
+
+    count: np.ndarray
+    nan: np.ndarray
+    pinf: np.ndarray
+    ninf: np.ndarray
+    zero: np.ndarray
+    min: np.ndarray
+    max: np.ndarray
+    sum: np.ndarray
+    sumsq: np.ndarray
+    method: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.count)
+
+    def row(self, i: int) -> Summary:
+        """Row ``i`` as a :class:`Summary`."""
+        s = Summary(count=int(self.count[i]), nan=int(self.nan[i]), pinf=int(self.pinf[i]), ninf=int(self.ninf[i]),
+                    zero=int(self.zero[i]), min=float(self.min[i]), max=float(self.max[i]),
+                    sum_method=int(self.method[i]))
+        if s.sum_method != SumMethod.UNKNOWN:
+            s.sum, s.sumsq = Dyadic.from_float(float(self.sum[i])), Dyadic.from_float(float(self.sumsq[i]))
+        return s
 
 
 def total_order_min(x: np.ndarray) -> float:

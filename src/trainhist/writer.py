@@ -17,7 +17,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from itertools import accumulate, chain
 from operator import attrgetter
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -47,7 +47,7 @@ from .model import (
     Presence,
 )
 from .schemas import validate_manifest
-from .summary import Summary, summarize
+from .summary import SpineTable, Summary, SumMethod, summarize
 
 __all__ = ["HistoryWriter", "SiteHandle"]
 
@@ -84,6 +84,88 @@ def _gather(fields: Any, items: list, dtype: type, width: int) -> np.ndarray:
     """``width`` values per item (``fields(item)``, a tuple) as a ``(width, len(items))`` array, one row a field."""
     flat = np.fromiter(chain.from_iterable(map(fields, items)), dtype, width * len(items))
     return flat.reshape(-1, width).T.copy()
+
+
+_TABLE_METHODS = (SumMethod.F64, SumMethod.F32, SumMethod.UNKNOWN)  #: the sum methods a SpineTable may state
+
+
+class _Spines:
+    """A :class:`SpineTable` as the encoder stores it: counts (5 rows, uint64), min/max (canonical NaN), the sums
+    as their stored float64 values (0 for an unknown bound; +0.0 for a zero sum) and the method codes."""
+
+    __slots__ = ("counts", "ranges", "sums", "method")
+
+    def __init__(self, t: SpineTable) -> None:
+        n = len(t.count)
+        cols = (t.count, t.nan, t.pinf, t.ninf, t.zero, t.min, t.max, t.sum, t.sumsq, t.method)
+        if any(np.ndim(c) != 1 or len(c) != n for c in cols):
+            raise UsageError(f"every column of a SpineTable must be one-dimensional with {n} values")
+        ints = [np.asarray(c) for c in cols[:5]]
+        if any(c.dtype.kind not in "iu" for c in ints) or any(c.size and c.min() < 0 for c in ints):
+            raise UsageError("the counts of a SpineTable must be non-negative integers")
+        counts = np.array(ints, dtype=np.uint64).reshape(5, n)
+        if (counts[1:].sum(axis=0, dtype=np.uint64) > counts[0]).any():
+            raise UsageError("a SpineTable row counts more NaN, infinities and zeros than values")
+        method = np.asarray(t.method)
+        if method.dtype.kind not in "iu" or not np.isin(method, _TABLE_METHODS).all():
+            raise UsageError("the methods of a SpineTable must be SumMethod.F64, F32 or UNKNOWN (exact sums need a "
+                             "Summary)")
+        sums = np.array([t.sum, t.sumsq], dtype=np.float64).reshape(2, n)
+        known = method != SumMethod.UNKNOWN
+        if not np.isfinite(sums[:, known]).all():
+            raise UsageError("the sums of a SpineTable must be finite (method UNKNOWN where they are not)")
+        self.counts = counts
+        self.ranges = np.array([t.min, t.max], dtype=np.float64).reshape(2, n)
+        self.ranges[np.isnan(self.ranges)] = CANONICAL_NAN
+        self.sums = np.where(known, sums, 0.0) + 0.0  # (+ 0.0: a zero sum is stored as +0.0, as its dyadic is)
+        self.method = method.astype(np.uint8)
+
+
+def _row_columns(summaries: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[bool], list]:
+    """The number columns of rows whose numbers are a :class:`Summary`, ``None`` (a mark) or ``(_Spines, i)``:
+    method, the five counts, min and max, the sums' float64 values, whether each sum is exactly that float (two a
+    row, interleaved) and the sums themselves (interleaved; ``None`` for a table's, always floats)."""
+    n = len(summaries)
+    refs = [i for i, s in enumerate(summaries) if type(s) is tuple]
+    plain: Any = slice(None)  # the Summary (or mark) rows: all, or a list of positions
+    if refs:
+        plain = [i for i, s in enumerate(summaries) if type(s) is not tuple]
+    sums = [s if s is not None else _EMPTY for s in (summaries if not refs else (summaries[i] for i in plain))]
+    method = np.empty(n, np.uint8)
+    counts = np.empty((5, n), np.uint64)
+    ranges = np.empty((2, n), np.float64)
+    floats = np.empty((2, n), np.float64)
+    values: list = [None] * (2 * n)
+    is_float = [True] * (2 * n)
+    if sums:
+        method[plain] = [s.sum_method for s in sums]
+        counts[:, plain] = _gather(_counts_of, sums, np.uint64, 5)
+        r = _gather(_range_of, sums, np.float64, 2)
+        r[np.isnan(r)] = CANONICAL_NAN
+        ranges[:, plain] = r
+        vals = list(chain.from_iterable(map(_sums_of, sums)))  # sum, sumsq of row 0, then of row 1, ...
+        f, exact = floats_of(vals)
+        floats[:, plain] = f.reshape(-1, 2).T
+        if not refs:
+            values, is_float = vals, exact
+        else:
+            for j, i in enumerate(plain):
+                values[2 * i : 2 * i + 2] = vals[2 * j : 2 * j + 2]
+                is_float[2 * i : 2 * i + 2] = exact[2 * j : 2 * j + 2]
+    groups: dict[int, tuple[_Spines, list[int], list[int]]] = {}
+    for i in refs:
+        t, k = summaries[i]
+        g = groups.get(id(t))
+        if g is None:
+            g = groups[id(t)] = (t, [], [])
+        g[1].append(i)
+        g[2].append(k)
+    for t, pos, idx in groups.values():
+        method[pos] = t.method[idx]
+        counts[:, pos] = t.counts[:, idx]
+        ranges[:, pos] = t.ranges[:, idx]
+        floats[:, pos] = t.sums[:, idx]
+    return method, counts, ranges, floats, is_float, values
 
 
 def _windows(arrays: list[np.ndarray]) -> tuple[list[int], list[int], np.ndarray]:
@@ -123,26 +205,21 @@ def encode_obs_chunks(chunks: list[tuple[list[tuple], int, int]], codec: int) ->
     edges = list(accumulate((len(rows) for rows, _, _ in chunks), initial=0))  # chunk i: rows edges[i]:edges[i + 1]
     n = edges[-1]
     steps, spans, micros, phases, presences, summaries = zip(*(r for rows, _, _ in chunks for r in rows))
-    sums = [s if s is not None else _EMPTY for s in summaries]
+    method, counts, ranges, floats, is_float, values = _row_columns(summaries)
     table: dict[str, tuple[str, np.ndarray]] = {  # the fixed columns, for every row
         "step": ("i8", np.array(steps, np.int64)),
         "span": ("u4", np.array(spans, np.uint32)),
         "micro": ("u4", np.array(micros, np.uint32)),
         "phase": ("u1", np.array(phases, np.uint8)),
         "presence": ("u1", np.array(presences, np.uint8)),
-        "method": ("u1", np.array([s.sum_method for s in sums], np.uint8)),
+        "method": ("u1", method),
     }
-    table.update((name, ("u8", col)) for name, col in zip(_COUNTS, _gather(_counts_of, sums, np.uint64, 5)))
-    ranges = _gather(_range_of, sums, np.float64, 2)
-    ranges[np.isnan(ranges)] = CANONICAL_NAN
+    table.update((name, ("u8", col)) for name, col in zip(_COUNTS, counts))
     table["min"], table["max"] = ("f8", ranges[0]), ("f8", ranges[1])
-    values = list(chain.from_iterable(map(_sums_of, sums)))  # sum, sumsq of row 0, then of row 1, ...
-    floats, is_float = floats_of(values)
-    floats = floats.reshape(n, 2).T.copy()
     table["sum"], table["sumsq"] = ("f8", floats[0]), ("f8", floats[1])
-    sketched = [i for i, s in enumerate(sums) if s.sketch is not None]
+    sketched = [i for i, s in enumerate(summaries) if s is not None and type(s) is not tuple and s.sketch is not None]
     if sketched:
-        sketches = [sums[i].sketch for i in sketched]
+        sketches = [summaries[i].sketch for i in sketched]
         firsts, lengths, counts = _windows([arr for sk in sketches for arr in (sk.pos, sk.neg)])  # type: ignore[union-attr]
         at = list(accumulate((lengths[2 * j] + lengths[2 * j + 1] for j in range(len(sketched))), initial=0))
         rows_of = np.array([(1, firsts[2 * j], lengths[2 * j], firsts[2 * j + 1], lengths[2 * j + 1], sk.under_pos,
@@ -394,6 +471,42 @@ class HistoryWriter:
         if summary is None:
             summary = summarize(values, dtype=dtype, sketch=sketch)
         self._add(site, step, phase, micro, Presence.OBSERVED, summary)
+
+    def observe_spines(self, sites: Sequence[SiteHandle], step: int, table: SpineTable, *,
+                       phases: Sequence[str] | None = None) -> None:
+        """Record row ``i`` of ``table`` as the observation of ``sites[i]`` at ``step`` (in ``phases[i]``, default
+        ``"default"``): the file holds what :meth:`observe` with each row's :class:`Summary` writes, for a fraction
+        of the cost per site (a collector records hundreds of spines a step)."""
+        if self._closed:
+            self._check_open()
+        n = len(table)
+        if len(sites) != n or (phases is not None and len(phases) != n):
+            raise UsageError(f"observe_spines() needs one site{' and one phase' if phases is not None else ''} per "
+                             f"table row: {len(sites)} sites{f', {len(phases)} phases' if phases is not None else ''}"
+                             f" for {n} rows")
+        spines = _Spines(table)
+        codes = [_PHASE_CODES.get(p) if type(p) is str else None for p in phases] if phases is not None else None
+        if codes is not None and None in codes:
+            codes = [Phase.code(p) for p in phases]  # type: ignore[union-attr] -- (raises for an unknown phase)
+        for site in sites:
+            if type(site) is not SiteHandle or self._handles.get(site.id) is not site:
+                if not isinstance(site, SiteHandle) or self._sites.get((site.path, site.stream, site.facet)) != site:
+                    raise UsageError(f"{site!r} is not a site of this writer: get one from HistoryWriter.site()")
+        step = int(step)
+        if step != self._last_step:
+            self._at_step(step)
+        if self._segment_manifest is not None and self._segment_manifest["first_step"] is None:
+            self._segment_manifest["first_step"] = step
+        default = _PHASE_CODES["default"]
+        buffers, segment = self._buffers, self.segment
+        for i, site in enumerate(sites):
+            key = (site.id, segment)
+            buf = buffers.get(key)
+            if buf is None:
+                buf = buffers[key] = []
+            buf.append((step, 1, MICRO_ALL, default if codes is None else codes[i], Presence.OBSERVED, (spines, i)))
+            if len(buf) >= _FLUSH_ROWS:
+                self._flush_site(*key)
 
     def mark(self, site: SiteHandle, step: int, presence: str, *, phase: str = "default",
              micro: int | None = None) -> None:

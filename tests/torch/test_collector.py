@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from torch_helpers import CPU_METHODS, Spy, Wrapper, assert_row, presence, ref_summary
 
 import trainhist
+from trainhist.summary import SumMethod
 from trainhist.torch import Collector, StepTruth
 from trainhist.torch.plan import ROOT, sample_indices
 
@@ -900,3 +901,28 @@ def test_out_of_memory_in_a_batched_launch_fails_those_sites_and_training_goes_o
            if s.stream != "scalar"}
     assert got == {("activation", "observed"), ("activation_grad", "observed"), ("param", "failed"),
                    ("param_grad", "failed"), ("param_delta", "failed")}, got
+
+
+def test_grad_norm_is_infinite_where_a_sum_of_squares_overflows(tmp_path):
+    """A float64 gradient whose squares sum beyond the float64 range: its row's bound is unknown, and the global
+    gradient norm is infinite, not the norm of the other gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1).double()
+    col = Collector(model, tmp_path / "g.thist", streams=("param_grad",), every=1, sketch_every=0)
+    col.discover(torch.randn(2, 4, dtype=torch.float64))
+    norms = []
+    for step, scale in enumerate((1.0, 1e200)):
+        with col.step(step):
+            (model(torch.randn(2, 4, dtype=torch.float64)).sum() * scale).backward()
+            norms.append(math.sqrt(sum(float(p.grad.square().sum()) for p in model.parameters())))
+        model.zero_grad()
+    with col.step(2):  # no gradient at all: no norm (not a norm of 0)
+        pass
+    col.close()
+    assert math.isfinite(norms[0]) and norms[1] == math.inf  # (torch's float64 sum of squares overflows too)
+    h = trainhist.open(tmp_path / "g.thist")
+    gn = h.spine("grad_norm", "scalar")
+    assert gn.step.tolist() == [0, 1]
+    assert gn.max[0] == pytest.approx(norms[0], rel=1e-12)
+    assert gn.pinf.tolist() == [0, 1]  # (a scalar that is not finite is counted as such)
+    assert h.spine("weight", "param_grad").method.tolist()[:2] == [SumMethod.F64, SumMethod.UNKNOWN]

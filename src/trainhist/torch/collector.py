@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
+from ..summary import SumMethod
 from .plan import (
     ROOT,
     STREAMS,
@@ -50,8 +51,8 @@ from .plan import (
     unwrap,
 )
 from . import reduce as _reduction
-from .reduce import (Ledger, PendingTransfer, decode_rows, fusable, fused_at, fused_into, fused_many, is_plain,
-                     merge_row, reduce_into, triton_batchable, triton_many)
+from .reduce import (DecodedRows, Ledger, PendingTransfer, decode_arrays, decode_rows, fusable, fused_at, fused_into,
+                     fused_many, is_plain, merge_row, reduce_into, triton_batchable, triton_many)
 
 __all__ = ["Collector", "StepTruth"]
 
@@ -115,6 +116,8 @@ class _Step:
     scaler_updated: bool = False
     pending: PendingTransfer | None = None
     decoded: dict[tuple, object] = field(default_factory=dict)
+    spines: DecodedRows | None = None  # the numbers of the step's spine-only rows (_decode_all)
+    spine_rows: dict[tuple, int] = field(default_factory=dict)  # key -> its row in spines (rows that decoded)
     late_only: bool = False  # carries only tensor scalars of earlier steps (the transfer at close)
     reductions: dict[tuple, int] = field(default_factory=dict)  # key -> reductions into its row this step
     seen: dict[tuple, tuple] = field(default_factory=dict)  # tensor identity -> (weakref, version, key)
@@ -142,6 +145,14 @@ class _DeltaBatch:
         bad = _reduction.cpukernel.gather_f32(addresses, self.sizes, self.index, self.offsets, self.host, subtract)
         if bad >= 0:
             raise RuntimeError(f"parameter {self.names[bad]!r} is smaller than its sampled positions")
+
+
+def _add_sumsq(total: float, count: int, nan: int, inf: int, sumsq: float) -> float:
+    """The global gradient norm's sum of squares after one more gradient: NaN or infinity (the later one wins)
+    where the gradient holds NaN or infinity, else plus its sum of squares."""
+    if nan or inf:
+        return math.nan if nan else math.inf
+    return total + sumsq
 
 
 def _per_stream(value: int | Mapping[str, int], name: str) -> dict[str, int]:
@@ -1012,26 +1023,49 @@ class Collector:
             if (key[1], key[0], key[2]) not in self._handles:
                 self._handle(key[1], key[0], key[2])
         grad_sq: float | None = 0.0 if st.due["param_grad"] and not st.clip_seen else None
+        grads = 0  # gradients in grad_sq (parameters without one are not in the norm; with none, there is no norm)
+        d, spine_rows = st.spines, st.spine_rows
+        batch: list[tuple[object, str, int]] = []  # (handle, phase, row in d): one writer call for all of them
         for s in self.plan.sites:
             if s.provisional or not st.due[s.stream]:
                 continue
             for phase in self._phases(s, st):
                 key = (s.stream, s.path, s.facet, phase)
+                i = spine_rows.get(key)
+                if i is not None and (applied is not False or s.stream != "param_delta"):
+                    if s.stream == "param_grad" and grad_sq is not None:
+                        grads += 1
+                        grad_sq = _add_sumsq(grad_sq, int(d.count[i]), int(d.nan[i]),  # type: ignore[union-attr]
+                                             int(d.pinf[i] + d.ninf[i]), float(d.sums[i, 1]))  # type: ignore[union-attr]
+                    h = self._handle(s.path, s.stream, s.facet)
+                    if h is not None:
+                        batch.append((h, phase, i))
+                    continue
                 summ = self._summary(st, data, key)
                 if s.stream == "param_grad" and grad_sq is not None:
                     if key in st.failed:
                         grad_sq = None
                     elif summ is not None:
-                        bad = math.nan if summ.nan else math.inf
-                        grad_sq = grad_sq + summ.sumsq.to_float() if summ.finite == summ.count else bad
+                        grads += 1
+                        sumsq = math.inf if summ.sum_method == SumMethod.UNKNOWN else summ.sumsq.to_float()
+                        grad_sq = _add_sumsq(grad_sq, summ.count, summ.nan, summ.pinf + summ.ninf, sumsq)
+                self._emit_batch(st, batch)  # (first: a site's rows stay in the order of its phases)
                 self._emit(st, s, phase, key, summ, applied)
+        self._emit_batch(st, batch)
         if self.first_nonfinite is None:  # in execution order: the first reduction that saw a NaN or inf
             for key in st.counts:
+                i = spine_rows.get(key)
+                if i is not None:
+                    if (d.nan[i] or d.pinf[i] or d.ninf[i]) and (key[0] != "param_delta"  # type: ignore[union-attr]
+                                                                  or applied is not False):
+                        self.first_nonfinite = (st.step, key[1], key[0], key[2])
+                        break
+                    continue
                 summ = self._summary(st, data, key) if key[0] != "param_delta" or applied is not False else None
                 if summ is not None and summ.finite != summ.count:
                     self.first_nonfinite = (st.step, key[1], key[0], key[2])
                     break
-        if grad_sq is not None and self._all_trainable_selected():
+        if grad_sq is not None and grads and self._all_trainable_selected():
             st.host_scalars.append((st.step, "grad_norm", math.sqrt(grad_sq)))
         tokens = t.tokens
         elapsed = next((v for s, n, v in st.host_scalars if n == "step_time" and s == st.step), None)
@@ -1061,15 +1095,26 @@ class Collector:
         return st.decoded[key]
 
     def _decode_all(self, st: _Step, data: np.ndarray) -> None:
-        """Decode every reduced row of the step at once (:func:`decode_rows`) into ``st.decoded``."""
+        """Decode every reduced row of the step at once: the spine-only rows as arrays (:func:`decode_arrays`, into
+        ``st.spines``; a row that fails a check is left to :meth:`_decode`, which names the failure), the rows
+        with a sketch as summaries (:func:`decode_rows`, into ``st.decoded``)."""
         rows = st.pending.rows  # type: ignore[union-attr]
         keys = [k for k, n in st.counts.items() if n and k not in st.failed and k in rows]
+        spine = [k for k in keys if not st.sketch[k[0]]]
+        sketched = [k for k in keys if st.sketch[k[0]]]
         try:
-            out = decode_rows(data, [rows[k] for k in keys], [st.counts[k] for k in keys],
-                              [st.sketch[k[0]] for k in keys])
+            d = decode_arrays(data, [rows[k] for k in spine], [st.counts[k] for k in spine], [False] * len(spine))
+        except Exception:  # noqa: BLE001 -- left to the per-key path, which records the failing site
+            pass
+        else:
+            st.spines = d
+            st.spine_rows = {k: i for i, (k, good) in enumerate(zip(spine, d.ok.tolist())) if good}
+        try:
+            out = decode_rows(data, [rows[k] for k in sketched], [st.counts[k] for k in sketched],
+                              [True] * len(sketched))
         except Exception:  # noqa: BLE001 -- left to the per-key path, which records the failing site
             return
-        for key, summ in zip(keys, out):
+        for key, summ in zip(sketched, out):
             st.decoded[key] = self._decoded(st, key, summ)
 
     def _decode(self, st: _Step, data: np.ndarray | None, key: tuple) -> object:
@@ -1092,6 +1137,18 @@ class Collector:
             self._warn_once(("decode", key[:2]), f"trainhist: decoding {key[1]!r} ({key[0]}) failed: {summ!r}")
             return None
         return summ
+
+    def _emit_batch(self, st: _Step, batch: list[tuple[object, str, int]]) -> None:
+        """Write the spine rows in ``batch`` (handle, phase, row of ``st.spines``) with one writer call; empty it."""
+        if not batch:
+            return
+        handles, phases, idx = zip(*batch)
+        batch.clear()
+        try:
+            table = st.spines.spine_table(np.array(idx, dtype=np.int64))  # type: ignore[union-attr]
+            self._writer.observe_spines(handles, st.step, table, phases=phases)
+        except Exception as e:  # noqa: BLE001 -- a broken disk must not kill the training run
+            self._writer_error(e)
 
     def _emit(self, st: _Step, s: PlannedSite, phase: str, key: tuple, summ: object, applied: bool | None) -> None:
         h = self._handle(s.path, s.stream, s.facet)

@@ -32,7 +32,7 @@ import torch
 
 from .. import grid
 from ..dyadic import ZERO, Dyadic, dyadics_of
-from ..summary import Sketch, SumMethod, Summary
+from ..summary import Sketch, SpineTable, SumMethod, Summary
 try:  # the compiled CPU kernel needs numba (the torch extra installs it); without it the torch ops serve the CPU too
     from . import cpukernel
 except ImportError as _e:  # numba missing, or not yet released for this Python
@@ -42,7 +42,7 @@ except ImportError as _e:  # numba missing, or not yet released for this Python
 
 __all__ = ["ROW", "CHUNK", "METHODS", "reduce_into", "device_method", "batch_method", "triton_into", "triton_many",
            "triton_batchable", "fused_into", "fused_many", "fusable", "is_plain", "merge_row", "decode_row",
-           "decode_rows", "Ledger", "PendingTransfer"]
+           "decode_rows", "decode_arrays", "DecodedRows", "Ledger", "PendingTransfer"]
 
 NK = grid.NKEYS
 COL_NEGZERO = NK  # count of -0.0 (the grid's zero key counts +0.0 only here; decode adds them)
@@ -479,20 +479,39 @@ def decode_row(row: np.ndarray, count: int, *, sketch: bool) -> Summary:
     return out
 
 
-def decode_rows(data: np.ndarray, offsets: list[int], counts: list[int],
-                sketches: list[bool]) -> list[Summary | RuntimeError]:
-    """:func:`decode_row` of the rows at ``offsets`` in the landed ledger ``data``, with one set of numpy
-    operations for all of them (a step has hundreds of rows): a :class:`Summary`, or the ``RuntimeError`` of a
-    row that cannot have come from its count.
+class DecodedRows:
+    """The numbers of many ledger rows as arrays, row ``i`` the row at ``offsets[i]`` (:func:`decode_arrays`)."""
+
+    __slots__ = ("ok", "has", "sums_ok", "count", "nan", "pinf", "ninf", "zero", "min", "max", "sums", "keyrows",
+                 "keys", "keyed")
+
+    def __init__(self, **fields: np.ndarray) -> None:
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    def spine_table(self, rows: np.ndarray) -> SpineTable:
+        """The spines of ``rows`` (rows that passed every check) as a :class:`SpineTable`, as :func:`decode_rows`
+        would make their summaries: min and max where a row has a finite value, the float64 sums where they are
+        finite too (else the bound is unknown)."""
+        has, sums_ok = self.has[rows], self.sums_ok[rows]
+        nan = np.full(rows.size, math.nan)
+        return SpineTable(
+            count=self.count[rows], nan=self.nan[rows], pinf=self.pinf[rows], ninf=self.ninf[rows],
+            zero=self.zero[rows], min=np.where(has, self.min[rows], nan), max=np.where(has, self.max[rows], nan),
+            sum=np.where(sums_ok, self.sums[rows, 0], 0.0), sumsq=np.where(sums_ok, self.sums[rows, 1], 0.0),
+            method=np.where(has & ~sums_ok, SumMethod.UNKNOWN, SumMethod.F64).astype(np.uint8))
+
+
+def decode_arrays(data: np.ndarray, offsets: list[int], counts: list[int], sketches: list[bool]) -> DecodedRows:
+    """The numbers of the rows at ``offsets`` in the landed ledger ``data`` with one set of numpy operations for all
+    of them (a step has hundreds of rows); ``ok`` is false for a row that fails a check (:func:`decode_rows` decodes
+    it alone, and names the failure).
 
     The key columns are summed by one pass over the buffer; a spine row (its keys sum to zero) is decoded from its
-    few tail columns, a sketch row (they sum to its count) from its key counts too. A row that fails a check takes
-    :func:`_decode`, which names the failure."""
-    if not offsets:
-        return []
+    few tail columns, a sketch row (they sum to its count) from its key counts too."""
     off = np.asarray(offsets, dtype=np.int64)
     cnt = np.asarray(counts, dtype=np.int64)
-    if off.min() < 0 or off.max() > data.size - ROW:
+    if off.size and (off.min() < 0 or off.max() > data.size - ROW):
         raise ValueError("a row offset lies outside the ledger")
     # (in memory order, so that the spans between one row's key columns and the next row's, summed and dropped,
     # add up to one pass over the buffer)
@@ -501,7 +520,7 @@ def decode_rows(data: np.ndarray, offsets: list[int], counts: list[int],
     bounds[0::2] = off[order]
     bounds[1::2] = off[order] + NCOUNT
     keyed = np.empty(off.size, dtype=np.int64)
-    keyed[order] = np.add.reduceat(data, bounds)[0::2]
+    keyed[order] = np.add.reduceat(data, bounds)[0::2] if off.size else keyed
     window = np.lib.stride_tricks.sliding_window_view  # rows as views of the buffer: taking them copies once
     tail = window(data, ROW - COL_NEGZERO)[off + COL_NEGZERO]  # -0.0 count, spare, five spine counts, 4 floats
     spare = tail[:, 1]
@@ -532,10 +551,22 @@ def decode_rows(data: np.ndarray, offsets: list[int], counts: list[int],
     mn = np.where(mn == 0, np.where(negz != 0, -0.0, 0.0), mn)  # the sign of a zero extreme, from the zero counts
     mx = np.where(mx == 0, np.where(posz != 0, 0.0, -0.0), mx)
     sums_ok = has & np.isfinite(f[:, 2:4]).all(axis=1)
-    it = iter(dyadics_of(f[sums_ok, 2:4].reshape(-1)))
-    sketch_of = dict(zip(keyrows.tolist(), _sketches(keys)))
-    rows = zip(ok.tolist(), has.tolist(), sums_ok.tolist(), cnt.tolist(), nan.tolist(), pinf.tolist(),
-               ninf.tolist(), (posz + negz).tolist(), mn.tolist(), mx.tolist())
+    return DecodedRows(ok=ok, has=has, sums_ok=sums_ok, count=cnt, nan=nan, pinf=pinf, ninf=ninf, zero=posz + negz,
+                       min=mn, max=mx, sums=f[:, 2:4], keyrows=keyrows, keys=keys, keyed=keyed)
+
+
+def decode_rows(data: np.ndarray, offsets: list[int], counts: list[int],
+                sketches: list[bool]) -> list[Summary | RuntimeError]:
+    """:func:`decode_row` of the rows at ``offsets`` in the landed ledger ``data``: the numbers of all of them by
+    :func:`decode_arrays`, then a :class:`Summary` each, or the ``RuntimeError`` of a row that cannot have come
+    from its count (a row that fails a check there takes :func:`_decode`, which names the failure)."""
+    if not offsets:
+        return []
+    d = decode_arrays(data, offsets, counts, sketches)
+    it = iter(dyadics_of(d.sums[d.sums_ok].reshape(-1)))
+    sketch_of = dict(zip(d.keyrows.tolist(), _sketches(d.keys)))
+    rows = zip(d.ok.tolist(), d.has.tolist(), d.sums_ok.tolist(), d.count.tolist(), d.nan.tolist(), d.pinf.tolist(),
+               d.ninf.tolist(), d.zero.tolist(), d.min.tolist(), d.max.tolist())
     out: list[Summary | RuntimeError] = []
     for i, (good, h, sok, n, a, p, q, z, lo, hi) in enumerate(rows):
         if good:
@@ -552,7 +583,7 @@ def decode_rows(data: np.ndarray, offsets: list[int], counts: list[int],
             continue
         row = data[offsets[i]: offsets[i] + ROW]
         try:
-            out.append(_decode(row, counts[i], sketches[i], int(keyed[i]), row[COL_NEGZERO:COL_MIN].tolist(),
+            out.append(_decode(row, counts[i], sketches[i], int(d.keyed[i]), row[COL_NEGZERO:COL_MIN].tolist(),
                               row[COL_MIN:].view(np.float64).tolist()))
         except RuntimeError as e:
             out.append(e)
