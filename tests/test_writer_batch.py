@@ -190,6 +190,8 @@ def _table(r: random.Random, n: int) -> SpineTable:
             s, q = r.choice([(math.inf, math.inf), (-math.inf, math.nan), (1.0, 2.0)])
         if finite == 0:
             lo = hi = math.nan
+            if method != SumMethod.UNKNOWN:
+                s, q = r.choice([0.0, -0.0]), 0.0
         for k, v in zip(cols, (finite + nan + pinf + ninf, nan, pinf, ninf, min(zero, finite), lo, hi, s, q, method)):
             cols[k].append(v)
     return SpineTable(**{k: np.array(v, dtype=np.float64 if k in ("min", "max", "sum", "sumsq") else np.uint64)
@@ -232,6 +234,15 @@ def test_observe_spines_refuses_what_observe_could_not_write(tmp_path: Path) -> 
         good = _table(r, 2)
         w.observe_spines([a, b], 0, good, phases=["default", "pre_clip"])
         f = {k: getattr(good, k) for k in good.__dataclass_fields__}
+        u = lambda *v: np.array(v, np.uint64)  # noqa: E731
+        one_finite = dict(count=u(1, 1), nan=u(0, 0), pinf=u(0, 0), ninf=u(0, 0), zero=u(0, 0),
+                          min=np.array([-1.0, 2.0]), max=np.array([1.0, 2.0]), sum=np.array([0.5, 2.0]),
+                          sumsq=np.array([1.0, 4.0]), method=np.array([SumMethod.F64] * 2, np.uint8))
+        none_finite = {**one_finite, "nan": u(1, 1), "min": np.full(2, math.nan), "max": np.full(2, math.nan),
+                       "sum": np.zeros(2), "sumsq": np.zeros(2)}
+        w.observe_spines([a, b], 0, SpineTable(**one_finite))
+        w.observe_spines([a, b], 0, SpineTable(**none_finite), phases=["pre_clip", "post_clip"])
+        w.observe_spines([], 7, SpineTable(**{k: v[:0] for k, v in one_finite.items()}))  # nothing: no step 7
         bad_tables = {
             "one site per table row": dict(f),
             "one-dimensional": {**f, "min": np.zeros((2, 1))},
@@ -241,6 +252,16 @@ def test_observe_spines_refuses_what_observe_could_not_write(tmp_path: Path) -> 
             "F64, F32 or UNKNOWN": {**f, "method": np.array([SumMethod.EXACT, SumMethod.F64], np.uint8)},
             "must be finite": {**f, "sum": np.array([math.inf, 0.0]),
                                "method": np.array([SumMethod.F64, SumMethod.F64], np.uint8)},
+            # a sum of the four that wraps around 2**64 is still too many
+            "more NaN": {**f, "count": np.array([1, 1], np.uint64), "nan": np.array([1 << 63, 0], np.uint64),
+                         "pinf": np.array([1 << 63, 0], np.uint64), "ninf": np.zeros(2, np.uint64),
+                         "zero": np.zeros(2, np.uint64)},
+            "cannot be negative": {**one_finite, "sumsq": np.array([-1.0, 1.0])},
+            "nor its sums other than 0": {**none_finite, "sum": np.array([1.0, 0.0]), "sumsq": np.zeros(2)},
+            "NaN in one without": {**none_finite, "min": np.array([0.0, math.nan]), "max": np.array([0.0, math.nan])},
+            "finite with min <= max": {**one_finite, "min": np.array([2.0, math.nan])},
+            "min <= max": {**one_finite, "min": np.array([2.0, -1.0]), "max": np.array([1.0, 1.0])},
+            "finite with": {**one_finite, "max": np.array([1.0, math.inf])},
         }
         for message, cols in bad_tables.items():
             sites = [a] if message.startswith("one site") else [a, b]
@@ -254,3 +275,5 @@ def test_observe_spines_refuses_what_observe_could_not_write(tmp_path: Path) -> 
         w.observe_spines([a, b], 2, good)
     h = trainhist.open(tmp_path / "a.thist")
     assert h.spine("b", "param", phase="pre_clip").count.tolist() == [int(good.count[1])]
+    assert h.spine("a", "param", phase="pre_clip").nan.tolist() == [1]
+    assert h.spine("a", "param", phase="default").step.tolist() == [0, 0]  # (the empty table moved no step)

@@ -104,8 +104,13 @@ class _Spines:
         if any(c.dtype.kind not in "iu" for c in ints) or any(c.size and c.min() < 0 for c in ints):
             raise UsageError("the counts of a SpineTable must be non-negative integers")
         counts = np.array(ints, dtype=np.uint64).reshape(5, n)
-        if (counts[1:].sum(axis=0, dtype=np.uint64) > counts[0]).any():
+        total, wrapped = counts[1].copy(), np.zeros(n, bool)
+        for c in counts[2:]:  # (uint64: a sum that wraps is smaller than its terms)
+            total += c
+            wrapped |= total < c
+        if (wrapped | (total > counts[0])).any():
             raise UsageError("a SpineTable row counts more NaN, infinities and zeros than values")
+        finite = counts[0] - counts[1] - counts[2] - counts[3]  # (no wrap: checked above)
         method = np.asarray(t.method)
         if method.dtype.kind not in "iu" or not np.isin(method, _TABLE_METHODS).all():
             raise UsageError("the methods of a SpineTable must be SumMethod.F64, F32 or UNKNOWN (exact sums need a "
@@ -114,9 +119,18 @@ class _Spines:
         known = method != SumMethod.UNKNOWN
         if not np.isfinite(sums[:, known]).all():
             raise UsageError("the sums of a SpineTable must be finite (method UNKNOWN where they are not)")
+        if (sums[1, known] < 0).any() or (sums[:, known & (finite == 0)] != 0).any():
+            raise UsageError("a SpineTable's sum of squares cannot be negative, nor its sums other than 0 in a row "
+                             "with no finite value")
+        ranges = np.array([t.min, t.max], dtype=np.float64).reshape(2, n)
+        has = finite > 0
+        with np.errstate(invalid="ignore"):
+            if (np.isnan(ranges) != ~has).any() or np.isinf(ranges).any() or (ranges[0] > ranges[1]).any():
+                raise UsageError("a SpineTable's min and max must be finite with min <= max in a row with a finite "
+                                 "value, and NaN in one without")
         self.counts = counts
-        self.ranges = np.array([t.min, t.max], dtype=np.float64).reshape(2, n)
-        self.ranges[np.isnan(self.ranges)] = CANONICAL_NAN
+        self.ranges = ranges
+        self.ranges[np.isnan(ranges)] = CANONICAL_NAN
         self.sums = np.where(known, sums, 0.0) + 0.0  # (+ 0.0: a zero sum is stored as +0.0, as its dyadic is)
         self.method = method.astype(np.uint8)
 
@@ -152,19 +166,19 @@ def _row_columns(summaries: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
             for j, i in enumerate(plain):
                 values[2 * i : 2 * i + 2] = vals[2 * j : 2 * j + 2]
                 is_float[2 * i : 2 * i + 2] = exact[2 * j : 2 * j + 2]
-    groups: dict[int, tuple[_Spines, list[int], list[int]]] = {}
-    for i in refs:
-        t, k = summaries[i]
-        g = groups.get(id(t))
-        if g is None:
-            g = groups[id(t)] = (t, [], [])
-        g[1].append(i)
-        g[2].append(k)
-    for t, pos, idx in groups.values():
-        method[pos] = t.method[idx]
-        counts[:, pos] = t.counts[:, idx]
-        ranges[:, pos] = t.ranges[:, idx]
-        floats[:, pos] = t.sums[:, idx]
+    if refs:
+        pairs = [summaries[i] for i in refs]
+        tables = {id(t): t for t, _ in pairs}  # (a commit holds one table a step)
+        at = np.array(refs, np.int64)
+        idx = np.fromiter((k for _, k in pairs), np.int64, len(pairs))
+        which = np.fromiter((id(t) for t, _ in pairs), np.int64, len(pairs)) if len(tables) > 1 else None
+        for key, t in tables.items():
+            take = slice(None) if which is None else which == key
+            pos, k = at[take], idx[take]
+            method[pos] = t.method[k]
+            counts[:, pos] = t.counts[:, k]
+            ranges[:, pos] = t.ranges[:, k]
+            floats[:, pos] = t.sums[:, k]
     return method, counts, ranges, floats, is_float, values
 
 
@@ -485,6 +499,8 @@ class HistoryWriter:
                              f"table row: {len(sites)} sites{f', {len(phases)} phases' if phases is not None else ''}"
                              f" for {n} rows")
         spines = _Spines(table)
+        if not n:
+            return
         codes = [_PHASE_CODES.get(p) if type(p) is str else None for p in phases] if phases is not None else None
         if codes is not None and None in codes:
             codes = [Phase.code(p) for p in phases]  # type: ignore[union-attr] -- (raises for an unknown phase)
@@ -499,14 +515,17 @@ class HistoryWriter:
             self._segment_manifest["first_step"] = step
         default = _PHASE_CODES["default"]
         buffers, segment = self._buffers, self.segment
-        for i, site in enumerate(sites):
+        full = []
+        for i, site in enumerate(sites):  # (every row is buffered before any is written)
             key = (site.id, segment)
             buf = buffers.get(key)
             if buf is None:
                 buf = buffers[key] = []
             buf.append((step, 1, MICRO_ALL, default if codes is None else codes[i], Presence.OBSERVED, (spines, i)))
-            if len(buf) >= _FLUSH_ROWS:
-                self._flush_site(*key)
+            if len(buf) == _FLUSH_ROWS:
+                full.append(key)
+        for key in full:
+            self._flush_site(*key)
 
     def mark(self, site: SiteHandle, step: int, presence: str, *, phase: str = "default",
              micro: int | None = None) -> None:

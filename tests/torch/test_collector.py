@@ -926,3 +926,30 @@ def test_grad_norm_is_infinite_where_a_sum_of_squares_overflows(tmp_path):
     assert gn.max[0] == pytest.approx(norms[0], rel=1e-12)
     assert gn.pinf.tolist() == [0, 1]  # (a scalar that is not finite is counted as such)
     assert h.spine("weight", "param_grad").method.tolist()[:2] == [SumMethod.F64, SumMethod.UNKNOWN]
+
+
+def test_global_norm_is_nan_once_any_gradient_holds_nan_in_any_order():
+    from trainhist.torch.collector import _add_sumsq
+
+    for order in ([(0, 1), (1, 0)], [(1, 0), (0, 1)]):  # (nan, inf) of two gradients, either way round
+        total = 0.0
+        for nan, inf in order:
+            total = _add_sumsq(total, 4, nan, inf, 1.0)
+        assert math.isnan(total)
+    assert _add_sumsq(_add_sumsq(0.0, 4, 0, 1, 1.0), 4, 0, 0, 1.0) == math.inf
+    assert _add_sumsq(_add_sumsq(0.0, 4, 0, 0, 1.5), 4, 0, 0, 2.0) == 3.5
+
+
+def test_outputs_under_inference_mode_are_recorded(tmp_path):
+    """An inference tensor has no version counter: it is reduced without the aliasing shortcut, not failed."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Identity())
+    col = Collector(model, tmp_path / "i.thist", streams=("activation",), every=1, sketch_every=0)
+    x = torch.randn(3, 4)
+    col.discover(x)
+    with torch.inference_mode(), col.step(0):
+        y = model(x)
+    col.close()
+    h = trainhist.open(tmp_path / "i.thist")
+    for site in ("0", "1", ROOT):
+        assert presence(h, site, "activation", 0) == "observed", site
+        assert h.spine(site, "activation").max.tolist() == [float(y.max())]

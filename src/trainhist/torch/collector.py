@@ -148,11 +148,12 @@ class _DeltaBatch:
 
 
 def _add_sumsq(total: float, count: int, nan: int, inf: int, sumsq: float) -> float:
-    """The global gradient norm's sum of squares after one more gradient: NaN or infinity (the later one wins)
-    where the gradient holds NaN or infinity, else plus its sum of squares."""
-    if nan or inf:
-        return math.nan if nan else math.inf
-    return total + sumsq
+    """The global gradient norm's sum of squares after one more gradient: NaN once any gradient held NaN, else
+    infinite once any held an infinity, else plus its sum of squares (as ``torch.linalg.vector_norm``, in any
+    order)."""
+    if nan or total != total:
+        return math.nan
+    return math.inf if inf else total + sumsq
 
 
 def _per_stream(value: int | Mapping[str, int], name: str) -> dict[str, int]:
@@ -742,16 +743,20 @@ class Collector:
         """
         if ident is None:
             return False
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor has no version counter: no aliasing shortcut
+            return False
         hit = st.seen.get(ident)
         if hit is not None:
-            ref, version, first = hit
-            if ref() is not None and version == t._version and first != key and st.reductions.get(first) == 1:
+            ref, seen_version, first = hit
+            if ref() is not None and seen_version == version and first != key and st.reductions.get(first) == 1:
                 if st.fused:
                     self._ledger.merge_on_host(key, first)
                 else:
                     merge_row(self._ledger.row(key), self._ledger.row(first))
                 return True
-        st.seen[ident] = (weakref.ref(t), t._version, key)
+        st.seen[ident] = (weakref.ref(t), version, key)
         return False
 
     def _fail(self, key: tuple, e: BaseException) -> None:
@@ -1139,7 +1144,8 @@ class Collector:
         return summ
 
     def _emit_batch(self, st: _Step, batch: list[tuple[object, str, int]]) -> None:
-        """Write the spine rows in ``batch`` (handle, phase, row of ``st.spines``) with one writer call; empty it."""
+        """Write the spine rows in ``batch`` (handle, phase, row of ``st.spines``) with one writer call; empty it.
+        (The writer takes all the rows or none before it writes any: a failed write loses none of them.)"""
         if not batch:
             return
         handles, phases, idx = zip(*batch)
