@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from torch_helpers import CPU_METHODS, Spy, Wrapper, assert_row, presence, ref_summary
 
 import trainhist
-from trainhist.summary import SumMethod
+from trainhist.summary import SumMethod, summarize
 from trainhist.torch import Collector, StepTruth
 from trainhist.torch.plan import ROOT, sample_indices
 
@@ -953,3 +953,47 @@ def test_outputs_under_inference_mode_are_recorded(tmp_path):
     for site in ("0", "1", ROOT):
         assert presence(h, site, "activation", 0) == "observed", site
         assert h.spine(site, "activation").max.tolist() == [float(y.max())]
+
+
+class _FlushProbe(torch.nn.Module):
+    """Records the thread's flush mode when it runs (after the collector's hooks on the modules before it)."""
+
+    def forward(self, x):
+        from trainhist.torch.collector import _flush_mode
+
+        self.mode = _flush_mode()
+        return x * 1.0
+
+
+def test_flush_denormal_is_kept_for_the_loop_and_off_for_the_reductions(tmp_path):
+    """Under torch.set_flush_denormal(True) the rows hold the exact subnormal extremes and sums (as without it),
+    and the loop's own arithmetic still flushes."""
+    from trainhist.torch.collector import _flush_mode
+
+    lin = torch.nn.Linear(4, 4, bias=False).double()
+    model = torch.nn.Sequential(lin, _FlushProbe())
+    w = torch.tensor([[3e-310, -5e-324, 1e-300, 2.5e-311]] * 4, dtype=torch.float64)
+    x = torch.tensor([[1.0, 2.0, 0.0, -1.0]], dtype=torch.float64)
+    col = Collector(model, tmp_path / "f.thist", streams=("param", "activation"), every=1, sketch_every=0)
+    col.discover(x)
+    torch.set_flush_denormal(True)
+    try:
+        assert _flush_mode() == (True, True)
+        with torch.no_grad():
+            lin.weight.copy_(w)  # (a copy keeps subnormals)
+        with col.step(0):
+            model(x)
+            seen = model[1].mode
+        after = _flush_mode()
+    finally:
+        torch.set_flush_denormal(False)
+    col.close()
+    assert seen == after == (True, True)
+    h = trainhist.open(tmp_path / "f.thist")
+    ref = summarize(w.numpy(), sketch=False)
+    row = h.spine("0.weight", "param")
+    assert (row.min[0], row.max[0]) == (ref.min, ref.max) == (-5e-324, 1e-300)
+    for got, want, p in ((row.sum[0], ref.sum.to_float(), 1), (row.sumsq[0], ref.sumsq.to_float(), 2)):
+        bound = SumMethod.bound(SumMethod.F64, 16, 1e-300, p)
+        assert abs(got - want) <= bound + math.ulp(want) / 2, (p, got, want)
+    assert abs(4e-300 - ref.sum.to_float()) > 1e3 * SumMethod.bound(SumMethod.F64, 16, 1e-300, 1)  # (flushed: out)

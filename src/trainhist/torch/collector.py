@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 import warnings
 import weakref
@@ -123,6 +124,7 @@ class _Step:
     seen: dict[tuple, tuple] = field(default_factory=dict)  # tensor identity -> (weakref, version, key)
     fused: bool = False  # reductions go through the CPU kernel (a CPU ledger, reduce.CPU_METHOD == "fused")
     defer: bool = False  # outputs and gradients are reduced in batches (the GPU's batched kernel): _flush_deferred
+    flush: bool = False  # the loop runs with torch.set_flush_denormal(True): reductions switch it off (_no_flush)
 
 
 class _DeltaBatch:
@@ -145,6 +147,29 @@ class _DeltaBatch:
         bad = _reduction.cpukernel.gather_f32(addresses, self.sizes, self.index, self.offsets, self.host, subtract)
         if bad >= 0:
             raise RuntimeError(f"parameter {self.names[bad]!r} is smaller than its sampled positions")
+
+
+_TINY, _SUBNORMAL, _ZERO = sys.float_info.min, 5e-324, 0.0  # (variables: Python folds constant expressions)
+
+
+def _flush_mode() -> tuple[bool, bool]:
+    """Whether this thread's float arithmetic flushes results below the normal range to zero, and whether it reads
+    subnormal inputs as zero (``torch.set_flush_denormal(True)`` turns on both)."""
+    return _TINY * 0.5 == _ZERO, _SUBNORMAL + _ZERO == _ZERO
+
+
+@contextlib.contextmanager
+def _no_flush() -> Iterator[None]:
+    """Keep subnormals in the float arithmetic of the block (the bounds of spec 5.4 assume them), and put back
+    ``torch.set_flush_denormal(True)`` after it if it was on."""
+    if not all(_flush_mode()):
+        yield
+        return
+    torch.set_flush_denormal(False)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(True)
 
 
 def _add_sumsq(total: float, count: int, nan: int, inf: int, sumsq: float) -> float:
@@ -500,6 +525,12 @@ class Collector:
         )
         st.defer = (self.batch_outputs and not st.fused
                     and _reduction.batch_method(self._ledger.device) is not None)
+        ftz, daz = _flush_mode()
+        st.flush = ftz and daz
+        if ftz != daz:
+            self._warn_once("flush", "trainhist: this thread's float arithmetic flushes subnormal numbers to zero "
+                            f"({'results' if ftz else 'inputs'} only: not torch.set_flush_denormal, which trainhist "
+                            "switches off while it reduces); sums over subnormal values may miss their stated bound")
         self._ledger.reset()
         for m, hid in self._fwd_handles:  # run last: see the module's final output
             if m._forward_hooks and next(reversed(m._forward_hooks)) != hid:
@@ -580,6 +611,13 @@ class Collector:
         st = self._state
         if st is None or key in st.failed:
             return
+        if st.flush:
+            with _no_flush():
+                self._reduce_in(st, key, t, alias)
+        else:
+            self._reduce_in(st, key, t, alias)
+
+    def _reduce_in(self, st: _Step, key: tuple, t: torch.Tensor, alias: bool) -> None:
         try:
             if st.fused and fusable(t):  # the common case on the CPU: the kernel reads the tensor in place
                 self._reduce_plain(st, key, t, alias)
@@ -680,6 +718,10 @@ class Collector:
         updates), in order: on the CPU kernel's path the :func:`fusable` tensors are reduced by one compiled call
         (:func:`fused_many`), on a GPU with Triton the plain contiguous float tensors by one launch per dtype
         (:func:`triton_many`), the others one by one; the rows are the same."""
+        with _no_flush() if self._state is not None and self._state.flush else contextlib.nullcontext():
+            self._reduce_many_in(items)
+
+    def _reduce_many_in(self, items: list[tuple[tuple, torch.Tensor]]) -> None:
         st = self._state
         if st is None or not items:
             return
@@ -961,6 +1003,10 @@ class Collector:
         """``param_delta``: ``after - before`` on every snapshotted subvector, reduced in the model's order. The
         kernel's snapshot is subtracted in one compiled call; if a parameter changed kind or size during the step
         (replaced by the loop), all of them take the torch path from the same snapshot."""
+        with _no_flush() if st.flush else contextlib.nullcontext():  # (a subnormal update is not 0)
+            self._deltas_in(st)
+
+    def _deltas_in(self, st: _Step) -> None:
         b, names, done = self._delta_batch, st.batched, {}
         if names and b is not None:
             if all(self._delta_batchable(n) and local_tensor(self._params[n]).numel() == m
@@ -989,6 +1035,10 @@ class Collector:
 
     # -- host side: decode and write ------------------------------------------------------------------------
     def _finish(self, st: _Step) -> None:
+        with _no_flush():  # (decoding and encoding compare and copy subnormal values)
+            self._finish_in(st)
+
+    def _finish_in(self, st: _Step) -> None:
         data = st.pending.wait() if st.pending is not None else None
         if data is not None:
             self._decode_all(st, data)
