@@ -443,19 +443,28 @@ class HistoryWriter:
                 self.commit()
         self._last_step = step
 
-    def _add(self, site: SiteHandle, step: int, phase: str, micro: int | None, presence: int,
-             summary: Summary | None) -> None:
-        """Buffer one row (the collector adds hundreds a step: the common case takes the shortest path)."""
-        if self._closed:
-            self._check_open()
+    def _check_site(self, site: SiteHandle) -> None:
+        """Refuse anything but a handle of this writer (or an equal one: a writer of the same sites made it)."""
         if type(site) is not SiteHandle or self._handles.get(site.id) is not site:  # else: one of this writer's
             if not isinstance(site, SiteHandle) or self._sites.get((site.path, site.stream, site.facet)) != site:
                 raise UsageError(f"{site!r} is not a site of this writer: get one from HistoryWriter.site()")
+
+    def _row_step(self, step: int) -> int:
+        """``step`` as an int, once the rows of an earlier step are done with (an automatic commit may follow)."""
         step = int(step)
         if step != self._last_step:
             self._at_step(step)
         if self._segment_manifest is not None and self._segment_manifest["first_step"] is None:
             self._segment_manifest["first_step"] = step
+        return step
+
+    def _add(self, site: SiteHandle, step: int, phase: str, micro: int | None, presence: int,
+             summary: Summary | None) -> None:
+        """Buffer one row (the collector adds hundreds a step: the common case takes the shortest path)."""
+        if self._closed:
+            self._check_open()
+        self._check_site(site)
+        step = self._row_step(step)
         code = _PHASE_CODES.get(phase) if type(phase) is str else None
         row = (step, 1, MICRO_ALL if micro is None else int(micro), Phase.code(phase) if code is None else code,
                presence, summary)
@@ -505,14 +514,8 @@ class HistoryWriter:
         if codes is not None and None in codes:
             codes = [Phase.code(p) for p in phases]  # type: ignore[union-attr] -- (raises for an unknown phase)
         for site in sites:
-            if type(site) is not SiteHandle or self._handles.get(site.id) is not site:
-                if not isinstance(site, SiteHandle) or self._sites.get((site.path, site.stream, site.facet)) != site:
-                    raise UsageError(f"{site!r} is not a site of this writer: get one from HistoryWriter.site()")
-        step = int(step)
-        if step != self._last_step:
-            self._at_step(step)
-        if self._segment_manifest is not None and self._segment_manifest["first_step"] is None:
-            self._segment_manifest["first_step"] = step
+            self._check_site(site)
+        step = self._row_step(step)
         default = _PHASE_CODES["default"]
         buffers, segment = self._buffers, self.segment
         full = []
