@@ -243,6 +243,7 @@ def test_observe_spines_refuses_what_observe_could_not_write(tmp_path: Path) -> 
         w.observe_spines([a, b], 0, SpineTable(**one_finite))
         w.observe_spines([a, b], 0, SpineTable(**none_finite), phases=["pre_clip", "post_clip"])
         w.observe_spines([], 7, SpineTable(**{k: v[:0] for k, v in one_finite.items()}))  # nothing: no step 7
+        w.observe_spines([], 8, SpineTable(**{k: [] for k in one_finite}))  # (lists: float64 when empty)
         bad_tables = {
             "one site per table row": dict(f),
             "one-dimensional": {**f, "min": np.zeros((2, 1))},

@@ -507,9 +507,9 @@ class HistoryWriter:
             raise UsageError(f"observe_spines() needs one site{' and one phase' if phases is not None else ''} per "
                              f"table row: {len(sites)} sites{f', {len(phases)} phases' if phases is not None else ''}"
                              f" for {n} rows")
-        spines = _Spines(table)
         if not n:
             return
+        spines = _Spines(table)
         codes = [_PHASE_CODES.get(p) if type(p) is str else None for p in phases] if phases is not None else None
         if codes is not None and None in codes:
             codes = [Phase.code(p) for p in phases]  # type: ignore[union-attr] -- (raises for an unknown phase)

@@ -997,3 +997,34 @@ def test_flush_denormal_is_kept_for_the_loop_and_off_for_the_reductions(tmp_path
         bound = SumMethod.bound(SumMethod.F64, 16, 1e-300, p)
         assert abs(got - want) <= bound + math.ulp(want) / 2, (p, got, want)
     assert abs(4e-300 - ref.sum.to_float()) > 1e3 * SumMethod.bound(SumMethod.F64, 16, 1e-300, 1)  # (flushed: out)
+
+
+def test_flush_denormal_leaves_updates_norms_and_scalars_exact(tmp_path):
+    """The rest of the collector's arithmetic under torch.set_flush_denormal(True): the update of a float64
+    parameter (cast to float32 for param_delta) that did not change, the global gradient norm, tensor scalars
+    (cast into the float64 ledger) and plain scalars written outside a step."""
+    lin = torch.nn.Linear(4, 1, bias=False).double()
+    col = Collector(lin, tmp_path / "s.thist", streams=("param_grad", "param_delta"), every={"param_grad": 0},
+                    sketch_every=0)
+    x = torch.full((1, 4), 1e-160, dtype=torch.float64)
+    col.discover(x)
+    tiny = torch.tensor(1e-40, dtype=torch.float32)  # (made before: flushing would make it 0)
+    torch.set_flush_denormal(True)
+    try:
+        with torch.no_grad():
+            lin.weight.fill_(1e-40)  # a float32 subnormal once cast
+        with col.step(0):
+            lin(x).sum().backward()  # gradients of 1e-160: a norm of 2e-160
+            col.scalars(0, tiny=tiny)
+        col.scalars(1, sub=5e-324)
+    finally:
+        torch.set_flush_denormal(False)
+    col.close()
+    h = trainhist.open(tmp_path / "s.thist")
+    delta = h.spine("weight", "param_delta")
+    assert (delta.zero.tolist(), delta.count.tolist()) == ([4], [4])  # no update: every difference is zero
+    assert h.spine("grad_norm", "scalar").max.tolist() == [pytest.approx(2e-160, rel=1e-12)]
+    row = h.spine("tiny", "scalar")
+    assert (row.max.tolist(), row.zero.tolist()) == ([float(tiny)], [0]) and float(tiny) != 0
+    sub = h.spine("sub", "scalar")
+    assert (sub.max.tolist(), sub.zero.tolist(), sub.sum.tolist()) == ([5e-324], [0], [5e-324])

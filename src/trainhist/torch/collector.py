@@ -537,7 +537,8 @@ class Collector:
                 m._forward_hooks.move_to_end(hid)
         self._state = st
         if st.due["param_delta"]:
-            self._snapshot(st)
+            with _no_flush():  # (float64 parameters are cast to float32: a flush would change subnormals)
+                self._snapshot(st)
         clip_mod = torch.nn.utils.clip_grad
         orig_clip = (torch.nn.utils.clip_grad_norm_, clip_mod.clip_grad_norm_)
         wrapped = partial(self._clip, orig_clip[0])
@@ -575,7 +576,8 @@ class Collector:
         """Move late tensor scalars into the ledger and start the step's single host transfer."""
         for i, (s, name, t) in enumerate(self._late):
             key = ("late", i)
-            self._ledger.scalar(key).copy_(t.reshape(-1)[:1])
+            with _no_flush():  # (a cast to float64 must keep a subnormal)
+                self._ledger.scalar(key).copy_(t.reshape(-1)[:1])
             st.dev_scalars.append((s, name, key))
         self._late = []
         if st.counts or st.dev_scalars:  # (with no lag, the step is decoded before the ledger is touched again)
@@ -587,13 +589,18 @@ class Collector:
             return
         if isinstance(value, torch.Tensor):
             key = ("scalar", name)
-            self._ledger.scalar(key).copy_(value.detach().reshape(1))
+            with _no_flush():  # (a cast to float64 must keep a subnormal)
+                self._ledger.scalar(key).copy_(value.detach().reshape(1))
             st.dev_scalars.append((step, name, key))
         else:
             st.host_scalars.append((step, name, float(value)))  # type: ignore[arg-type]
 
     def scalars(self, step: int, **values: float | torch.Tensor) -> None:
         """Record run-level scalars (loss, lr, ...); tensors are read at the next single transfer, never synced."""
+        with _no_flush():  # (a subnormal value is neither zero nor flushed in a cast)
+            self._scalars(step, values)
+
+    def _scalars(self, step: int, values: dict[str, float | torch.Tensor]) -> None:
         st = self._state
         for name, v in values.items():
             if isinstance(v, torch.Tensor):
@@ -844,6 +851,10 @@ class Collector:
         return "unscaled" if st.unscaled else "scaled"
 
     def _capture_grads(self, phase: str, params: Iterable[torch.Tensor] | None) -> None:
+        with _no_flush():  # (the global norm too)
+            self._capture_grads_in(phase, params)
+
+    def _capture_grads_in(self, phase: str, params: Iterable[torch.Tensor] | None) -> None:
         st = self._state
         if st is None:
             return
