@@ -548,7 +548,8 @@ class Collector:
         finally:
             torch.nn.utils.clip_grad_norm_, clip_mod.clip_grad_norm_ = orig_clip
             try:
-                self._exit(st)
+                with _no_flush():  # (the step's own reductions, decoding and writing: see _no_flush)
+                    self._exit(st)
             finally:
                 self._state = None
 
@@ -725,10 +726,6 @@ class Collector:
         updates), in order: on the CPU kernel's path the :func:`fusable` tensors are reduced by one compiled call
         (:func:`fused_many`), on a GPU with Triton the plain contiguous float tensors by one launch per dtype
         (:func:`triton_many`), the others one by one; the rows are the same."""
-        with _no_flush() if self._state is not None and self._state.flush else contextlib.nullcontext():
-            self._reduce_many_in(items)
-
-    def _reduce_many_in(self, items: list[tuple[tuple, torch.Tensor]]) -> None:
         st = self._state
         if st is None or not items:
             return
@@ -1014,10 +1011,6 @@ class Collector:
         """``param_delta``: ``after - before`` on every snapshotted subvector, reduced in the model's order. The
         kernel's snapshot is subtracted in one compiled call; if a parameter changed kind or size during the step
         (replaced by the loop), all of them take the torch path from the same snapshot."""
-        with _no_flush() if st.flush else contextlib.nullcontext():  # (a subnormal update is not 0)
-            self._deltas_in(st)
-
-    def _deltas_in(self, st: _Step) -> None:
         b, names, done = self._delta_batch, st.batched, {}
         if names and b is not None:
             if all(self._delta_batchable(n) and local_tensor(self._params[n]).numel() == m

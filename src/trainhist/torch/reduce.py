@@ -382,8 +382,7 @@ def fused_into(x: torch.Tensor, row_address: int, sketch: bool) -> None:
     if n:
         if not x.is_contiguous() or x.data_ptr() == 0:  # _widen's contract; a kernel must never read past storage
             raise ValueError("the fused reduction needs contiguous memory")
-        spine, sketch_, _ = (_F64 if dt is torch.float64 else _F32).kernels
-        (sketch_ if sketch else spine)(x.data_ptr(), n, row_address)
+        fused_at(x.data_ptr(), n, dt, row_address, sketch)
 
 
 def fused_at(address: int, n: int, dtype: torch.dtype, row_address: int, sketch: bool) -> None:
@@ -520,7 +519,8 @@ def decode_arrays(data: np.ndarray, offsets: list[int], counts: list[int], sketc
     bounds[0::2] = off[order]
     bounds[1::2] = off[order] + NCOUNT
     keyed = np.empty(off.size, dtype=np.int64)
-    keyed[order] = np.add.reduceat(data, bounds)[0::2] if off.size else keyed
+    if off.size:  # (reduceat needs an index)
+        keyed[order] = np.add.reduceat(data, bounds)[0::2]
     window = np.lib.stride_tricks.sliding_window_view  # rows as views of the buffer: taking them copies once
     tail = window(data, ROW - COL_NEGZERO)[off + COL_NEGZERO]  # -0.0 count, spare, five spine counts, 4 floats
     spare = tail[:, 1]
@@ -729,7 +729,7 @@ class Ledger:
         if not self._cpu:
             raise ValueError(f"a row address is for a CPU ledger, not {self.device}")
         offsets = self.offsets(keys)
-        base = self.buf.data_ptr()  # (after the allocations)
+        base = self._base  # (after the allocations)
         return [base + 8 * off for off in offsets]
 
     def scalar(self, key: object) -> torch.Tensor:
