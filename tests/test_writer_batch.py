@@ -263,6 +263,7 @@ def test_observe_spines_refuses_what_observe_could_not_write(tmp_path: Path) -> 
             "finite with min <= max": {**one_finite, "min": np.array([2.0, math.nan])},
             "min <= max": {**one_finite, "min": np.array([2.0, -1.0]), "max": np.array([1.0, 1.0])},
             "finite with": {**one_finite, "max": np.array([1.0, math.inf])},
+            "must be numbers": {**one_finite, "min": np.array(["x", "y"])},
         }
         for message, cols in bad_tables.items():
             sites = [a] if message.startswith("one site") else [a, b]

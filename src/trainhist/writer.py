@@ -111,6 +111,8 @@ class _Spines:
         if (wrapped | (total > counts[0])).any():
             raise UsageError("a SpineTable row counts more NaN, infinities and zeros than values")
         finite = counts[0] - counts[1] - counts[2] - counts[3]  # (no wrap: checked above)
+        if any(np.asarray(c).dtype.kind not in "fiu" for c in cols[5:9]):
+            raise UsageError("the min, max, sum and sumsq of a SpineTable must be numbers (float64 values)")
         method = np.asarray(t.method)
         if method.dtype.kind not in "iu" or not np.isin(method, _TABLE_METHODS).all():
             raise UsageError("the methods of a SpineTable must be SumMethod.F64, F32 or UNKNOWN (exact sums need a "
