@@ -19,9 +19,11 @@ from trainhist.chunk import (
     _encode_patched,
     _pack_column,
     _pack_columns,
+    _encode_column,
     decode_chunk,
     encode_chunk,
     encode_chunks,
+    pack_segments,
 )
 from trainhist.framing import pad8
 
@@ -97,6 +99,24 @@ def test_pack_columns_together_equal_each_alone() -> None:
             want = (Codec.RAW, arr) if isinstance(arr, bytes) else _every_block(dt, arr)
             assert (codec, stored) == want, dt
             assert rlen == (len(arr) if isinstance(arr, bytes) else arr.size * DTYPES[dt].itemsize)
+
+
+@pytest.mark.parametrize("codec", [Codec.RAW, Codec.DEFLATE, Codec.SHUFFLE_DEFLATE, Codec.PACKED])
+def test_pack_segments_equal_each_segment_alone(codec: int) -> None:
+    """Consecutive segments of one array (empty ones among them), packed in one call: each stored as it would be
+    alone (under the packed codec: as building every block picks it)."""
+    rng = np.random.default_rng(13 + codec)
+    for dt in ["u1", "u2", "u4", "u8", "i1", "i2", "i4", "i8", "f8", "bytes"]:
+        for _ in range(8):
+            sizes = [int(rng.choice([0, 1, 2, 7, 31, 300])) for _ in range(int(rng.integers(1, 30)))]
+            segs = [_random_column(rng, dt, n) for n in sizes]
+            segs = [np.frombuffer(a, np.uint8) if isinstance(a, bytes) else a for a in segs]
+            flat = np.concatenate(segs).astype(DTYPES[dt]) if segs else np.zeros(0, DTYPES[dt])
+            got = pack_segments(dt, flat, sizes, codec)
+            assert len(got) == len(sizes)
+            for a, (c, stored, rlen) in zip(segs, got):
+                want = _every_block(dt, a) if codec == Codec.PACKED else _encode_column(dt, a, codec)[:2]
+                assert (c, stored) == want and rlen == a.size * DTYPES[dt].itemsize, dt
 
 
 def test_encode_chunks_equals_encode_chunk_of_each() -> None:

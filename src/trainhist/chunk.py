@@ -12,6 +12,7 @@ import struct
 import zlib
 from bisect import bisect_left
 from dataclasses import dataclass
+from typing import Callable
 
 import msgpack
 import numpy as np
@@ -19,7 +20,8 @@ import numpy as np
 from .errors import CorruptError, LimitError, UnsupportedError
 from .framing import pad8
 
-__all__ = ["Codec", "DTYPES", "encode_chunk", "encode_chunks", "decode_chunk", "Chunk", "MAX_ROWS", "MAX_COLUMNS"]
+__all__ = ["Codec", "DTYPES", "encode_chunk", "encode_chunks", "assemble_chunks", "pack_segments", "decode_chunk",
+           "Chunk", "MAX_ROWS", "MAX_COLUMNS"]
 
 MAX_ROWS = 1 << 20
 MAX_COLUMNS = 64
@@ -138,46 +140,61 @@ def _pack_columns(columns: list[tuple[str, np.ndarray | bytes]]) -> list[tuple[i
     """``(codec, stored block, raw length)`` of each ``(dtype code, array or bytes)`` under ``Codec.PACKED``: the
     smallest (after padding) of raw and the lightweight codecs that apply to the dtype, raw on ties.
 
-    The sizes of frame of reference and patched bytes follow from the range and the number of values of 255 or
-    more, so only the block that wins is built. A commit packs thousands of short columns, and a numpy call costs
-    more than its work on one of them: the columns are packed together, integers as one uint64 vector and f8 as
-    one float64 vector, each column a segment of it (statistics by ``reduceat``, blocks cut from one buffer)."""
+    A commit packs thousands of short columns, and a numpy call costs more than its work on one of them: the
+    columns of one dtype are joined and packed by :func:`pack_segments`, each a segment of the joined array."""
     out: list[tuple[int, bytes, int]] = [(Codec.RAW, b"", 0)] * len(columns)
-    ints: list[tuple[int, str, np.ndarray]] = []
-    floats: list[tuple[int, str, np.ndarray]] = []
+    groups: dict[str, tuple[list[int], list[np.ndarray]]] = {}
     for i, (dt, arr) in enumerate(columns):
         if isinstance(arr, (bytes, bytearray)):
             out[i] = (Codec.RAW, arr, len(arr))
             continue
         a = np.ascontiguousarray(arr, DTYPES[dt])
-        if a.ndim != 1:
-            a = a.ravel()
         if dt == "bytes" or not a.size:
             out[i] = (Codec.RAW, a.tobytes(), a.nbytes)
         else:
-            (floats if dt == "f8" else ints).append((i, dt, a))
-    if floats:
-        _pack_f8(floats, out)
-    if ints:
-        _pack_ints(ints, out)
+            at, arrays = groups.setdefault(dt, ([], []))
+            at.append(i)
+            arrays.append(a.ravel())
+    for dt, (at, arrays) in groups.items():
+        flat = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        for i, packed in zip(at, pack_segments(dt, flat, [a.size for a in arrays], Codec.PACKED)):
+            out[i] = packed
     return out
 
 
-def _pack_f8(columns: list[tuple[int, str, np.ndarray]], out: list[tuple[int, bytes, int]]) -> None:
-    """Binary32 (codec 4) for each f8 column whose values (NaN bit patterns included) all survive the round trip
-    and whose block is smaller after padding, raw otherwise; into ``out`` at each column's index."""
-    sizes = [a.size for _, _, a in columns]
-    starts = list(itertools.accumulate(sizes, initial=0))
-    flat = np.concatenate([a for _, _, a in columns])
+def pack_segments(dt: str, flat: np.ndarray, sizes: list[int], codec: int) -> list[tuple[int, bytes, int]]:
+    """``(codec, stored block, raw length)`` of each of the columns that ``flat`` (contiguous, of the dtype of
+    ``dt``) holds one after another, ``sizes[k]`` values each: what :func:`encode_chunks` stores for them under
+    ``codec``. Under ``Codec.PACKED`` the choice of each is made with one set of numpy calls for all of them
+    (statistics by ``reduceat``, blocks cut from shared buffers): only the block that wins is built."""
+    if codec != Codec.PACKED or dt == "bytes":
+        starts = itertools.accumulate(sizes, initial=0)
+        return [_encode_column(dt, flat[s : s + n], Codec.RAW if codec == Codec.PACKED else codec)
+                for s, n in zip(starts, sizes)]
+    out: list[tuple[int, bytes, int]] = [(Codec.RAW, b"", 0)] * len(sizes)
+    at = [k for k, n in enumerate(sizes) if n]
+    if not at:
+        return out
+    n_ = np.array(sizes, dtype=np.int64)
+    starts = np.concatenate(([0], np.cumsum(n_)[:-1]))[at]
+    n_ = n_[at]
+    (_pack_f8 if dt == "f8" else _pack_ints)(dt, flat, at, starts, n_, out)
+    return out
+
+
+def _pack_f8(dt: str, flat: np.ndarray, at: list[int], starts: np.ndarray, sizes: np.ndarray,
+             out: list[tuple[int, bytes, int]]) -> None:
+    """Binary32 (codec 4) for each f8 segment whose values (NaN bit patterns included) all survive the round trip
+    and whose block is smaller after padding, raw otherwise; into ``out`` at the positions ``at``."""
     with np.errstate(all="ignore"):
         narrow = flat.astype("<f4")
-    exact = np.logical_and.reduceat(narrow.astype("<f8").view("<u8") == flat.view("<u8"), starts[:-1]).tolist()
-    f32 = narrow.tobytes()
-    for (i, _, a), ok, s, n in zip(columns, exact, starts, sizes):
+    exact = np.logical_and.reduceat(narrow.astype("<f8").view("<u8") == flat.view("<u8"), starts).tolist()
+    f32, raw = narrow.tobytes(), flat.tobytes()
+    for i, ok, s, n in zip(at, exact, starts.tolist(), sizes.tolist()):
         if ok and _padded(4 * n) < _padded(8 * n):
-            out[i] = (Codec.F32, f32[4 * s : 4 * (s + n)], a.nbytes)
+            out[i] = (Codec.F32, f32[4 * s : 4 * (s + n)], 8 * n)
         else:
-            out[i] = (Codec.RAW, a.tobytes(), a.nbytes)
+            out[i] = (Codec.RAW, raw[8 * s : 8 * (s + n)], 8 * n)
 
 
 #: frame-of-reference widths by ``searchsorted(_FOR_LIMITS, span, "right")``: 0 bytes for span 0, 1 below 256, ...
@@ -186,44 +203,45 @@ _FOR_WIDTH_AT = np.array([0, 1, 2, 4, 8], np.int64)
 _SIGN = np.uint64(1 << 63)
 
 
-def _pack_ints(columns: list[tuple[int, str, np.ndarray]], out: list[tuple[int, bytes, int]]) -> None:
+def _pack_ints(dt: str, flat: np.ndarray, at: list[int], starts: np.ndarray, sizes: np.ndarray,
+               out: list[tuple[int, bytes, int]]) -> None:
     """Frame of reference (codec 3), patched bytes (codec 5, unsigned of 2 or more bytes) or raw for each integer
-    column, whichever is smallest after padding (raw, then frame of reference, on ties); into ``out``."""
-    sizes = np.array([a.size for _, _, a in columns], np.int64)
-    itemsize = np.array([a.itemsize for _, _, a in columns], np.int64)
-    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-    signed = np.array([dt[0] == "i" for _, dt, _ in columns])
-    bias = np.where(signed, _SIGN, np.uint64(0))
-    flat = np.concatenate([a for _, _, a in columns], dtype=np.uint64, casting="unsafe")
-    if signed.any():
-        flat ^= np.repeat(bias, sizes)  # v + 2**63 (mod 2**64): signed values onto uint64 in the same order
-    lows = np.minimum.reduceat(flat, starts)
-    width = _FOR_WIDTH_AT[np.searchsorted(_FOR_LIMITS, np.maximum.reduceat(flat, starts) - lows, "right")]
-    nbig = np.add.reduceat(flat >= 255, starts, dtype=np.int64)
+    segment, whichever is smallest after padding (raw, then frame of reference, on ties); into ``out`` at ``at``.
+    The sizes of the frame of reference and patched blocks follow from each segment's range and its number of
+    values of 255 or more."""
+    itemsize = flat.itemsize
+    u = flat.astype(np.uint64)  # signed values sign-extend, then v + 2**63 (mod 2**64) keeps their order
+    bias = _SIGN if dt[0] == "i" else np.uint64(0)
+    if bias:
+        u ^= bias
+    lows = np.minimum.reduceat(u, starts)
+    width = _FOR_WIDTH_AT[np.searchsorted(_FOR_LIMITS, np.maximum.reduceat(u, starts) - lows, "right")]
     # sizes compare in 8-byte words, after padding
     raw_words = -(-sizes * itemsize // 8)
     for_words = -(-(8 + width * sizes) // 8)
-    patched_words = -(-(nbig * itemsize + sizes) // 8)
-    patchable = np.array([dt in APPLIES[Codec.PATCHED] for _, dt, _ in columns])
     codec = np.where(for_words < raw_words, Codec.FOR, Codec.RAW)
-    codec[patchable & (patched_words < np.minimum(for_words, raw_words))] = Codec.PATCHED
+    nbig = np.zeros(len(at), np.int64)
+    if dt in APPLIES[Codec.PATCHED]:
+        nbig = np.add.reduceat(u >= 255, starts, dtype=np.int64)
+        codec[-(-(nbig * itemsize + sizes) // 8) < np.minimum(for_words, raw_words)] = Codec.PATCHED
     bases = (lows ^ bias).astype("<u8").tobytes()  # each least value as stored: "<q" of it for signed columns
-    offsets: dict[int, bytes] = {}  # width -> every value less the least of its column, at that width
+    offsets: dict[int, bytes] = {}  # width -> every value less the least of its segment, at that width
     used = set(width[codec == Codec.FOR].tolist()) - {0}
     if used:
-        diff = flat - np.repeat(lows, sizes)  # v - lo (mod 2**64), whose low bytes are the offsets
+        diff = u - np.repeat(lows, sizes)  # v - lo (mod 2**64), whose low bytes are the offsets
         offsets = {w: diff.astype(_FOR_WIDTHS[w]).tobytes() for w in used}
-    codes = np.minimum(flat, 255).astype(np.uint8).tobytes() if (codec == Codec.PATCHED).any() else b""
-    for k, ((i, _, a), c, w, s, n, nb) in enumerate(
-        zip(columns, codec.tolist(), width.tolist(), starts.tolist(), sizes.tolist(), nbig.tolist())
-    ):
+    codes = np.minimum(u, 255).astype(np.uint8).tobytes() if (codec == Codec.PATCHED).any() else b""
+    raw = flat.tobytes() if (codec == Codec.RAW).any() else b""
+    for k, (i, c, w, s, n, nb) in enumerate(zip(at, codec.tolist(), width.tolist(), starts.tolist(), sizes.tolist(),
+                                                nbig.tolist())):
         if c == Codec.FOR:
             blk = bases[8 * k : 8 * k + 8] + (offsets[w][w * s : w * (s + n)] if w else b"")
         elif c == Codec.PATCHED:
+            a = flat[s : s + n]
             blk = (a[a >= 255].tobytes() if nb else b"") + codes[s : s + n]
         else:
-            blk = a.tobytes()
-        out[i] = (c, blk, a.nbytes)
+            blk = raw[itemsize * s : itemsize * (s + n)]
+        out[i] = (c, blk, itemsize * n)
 
 
 #: (value, bytes added): a non-negative integer takes 1 byte in msgpack below 128, one more from 128, one more from
@@ -261,39 +279,43 @@ def encode_chunk(meta: dict, columns: dict[str, tuple[str, np.ndarray | bytes]],
 
 def encode_chunks(chunks: list[tuple[dict, dict[str, tuple[str, np.ndarray | bytes]]]], codec: int) -> list[bytes]:
     """:func:`encode_chunk` of each ``(meta, columns)``; the columns of all of them are packed together."""
-    packed = _pack_columns([col for _, columns in chunks for col in columns.values()]) if codec == Codec.PACKED else []
-    out, k = [], 0
-    for meta, columns in chunks:
-        if codec == Codec.PACKED:
-            stored = packed[k : k + len(columns)]
-            k += len(columns)
-        else:
-            stored = [_encode_column(dt, arr, codec) for dt, arr in columns.values()]
-        cols = [[name, dt, c, 0, len(blk), rlen] for (name, (dt, _)), (c, blk, rlen) in zip(columns.items(), stored)]
-        out.append(_assemble(meta, cols, [blk for _, blk, _ in stored]))
-    return out
+    if codec == Codec.PACKED:
+        packed = iter(_pack_columns([col for _, columns in chunks for col in columns.values()]))
+        stored = [[next(packed) for _ in columns] for _, columns in chunks]
+    else:
+        stored = [[_encode_column(dt, arr, codec) for dt, arr in columns.values()] for _, columns in chunks]
+    return assemble_chunks([(meta, [(name, dt, blk) for (name, (dt, _)), blk in zip(columns.items(), got)])
+                            for (meta, columns), got in zip(chunks, stored)])
 
 
-def _assemble(meta: dict, cols: list[list], blocks: list[bytes]) -> bytes:
+def assemble_chunks(chunks: list[tuple[dict, list[tuple[str, str, tuple[int, bytes, int]]]]]) -> list[bytes]:
+    """The payload of each ``(meta, columns)`` whose columns are already stored: ``(name, dtype code, (codec,
+    stored block, raw length))`` in order (from :func:`pack_segments`)."""
+    pack = msgpack.Packer(use_bin_type=True).pack  # (one packer for all of them: packb makes one per call)
+    return [_assemble(pack, meta, [[name, dt, c, 0, len(blk), rlen] for name, dt, (c, blk, rlen) in cols],
+                      [blk for _, _, (_, blk, _) in cols]) for meta, cols in chunks]
+
+
+def _assemble(pack: Callable[[object], bytes], meta: dict, cols: list[list], blocks: list[bytes]) -> bytes:
     """The payload: the msgpack directory ``meta`` + ``cols`` (each ``[name, dtype, codec, offset, stored, raw]``,
-    offsets 0, filled in here), then the blocks, each 8-aligned."""
+    offsets 0, filled in here), then the blocks, each 8-aligned (``pack``: a msgpack packer's ``pack``)."""
     meta = dict(meta, cols=cols)
     # The offsets depend on the directory's length, which depends on the offsets' msgpack widths: starting from
     # the length with every offset 0, recompute the offsets until they hold still (the least consistent layout).
     sizes = [len(b) for b in blocks]
     rel = list(itertools.accumulate([(n + 7) & ~7 for n in sizes], initial=0))[:-1]  # padded; past the directory
-    base = len(msgpack.packb(meta, use_bin_type=True))
+    base = len(pack(meta))
     length, start = base, -1
-    while start != 4 + length + pad8(4 + length):
-        start = 4 + length + pad8(4 + length)
+    while start != 4 + length + (-(4 + length) & 7):
+        start = 4 + length + (-(4 + length) & 7)
         length = base + sum(grow * (len(rel) - bisect_left(rel, at - start)) for at, grow in _UINT_GROWS)
     for col, r in zip(cols, rel):
         col[3] = start + r
-    packed = msgpack.packb(meta, use_bin_type=True)
+    packed = pack(meta)
     assert len(packed) == length
-    parts = [struct.pack("<I", len(packed)), packed, _ZEROS[pad8(4 + len(packed))]]
+    parts = [struct.pack("<I", length), packed, _ZEROS[-(4 + length) & 7]]
     for blk, n in zip(blocks, sizes):
-        parts += (blk, _ZEROS[pad8(n)])
+        parts += (blk, _ZEROS[-n & 7])
     return b"".join(parts)
 
 

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import __version__
-from .chunk import MAX_ROWS, Codec, encode_chunk, encode_chunks
+from .chunk import DTYPES, MAX_ROWS, Codec, assemble_chunks, encode_chunk, pack_segments
 from .dyadic import Dyadic, floats_of
 from .errors import ReadOnlyError, UsageError
 from .framing import (
@@ -215,7 +215,7 @@ def encode_obs_chunks(chunks: list[tuple[list[tuple], int, int]], codec: int) ->
     """:func:`encode_obs_rows` of each ``(rows, site, segment)``.
 
     A commit encodes hundreds of chunks of a few rows each: every field is gathered for the rows of all of them at
-    once, and the chunks are packed together (:func:`encode_chunks`)."""
+    once, and each column is packed for all the chunks together (:func:`~trainhist.chunk.pack_segments`)."""
     if not chunks:
         return []
     edges = list(accumulate((len(rows) for rows, _, _ in chunks), initial=0))  # chunk i: rows edges[i]:edges[i + 1]
@@ -242,28 +242,41 @@ def encode_obs_chunks(chunks: list[tuple[list[tuple], int, int]], codec: int) ->
                              sk.under_neg, sk.over_pos, sk.over_neg) for j, sk in enumerate(sketches)], np.uint64)
         sk_table = np.zeros((len(_SKETCH_COLUMNS), n), np.uint64)  # the values of _SKETCH_COLUMNS, for every row
         sk_table[:, sketched] = rows_of.T
-    encoded = []
-    for (_, site, segment), lo, hi in zip(chunks, edges, edges[1:]):
-        cols: dict[str, tuple[str, Any]] = {name: (dt, col[lo:hi]) for name, (dt, col) in table.items()}
+    sizes = [hi - lo for lo, hi in zip(edges, edges[1:])]
+    stored = {name: pack_segments(dt, col, sizes, codec) for name, (dt, col) in table.items()}
+    sk_at = [bisect_left(sketched, lo) for lo in edges]  # chunk c's sketched rows: sketched[sk_at[c]:sk_at[c + 1]]
+    with_sk = [c for c in range(len(chunks)) if sk_at[c + 1] > sk_at[c]]
+    if with_sk:  # the sketch columns of the chunks with a sketched row, each column packed for all of them at once
+        rows = np.concatenate([np.arange(edges[c], edges[c + 1]) for c in with_sk])
+        sk_sizes = [sizes[c] for c in with_sk]
+        sk_stored = [pack_segments(dt, col[rows].astype(DTYPES[dt]), sk_sizes, codec)
+                     for dt, col in zip(_SKETCH_DTYPES, sk_table)]
+        sk_counts = pack_segments("u8", counts, [at[sk_at[c + 1]] - at[sk_at[c]] for c in with_sk], codec)
+    encoded: list[tuple[dict, list]] = []
+    spans: list[tuple[int, int]] = []
+    j = 0  # chunks with a sketched row so far
+    for c, ((_, site, segment), lo, hi) in enumerate(zip(chunks, edges, edges[1:])):
+        cols = [(name, dt, stored[name][c]) for name, (dt, _) in table.items()]
         for k, name in enumerate(("sum", "sumsq")):
             if not all(is_float[2 * lo + k : 2 * hi : 2]):
                 blobs = [b"" if ok else v.to_bytes() for v, ok in zip(values[2 * lo + k : 2 * hi : 2],
                                                                        is_float[2 * lo + k : 2 * hi : 2])]
-                cols[name + "_xn"] = ("u4", np.array([len(b) for b in blobs], np.uint32))
-                cols[name + "_x"] = ("bytes", b"".join(blobs))
+                extra = [("u4", np.array([len(b) for b in blobs], np.uint32)), ("bytes", b"".join(blobs))]
+                cols += [(name + suffix, dt, pack_segments(dt, np.frombuffer(arr, np.uint8) if dt == "bytes" else arr,
+                                                           [len(arr)], codec)[0])
+                         for suffix, (dt, arr) in zip(("_xn", "_x"), extra)]
         meta: dict[str, Any] = {"site": site, "segment": segment, "rows": hi - lo}
-        first, past = bisect_left(sketched, lo), bisect_left(sketched, hi)  # this chunk's sketched rows
-        if past > first:
-            scales = {sketches[j].scale for j in range(first, past)}  # type: ignore[union-attr]
+        if sk_at[c + 1] > sk_at[c]:
+            scales = {sketches[i].scale for i in range(sk_at[c], sk_at[c + 1])}  # type: ignore[union-attr]
             if len(scales) != 1:
                 raise UsageError(f"one chunk cannot mix sketch scales {sorted(scales)}")
             meta["scale"] = scales.pop()
-            for name, dt, col in zip(_SKETCH_COLUMNS, _SKETCH_DTYPES, sk_table):
-                cols[name] = (dt, col[lo:hi])
-            cols["sk_counts"] = ("u8", counts[at[first] : at[past]])
-        encoded.append((meta, cols, min(steps[lo:hi]), max(steps[lo:hi])))
-    payloads = encode_chunks([(meta, cols) for meta, cols, _, _ in encoded], codec)
-    return [(p, first_step, last_step) for p, (_, _, first_step, last_step) in zip(payloads, encoded)]
+            cols += [(name, dt, col[j]) for name, dt, col in zip(_SKETCH_COLUMNS, _SKETCH_DTYPES, sk_stored)]
+            cols.append(("sk_counts", "u8", sk_counts[j]))
+            j += 1
+        encoded.append((meta, cols))
+        spans.append((min(steps[lo:hi]), max(steps[lo:hi])))
+    return [(p, first, last) for p, (first, last) in zip(assemble_chunks(encoded), spans)]
 
 
 class HistoryWriter:
