@@ -631,7 +631,7 @@ def test_batched_parameter_reductions_match_the_reference(tmp_path, monkeypatch,
     import trainhist.torch.collector as cm
 
     if case == "one by one":
-        monkeypatch.setattr(cm, "fused_many", lambda xs, rows, sketch: [])
+        monkeypatch.setattr(cm, "fused_many_at", lambda ats, rows, sketch: [])
     model = _Scaled()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     path = tmp_path / "b.thist"

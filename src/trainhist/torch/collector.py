@@ -52,8 +52,8 @@ from .plan import (
     unwrap,
 )
 from . import reduce as _reduction
-from .reduce import (DecodedRows, Ledger, PendingTransfer, decode_arrays, decode_rows, fusable, fused_at, fused_into,
-                     fused_many, is_plain, merge_row, reduce_into, triton_batchable, triton_many)
+from .reduce import (DecodedRows, Ledger, PendingTransfer, decode_arrays, decode_rows, fusable_at, fused_at,
+                     fused_into, fused_many_at, is_plain, merge_row, reduce_into, triton_batchable, triton_many)
 
 __all__ = ["Collector", "StepTruth"]
 
@@ -627,8 +627,9 @@ class Collector:
 
     def _reduce_in(self, st: _Step, key: tuple, t: torch.Tensor, alias: bool) -> None:
         try:
-            if st.fused and fusable(t):  # the common case on the CPU: the kernel reads the tensor in place
-                self._reduce_plain(st, key, t, alias)
+            at = fusable_at(t) if st.fused else None
+            if at is not None:  # the common case on the CPU: the kernel reads the tensor in place
+                self._reduce_plain(st, key, t, alias, at)
                 return
             t = local_tensor(t)
             site = (key[1], key[0], key[2])
@@ -654,13 +655,14 @@ class Collector:
         except Exception as e:  # noqa: BLE001 -- one bad site must not stop training
             self._fail(key, e)
 
-    def _reduce_plain(self, st: _Step, key: tuple, t: torch.Tensor, alias: bool) -> None:
-        """:meth:`_reduce` of a tensor :func:`fusable` accepted, with none of its checks repeated (hundreds of
-        reductions a step take this path on the CPU)."""
+    def _reduce_plain(self, st: _Step, key: tuple, t: torch.Tensor, alias: bool,
+                      at: tuple[int, int, torch.dtype]) -> None:
+        """:meth:`_reduce` of a tensor :func:`fusable_at` accepted (``at``: what it read), with none of its checks
+        repeated (hundreds of reductions a step take this path on the CPU)."""
         if key not in self._typed:
             self._typed.add(key)
             self._dtypes.setdefault((key[1], key[0], key[2]), _dtype_name(t))
-        n, address, dt = t.numel(), t.data_ptr(), t.dtype
+        address, n, dt = at
         # (on the CPU, with no negative view: the identity of _identity without those two fields)
         if not (alias and self._merge_alias(st, key, t, (key[0], address, t.shape, t.stride(), dt))):
             fused_at(address, n, dt, self._ledger.address(key), st.sketch.get(key[0], True))
@@ -723,9 +725,9 @@ class Collector:
 
     def _reduce_many(self, items: list[tuple[tuple, torch.Tensor]]) -> None:
         """:meth:`_reduce` of the (key, tensor) pairs of one stream, with no aliasing (parameters, gradients,
-        updates), in order: on the CPU kernel's path the :func:`fusable` tensors are reduced by one compiled call
-        (:func:`fused_many`), on a GPU with Triton the plain contiguous float tensors by one launch per dtype
-        (:func:`triton_many`), the others one by one; the rows are the same."""
+        updates), in order: on the CPU kernel's path the :func:`~.reduce.fusable` tensors are reduced by one
+        compiled call (:func:`~.reduce.fused_many_at`), on a GPU with Triton the plain contiguous float tensors by
+        one launch per dtype (:func:`triton_many`), the others one by one; the rows are the same."""
         st = self._state
         if st is None or not items:
             return
@@ -746,12 +748,13 @@ class Collector:
             keys.append(key)
             tensors.append(t)
         done: set[int] = set()
+        ats = [fusable_at(t) for t in tensors] if st.fused else []
         if st.fused:
-            pick = [i for i, t in enumerate(tensors) if fusable(t)]
+            pick = [i for i, at in enumerate(ats) if at is not None]
             if pick:
                 rows = self._ledger.addresses([keys[i] for i in pick])
-                done = {pick[j] for j in fused_many([tensors[i] for i in pick], rows,
-                                                    st.sketch.get(keys[0][0], True))}
+                done = {pick[j] for j in fused_many_at([ats[i] for i in pick], rows,
+                                                       st.sketch.get(keys[0][0], True))}
         elif tensors:  # the GPU's batched kernel (key counts always: no sketch flag)
             got = self._batched(keys, tensors)
             if got is None:
@@ -765,7 +768,7 @@ class Collector:
             if site not in self._dtypes:
                 self._dtypes[site] = _dtype_name(t)
             st.reductions[key] = st.reductions.get(key, 0) + 1
-            st.counts[key] = st.counts.get(key, 0) + t.numel()
+            st.counts[key] = st.counts.get(key, 0) + (ats[i][1] if ats else t.numel())  # type: ignore[index]
 
     @staticmethod
     def _identity(key: tuple, t: torch.Tensor) -> tuple | None:
@@ -968,15 +971,17 @@ class Collector:
     def _snapshot(self, st: _Step) -> None:
         """The parameters' sampled values before the update: float32 ones by the CPU kernel into one buffer
         (:class:`_DeltaBatch`), the others (and all of them off the CPU path) by :meth:`_gather`."""
-        batched, sizes = [], []
+        batched, sizes, addresses = [], [], []
         for name in self._sel_params:
             if not self._params[name].requires_grad:
                 continue
             try:
                 n, _, idx = self._sample_of(name)
-                if st.fused and self._delta_batchable(name):
+                at = self._delta_at(name) if st.fused else None
+                if at is not None:
                     batched.append(name)
                     sizes.append(n)
+                    addresses.append(at[0])
                 else:
                     st.snapshots[name] = (idx, self._gather(name, idx))
             except Exception as e:  # noqa: BLE001
@@ -987,7 +992,7 @@ class Collector:
             b = self._delta_batch
             if b is None or b.names != batched or b.sizes.tolist() != sizes:
                 b = self._delta_batch = _DeltaBatch(batched, [self._indices[n][1] for n in batched], sizes)
-            b.gather(self._addresses(batched), False)
+            b.gather(np.array(addresses, dtype=np.int64), False)
             st.batched = batched
         except Exception as e:  # noqa: BLE001 -- the torch path takes them
             self._warn_once("delta_batch", f"trainhist: the batched param_delta snapshot failed ({e!r}); "
@@ -998,14 +1003,11 @@ class Collector:
                 except Exception as e2:  # noqa: BLE001
                     self._fail(("param_delta", name, None, "default"), e2)
 
-    def _delta_batchable(self, name: str) -> bool:
-        """Whether the update of parameter ``name`` can be taken by the CPU kernel: plain contiguous float32 CPU
-        memory (any other dtype or layout takes the torch path, :meth:`_gather`)."""
-        t = local_tensor(self._params[name])
-        return t.dtype is torch.float32 and fusable(t)
-
-    def _addresses(self, names: list[str]) -> np.ndarray:
-        return np.array([local_tensor(self._params[n]).data_ptr() for n in names], dtype=np.int64)
+    def _delta_at(self, name: str) -> tuple[int, int] | None:
+        """``(address, elements)`` of parameter ``name`` when its update can be taken by the CPU kernel: plain
+        contiguous float32 CPU memory (any other dtype or layout takes the torch path, :meth:`_gather`)."""
+        at = fusable_at(local_tensor(self._params[name]))
+        return at[:2] if at is not None and at[2] is torch.float32 else None
 
     def _deltas(self, st: _Step) -> None:
         """``param_delta``: ``after - before`` on every snapshotted subvector, reduced in the model's order. The
@@ -1013,10 +1015,10 @@ class Collector:
         (replaced by the loop), all of them take the torch path from the same snapshot."""
         b, names, done = self._delta_batch, st.batched, {}
         if names and b is not None:
-            if all(self._delta_batchable(n) and local_tensor(self._params[n]).numel() == m
-                   for n, m in zip(names, b.sizes.tolist())):
+            ats = [self._delta_at(n) for n in names]
+            if all(at is not None and at[1] == m for at, m in zip(ats, b.sizes.tolist())):
                 try:
-                    b.gather(self._addresses(names), True)
+                    b.gather(np.array([at[0] for at in ats], dtype=np.int64), True)  # type: ignore[index]
                     done = dict(zip(names, b.views))
                 except Exception as e:  # noqa: BLE001 -- nothing was written: the snapshot is intact
                     self._warn_once("delta_batch", f"trainhist: the batched param_delta failed ({e!r}); taking it "
