@@ -175,9 +175,10 @@ def test_observe_checks_the_site_as_before(tmp_path: Path) -> None:
         w.observe(a, 3, np.ones(3))
 
 
-def _table(r: random.Random, n: int) -> SpineTable:
+def _table(r: random.Random, n: int, sketch: bool = False) -> SpineTable:
     """``n`` spine rows around the edges: no finite value, zero sums of either sign, overflowed sums (an unknown
-    bound), float32 bounds, counts beyond 2**53."""
+    bound), float32 bounds, counts beyond 2**53; with ``sketch``, key counts too (every finite non-zero value
+    binned, or only some; the zero, NaN and infinity keys, which a sketch does not read, set at random)."""
     cols: dict[str, list] = {k: [] for k in ("count", "nan", "pinf", "ninf", "zero", "min", "max", "sum", "sumsq",
                                                "method")}
     for _ in range(n):
@@ -194,8 +195,22 @@ def _table(r: random.Random, n: int) -> SpineTable:
                 s, q = r.choice([0.0, -0.0]), 0.0
         for k, v in zip(cols, (finite + nan + pinf + ninf, nan, pinf, ninf, min(zero, finite), lo, hi, s, q, method)):
             cols[k].append(v)
+    keys = None
+    if sketch:
+        keys = np.zeros((n, grid.NKEYS), np.uint64)
+        for i in range(n):
+            left = int(cols["count"][i] - cols["nan"][i] - cols["pinf"][i] - cols["ninf"][i] - cols["zero"][i])
+            left -= r.choice([0, 0, left // 2])  # (a sketch may cover only some of them)
+            side = grid.KEY_OVER + 1  # the bands (under, over) of each side often, and bins of both
+            for key in r.sample([0, 1, 2, 100, grid.KEY_OVER - 1, grid.KEY_OVER, side, side + 1, side + 200,
+                                 side + grid.KEY_OVER], 4):
+                take = r.randint(0, left)
+                keys[i, key] += take
+                left -= take
+            keys[i, r.choice([1, grid.KEY_OVER + 5])] += left
+            keys[i, grid.KEY_ZERO : grid.NKEYS] = [r.choice([0, 3]) for _ in range(grid.NKEYS - grid.KEY_ZERO)]
     return SpineTable(**{k: np.array(v, dtype=np.float64 if k in ("min", "max", "sum", "sumsq") else np.uint64)
-                         for k, v in cols.items()})
+                         for k, v in cols.items()}, sketch=keys)
 
 
 def _write_spines(path: Path, batched: bool) -> None:
@@ -206,7 +221,7 @@ def _write_spines(path: Path, batched: bool) -> None:
                        pid=1, host="h", software={}, **FAST) as w:
         sites = [w.site(f"s{i}", "param_grad") for i in range(25)]
         for step in range(12):
-            table = _table(r, 20)
+            table = _table(r, 20, sketch=step % 3 == 1)
             picked = r.sample(range(25), 20)
             phases = [r.choice(["default", "pre_clip", "post_clip"]) for _ in picked]
             w.mark(sites[picked[0]], step, "failed", phase="post_clip")  # the same site as a table row, too
@@ -264,6 +279,14 @@ def test_observe_spines_refuses_what_observe_could_not_write(tmp_path: Path) -> 
             "min <= max": {**one_finite, "min": np.array([2.0, -1.0]), "max": np.array([1.0, 1.0])},
             "finite with": {**one_finite, "max": np.array([1.0, math.inf])},
             "must be numbers": {**one_finite, "min": np.array(["x", "y"])},
+            "integer key counts of shape": {**one_finite, "sketch": np.zeros((2, 7), np.int64)},
+            "integer key counts": {**one_finite, "sketch": np.zeros((2, grid.NKEYS))},
+            "sketch counts must be non-negative": {**one_finite, "sketch": -np.eye(2, grid.NKEYS, dtype=np.int64)},
+            "more values than its finite non-zero ones": {**one_finite,
+                                                          "sketch": 2 * np.eye(2, grid.NKEYS, 1, dtype=np.int64)},
+            # (bins whose exact sum wraps around 2**64 are still too many)
+            "more values than": {**one_finite, "sketch": np.tile(np.array([1 << 63, 1 << 63, 1] + [0] * (
+                grid.NKEYS - 3), np.uint64), (2, 1))},
         }
         for message, cols in bad_tables.items():
             sites = [a] if message.startswith("one site") else [a, b]

@@ -116,12 +116,14 @@ class Summary:
 
 @dataclass(frozen=True)
 class SpineTable:
-    """The spines (no sketches) of many observations as columns, row ``i`` one observation: what
-    :meth:`trainhist.HistoryWriter.observe_spines` takes to record hundreds of sites a step without a
+    """The spines of many observations as columns, row ``i`` one observation, and optionally a native-scale sketch
+    of each: what :meth:`trainhist.HistoryWriter.observe_spines` takes to record hundreds of sites a step without a
     :class:`Summary` each. Counts are non-negative integers (``count`` at least the other four together); ``min``,
     ``max`` the finite extremes in IEEE total order (NaN where a row has no finite value); ``sum``, ``sumsq`` the
     sums as finite float64 values, bounded as ``method`` says (:class:`SumMethod`: F32, F64 or UNKNOWN, whose sums
-    are stored as 0)."""
+    are stored as 0). ``sketch``: ``None``, or the counts of every row by grid key (shape ``(rows,
+    grid.NKEYS)``, as ``np.bincount`` of :func:`grid.bin_keys` gives them; the bin and band keys make the
+    sketch, :meth:`Sketch.from_key_counts`), no more of them than the row's finite non-zero values."""
 
     count: np.ndarray
     nan: np.ndarray
@@ -133,6 +135,7 @@ class SpineTable:
     sum: np.ndarray
     sumsq: np.ndarray
     method: np.ndarray
+    sketch: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.count)
@@ -144,6 +147,8 @@ class SpineTable:
                     sum_method=int(self.method[i]))
         if s.sum_method != SumMethod.UNKNOWN:
             s.sum, s.sumsq = Dyadic.from_float(float(self.sum[i])), Dyadic.from_float(float(self.sumsq[i]))
+        if self.sketch is not None:
+            s.sketch = Sketch.from_key_counts(np.asarray(self.sketch[i]))
         return s
 
 

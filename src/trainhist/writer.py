@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import __version__
+from . import __version__, grid
 from .chunk import DTYPES, MAX_ROWS, Codec, assemble_chunks, encode_chunk, pack_segments
 from .dyadic import Dyadic, floats_of
 from .errors import ReadOnlyError, UsageError
@@ -47,7 +47,7 @@ from .model import (
     Presence,
 )
 from .schemas import validate_manifest
-from .summary import SpineTable, Summary, SumMethod, summarize
+from .summary import Sketch, SpineTable, Summary, SumMethod, summarize
 
 __all__ = ["HistoryWriter", "SiteHandle"]
 
@@ -91,9 +91,10 @@ _TABLE_METHODS = (SumMethod.F64, SumMethod.F32, SumMethod.UNKNOWN)  #: the sum m
 
 class _Spines:
     """A :class:`SpineTable` as the encoder stores it: counts (5 rows, uint64), min/max (canonical NaN), the sums
-    as their stored float64 values (0 for an unknown bound; +0.0 for a zero sum) and the method codes."""
+    as their stored float64 values (0 for an unknown bound; +0.0 for a zero sum), the method codes and the sketch
+    key counts (uint64, a row per observation; None: no sketches)."""
 
-    __slots__ = ("counts", "ranges", "sums", "method")
+    __slots__ = ("counts", "ranges", "sums", "method", "keys")
 
     def __init__(self, t: SpineTable) -> None:
         n = len(t.count)
@@ -130,11 +131,38 @@ class _Spines:
             if (np.isnan(ranges) != ~has).any() or np.isinf(ranges).any() or (ranges[0] > ranges[1]).any():
                 raise UsageError("a SpineTable's min and max must be finite with min <= max in a row with a finite "
                                  "value, and NaN in one without")
+        self.keys = None if t.sketch is None else _sketch_keys(t.sketch, finite - counts[4])
         self.counts = counts
         self.ranges = ranges
         self.ranges[np.isnan(ranges)] = CANONICAL_NAN
         self.sums = np.where(known, sums, 0.0) + 0.0  # (+ 0.0: a zero sum is stored as +0.0, as its dyadic is)
         self.method = method.astype(np.uint8)
+
+    def sketch(self, i: int) -> Sketch:
+        """The sketch of row ``i`` (views of its key counts)."""
+        k = self.keys[i]  # type: ignore[index]
+        side = grid.KEY_OVER + 1
+        return Sketch(grid.NATIVE_SCALE, k[1 : grid.KEY_OVER], k[side + 1 : side + grid.KEY_OVER],
+                      int(k[grid.KEY_UNDER]), int(k[side + grid.KEY_UNDER]), int(k[grid.KEY_OVER]),
+                      int(k[side + grid.KEY_OVER]))
+
+
+def _sketch_keys(sketch: np.ndarray, nonzero: np.ndarray) -> np.ndarray:
+    """A :class:`SpineTable`'s sketch key counts as uint64, checked: one row of ``grid.NKEYS`` non-negative
+    integers per observation, whose bins and bands count no more values than its ``nonzero`` finite ones."""
+    keys = np.asarray(sketch)
+    if keys.ndim != 2 or keys.shape != (len(nonzero), grid.NKEYS) or keys.dtype.kind not in "iu":
+        raise UsageError(f"a SpineTable's sketch must be integer key counts of shape ({len(nonzero)}, "
+                         f"{grid.NKEYS}) (a row of grid.NKEYS per observation), not {keys.dtype} {keys.shape}")
+    if keys.size and keys.min() < 0:
+        raise UsageError("a SpineTable's sketch counts must be non-negative")
+    binned = keys[:, : 2 * (grid.KEY_OVER + 1)]  # the bins and bands of both sides
+    keys = np.ascontiguousarray(keys, dtype=np.uint64)
+    # (a float sum first: the exact uint64 one cannot wrap when it is below 2**64 with room for rounding)
+    if (binned.sum(axis=1, dtype=np.float64) > 1.8e19).any() or (
+            binned.sum(axis=1, dtype=np.uint64) > nonzero).any():
+        raise UsageError("a SpineTable row's sketch counts more values than its finite non-zero ones")
+    return keys
 
 
 def _row_columns(summaries: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[bool], list]:
@@ -233,9 +261,10 @@ def encode_obs_chunks(chunks: list[tuple[list[tuple], int, int]], codec: int) ->
     table.update((name, ("u8", col)) for name, col in zip(_COUNTS, counts))
     table["min"], table["max"] = ("f8", ranges[0]), ("f8", ranges[1])
     table["sum"], table["sumsq"] = ("f8", floats[0]), ("f8", floats[1])
-    sketched = [i for i, s in enumerate(summaries) if s is not None and type(s) is not tuple and s.sketch is not None]
+    sketched = [i for i, s in enumerate(summaries) if s is not None and (
+        s[0].keys is not None if type(s) is tuple else s.sketch is not None)]
     if sketched:
-        sketches = [summaries[i].sketch for i in sketched]
+        sketches = [s[0].sketch(s[1]) if type(s) is tuple else s.sketch for s in (summaries[i] for i in sketched)]
         firsts, lengths, counts = _windows([arr for sk in sketches for arr in (sk.pos, sk.neg)])  # type: ignore[union-attr]
         at = list(accumulate((lengths[2 * j] + lengths[2 * j + 1] for j in range(len(sketched))), initial=0))
         rows_of = np.array([(1, firsts[2 * j], lengths[2 * j], firsts[2 * j + 1], lengths[2 * j + 1], sk.under_pos,

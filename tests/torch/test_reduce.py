@@ -319,39 +319,67 @@ def _per_row(data: np.ndarray, offset: int, count: int, sketch: bool) -> tuple:
         return _strict(e)
 
 
+def _random_rows(rng: np.random.Generator) -> tuple[np.ndarray, list[int], list[int], list[bool]]:
+    """A landed ledger of a few rows of every kind (spine and sketch, NaN, infinities, zeros of both signs,
+    subnormals, float64 sums that overflow), some decoded with the wrong count or kind, and now and then one value
+    of the buffer corrupted: ``(data, offsets, counts, sketches)``."""
+    special = np.array([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan, 1e-40, -1e-40, 3e38, -2.5], dtype=np.float32)
+    led = Ledger("cpu")
+    keys = list(range(int(rng.integers(1, 7))))
+    counts, sketches = [], []
+    for k in keys:
+        sketch, n = bool(rng.integers(0, 2)), 0
+        led.row(k)
+        for _ in range(int(rng.integers(0, 3))):
+            m = int(rng.integers(1, 40))
+            x = torch.from_numpy(rng.choice(special, m)) if rng.random() < 0.7 else torch.randn(m) * 1e30
+            if rng.random() < 0.2:
+                x = x.double() * 1e300  # float64 sums that overflow
+            reduce_into(x, led.row(k), sketch=sketch)
+            n += m
+        counts.append(n + (int(rng.integers(-1, 2)) if rng.random() < 0.1 else 0))
+        sketches.append(sketch if rng.random() < 0.9 else not sketch)
+    data = led.transfer().wait().copy()
+    if rng.random() < 0.15:  # a corrupted count or value anywhere in the buffer
+        data[int(rng.integers(0, data.size))] += int(rng.integers(-3, 4))
+    return data, [led.rows[k] for k in keys], counts, sketches
+
+
 def test_decode_rows_vectorized_path_equals_the_per_row_path():
     """decode_rows decodes spine and sketch rows with array operations and leaves rows that fail a check to the
     per-row decode: on rows of every kind, some corrupted, both give the same summary or the same error."""
     from trainhist.torch import reduce as rd
 
     rng = np.random.default_rng(7)
-    special = np.array([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan, 1e-40, -1e-40, 3e38, -2.5], dtype=np.float32)
     errors = 0
     for trial in range(150):
-        led = Ledger("cpu")
-        keys = list(range(int(rng.integers(1, 7))))
-        counts, sketches = [], []
-        for k in keys:
-            sketch, n = bool(rng.integers(0, 2)), 0
-            led.row(k)
-            for _ in range(int(rng.integers(0, 3))):
-                m = int(rng.integers(1, 40))
-                x = torch.from_numpy(rng.choice(special, m)) if rng.random() < 0.7 else torch.randn(m) * 1e30
-                if rng.random() < 0.2:
-                    x = x.double() * 1e300  # float64 sums that overflow
-                reduce_into(x, led.row(k), sketch=sketch)
-                n += m
-            counts.append(n + (int(rng.integers(-1, 2)) if rng.random() < 0.1 else 0))
-            sketches.append(sketch if rng.random() < 0.9 else not sketch)
-        data = led.transfer().wait().copy()
-        if rng.random() < 0.15:  # a corrupted count or value anywhere in the buffer
-            data[int(rng.integers(0, data.size))] += int(rng.integers(-3, 4))
-        offsets = [led.rows[k] for k in keys]
+        data, offsets, counts, sketches = _random_rows(rng)
         got = [_strict(s) for s in rd.decode_rows(data, offsets, counts, sketches)]
         want = [_per_row(data, o, n, sk) for o, n, sk in zip(offsets, counts, sketches)]
         assert got == want, trial
         errors += sum(w[0] == "error" for w in want)
     assert errors > 10  # the corrupted rows were exercised
+
+
+def test_spine_tables_hold_the_summaries_of_decode_rows():
+    """The collector writes the rows that pass every check as tables (DecodedRows.spine_table, spine rows and
+    sketch rows apart): each table row is the summary decode_rows makes of it, sketch included."""
+    from trainhist.torch import reduce as rd
+
+    rng = np.random.default_rng(8)
+    seen = set()
+    for trial in range(150):
+        data, offsets, counts, sketches = _random_rows(rng)
+        d = rd.decode_arrays(data, offsets, counts, sketches)
+        want = rd.decode_rows(data, offsets, counts, sketches)
+        for sketch in (False, True):
+            rows = np.array([i for i, ok in enumerate(d.ok.tolist()) if ok and sketches[i] == sketch], np.int64)
+            table = d.spine_table(rows, sketch)
+            assert (table.sketch is not None) == sketch and len(table) == rows.size
+            for j, i in enumerate(rows.tolist()):
+                assert _strict(table.row(j)) == _strict(want[i]), (trial, i)
+                seen.add((sketch, want[i].count > 0))
+    assert seen == {(False, False), (False, True), (True, False), (True, True)}
 
 
 def test_decode_rows_vectorized_path_never_wraps_int64():

@@ -1156,27 +1156,17 @@ class Collector:
         return st.decoded[key]
 
     def _decode_all(self, st: _Step, data: np.ndarray) -> None:
-        """Decode every reduced row of the step at once: the spine-only rows as arrays (:func:`decode_arrays`, into
-        ``st.spines``; a row that fails a check is left to :meth:`_decode`, which names the failure), the rows
-        with a sketch as summaries (:func:`decode_rows`, into ``st.decoded``)."""
+        """Decode every reduced row of the step at once, as arrays (:func:`decode_arrays`, into ``st.spines``); a
+        row that fails a check is left to :meth:`_decode`, which names the failure."""
         rows = st.pending.rows  # type: ignore[union-attr]
         keys = [k for k, n in st.counts.items() if n and k not in st.failed and k in rows]
-        spine = [k for k in keys if not st.sketch[k[0]]]
-        sketched = [k for k in keys if st.sketch[k[0]]]
         try:
-            d = decode_arrays(data, [rows[k] for k in spine], [st.counts[k] for k in spine], [False] * len(spine))
-        except Exception:  # noqa: BLE001 -- left to the per-key path, which records the failing site
-            pass
-        else:
-            st.spines = d
-            st.spine_rows = {k: i for i, (k, good) in enumerate(zip(spine, d.ok.tolist())) if good}
-        try:
-            out = decode_rows(data, [rows[k] for k in sketched], [st.counts[k] for k in sketched],
-                              [True] * len(sketched))
+            d = decode_arrays(data, [rows[k] for k in keys], [st.counts[k] for k in keys],
+                              [st.sketch[k[0]] for k in keys])
         except Exception:  # noqa: BLE001 -- left to the per-key path, which records the failing site
             return
-        for key, summ in zip(sketched, out):
-            st.decoded[key] = self._decoded(st, key, summ)
+        st.spines = d
+        st.spine_rows = {k: i for i, (k, good) in enumerate(zip(keys, d.ok.tolist())) if good}
 
     def _decode(self, st: _Step, data: np.ndarray | None, key: tuple) -> object:
         n = st.counts.get(key)
@@ -1200,17 +1190,22 @@ class Collector:
         return summ
 
     def _emit_batch(self, st: _Step, batch: list[tuple[object, str, int]]) -> None:
-        """Write the spine rows in ``batch`` (handle, phase, row of ``st.spines``) with one writer call; empty it.
+        """Write the rows in ``batch`` (handle, phase, row of ``st.spines``) with a writer call for those without a
+        sketch and one for those with one; empty it.
         (The writer takes all the rows or none before it writes any: a failed write loses none of them.)"""
         if not batch:
             return
-        handles, phases, idx = zip(*batch)
+        for sketch in (False, True):  # (a site's rows are all of one stream: their order is kept)
+            part = [b for b in batch if st.sketch[b[0].stream] == sketch]  # type: ignore[attr-defined]
+            if not part:
+                continue
+            handles, phases, idx = zip(*part)
+            try:
+                table = st.spines.spine_table(np.array(idx, dtype=np.int64), sketch)  # type: ignore[union-attr]
+                self._writer.observe_spines(handles, st.step, table, phases=phases)
+            except Exception as e:  # noqa: BLE001 -- a broken disk must not kill the training run
+                self._writer_error(e)
         batch.clear()
-        try:
-            table = st.spines.spine_table(np.array(idx, dtype=np.int64))  # type: ignore[union-attr]
-            self._writer.observe_spines(handles, st.step, table, phases=phases)
-        except Exception as e:  # noqa: BLE001 -- a broken disk must not kill the training run
-            self._writer_error(e)
 
     def _emit(self, st: _Step, s: PlannedSite, phase: str, key: tuple, summ: object, applied: bool | None) -> None:
         h = self._handle(s.path, s.stream, s.facet)

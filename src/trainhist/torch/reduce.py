@@ -503,17 +503,24 @@ class DecodedRows:
         for name, value in fields.items():
             setattr(self, name, value)
 
-    def spine_table(self, rows: np.ndarray) -> SpineTable:
+    def spine_table(self, rows: np.ndarray, sketch: bool = False) -> SpineTable:
         """The spines of ``rows`` (rows that passed every check) as a :class:`SpineTable`, as :func:`decode_rows`
         would make their summaries: min and max where a row has a finite value, the float64 sums where they are
-        finite too (else the bound is unknown)."""
+        finite too (else the bound is unknown); with ``sketch`` (rows decoded as sketch rows), their key counts
+        (none for a row of no elements)."""
         has, sums_ok = self.has[rows], self.sums_ok[rows]
         nan = np.full(rows.size, math.nan)
+        keys = None
+        if sketch:
+            keys = np.zeros((rows.size, NK), dtype=np.int64)
+            at = np.minimum(np.searchsorted(self.keyrows, rows), max(self.keyrows.size - 1, 0))
+            hit = self.keyrows[at] == rows if self.keyrows.size else np.zeros(rows.size, bool)
+            keys[hit] = self.keys[at[hit]]
         return SpineTable(
             count=self.count[rows], nan=self.nan[rows], pinf=self.pinf[rows], ninf=self.ninf[rows],
             zero=self.zero[rows], min=np.where(has, self.min[rows], nan), max=np.where(has, self.max[rows], nan),
             sum=np.where(sums_ok, self.sums[rows, 0], 0.0), sumsq=np.where(sums_ok, self.sums[rows, 1], 0.0),
-            method=np.where(has & ~sums_ok, SumMethod.UNKNOWN, SumMethod.F64).astype(np.uint8))
+            method=np.where(has & ~sums_ok, SumMethod.UNKNOWN, SumMethod.F64).astype(np.uint8), sketch=keys)
 
 
 def decode_arrays(data: np.ndarray, offsets: list[int], counts: list[int], sketches: list[bool]) -> DecodedRows:
