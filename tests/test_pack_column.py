@@ -119,6 +119,16 @@ def test_pack_segments_equal_each_segment_alone(codec: int) -> None:
                 assert (c, stored) == want and rlen == a.size * DTYPES[dt].itemsize, dt
 
 
+def test_pack_segments_takes_the_column_dtype() -> None:
+    """Values given in another dtype are packed as the column's (as encode_chunk converts them); segments that do
+    not cover the array exactly are refused."""
+    wide = np.array([1, 2, 70000, 3], np.int64)
+    for codec in (Codec.RAW, Codec.PACKED):
+        assert pack_segments("u4", wide, [1, 3], codec) == pack_segments("u4", wide.astype(np.uint32), [1, 3], codec)
+    with pytest.raises(ValueError, match="segments of 3 values"):
+        pack_segments("u4", wide, [1, 2], Codec.PACKED)
+
+
 def test_encode_chunks_equals_encode_chunk_of_each() -> None:
     rng = np.random.default_rng(12)
     for codec in (Codec.RAW, Codec.DEFLATE, Codec.SHUFFLE_DEFLATE, Codec.PACKED):

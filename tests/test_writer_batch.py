@@ -242,6 +242,33 @@ def test_observe_spines_writes_the_file_of_observe_row_by_row(tmp_path: Path) ->
     assert (tmp_path / "batched.thist").read_bytes() == (tmp_path / "rows.thist").read_bytes()
 
 
+def test_observe_spines_cuts_chunks_where_observe_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A site's buffer written as a chunk once it holds _FLUSH_ROWS rows, in the middle of one observe_spines call
+    too (its pre_clip and post_clip rows straddling the cut); a sketch table changed by the caller after the call
+    changes nothing written."""
+    import trainhist.writer as wr
+
+    monkeypatch.setattr(wr, "_FLUSH_ROWS", 3)
+    r = random.Random(5)
+    tables = [_table(r, 2, sketch=True) for _ in range(4)]
+
+    def write(path: Path, batched: bool) -> None:
+        with HistoryWriter(path, codec="packed", salt=1, run_id="1" * 32, writer_id="2" * 32, created="2024-01-01",
+                           pid=1, host="h", software={}, **FAST) as w:
+            a = w.site("a", "param_grad")
+            for step, table in enumerate(tables):
+                if batched:
+                    w.observe_spines([a, a], step, table, phases=["pre_clip", "post_clip"])
+                    table.sketch[:] = 1 << 62  # type: ignore[index] -- (too many, had it been read now)
+                else:
+                    for i, phase in enumerate(["pre_clip", "post_clip"]):
+                        w.observe(a, step, summary=table.row(i), phase=phase)
+
+    write(tmp_path / "rows.thist", False)
+    write(tmp_path / "batched.thist", True)
+    assert (tmp_path / "batched.thist").read_bytes() == (tmp_path / "rows.thist").read_bytes()
+
+
 def test_observe_spines_refuses_what_observe_could_not_write(tmp_path: Path) -> None:
     r = random.Random(2)
     with HistoryWriter(tmp_path / "a.thist", **FAST) as w, HistoryWriter(tmp_path / "b.thist", **FAST) as v:

@@ -167,6 +167,9 @@ def pack_segments(dt: str, flat: np.ndarray, sizes: list[int], codec: int) -> li
     ``dt``) holds one after another, ``sizes[k]`` values each: what :func:`encode_chunks` stores for them under
     ``codec``. Under ``Codec.PACKED`` the choice of each is made with one set of numpy calls for all of them
     (statistics by ``reduceat``, blocks cut from shared buffers): only the block that wins is built."""
+    flat = np.ascontiguousarray(flat, DTYPES[dt]).reshape(-1)  # (no copy when it already is)
+    if sum(sizes) != flat.size:
+        raise ValueError(f"segments of {sum(sizes)} values in all, of an array of {flat.size}")
     if codec != Codec.PACKED or dt == "bytes":
         starts = itertools.accumulate(sizes, initial=0)
         return [_encode_column(dt, flat[s : s + n], Codec.RAW if codec == Codec.PACKED else codec)

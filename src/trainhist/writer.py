@@ -156,8 +156,8 @@ def _sketch_keys(sketch: np.ndarray, nonzero: np.ndarray) -> np.ndarray:
                          f"{grid.NKEYS}) (a row of grid.NKEYS per observation), not {keys.dtype} {keys.shape}")
     if keys.size and keys.min() < 0:
         raise UsageError("a SpineTable's sketch counts must be non-negative")
-    binned = keys[:, : 2 * (grid.KEY_OVER + 1)]  # the bins and bands of both sides
-    keys = np.ascontiguousarray(keys, dtype=np.uint64)
+    keys = np.array(keys, dtype=np.uint64)  # (a copy: the rows are read at the commit, the caller's array may change)
+    binned = keys[:, : 2 * (grid.KEY_OVER + 1)]  # the bins and bands of both sides (the other keys are not read)
     # (a float sum first: the exact uint64 one cannot wrap when it is below 2**64 with room for rounding)
     if (binned.sum(axis=1, dtype=np.float64) > 1.8e19).any() or (
             binned.sum(axis=1, dtype=np.uint64) > nonzero).any():
@@ -198,7 +198,7 @@ def _row_columns(summaries: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
                 is_float[2 * i : 2 * i + 2] = exact[2 * j : 2 * j + 2]
     if refs:
         pairs = [summaries[i] for i in refs]
-        tables = {id(t): t for t, _ in pairs}  # (a commit holds one table a step)
+        tables = {id(t): t for t, _ in pairs}  # (a commit holds a few tables a step)
         at = np.array(refs, np.int64)
         idx = np.fromiter((k for _, k in pairs), np.int64, len(pairs))
         which = np.fromiter((id(t) for t, _ in pairs), np.int64, len(pairs)) if len(tables) > 1 else None
@@ -562,7 +562,7 @@ class HistoryWriter:
         step = self._row_step(step)
         default = _PHASE_CODES["default"]
         buffers, segment = self._buffers, self.segment
-        full = []
+        full: list[tuple[tuple[int, int], list[tuple]]] = []  # buffers that reached _FLUSH_ROWS, as observe cuts them
         for i, site in enumerate(sites):  # (every row is buffered before any is written)
             key = (site.id, segment)
             buf = buffers.get(key)
@@ -570,9 +570,15 @@ class HistoryWriter:
                 buf = buffers[key] = []
             buf.append((step, 1, MICRO_ALL, default if codes is None else codes[i], Presence.OBSERVED, (spines, i)))
             if len(buf) == _FLUSH_ROWS:
-                full.append(key)
-        for key in full:
-            self._flush_site(*key)
+                full.append((key, buf))
+                buffers[key] = []
+        for k, (key, rows) in enumerate(full):
+            try:
+                self._write_rows(*key, rows)
+            except BaseException:  # the rows not written yet stay buffered, before the later ones
+                for key2, rows2 in reversed(full[k:]):
+                    buffers[key2] = rows2 + buffers.get(key2, [])
+                raise
 
     def mark(self, site: SiteHandle, step: int, presence: str, *, phase: str = "default",
              micro: int | None = None) -> None:
@@ -642,11 +648,14 @@ class HistoryWriter:
 
     def _flush_site(self, sid: int, segment: int) -> None:
         buf = self._buffers.pop((sid, segment), None)
-        if not buf:
-            return
+        if buf:
+            self._write_rows(sid, segment, buf)
+
+    def _write_rows(self, sid: int, segment: int, rows: list[tuple]) -> None:
+        """Write ``rows`` of one (site, segment) as a chunk."""
         self._write_segment_manifest()
-        payload, lo, hi = encode_obs_rows(buf, sid, segment, self._codec)
-        self._record(RecordType.OBS, payload, site=sid, segment=segment, rows=len(buf), steps=(lo, hi))
+        payload, lo, hi = encode_obs_rows(rows, sid, segment, self._codec)
+        self._record(RecordType.OBS, payload, site=sid, segment=segment, rows=len(rows), steps=(lo, hi))
 
     def _write_segment_manifest(self) -> None:
         if self._segment_manifest is not None:

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from trainhist import grid
 from trainhist.torch import cpukernel
 from trainhist.torch.cpukernel import BLOCK, GROUP
-from trainhist.torch.reduce import (COL_MAX, COL_MIN, COL_NEGZERO, NCOUNT, ROW, Ledger, fused_into, fused_many,
-                                    reduce_into)
+from trainhist.torch.reduce import (COL_MAX, COL_MIN, COL_NEGZERO, NCOUNT, ROW, Ledger, fusable_at, fused_into,
+                                    fused_many_at, reduce_into)
 
 WIDTHS = {32: (np.uint32, np.float32, 23, 8, grid.THRESH_F32), 64: (np.uint64, np.float64, 52, 11, grid.THRESH_F64)}
 
@@ -128,7 +128,8 @@ def test_many_equals_one_by_one():
         r[:, COL_MIN : COL_MAX + 1] = torch.from_numpy(np.array([np.inf, np.inf]).view(np.int64))
     for i, x in enumerate(xs):
         fused_into(x, one[i].data_ptr(), True)
-    assert sorted(fused_many(xs, [many[i].data_ptr() for i in range(len(xs))], True)) == list(range(len(xs)))
+    assert sorted(fused_many_at([fusable_at(x) for x in xs], [many[i].data_ptr() for i in range(len(xs))],
+                                True)) == list(range(len(xs)))
     assert torch.equal(one, many)
 
 

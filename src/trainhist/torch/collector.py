@@ -117,7 +117,7 @@ class _Step:
     scaler_updated: bool = False
     pending: PendingTransfer | None = None
     decoded: dict[tuple, object] = field(default_factory=dict)
-    spines: DecodedRows | None = None  # the numbers of the step's spine-only rows (_decode_all)
+    spines: DecodedRows | None = None  # the numbers of the step's rows (_decode_all)
     spine_rows: dict[tuple, int] = field(default_factory=dict)  # key -> its row in spines (rows that decoded)
     late_only: bool = False  # carries only tensor scalars of earlier steps (the transfer at close)
     reductions: dict[tuple, int] = field(default_factory=dict)  # key -> reductions into its row this step
@@ -725,7 +725,7 @@ class Collector:
 
     def _reduce_many(self, items: list[tuple[tuple, torch.Tensor]]) -> None:
         """:meth:`_reduce` of the (key, tensor) pairs of one stream, with no aliasing (parameters, gradients,
-        updates), in order: on the CPU kernel's path the :func:`~.reduce.fusable` tensors are reduced by one
+        updates), in order: on the CPU kernel's path the :func:`~.reduce.fusable_at` tensors are reduced by one
         compiled call (:func:`~.reduce.fused_many_at`), on a GPU with Triton the plain contiguous float tensors by
         one launch per dtype (:func:`triton_many`), the others one by one; the rows are the same."""
         st = self._state
@@ -1191,8 +1191,8 @@ class Collector:
 
     def _emit_batch(self, st: _Step, batch: list[tuple[object, str, int]]) -> None:
         """Write the rows in ``batch`` (handle, phase, row of ``st.spines``) with a writer call for those without a
-        sketch and one for those with one; empty it.
-        (The writer takes all the rows or none before it writes any: a failed write loses none of them.)"""
+        sketch and one for those with one; empty it. (Each call takes all its rows or none, before it writes any:
+        a call that fails loses its rows, not the other call's.)"""
         if not batch:
             return
         for sketch in (False, True):  # (a site's rows are all of one stream: their order is kept)

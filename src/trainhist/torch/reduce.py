@@ -41,7 +41,7 @@ except ImportError as _e:  # numba missing, or not yet released for this Python
                   "torch operations, several times slower (pip install numba)", RuntimeWarning, stacklevel=2)
 
 __all__ = ["ROW", "CHUNK", "METHODS", "reduce_into", "device_method", "batch_method", "triton_into", "triton_many",
-           "triton_batchable", "fused_into", "fused_many", "fused_many_at", "fusable", "fusable_at", "is_plain",
+           "triton_batchable", "fused_into", "fused_many_at", "fusable_at", "is_plain",
            "merge_row", "decode_row", "decode_rows", "decode_arrays", "DecodedRows", "Ledger", "PendingTransfer"]
 
 NK = grid.NKEYS
@@ -386,21 +386,17 @@ def fused_into(x: torch.Tensor, row_address: int, sketch: bool) -> None:
 
 
 def fused_at(address: int, n: int, dtype: torch.dtype, row_address: int, sketch: bool) -> None:
-    """The CPU kernel on ``n > 0`` elements of ``dtype`` at ``address``, of a tensor :func:`fusable` has accepted
+    """The CPU kernel on ``n > 0`` elements of ``dtype`` at ``address``, of a tensor :func:`fusable_at` has accepted
     (the caller's checks are not repeated: the collector's hot path)."""
     spine, sketch_, _ = (_F64 if dtype is torch.float64 else _F32).kernels
     (sketch_ if sketch else spine)(address, n, row_address)
 
 
-def fusable(x: torch.Tensor) -> bool:
-    """Whether the CPU kernel can read ``x`` by address as it is: a non-empty plain contiguous float32/float64 CPU
-    tensor (no negative view); others go through :func:`fused_into`, which widens or copies them first."""
-    return fusable_at(x) is not None
-
-
 def fusable_at(x: torch.Tensor) -> tuple[int, int, torch.dtype] | None:
-    """``(address, elements, dtype)`` of a tensor :func:`fusable` accepts, else None: the checks and what the
-    kernel needs, each read once (a torch attribute costs a fraction of a microsecond; hundreds a step)."""
+    """``(address, elements, dtype)`` when the CPU kernel can read ``x`` by address as it is (a non-empty plain
+    contiguous float32/float64 CPU tensor, no negative view), else None (:func:`fused_into` widens or copies
+    such tensors first). Each attribute is read once: a torch attribute costs a fraction of a microsecond, and a
+    step reads hundreds."""
     dt = x.dtype
     if ((dt is torch.float32 or dt is torch.float64) and is_plain(x) and x.is_cpu and x.is_contiguous()
             and not x.is_neg()):
@@ -410,15 +406,11 @@ def fusable_at(x: torch.Tensor) -> tuple[int, int, torch.dtype] | None:
     return None
 
 
-def fused_many(xs: list[torch.Tensor], row_addresses: list[int], sketch: bool) -> list[int]:
-    """:func:`fused_into` of many tensors, one compiled call per float width: the positions in ``xs`` of the
-    tensors it reduced. The others (not :func:`fusable`, or of a width whose call failed) are left to the caller's
-    per-tensor path. The same kernels run, so the rows are those of one :func:`fused_into` per tensor."""
-    return fused_many_at([fusable_at(x) for x in xs], row_addresses, sketch)
-
-
 def fused_many_at(ats: list[tuple[int, int, torch.dtype] | None], row_addresses: list[int], sketch: bool) -> list[int]:
-    """:func:`fused_many` of tensors given by their :func:`fusable_at` (None: not reduced here)."""
+    """:func:`fused_into` of many tensors given by their :func:`fusable_at` (None: not reduced here), one compiled
+    call per float width: the positions in ``ats`` of the tensors it reduced. The others (None, or of a width whose
+    call failed) are left to the caller's per-tensor path. The same kernels run, so the rows are those of one
+    :func:`fused_into` per tensor."""
     groups: dict[torch.dtype, tuple[list[int], list[int], list[int], list[int]]] = {}
     for i, at in enumerate(ats):
         if at is not None:
