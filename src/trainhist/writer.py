@@ -165,15 +165,20 @@ def _sketch_keys(sketch: np.ndarray, nonzero: np.ndarray) -> np.ndarray:
     return keys
 
 
-def _row_columns(summaries: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[bool], list]:
-    """The number columns of rows whose numbers are a :class:`Summary`, ``None`` (a mark) or ``(_Spines, i)``:
+_ROW_BITS = 32  #: a table row is buffered as the int ``table << _ROW_BITS | row`` (see _row_columns)
+
+
+def _row_columns(summaries: tuple, tables: Sequence[_Spines]) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                      np.ndarray, list[bool], list]:
+    """The number columns of rows whose numbers are a :class:`Summary`, ``None`` (a mark) or an int ``t << 32 |
+    i`` (row ``i`` of ``tables[t]``: a buffered row of ints only, which the garbage collector stops tracking):
     method, the five counts, min and max, the sums' float64 values, whether each sum is exactly that float (two a
     row, interleaved) and the sums themselves (interleaved; ``None`` for a table's, always floats)."""
     n = len(summaries)
-    refs = [i for i, s in enumerate(summaries) if type(s) is tuple]
+    refs = [i for i, s in enumerate(summaries) if type(s) is int]
     plain: Any = slice(None)  # the Summary (or mark) rows: all, or a list of positions
     if refs:
-        plain = [i for i, s in enumerate(summaries) if type(s) is not tuple]
+        plain = [i for i, s in enumerate(summaries) if type(s) is not int]
     sums = [s if s is not None else _EMPTY for s in (summaries if not refs else (summaries[i] for i in plain))]
     method = np.empty(n, np.uint8)
     counts = np.empty((5, n), np.uint64)
@@ -197,13 +202,11 @@ def _row_columns(summaries: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
                 values[2 * i : 2 * i + 2] = vals[2 * j : 2 * j + 2]
                 is_float[2 * i : 2 * i + 2] = exact[2 * j : 2 * j + 2]
     if refs:
-        pairs = [summaries[i] for i in refs]
-        tables = {id(t): t for t, _ in pairs}  # (a commit holds a few tables a step)
-        at = np.array(refs, np.int64)
-        idx = np.fromiter((k for _, k in pairs), np.int64, len(pairs))
-        which = np.fromiter((id(t) for t, _ in pairs), np.int64, len(pairs)) if len(tables) > 1 else None
-        for key, t in tables.items():
-            take = slice(None) if which is None else which == key
+        ref = np.fromiter((summaries[i] for i in refs), np.int64, len(refs))
+        at, which, idx = np.array(refs, np.int64), ref >> _ROW_BITS, ref & ((1 << _ROW_BITS) - 1)
+        for key in np.unique(which).tolist():  # (a commit holds a few tables a step)
+            t = tables[key]
+            take = which == key
             pos, k = at[take], idx[take]
             method[pos] = t.method[k]
             counts[:, pos] = t.counts[:, k]
@@ -234,13 +237,15 @@ def _windows(arrays: list[np.ndarray]) -> tuple[list[int], list[int], np.ndarray
     return firsts, lengths, np.concatenate(pieces) if pieces else np.zeros(0, np.uint64)
 
 
-def encode_obs_rows(rows: list[tuple], site: int, segment: int, codec: int) -> tuple[bytes, int, int]:
+def encode_obs_rows(rows: list[tuple], site: int, segment: int, codec: int,
+                    tables: Sequence[_Spines] = ()) -> tuple[bytes, int, int]:
     """Chunk payload of obs rows ``(step, span, micro, phase, presence, Summary|None)``; returns payload, steps."""
-    return encode_obs_chunks([(rows, site, segment)], codec)[0]
+    return encode_obs_chunks([(rows, site, segment)], codec, tables)[0]
 
 
-def encode_obs_chunks(chunks: list[tuple[list[tuple], int, int]], codec: int) -> list[tuple[bytes, int, int]]:
-    """:func:`encode_obs_rows` of each ``(rows, site, segment)``.
+def encode_obs_chunks(chunks: list[tuple[list[tuple], int, int]], codec: int,
+                      tables: Sequence[_Spines] = ()) -> list[tuple[bytes, int, int]]:
+    """:func:`encode_obs_rows` of each ``(rows, site, segment)`` (``tables``: those their table rows refer to).
 
     A commit encodes hundreds of chunks of a few rows each: every field is gathered for the rows of all of them at
     once, and each column is packed for all the chunks together (:func:`~trainhist.chunk.pack_segments`)."""
@@ -249,7 +254,7 @@ def encode_obs_chunks(chunks: list[tuple[list[tuple], int, int]], codec: int) ->
     edges = list(accumulate((len(rows) for rows, _, _ in chunks), initial=0))  # chunk i: rows edges[i]:edges[i + 1]
     n = edges[-1]
     steps, spans, micros, phases, presences, summaries = zip(*(r for rows, _, _ in chunks for r in rows))
-    method, counts, ranges, floats, is_float, values = _row_columns(summaries)
+    method, counts, ranges, floats, is_float, values = _row_columns(summaries, tables)
     table: dict[str, tuple[str, np.ndarray]] = {  # the fixed columns, for every row
         "step": ("i8", np.array(steps, np.int64)),
         "span": ("u4", np.array(spans, np.uint32)),
@@ -262,9 +267,10 @@ def encode_obs_chunks(chunks: list[tuple[list[tuple], int, int]], codec: int) ->
     table["min"], table["max"] = ("f8", ranges[0]), ("f8", ranges[1])
     table["sum"], table["sumsq"] = ("f8", floats[0]), ("f8", floats[1])
     sketched = [i for i, s in enumerate(summaries) if s is not None and (
-        s[0].keys is not None if type(s) is tuple else s.sketch is not None)]
+        tables[s >> _ROW_BITS].keys is not None if type(s) is int else s.sketch is not None)]
     if sketched:
-        sketches = [s[0].sketch(s[1]) if type(s) is tuple else s.sketch for s in (summaries[i] for i in sketched)]
+        sketches = [tables[s >> _ROW_BITS].sketch(s & ((1 << _ROW_BITS) - 1)) if type(s) is int else s.sketch
+                    for s in (summaries[i] for i in sketched)]
         firsts, lengths, counts = _windows([arr for sk in sketches for arr in (sk.pos, sk.neg)])  # type: ignore[union-attr]
         at = list(accumulate((lengths[2 * j] + lengths[2 * j + 1] for j in range(len(sketched))), initial=0))
         rows_of = np.array([(1, firsts[2 * j], lengths[2 * j], firsts[2 * j + 1], lengths[2 * j + 1], sk.under_pos,
@@ -356,6 +362,7 @@ class HistoryWriter:
         self._handles: dict[int, SiteHandle] = {}  # the same handles by id
         self._site_meta: dict[int, dict] = {}
         self._buffers: dict[tuple[int, int], list[tuple]] = {}  # rows per (site, segment)
+        self._tables: list[_Spines] = []  # the tables buffered rows refer to (emptied with the buffers)
         self._steps: dict[int, list[tuple]] = {}
         self._entries: list[tuple] = []
         self._closed = False
@@ -553,6 +560,8 @@ class HistoryWriter:
                              f" for {n} rows")
         if not n:
             return
+        if n >> _ROW_BITS:
+            raise UsageError(f"observe_spines() takes fewer than 2**{_ROW_BITS} rows a call, not {n}")
         spines = _Spines(table)
         codes = [_PHASE_CODES.get(p) if type(p) is str else None for p in phases] if phases is not None else None
         if codes is not None and None in codes:
@@ -562,13 +571,15 @@ class HistoryWriter:
         step = self._row_step(step)
         default = _PHASE_CODES["default"]
         buffers, segment = self._buffers, self.segment
+        ref = len(self._tables) << _ROW_BITS
+        self._tables.append(spines)
         full: list[tuple[tuple[int, int], list[tuple]]] = []  # buffers that reached _FLUSH_ROWS, as observe cuts them
         for i, site in enumerate(sites):  # (every row is buffered before any is written)
             key = (site.id, segment)
             buf = buffers.get(key)
             if buf is None:
                 buf = buffers[key] = []
-            buf.append((step, 1, MICRO_ALL, default if codes is None else codes[i], Presence.OBSERVED, (spines, i)))
+            buf.append((step, 1, MICRO_ALL, default if codes is None else codes[i], Presence.OBSERVED, ref | i))
             if len(buf) == _FLUSH_ROWS:
                 full.append((key, buf))
                 buffers[key] = []
@@ -654,7 +665,7 @@ class HistoryWriter:
     def _write_rows(self, sid: int, segment: int, rows: list[tuple]) -> None:
         """Write ``rows`` of one (site, segment) as a chunk."""
         self._write_segment_manifest()
-        payload, lo, hi = encode_obs_rows(rows, sid, segment, self._codec)
+        payload, lo, hi = encode_obs_rows(rows, sid, segment, self._codec, self._tables)
         self._record(RecordType.OBS, payload, site=sid, segment=segment, rows=len(rows), steps=(lo, hi))
 
     def _write_segment_manifest(self) -> None:
@@ -678,7 +689,7 @@ class HistoryWriter:
 
     def _flush_group(self, keys: list[tuple[int, int]]) -> None:
         try:
-            encoded = encode_obs_chunks([(self._buffers[k], *k) for k in keys], self._codec)
+            encoded = encode_obs_chunks([(self._buffers[k], *k) for k in keys], self._codec, self._tables)
         except Exception:  # noqa: BLE001 -- raised again below, by the chunk that cannot be encoded
             encoded = None
         if encoded is None:
@@ -696,6 +707,8 @@ class HistoryWriter:
         """Write every buffered row and a commit record; after it returns, a reader sees all of it."""
         self._check_open()
         self._flush_all()
+        if not self._buffers:  # (no row refers to a table now)
+            self._tables = []
         for segment, rows in sorted(self._steps.items()):
             self._write_segment_manifest()
             step = np.array([r[0] for r in rows], np.int64)
