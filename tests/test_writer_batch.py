@@ -169,6 +169,9 @@ def test_observe_checks_the_site_as_before(tmp_path: Path) -> None:
                 w.observe(bad, 0, np.ones(3))  # type: ignore[arg-type]
         with pytest.raises(UsageError, match="is not one of"):
             w.observe(a, 1, np.ones(3), phase="later")
+        for bad_summary in (0, (object(), 0), "x"):  # (a table row's int reference among them: never taken as one)
+            with pytest.raises(UsageError, match="must be a trainhist.Summary, not"):
+                w.observe(a, 1, summary=bad_summary)  # type: ignore[arg-type]
     with HistoryWriter(tmp_path / "a.thist", mode="a", **FAST) as w:  # handles of a resumed file
         w.observe(w.site("x", "param"), 2, np.ones(3), phase="post_clip", micro=1)
     with pytest.raises(UsageError, match="closed"):

@@ -139,12 +139,8 @@ class _Spines:
         self.method = method.astype(np.uint8)
 
     def sketch(self, i: int) -> Sketch:
-        """The sketch of row ``i`` (views of its key counts)."""
-        k = self.keys[i]  # type: ignore[index]
-        side = grid.KEY_OVER + 1
-        return Sketch(grid.NATIVE_SCALE, k[1 : grid.KEY_OVER], k[side + 1 : side + grid.KEY_OVER],
-                      int(k[grid.KEY_UNDER]), int(k[side + grid.KEY_UNDER]), int(k[grid.KEY_OVER]),
-                      int(k[side + grid.KEY_OVER]))
+        """The sketch of row ``i``."""
+        return Sketch.from_key_counts(self.keys[i])  # type: ignore[index]
 
 
 def _sketch_keys(sketch: np.ndarray, nonzero: np.ndarray) -> np.ndarray:
@@ -542,6 +538,8 @@ class HistoryWriter:
         """Record one observation: give ``values`` (reduced here, exactly) or a precomputed ``summary``."""
         if (values is None) == (summary is None):
             raise UsageError("observe() takes exactly one of values= or summary=")
+        if summary is not None and not isinstance(summary, Summary):
+            raise UsageError(f"observe()'s summary= must be a trainhist.Summary, not {type(summary).__name__}")
         if summary is None:
             summary = summarize(values, dtype=dtype, sketch=sketch)
         self._add(site, step, phase, micro, Presence.OBSERVED, summary)
