@@ -395,6 +395,39 @@ def test_worker_processes_give_the_same_bytes_and_errors():
         assert not os.path.exists(os.path.join(d, "bad.th"))
 
 
+def test_a_worker_that_dies_is_an_error_not_a_hang(monkeypatch: pytest.MonkeyPatch):
+    """A worker process that ends abruptly (the OOM killer, a signal) while opening an input or building a site
+    gives ``worker_lost``; the merge neither waits for it forever nor leaves an output or spool folder behind.
+    Afterwards the same inputs merge with workers."""
+    import importlib
+
+    merge_mod = importlib.import_module("trainhist.merge")
+    with tempfile.TemporaryDirectory() as d:
+        paths = _shards(d, [{10: 1, 11: 2}, {10: 3}], sites=3)
+        site, source = merge_mod._Engine._site, merge_mod._Source
+
+        def dying_site(self, out_site):  # runs in the forked worker, which inherits the patch
+            if out_site == 1:
+                os._exit(9)
+            return site(self, out_site)
+
+        def dying_source(idx, path):
+            if idx == 1:
+                os._exit(9)
+            return source(idx, path)
+
+        for name, patched in (("_site", dying_site), ("_Source", dying_source)):
+            with monkeypatch.context() as m:
+                m.setattr(merge_mod._Engine if name == "_site" else merge_mod, name, patched)
+                out = os.path.join(d, f"dead{name}.th")
+                with pytest.raises(MergeError) as ei:
+                    trainhist.merge(paths, out, workers=2)
+                assert ei.value.code == "worker_lost" and "workers=1" in str(ei.value)
+                assert sorted(os.listdir(d)) == sorted(os.path.basename(p) for p in paths)  # no output, no spools
+        rep = trainhist.merge(paths, os.path.join(d, "ok.th"), workers=2)
+        assert rep.workers == 2 and rep.rows_out > 0
+
+
 def test_sum_whose_exponent_leaves_i32_is_refused_not_wrapped():
     """Spec 11.2: an exact sum whose canonical exponent does not fit the i32 of 5.3 is refused (``sum_overflow``,
     naming the files); one step below the limit it is stored exactly."""

@@ -14,13 +14,15 @@ import contextlib
 import math
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import tempfile
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from multiprocessing.pool import MaybeEncodingError
-from typing import Any, Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -423,14 +425,14 @@ class _Engine:
         n = min(self._n_workers(), len(self.paths))
         if n > 1:  # each input opened in a worker; errors come back as data and the first, in input order, is raised
             self.sources = []
-            with mp.get_context("fork").Pool(n) as pool:
-                results = pool.imap(_worker_source, enumerate(self.paths))
-                for i, path in enumerate(self.paths):
-                    try:
-                        res = next(results)
-                    except MaybeEncodingError:  # a result pickle cannot carry (a manifest nested beyond its
-                        res = ("ok", _Source(i, path))  # recursion limit): opened here, as the serial scan does
+            results = _in_workers(n, _worker_source, list(enumerate(self.paths)))
+            try:
+                for (i, path), res in zip(enumerate(self.paths), results):
+                    if res is _UNCARRIED:  # a result pickle cannot carry (a manifest nested beyond its recursion
+                        res = ("ok", _Source(i, path))  # limit): opened here, as the serial scan does
                     self.sources.append(_unwrap(res))
+            finally:
+                results.close()
         else:
             self.sources = [_Source(i, p) for i, p in enumerate(self.paths)]
         owner: dict[str, str] = {}
@@ -975,8 +977,12 @@ class _Engine:
             spools = tempfile.mkdtemp(prefix=".trainhist-", dir=os.path.dirname(os.path.abspath(w.path)))
             try:
                 synced = w.bytes_written
-                with mp.get_context("fork").Pool(n, initializer=_worker_init, initargs=(spools,)) as pool:
-                    for res in pool.imap(_worker_site, sites):
+                results = _in_workers(n, _worker_site, sites, _worker_init, (spools,))
+                try:
+                    for res in results:
+                        if res is _UNCARRIED:
+                            raise MergeError("a worker process could not send a site's result back; merge with "
+                                             "workers=1", code="worker_failed")
                         res = _unwrap(res)
                         self.report.rows_in += res["rows_in"]
                         room = MAX_DIVERGENCES - len(self.report.divergences)
@@ -985,6 +991,8 @@ class _Engine:
                         if w.bytes_written - synced >= SYNC_BYTES:  # while the workers build the next sites
                             w.sync_data()
                             synced = w.bytes_written
+                finally:
+                    results.close()  # stops the workers, also when the parent raises
             finally:
                 _ENGINE = None
                 for fd in self._spool_fds.values():
@@ -1023,6 +1031,29 @@ class _Engine:
 
 # -- worker processes ----------------------------------------------------------------------------------------
 _ENGINE: "_Engine | None" = None  # the engine a forked worker inherits
+_UNCARRIED = object()  # a worker's result that could not come back (pickling it failed)
+
+
+def _in_workers(n: int, fn: Callable[[Any], tuple], items: Iterable[Any],
+                initializer: Callable[..., None] | None = None, initargs: tuple = ()) -> Iterator[Any]:
+    """``fn`` over ``items`` in ``n`` forked worker processes, results in input order; ``_UNCARRIED`` for a result
+    that could not be sent back. A worker that dies (killed, out of memory) raises ``MergeError`` (``worker_lost``)
+    instead of waiting for it forever; closing the generator early cancels the sites not started and waits only
+    for those running."""
+    ex = ProcessPoolExecutor(n, mp_context=mp.get_context("fork"), initializer=initializer, initargs=initargs)
+    try:
+        futures = [ex.submit(fn, item) for item in items]
+        for fut in futures:
+            try:
+                yield fut.result()
+            except BrokenProcessPool as e:
+                raise MergeError(f"a worker process ended without finishing its work ({e}); the machine may be "
+                                 "out of memory: merge with fewer workers (workers=1 uses none)",
+                                 code="worker_lost") from None
+            except (RecursionError, pickle.PicklingError):
+                yield _UNCARRIED
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
 
 
 _SPOOL: dict = {}  # a worker's spool: the folder, and once opened the file of the encoded payloads of its sites
