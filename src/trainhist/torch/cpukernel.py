@@ -62,15 +62,16 @@ def _block(x, u, v, acc, cnt, ext, smax_, zeros, c, T):
     views starting at index 0, so the loop needs no negative-index handling and stays a plain vector loop.)
 
     The zeros are counted in the same loop when the previous block held some (``zeros``; ReLU outputs have them in
-    every block); otherwise the loop only takes the least magnitude, and a block where it is zero is counted again
-    in a second loop over its (L1-resident) elements. Returns whether the block held a zero.
+    every block); otherwise the loop also takes the least signed pattern (+0 is the least unsigned one, -0 the
+    least signed one), and a block holding either is counted again in a second loop over its (L1-resident)
+    elements. Returns whether the block held a zero.
 
     ``acc`` = [min, max, sum, sum of squares] (float64) of the masked blocks' elements and of all blocks; ``cnt`` =
     [NaN, +inf, -inf, zeros, negative zeros, NaN with the sign bit set]; ``ext`` (least, greatest unsigned pattern),
     ``smax_`` (greatest signed pattern): of the other blocks' elements (combined across blocks; made floats once, in
     :func:`_finish`).
     """
-    sign, absmask, allones = c[1], c[2], c[5]
+    sign, allones = c[1], c[5]
     s = 0.0
     q = 0.0
     pz = T(0)
@@ -90,17 +91,49 @@ def _block(x, u, v, acc, cnt, ext, smax_, zeros, c, T):
             umax = max(umax, b)
             smax = max(smax, v[i])
     else:
-        amin = allones
-        for i in range(x.size):
+        # two halves side by side: the loop then takes eight elements a turn in two independent chains of float64
+        # sums (one half alone left LLVM at four elements a turn, waiting on the latency of one chain)
+        smin = v[0]
+        h = x.size // 2
+        s2 = 0.0
+        q2 = 0.0
+        umin2 = allones
+        umax2 = T(0)
+        smax2 = smax
+        smin2 = smin
+        for i in range(h):
             b = u[i]
             d = np.float64(x[i])
             s += d
             q += d * d
-            amin = min(amin, T(b & absmask))
             umin = min(umin, b)
             umax = max(umax, b)
             smax = max(smax, v[i])
-        if amin == 0:
+            smin = min(smin, v[i])
+            b2 = u[i + h]
+            d2 = np.float64(x[i + h])
+            s2 += d2
+            q2 += d2 * d2
+            umin2 = min(umin2, b2)
+            umax2 = max(umax2, b2)
+            smax2 = max(smax2, v[i + h])
+            smin2 = min(smin2, v[i + h])
+        if x.size % 2:
+            i = x.size - 1
+            d = np.float64(x[i])
+            s += d
+            q += d * d
+            umin = min(umin, u[i])
+            umax = max(umax, u[i])
+            smax = max(smax, v[i])
+            smin = min(smin, v[i])
+        s += s2
+        q += q2
+        umin = min(umin, umin2)
+        umax = max(umax, umax2)
+        smax = max(smax, smax2)
+        smin = min(smin, smin2)
+        if umin == 0 or T(smin) == sign:  # +0 is the least unsigned pattern, -0 the least signed one
             for i in range(x.size):
                 b = u[i]
                 pz = T(pz + T(b == T(0)))
