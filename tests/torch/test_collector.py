@@ -1028,3 +1028,60 @@ def test_flush_denormal_leaves_updates_norms_and_scalars_exact(tmp_path):
     assert (row.max.tolist(), row.zero.tolist()) == ([float(tiny)], [0]) and float(tiny) != 0
     sub = h.spine("sub", "scalar")
     assert (sub.max.tolist(), sub.zero.tolist(), sub.sum.tolist()) == ([5e-324], [0], [5e-324])
+
+
+class _Shifting(torch.nn.Module):
+    """A linear layer whose output is a tensor on some steps and a pair on others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.pair = False
+
+    def forward(self, x: torch.Tensor) -> object:
+        y = self.lin(x)
+        return (y, y * 2) if self.pair else y
+
+
+def test_rows_follow_output_structure_and_clipping_that_change_between_steps(tmp_path):
+    """Without discover(), the sites and phases a step writes change with the step: facets first seen at step 1
+    get rows from then on (absent when they do not run), and gradients are written in the phases of each step
+    (pre_clip and post_clip only where the loop clipped)."""
+    model = _Shifting()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "s.thist"
+    col = Collector(model, path, streams=("activation", "param_grad"), every=1)
+    col.attach(optimizer=opt)
+    outs, grads = {}, {}
+    for step in range(4):
+        model.pair = step % 2 == 1
+        with col.step(step):
+            out = model(torch.randn(3, 4))
+            outs[step] = [t.detach().clone() for t in (out if model.pair else (out,))]
+            (sum(t.square().sum() for t in out) if model.pair else out.square().sum()).backward()
+            grads[step] = {"pre": model.lin.weight.grad.clone()}
+            if model.pair:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+                grads[step]["post"] = model.lin.weight.grad.clone()
+            opt.step()
+            opt.zero_grad()
+    col.close()
+    h = trainhist.open(path)
+    sp = h.spine(ROOT, "activation", None)
+    assert sp.step.tolist() == [0, 1, 2, 3] and sp.presence_names == ["observed", "absent"] * 2
+    for step in (0, 2):
+        assert_row(h, ROOT, "activation", step, ref_summary(outs[step]), sketch=False)
+    for facet in ("0", "1"):
+        sp = h.spine(ROOT, "activation", facet)
+        assert sp.step.tolist() == [1, 2, 3] and sp.presence_names == ["observed", "absent", "observed"]
+        for step in (1, 3):
+            assert_row(h, ROOT, "activation", step, ref_summary([outs[step][int(facet)]]), facet=facet, sketch=False)
+    assert h.spine("lin.weight", "param_grad", phase="default").step.tolist() == [0, 2]
+    for phase, key in (("pre_clip", "pre"), ("post_clip", "post")):
+        assert h.spine("lin.weight", "param_grad", phase=phase).step.tolist() == [1, 3]
+        for step in (1, 3):
+            assert_row(h, "lin.weight", "param_grad", step, ref_summary([grads[step][key]]), phase=phase,
+                       sketch=False)
+    for step in (0, 2):
+        assert_row(h, "lin.weight", "param_grad", step, ref_summary([grads[step]["pre"]]), phase="default",
+                   sketch=False)

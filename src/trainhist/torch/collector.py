@@ -299,6 +299,9 @@ class Collector:
         self._facets: dict[str, list[tuple[str | None, tuple[int, ...], str]]] | None = None
         self._plan: Plan | None = None
         self._handles: dict[tuple, object] = {}
+        self._emit_plans: dict[tuple, list] = {}  # see _emit_plan
+        self._emit_version: tuple | None = None
+        self._handled: set[tuple] = set()  # row keys whose site has a handle
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._fwd_handles: list[tuple[torch.nn.Module, int]] = []
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -1080,45 +1083,48 @@ class Collector:
             clip_threshold=threshold, micro_batches=t.micro_batches if t.micro_batches is not None else st.micro,
             tokens=t.tokens, samples=t.samples,
         )
+        handled = self._handled
         for key in [*st.counts, *st.failed]:  # facets first seen in this step
-            if (key[1], key[0], key[2]) not in self._handles:
-                self._handle(key[1], key[0], key[2])
+            if key not in handled:
+                if self._handle(key[1], key[0], key[2]) is not None:
+                    handled.add(key)
         grad_sq: float | None = 0.0 if st.due["param_grad"] and not st.clip_seen else None
         grads = 0  # gradients in grad_sq (parameters without one are not in the norm; with none, there is no norm)
         d, spine_rows = st.spines, st.spine_rows
+        cols = None  # d's count, NaN, infinity and sum-of-squares columns as lists, when the norm needs them
         batch: list[tuple[object, str, int]] = []  # (handle, phase, row in d): one writer call for all of them
-        for s in self.plan.sites:
-            if s.provisional or not st.due[s.stream]:
-                continue
-            for phase in self._phases(s, st):
-                key = (s.stream, s.path, s.facet, phase)
-                i = spine_rows.get(key)
-                if i is not None and (applied is not False or s.stream != "param_delta"):
-                    if s.stream == "param_grad" and grad_sq is not None:
-                        grads += 1
-                        grad_sq = _add_sumsq(grad_sq, int(d.count[i]), int(d.nan[i]),  # type: ignore[union-attr]
-                                             int(d.pinf[i] + d.ninf[i]), float(d.sums[i, 1]))  # type: ignore[union-attr]
+        for s, phase, key, h in self._emit_plan(st):
+            i = spine_rows.get(key)
+            if i is not None and (applied is not False or s.stream != "param_delta"):
+                if grad_sq is not None and s.stream == "param_grad":
+                    if cols is None:
+                        cols = (d.count.tolist(), d.nan.tolist(), (d.pinf + d.ninf).tolist(),  # type: ignore[union-attr]
+                                d.sums[:, 1].tolist())  # type: ignore[union-attr]
+                    grads += 1
+                    grad_sq = _add_sumsq(grad_sq, cols[0][i], cols[1][i], cols[2][i], cols[3][i])
+                if h is None:
                     h = self._handle(s.path, s.stream, s.facet)
-                    if h is not None:
-                        batch.append((h, phase, i))
-                    continue
-                summ = self._summary(st, data, key)
-                if s.stream == "param_grad" and grad_sq is not None:
-                    if key in st.failed:
-                        grad_sq = None
-                    elif summ is not None:
-                        grads += 1
-                        sumsq = math.inf if summ.sum_method == SumMethod.UNKNOWN else summ.sumsq.to_float()
-                        grad_sq = _add_sumsq(grad_sq, summ.count, summ.nan, summ.pinf + summ.ninf, sumsq)
-                self._emit_batch(st, batch)  # (first: a site's rows stay in the order of its phases)
-                self._emit(st, s, phase, key, summ, applied)
+                if h is not None:
+                    batch.append((h, phase, i))
+                continue
+            summ = self._summary(st, data, key)
+            if s.stream == "param_grad" and grad_sq is not None:
+                if key in st.failed:
+                    grad_sq = None
+                elif summ is not None:
+                    grads += 1
+                    sumsq = math.inf if summ.sum_method == SumMethod.UNKNOWN else summ.sumsq.to_float()
+                    grad_sq = _add_sumsq(grad_sq, summ.count, summ.nan, summ.pinf + summ.ninf, sumsq)
+            self._emit_batch(st, batch)  # (first: a site's rows stay in the order of its phases)
+            self._emit(st, s, phase, key, summ, applied)
         self._emit_batch(st, batch)
-        if self.first_nonfinite is None:  # in execution order: the first reduction that saw a NaN or inf
+        bad = set(np.flatnonzero(d.nan | d.pinf | d.ninf).tolist()) if d is not None else set()  # type: ignore[union-attr]
+        # in execution order: the first reduction that saw a NaN or inf (none when every row decoded finite)
+        if self.first_nonfinite is None and (bad or len(spine_rows) != len(st.counts)):
             for key in st.counts:
                 i = spine_rows.get(key)
                 if i is not None:
-                    if (d.nan[i] or d.pinf[i] or d.ninf[i]) and (key[0] != "param_delta"  # type: ignore[union-attr]
-                                                                  or applied is not False):
+                    if i in bad and (key[0] != "param_delta" or applied is not False):
                         self.first_nonfinite = (st.step, key[1], key[0], key[2])
                         break
                     continue
@@ -1141,6 +1147,26 @@ class Collector:
         if self._since_commit >= self.commit_every:
             self._since_commit = 0
             self._safe(w.commit)
+
+    def _emit_plan(self, st: _Step) -> list[tuple[PlannedSite, str, tuple, object | None]]:
+        """The (site, phase, row key, handle) of every row the step writes, in the plan's order: the same for most
+        steps, so kept per due streams and clipping until a site or a handle is added."""
+        sites = self.plan.sites
+        version = (len(sites), len(self._handles))
+        if self._emit_version is None or self._emit_version[0] is not sites or self._emit_version[1] != version:
+            self._emit_plans.clear()
+            self._emit_version = (sites, version)
+        ident = (tuple(st.due.items()), st.clip_seen)
+        entries = self._emit_plans.get(ident)
+        if entries is None:
+            entries = self._emit_plans[ident] = []
+            for s in sites:
+                if s.provisional or not st.due[s.stream]:
+                    continue
+                h = self._handles.get((s.path, s.stream, s.facet))
+                for phase in self._phases(s, st):
+                    entries.append((s, phase, (s.stream, s.path, s.facet, phase), h))
+        return entries
 
     def _all_trainable_selected(self) -> bool:
         return all(n in self._sel_params for n, p in self._params.items() if p.requires_grad)
