@@ -498,8 +498,9 @@ def test_cadence_and_settings(tmp_path):
 
 @pytest.mark.parametrize("micro", [1, 2])
 def test_aliased_outputs_are_reduced_once_and_recorded_for_every_site(tmp_path, monkeypatch, micro):
-    """A container returning its last child's output and eval-mode dropout returning its input: the same tensor
-    (and one gradient) seen by several sites is reduced once and merged; every site still equals the reference."""
+    """A container returning its last child's output, eval-mode dropout returning its input and a flattening view:
+    the same elements (and one gradient) seen by several sites are reduced once and merged; every site still
+    equals the reference."""
     import trainhist.torch.collector as cm
 
     merges = {"n": 0}
@@ -519,7 +520,8 @@ def test_aliased_outputs_are_reduced_once_and_recorded_for_every_site(tmp_path, 
     monkeypatch.setattr(cm.Ledger, "merge_on_host", counting_host)
     torch.manual_seed(0)
     inner = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), inner, torch.nn.Identity())
+    # (Flatten returns a view of its input's memory in another shape: the same elements, reduced once too)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), inner, torch.nn.Identity(), torch.nn.Flatten(0))
     inner[1].eval()  # returns its input
     path = tmp_path / "alias.thist"
     col = Collector(model, path, streams=("activation", "activation_grad"), every=1, sketch_every=2)

@@ -666,8 +666,8 @@ class Collector:
             self._typed.add(key)
             self._dtypes.setdefault((key[1], key[0], key[2]), _dtype_name(t))
         address, n, dt = at
-        # (on the CPU, with no negative view: the identity of _identity without those two fields)
-        if not (alias and self._merge_alias(st, key, t, (key[0], address, t.shape, t.stride(), dt))):
+        # (the kernel reads n contiguous elements at address: those three make its result, whatever the shape)
+        if not (alias and self._merge_alias(st, key, t, (key[0], address, n, dt))):
             fused_at(address, n, dt, self._ledger.address(key), st.sketch.get(key[0], True))
         st.reductions[key] = st.reductions.get(key, 0) + 1
         st.counts[key] = st.counts.get(key, 0) + n
