@@ -1003,6 +1003,12 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
                lambda m, cs: setattr(col(cs, "presence"), "block", b"\x09"))
     chunk_case("unknown_steps_code", "a step-truth row with applied code 7 (reserved)", ["2.7", "7.6"],
                "unknown_code", lambda m, cs: setattr(col(cs, "applied"), "block", b"\x07"), rtype=RecordType.STEPS)
+    chunk_case("span_zero", "an obs row with span 0 (a row covers at least one step)", ["2.3", "7.5"], "bad_span",
+               lambda m, cs: setattr(col(cs, "span"), "block", struct.pack("<I", 0)))
+    chunk_case("sum_not_finite", "an observed row whose f64 sum is +inf with no exact sum_x value", ["5.3"],
+               "bad_exact_value", lambda m, cs: setattr(col(cs, "sum"), "block", struct.pack("<d", math.inf)))
+    chunk_case("dtype_not_string", "a column entry whose dtype is the array [1, 2], not a string", ["7.4"],
+               "bad_chunk", lambda m, cs: setattr(col(cs, "span"), "dt", [1, 2]))
 
     def step_off(m: dict, cs: list[Col]) -> None:
         col(cs, "step").block = struct.pack("<q", 1)
@@ -1161,6 +1167,12 @@ def gen_merge(s: Suite) -> None:
                                     "input-1.thist": write_ops(ops_doc(huge, writer_id=WRITER_ID_4, rank=1,
                                                                       world_size=2))},
                   {"inputs": two}, error="sum_overflow")
+    recs = parse(r1)
+    edit_chunk(first(recs, RecordType.STEPS), lambda m, cs: setattr(col(cs, "applied"), "block",
+                                                                   b"\x07" + col(cs, "applied").block[1:]))
+    _derived_case(s, m, "invalid_input", "an input with a reserved step-truth code is refused, not copied into the "
+                  "output", ["11.8", "2.7"], {"input-0.thist": r0, "input-1.thist": build(recs)[0]}, {"inputs": two},
+                  error="unknown_code")
     s.read("valid", "derived_merged", "a merged file: tally columns, segment origin, no `created` in segments",
            ["11.4", "11.9", "2.6"], merged)
 

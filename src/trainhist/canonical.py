@@ -35,6 +35,9 @@ from .framing import (
 from .grid import nbins
 from .model import (
     CANONICAL_NAN,
+    Applied,
+    Clipped,
+    GradBasis,
     PRIORITY,
     derive_presence,
     EXACT_COLUMNS,
@@ -322,6 +325,9 @@ def read_obs(payload: memoryview, *, path: str, offset: int, site: int, segment:
         if not isinstance(scale, int) or isinstance(scale, bool) or scale not in (0, 1, 2):
             raise _bad(f"chunk with sketches declares scale {scale!r}; expected 0, 1 or 2", path, offset,
                        "bad_scale")
+        missing = [k for k in SKETCH_COLUMNS if not ch.has(k)]
+        if missing:
+            raise _bad(f"chunk with sketches lacks the sketch columns {missing}", path, offset, "missing_column")
         sk = {k: ch.column(k, rows) for k in SKETCH_COLUMNS if k != "sk_counts"}
         counts = ch.column("sk_counts")
     return ObsChunk(path, offset, rows, step_min, step_max, src, cols, tally, exact, sk, counts, scale)
@@ -418,6 +424,8 @@ def decode_obs_columns(parts: list[ObsChunk], cols: dict[str, np.ndarray], tally
         p, _ = where(int(np.flatnonzero(unknown)[0]))
         raise UnsupportedError("chunk uses phase or presence codes unknown to this reader", code="unknown_code",
                                path=p.path, offset=p.offset)
+    if (cols["span"] == 0).any():
+        raise fail(cols["span"] == 0, "obs row {row} has span 0 (a row covers at least one step)", "bad_span")
     if tally is None:
         tally = np.zeros((total, len(_TALLY_NAMES)), np.uint64)
     explicit = np.repeat(np.asarray(explicit, bool), sizes)
@@ -496,6 +504,12 @@ def decode_steps(payload: memoryview, *, path: str, offset: int, segment: int, r
     cols["span"] = ch.column("span", rows).copy() if ch.has("span") else np.ones(rows, np.uint32)
     if rows and (int(cols["step"].min()) != step_min or int(cols["step"].max()) != step_max):
         raise _bad("steps chunk steps disagree with the commit entry's step range", path, offset)
+    if (cols["span"] == 0).any():
+        raise _bad("steps row with span 0", path, offset, "bad_span")
+    for name, enum in (("applied", Applied), ("grad_basis", GradBasis), ("clipped", Clipped)):
+        if (cols[name] >= len(enum.NAMES)).any():
+            raise UnsupportedError(f"steps column {name} holds codes unknown to this reader", code="unknown_code",
+                                   path=path, offset=offset)
     for k in ("loss_scale", "clip_threshold"):
         c = cols[k]
         c[np.isnan(c)] = CANONICAL_NAN

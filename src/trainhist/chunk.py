@@ -468,7 +468,7 @@ def decode_chunk(
     end = 4 + mlen + pad8(4 + mlen)
     for c in cols:
         if (
-            not isinstance(c, list) or len(c) != 6 or not isinstance(c[0], str)
+            not isinstance(c, list) or len(c) != 6 or not isinstance(c[0], str) or not isinstance(c[1], str)
             or not all(isinstance(v, int) and not isinstance(v, bool) for v in c[2:])
         ):
             raise _bad(f"column entry {c!r} is not [name, dtype, codec, offset, stored, raw]", path, offset)

@@ -278,7 +278,7 @@ def decode_exact(name: str, f: np.ndarray, lens: np.ndarray | None, blob: np.nda
     bad_f = plain & ~np.isfinite(f)
     if bad_f.any():
         i = int(np.flatnonzero(bad_f)[0])
-        raise bad(i, f"{name} row {{row}} is {f[i]!r} without an exact {name}_x value")
+        raise bad(i, f"{name} row {{row}} is {float(f[i])!r} without an exact {name}_x value")
     out = ExactCol.from_floats(np.where(plain, f, 0.0)) if plain.any() else ExactCol.zeros(n)
     if not has.any():
         return out

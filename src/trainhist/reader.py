@@ -173,6 +173,17 @@ class _Exact:
                        self.path, int(self.where[i]))
         return d
 
+    def value(self, i: int) -> Dyadic:
+        """The exact value of row ``i``: its ``_x`` dyadic, else the f64 column, which must then be finite."""
+        d = self.get(i)
+        if d is not None:
+            return d
+        f = float(self.rounded[i])
+        if not math.isfinite(f):
+            raise _bad(f"{self.name} is {f!r} without an exact {self.name}_x value (spec 5.3)", "bad_exact_value",
+                       self.path, int(self.where[i]))
+        return Dyadic.from_float(f)
+
     def take(self, keep: np.ndarray, rounded: np.ndarray) -> "_Exact":
         return _Exact(self.name, rounded, self.off[keep], self.n[keep], self.blob, self.where[keep], self.path)
 
@@ -232,13 +243,11 @@ class SpineSeries:
 
     def sum_exact(self, i: int) -> Dyadic:
         """The exact stored sum of row ``i``."""
-        x = self._x["sum"].get(i)
-        return x if x is not None else Dyadic.from_float(float(self.columns["sum"][i]))
+        return self._x["sum"].value(i)
 
     def sumsq_exact(self, i: int) -> Dyadic:
         """The exact stored sum of squares of row ``i``."""
-        x = self._x["sumsq"].get(i)
-        return x if x is not None else Dyadic.from_float(float(self.columns["sumsq"][i]))
+        return self._x["sumsq"].value(i)
 
     def summary(self, i: int, sketch: Sketch | None = None) -> Summary:
         """Row ``i`` as a :class:`Summary` (for merging and re-writing)."""
@@ -619,6 +628,8 @@ class History:
         if (cols["phase"] >= len(Phase.NAMES)).any() or (cols["presence"] >= len(Presence.NAMES)).any():
             raise UnsupportedError("chunk uses phase or presence codes unknown to this reader",
                                    code="unknown_code", path=path, offset=e.offset)
+        if (cols["span"] == 0).any():
+            raise _bad("obs row with span 0 (a row covers at least one step)", "bad_span", path, e.offset)
         tnames = [n for n in TALLY_COLUMNS if ch.has(n)]
         if tnames:  # a derived file's per-presence count of combined leaf rows (spec 11.4)
             if len(tnames) != len(TALLY_COLUMNS):
@@ -785,7 +796,8 @@ class History:
         if (np.minimum.reduceat(step, starts).tolist() != [e.step_min for e in entries]
                 or np.maximum.reduceat(step, starts).tolist() != [e.step_max for e in entries]):
             raise _Fallback
-        if (cols["phase"] >= len(Phase.NAMES)).any() or (cols["presence"] >= len(Presence.NAMES)).any():
+        if ((cols["phase"] >= len(Phase.NAMES)).any() or (cols["presence"] >= len(Presence.NAMES)).any()
+                or (cols["span"] == 0).any()):
             raise _Fallback
         n = int(rows_a.sum())
         if lay.has_any(_TALLY_SET):  # a derived file (spec 11.4): every chunk has all six, implying its presence
@@ -969,26 +981,38 @@ class History:
 
     def presence(self, path: str, stream: str = "activation", facet: str | None = None, *,
                  steps: np.ndarray | list[int] | None = None, phase: str | None = None) -> dict[int, str]:
-        """State of the site at each asked step (default: every step of the step table and of its rows).
+        """State of the site at each asked step (default: every step of the step table and the first step of each
+        row; a row spanning several steps, made by coarsening, answers for all of them when they are asked for).
 
         A row gives its own presence; with no row, a step the writer recorded whose site cadence says "not due"
-        is ``not_scheduled``, and anything else is ``unknown``. A gap is never turned into a number.
+        is ``not_scheduled``, and anything else is ``unknown``. A gap is never turned into a number. The work
+        grows with the rows and the asked steps, never with a row's span.
         """
         s = self.spine(path, stream, facet, phase=phase)
         site = s.site
         known_steps = set(self.steps["step"].tolist())
-        rows: dict[int, int] = {}
+        rows: dict[int, int] = {}  # one-step rows: step -> presence
+        spans: list[tuple[int, int, int]] = []  # rows of several steps: (first step, end, presence)
         for st, pr, span in zip(s.step.tolist(), s.presence.tolist(), s.span.tolist()):
-            for k in range(st, st + span):
-                prev = rows.get(k)
+            if span == 1:
+                prev = rows.get(st)
                 # several rows (micro-batches) at one step: the precedence of spec 2.6 and 11.4
                 if prev is None or PRIORITY[pr] > PRIORITY[prev]:
-                    rows[k] = pr
-        asked = sorted(known_steps | set(rows)) if steps is None else [int(x) for x in steps]
+                    rows[st] = pr
+            else:
+                spans.append((st, st + span, pr))
+        if steps is None:
+            asked = sorted(known_steps | set(rows) | {a for a, _, _ in spans})
+        else:
+            asked = [int(x) for x in steps]
+        covered = _covering(spans, asked)
         out = {}
         for k in asked:
-            if k in rows:
-                out[k] = Presence.name(rows[k])
+            pr, wide = rows.get(k), covered.get(k)
+            if wide is not None and (pr is None or PRIORITY[wide] > PRIORITY[pr]):
+                pr = wide
+            if pr is not None:
+                out[k] = Presence.name(pr)
             elif k in known_steps and (site.cadence_spine == 0 or k % site.cadence_spine != 0):
                 out[k] = "not_scheduled"
             else:
@@ -1001,9 +1025,13 @@ class History:
         rows = 0
         for site in self.sites:
             columns, exact, _ = self._site_data(site, "*")
+            observed = columns["presence"] == Presence.OBSERVED
             for x in exact.values():
                 for i in np.flatnonzero(x.n).tolist():
                     x.get(i)
+                plain_bad = np.flatnonzero(observed & (x.n == 0) & ~np.isfinite(x.rounded))
+                if plain_bad.size:
+                    x.value(int(plain_bad[0]))  # (raises bad_exact_value)
             rows += int(columns["step"].size)
         for off, _type in self.ignored_records:
             length, pcrc = struct.unpack_from("<I", self._view, off + 4)[0], struct.unpack_from("<I", self._view, off + 24)[0]
@@ -1036,6 +1064,29 @@ class History:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _covering(spans: list[tuple[int, int, int]], asked: list[int]) -> dict[int, int]:
+    """For each asked step inside some of the ``(first, end, presence)`` spans, the presence of highest precedence
+    among them: one sweep over the sorted span ends and asked steps."""
+    if not spans or not asked:
+        return {}
+    starts = sorted(spans)
+    ends = sorted((end, pr) for _, end, pr in spans)
+    active: dict[int, int] = {}  # presence -> spans open at the current step
+    out: dict[int, int] = {}
+    i = j = 0
+    for k in sorted(set(asked)):
+        while i < len(starts) and starts[i][0] <= k:
+            active[starts[i][2]] = active.get(starts[i][2], 0) + 1
+            i += 1
+        while j < len(ends) and ends[j][0] <= k:
+            active[ends[j][1]] -= 1
+            j += 1
+        best = max((pr for pr, n in active.items() if n > 0), key=PRIORITY.__getitem__, default=None)
+        if best is not None:
+            out[k] = best
+    return out
 
 
 def open_history(path: str | os.PathLike) -> History:

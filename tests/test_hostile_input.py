@@ -1,0 +1,174 @@
+"""Files a buggy or hostile writer could produce, with every CRC right: each reader surface (the History API, dump,
+verify, merge, coarsen) gives a typed error naming the record, or reads the file with bounded work; merge never
+writes a file the reader refuses. Found by a fuzzing campaign of resealed mutants (session 10)."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+from history_helpers import obs_payload, records, rewrite
+
+import trainhist
+from trainhist.dump import dumps
+from trainhist.errors import TrainhistError
+from trainhist.framing import RECORD_HEADER_SIZE, RecordType
+
+
+def _base(path: Path) -> bytes:
+    """Three steps of one site, sketches, step truth, raw codec (every column value sits at a fixed place)."""
+    with trainhist.HistoryWriter(path, codec="raw", fsync="never", run_id="1" * 32, writer_id="a" * 32) as w:
+        a = w.site("a", "activation")
+        for step in range(3):
+            w.observe(a, step, np.array([1.0, -2.0, 3.0], np.float32))
+            w.step_truth(step, applied=True)
+    return path.read_bytes()
+
+
+def _set(payload: bytearray, cols: dict, name: str, row: int, value: object) -> None:
+    _, dt, codec, off, _, _ = cols[name]
+    assert codec == 0  # raw
+    np.frombuffer(payload, np.dtype("<" + dt), count=row + 1, offset=off).copy()  # (checks the span fits)
+    struct.pack_into("<" + {"u4": "I", "u1": "B", "f8": "d", "i8": "q"}[dt], payload, off + row * np.dtype(dt).itemsize,
+                     value)
+
+
+def _steps_payload(data: bytes) -> tuple[int, bytearray, dict]:
+    pos = records(data, RecordType.STEPS)[0]
+    length = struct.unpack_from("<I", data, pos + 4)[0]
+    payload = bytearray(data[pos + RECORD_HEADER_SIZE : pos + RECORD_HEADER_SIZE + length])
+    (mlen,) = struct.unpack_from("<I", payload)
+    return pos, payload, {c[0]: c for c in msgpack.unpackb(bytes(payload[4 : 4 + mlen]))["cols"]}
+
+
+def _mutant(tmp_path: Path, name: str, edit: object, *, steps: bool = False) -> Path:
+    data = bytearray(_base(tmp_path / "base.thist"))
+    pos, payload, cols = _steps_payload(bytes(data)) if steps else obs_payload(bytes(data), 0)
+    edit(payload, cols)  # type: ignore[operator]
+    rewrite(data, pos, bytes(payload))
+    p = tmp_path / f"{name}.thist"
+    p.write_bytes(bytes(data))
+    return p
+
+
+def _surfaces(p: Path, tmp_path: Path) -> dict[str, str]:
+    """What each reader surface does with ``p``: "ok", or the code of the TrainhistError it raised (any other
+    exception fails the test). Merge and coarsen outputs must read back."""
+    other = tmp_path / "other.thist"
+    if not other.exists():
+        with trainhist.HistoryWriter(other, fsync="never", run_id="1" * 32, writer_id="b" * 32) as w:
+            w.observe(w.site("a", "activation"), 0, np.array([1.0], np.float32))
+    out: dict[str, str] = {}
+
+    def run(name: str, fn: object) -> None:
+        try:
+            fn()  # type: ignore[operator]
+            out[name] = "ok"
+        except TrainhistError as e:
+            assert e.path is not None and e.offset is not None or name in ("merge", "coarsen"), (name, e)
+            out[name] = e.code
+
+    def api() -> None:
+        h = trainhist.open(p)
+        for s in h.sites:
+            sp = h.spine(s.path, s.stream, s.facet, phase="*")
+            for i in range(len(sp)):
+                sp.summary(i)
+            h.presence(s.path, s.stream, s.facet)
+        h.step_truth_rows()
+
+    def merged(kind: str) -> None:
+        dst = tmp_path / f"{p.stem}.{kind}.thist"
+        if kind == "merge":
+            trainhist.merge([p, other], dst, workers=1)
+        else:
+            trainhist.coarsen(p, dst, steps=2)
+        trainhist.open(dst).verify()  # what merge writes, the reader takes
+
+    run("api", api)
+    run("verify", lambda: trainhist.open(p).verify())
+    run("dump", lambda: dumps(trainhist.open(p)))
+    run("merge", lambda: merged("merge"))
+    run("coarsen", lambda: merged("coarsen"))
+    return out
+
+
+def test_base_file_reads_everywhere(tmp_path):
+    p = tmp_path / "b.thist"
+    _base(p)
+    assert set(_surfaces(p, tmp_path).values()) == {"ok"}
+
+
+def test_span_zero_is_refused(tmp_path):
+    """Spec 7.5: a row spans at least one step (as in steps chunks)."""
+    p = _mutant(tmp_path, "span0", lambda pl, c: _set(pl, c, "span", 0, 0))
+    assert set(_surfaces(p, tmp_path).values()) == {"bad_span"}
+
+
+def test_a_huge_span_is_read_with_work_bounded_by_the_rows(tmp_path):
+    """A row may span 2**32 - 1 steps (a coarsened row): presence() answers for the steps asked without walking the
+    span (it used to build a dict entry per covered step: MemoryError from a 2.6 KB file)."""
+    p = _mutant(tmp_path, "span_huge", lambda pl, c: _set(pl, c, "span", 0, 2**32 - 1))
+    h = trainhist.open(p)
+    assert h.presence("a") == {0: "observed", 1: "observed", 2: "observed"}
+    assert h.presence("a", steps=[2**32 - 2, 2**32 - 1, -1]) == {2**32 - 2: "observed", 2**32 - 1: "unknown",
+                                                                 -1: "unknown"}
+    surfaces = _surfaces(p, tmp_path)
+    assert surfaces == {"api": "ok", "verify": "ok", "dump": "ok", "merge": "ok", "coarsen": "incompatible_span"}
+
+
+def test_presence_of_coarsened_rows_covers_their_span(tmp_path):
+    """A coarsened row answers for every step of its window when asked, by the precedence of spec 2.6."""
+    src, dst = tmp_path / "s.thist", tmp_path / "c.thist"
+    with trainhist.HistoryWriter(src, fsync="never") as w:
+        a = w.site("a", "activation")
+        for step in range(8):
+            if step == 5:
+                w.mark(a, step, "failed")
+            else:
+                w.observe(a, step, np.array([1.0], np.float32))
+    trainhist.coarsen(src, dst, steps=4)
+    h = trainhist.open(dst)
+    assert h.presence("a") == {0: "observed", 4: "failed"}  # (a window with a failed row is failed: spec 11.4)
+    got = h.presence("a", steps=range(10))
+    assert got == {0: "observed", 1: "observed", 2: "observed", 3: "observed", 4: "failed", 5: "failed",
+                   6: "failed", 7: "failed", 8: "unknown", 9: "unknown"}
+
+
+def test_dtype_that_is_not_a_string_is_a_bad_chunk(tmp_path):
+    def edit(pl: bytearray, cols: dict) -> None:
+        i = bytes(pl).index(b"\xa4span\xa2u4")  # the span column's entry: dtype "u4" -> the array [1, 2]
+        pl[i + 5 : i + 8] = b"\x92\x01\x02"
+
+    p = _mutant(tmp_path, "dtype", edit)
+    assert set(_surfaces(p, tmp_path).values()) == {"bad_chunk"}
+
+
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
+def test_non_finite_sum_without_exact_value_is_refused(tmp_path, value):
+    """Spec 5.3: an observed row's non-finite f64 sum with no sum_x holds no sum; verify and dump used to pass it
+    or fail deep inside with a ValueError."""
+    p = _mutant(tmp_path, "suminf", lambda pl, c: _set(pl, c, "sum", 0, value))
+    s = _surfaces(p, tmp_path)
+    assert s == {"api": "bad_exact_value", "verify": "bad_exact_value", "dump": "bad_exact_value",
+                 "merge": "bad_exact_value", "coarsen": "bad_exact_value"}
+
+
+def test_a_missing_sketch_column_is_named_by_merge_too(tmp_path):
+    def edit(pl: bytearray, cols: dict) -> None:
+        i = bytes(pl).index(b"\xa5sk_on")  # renamed to an ignorable unknown column: sk_on is missing
+        pl[i + 1 : i + 6] = b"x-_on"
+
+    p = _mutant(tmp_path, "nosk", edit)
+    assert set(_surfaces(p, tmp_path).values()) == {"missing_column"}
+
+
+@pytest.mark.parametrize("column", ["applied", "grad_basis", "clipped"])
+def test_unknown_step_truth_codes_are_refused_by_merge_too(tmp_path, column):
+    """Merge used to copy an unknown step-truth code into a file the reader then refused."""
+    p = _mutant(tmp_path, "code", lambda pl, c: _set(pl, c, column, 0, 255), steps=True)
+    assert set(_surfaces(p, tmp_path).values()) == {"unknown_code"}
+
