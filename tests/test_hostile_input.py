@@ -31,9 +31,9 @@ def _base(path: Path) -> bytes:
 def _set(payload: bytearray, cols: dict, name: str, row: int, value: object) -> None:
     _, dt, codec, off, _, _ = cols[name]
     assert codec == 0  # raw
-    np.frombuffer(payload, np.dtype("<" + dt), count=row + 1, offset=off).copy()  # (checks the span fits)
-    struct.pack_into("<" + {"u4": "I", "u1": "B", "f8": "d", "i8": "q"}[dt], payload, off + row * np.dtype(dt).itemsize,
-                     value)
+    np.frombuffer(payload, np.dtype("<" + dt), count=row + 1, offset=off)  # (checks the row lies inside)
+    fmt = "<" + {"u4": "I", "u1": "B", "u8": "Q", "f8": "d", "i8": "q"}[dt]
+    struct.pack_into(fmt, payload, off + row * np.dtype(dt).itemsize, value)
 
 
 def _steps_payload(data: bytes) -> tuple[int, bytearray, dict]:
@@ -172,3 +172,16 @@ def test_unknown_step_truth_codes_are_refused_by_merge_too(tmp_path, column):
     p = _mutant(tmp_path, "code", lambda pl, c: _set(pl, c, column, 0, 255), steps=True)
     assert set(_surfaces(p, tmp_path).values()) == {"unknown_code"}
 
+
+
+@pytest.mark.parametrize("column,value", [("nan", 2**64 - 1), ("zero", 4), ("min", 1e300), ("max", -1e300),
+                                          ("min", np.nan), ("max", np.inf), ("presence", 2), ("presence", 4)])
+def test_rows_no_tensor_could_give_are_bad_row_everywhere(tmp_path, column, value):
+    """Spec 5.5: counts beyond count, min above max or not finite, numbers on a row that is not observed; the
+    reader's batch and per-chunk paths and merge name the same chunk."""
+    p = _mutant(tmp_path, "row", lambda pl, c: _set(pl, c, column, 0, value))
+    s = _surfaces(p, tmp_path)
+    assert s == {"api": "bad_row", "verify": "bad_row", "dump": "bad_row", "merge": "bad_row", "coarsen": "bad_row"}
+    with pytest.raises(TrainhistError) as ei:
+        trainhist.open(p).spine("a")
+    assert ei.value.offset == records(p.read_bytes(), RecordType.OBS)[0]

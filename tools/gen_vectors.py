@@ -1009,6 +1009,19 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
                "bad_exact_value", lambda m, cs: setattr(col(cs, "sum"), "block", struct.pack("<d", math.inf)))
     chunk_case("dtype_not_string", "a column entry whose dtype is the array [1, 2], not a string", ["7.4"],
                "bad_chunk", lambda m, cs: setattr(col(cs, "span"), "dt", [1, 2]))
+    chunk_case("bad_row_counts", "nan + pinf + ninf + zero exceed count (nan = 2^64 - 1)", ["5.5", "5.1"], "bad_row",
+               lambda m, cs: setattr(col(cs, "nan"), "block", struct.pack("<Q", 2**64 - 1)))
+    chunk_case("bad_row_min_max", "an observed row with finite values whose min (1e300) exceeds its max", ["5.5"],
+               "bad_row", lambda m, cs: setattr(col(cs, "min"), "block", struct.pack("<d", 1e300)))
+
+    def all_nan(m: dict, cs: list[Col]) -> None:
+        col(cs, "nan").block = col(cs, "count").block
+        col(cs, "zero").block = struct.pack("<Q", 0)
+
+    chunk_case("bad_row_no_finite", "every element NaN (nan = count), yet min and max are numbers", ["5.5"],
+               "bad_row", all_nan)
+    chunk_case("bad_row_not_observed", "a row marked absent that carries counts, sums and a sketch", ["5.5", "2.6"],
+               "bad_row", lambda m, cs: setattr(col(cs, "presence"), "block", b"\x02"))
 
     def step_off(m: dict, cs: list[Col]) -> None:
         col(cs, "step").block = struct.pack("<q", 1)

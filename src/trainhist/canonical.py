@@ -40,6 +40,7 @@ from .model import (
     GradBasis,
     PRIORITY,
     derive_presence,
+    row_problem,
     EXACT_COLUMNS,
     OBS_COLUMNS,
     SKETCH_COLUMNS,
@@ -436,6 +437,10 @@ def decode_obs_columns(parts: list[ObsChunk], cols: dict[str, np.ndarray], tally
         wrong = explicit & (presence != cols["presence"])
         if wrong.any():
             raise fail(wrong, "presence column disagrees with the presence the tally columns imply", "bad_tally")
+    problem = row_problem({**cols, "sk": sk["sk"]} if sk is not None else cols)
+    if problem is not None:
+        p, i = where(problem[0])
+        raise _bad(problem[1].format(row=i), p.path, p.offset, "bad_row")
     observed = presence == Presence.OBSERVED
     xcols = []
     for name in ("sum", "sumsq"):

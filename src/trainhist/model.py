@@ -26,6 +26,7 @@ __all__ = [
     "STEPS_OPTIONAL_COLUMNS",
     "PRIORITY",
     "derive_presence",
+    "row_problem",
 ]
 
 STREAMS = ("activation", "activation_grad", "param", "param_grad", "param_delta", "scalar")
@@ -147,3 +148,40 @@ def derive_presence(tally: np.ndarray) -> np.ndarray:
     for code in reversed(_BY_PRIORITY):  # lowest precedence first; higher ones overwrite
         out[tally[:, code] > 0] = code
     return out
+
+
+def row_problem(cols: dict[str, np.ndarray]) -> tuple[int, str] | None:
+    """The first row (index, and the message of spec 5.5's rule it breaks, with ``{row}`` for its place) of obs
+    columns ``cols`` (with ``sk`` when the rows may have sketches) that no tensor could have given, or None."""
+    count, presence = cols["count"].astype(np.uint64), cols["presence"]
+    rest, over = count.copy(), np.zeros(count.size, bool)
+    for name in ("nan", "pinf", "ninf", "zero"):  # (step by step: a sum of u64 could wrap)
+        k = cols[name].astype(np.uint64)
+        over |= k > rest
+        rest = np.where(k > rest, np.uint64(0), rest - np.minimum(k, rest))
+    observed = presence == Presence.OBSERVED
+    finite = np.where(over, np.uint64(0), count - np.minimum(count, cols["nan"].astype(np.uint64)
+                                                             + cols["pinf"].astype(np.uint64)
+                                                             + cols["ninf"].astype(np.uint64)))
+    mn, mx = cols["min"], cols["max"]
+    with np.errstate(invalid="ignore"):
+        ordered = (mn < mx) | ((mn == mx) & ~(~np.signbit(mn) & np.signbit(mx)))
+        extremes = np.isfinite(mn) & np.isfinite(mx) & ordered
+        numbers = ((count != 0) | (cols["nan"] != 0) | (cols["pinf"] != 0) | (cols["ninf"] != 0)
+                   | (cols["zero"] != 0) | (cols["sum"] != 0) | (cols["sumsq"] != 0) | ~np.isnan(mn) | ~np.isnan(mx))
+    if "sk" in cols:
+        numbers |= cols["sk"] != 0
+    rules = (
+        (over, "row {row}: nan + pinf + ninf + zero exceed count"),
+        (observed & ~over & (finite > 0) & ~extremes,
+         "row {row}: an observed row with finite values needs finite min <= max"),
+        (observed & ~over & (finite == 0) & ~(np.isnan(mn) & np.isnan(mx)),
+         "row {row}: an observed row without finite values has NaN min and max"),
+        (~observed & numbers, "row {row}: a row that is not observed carries numbers or a sketch"),
+    )
+    first = None
+    for mask, msg in rules:
+        hit = np.flatnonzero(mask)
+        if hit.size and (first is None or hit[0] < first[0]):
+            first = (int(hit[0]), msg)
+    return first

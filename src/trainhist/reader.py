@@ -65,6 +65,7 @@ from .model import (
     OBS_COLUMNS,
     PRIORITY,
     derive_presence,
+    row_problem,
     SKETCH_COLUMNS,
     STEPS_COLUMNS,
     TALLY_COLUMNS,
@@ -643,6 +644,9 @@ class History:
             tally[np.arange(e.rows), cols["presence"].astype(np.intp)] = 1
         for j, n in enumerate(TALLY_COLUMNS):
             cols[n] = tally[:, j]
+        problem = row_problem({**cols, "sk": ch.column("sk", e.rows)} if ch.has("sk") else cols)
+        if problem is not None:
+            raise _bad(problem[1].format(row=problem[0]), "bad_row", path, e.offset)
         exact: dict[str, tuple[np.ndarray, bytes]] = {}
         for name in ("sum", "sumsq"):
             if ch.has(name + "_xn"):
@@ -797,7 +801,7 @@ class History:
                 or np.maximum.reduceat(step, starts).tolist() != [e.step_max for e in entries]):
             raise _Fallback
         if ((cols["phase"] >= len(Phase.NAMES)).any() or (cols["presence"] >= len(Presence.NAMES)).any()
-                or (cols["span"] == 0).any()):
+                or (cols["span"] == 0).any() or row_problem(cols) is not None):
             raise _Fallback
         n = int(rows_a.sum())
         if lay.has_any(_TALLY_SET):  # a derived file (spec 11.4): every chunk has all six, implying its presence
@@ -846,6 +850,8 @@ class History:
                     raise _Fallback
                 scale_of.append(sc)
             sk = {k: _gather(view, lay.col(k), dt, rows) for k, dt in SKETCH_COLUMNS.items() if k != "sk_counts"}
+            if ((sk["sk"] != 0) & (cols["presence"] != Presence.OBSERVED)).any():
+                raise _Fallback  # (a sketch on a row that is not observed: spec 5.5)
             cc = lay.col("sk_counts")
             if cc.present != have:
                 raise _Fallback
