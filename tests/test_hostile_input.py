@@ -4,6 +4,8 @@ writes a file the reader refuses. Found by a fuzzing campaign of resealed mutant
 
 from __future__ import annotations
 
+import os
+import stat
 import struct
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import pytest
 from history_helpers import obs_payload, records, rewrite
 
 import trainhist
+from trainhist import cli
 from trainhist.dump import dumps
 from trainhist.errors import TrainhistError
 from trainhist.framing import RECORD_HEADER_SIZE, RecordType
@@ -185,3 +188,44 @@ def test_rows_no_tensor_could_give_are_bad_row_everywhere(tmp_path, column, valu
     with pytest.raises(TrainhistError) as ei:
         trainhist.open(p).spine("a")
     assert ei.value.offset == records(p.read_bytes(), RecordType.OBS)[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX FIFOs")
+def test_a_pipe_or_directory_is_refused_without_waiting(tmp_path):
+    """Opening a FIFO for reading used to wait for a writer forever (every CLI command hung)."""
+    fifo = tmp_path / "pipe.thist"
+    os.mkfifo(fifo)
+    for path in (fifo, tmp_path):
+        with pytest.raises(TrainhistError) as ei:
+            trainhist.open(path)
+        assert ei.value.code == "not_a_file"
+    assert cli.main(["info", str(fifo)]) == 2
+
+
+def test_merge_and_coarsen_never_replace_an_input_or_a_special_file(tmp_path):
+    """The output is written beside its path and renamed over it: an output naming an input (under any name) would
+    have replaced the input (it did, exit 0), and a FIFO or device would have become a regular file."""
+    a = tmp_path / "a.thist"
+    data = _base(a)
+    link = tmp_path / "link.thist"
+    link.symlink_to(a)
+    for out in (a, tmp_path / "." / "a.thist", link):
+        with pytest.raises(TrainhistError) as ei:
+            trainhist.merge([a], out)
+        assert ei.value.code == "output_is_input"
+        with pytest.raises(TrainhistError) as ei:
+            trainhist.coarsen(a, out, steps=2)
+        assert ei.value.code == "output_is_input"
+    assert cli.main(["merge", str(a), "-o", str(a)]) == 2
+    assert a.read_bytes() == data
+    if hasattr(os, "mkfifo"):
+        fifo = tmp_path / "out.fifo"
+        os.mkfifo(fifo)
+        with pytest.raises(TrainhistError) as ei:
+            trainhist.merge([a], fifo)
+        assert ei.value.code == "bad_output" and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    with pytest.raises(TrainhistError) as ei:
+        trainhist.merge([a], tmp_path)
+    assert ei.value.code == "bad_output"
+    left = sorted(p.name for p in tmp_path.iterdir())  # (no output, no temporary file)
+    assert left == ["a.thist", "link.thist", "out.fifo"][: 3 if hasattr(os, "mkfifo") else 2]

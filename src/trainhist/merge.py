@@ -398,6 +398,31 @@ def _batch_columns(batch: list[tuple[_Source, Any]], raw: list[bytes]) -> _Batch
     return _BatchColumns(parts, cols, tally, explicit, exact, sk, counts, csize, scales, any_sk, cmax)
 
 
+def _check_output(output: str, inputs: list[str]) -> None:
+    """Refuse an output that would replace an input (the same file under any name) or something that is not a
+    regular file (a device, a pipe, a directory): the output is written beside it and renamed over it."""
+    import stat
+
+    if not output or output.endswith(os.sep):
+        raise UsageError(f"output {output!r} is not a file name", code="bad_output")
+    try:
+        st = os.stat(output)
+    except FileNotFoundError:
+        return
+    except OSError:  # (not reachable, a loop of links: the write reports it)
+        return
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"output {output} exists and is not a regular file: it would be replaced by one; write to "
+                         "another path", code="bad_output")
+    for p in inputs:
+        try:
+            if os.path.samefile(p, output):
+                raise UsageError(f"output {output} is the input {p}: writing it would replace the input; write to "
+                                 "another path (then rename it if you mean to)", code="output_is_input")
+        except OSError:
+            continue  # (an input that cannot be opened is reported by the scan)
+
+
 class _Engine:
     def __init__(self, paths: list[str], output: str, *, steps: int, scale: int | None, across_runs: bool,
                  replica_divergence: str, codec: str, workers: int | None = None) -> None:
@@ -412,6 +437,7 @@ class _Engine:
         self.workers = workers
         self.paths = [os.fspath(p) for p in paths]
         self.output = os.fspath(output)
+        _check_output(self.output, self.paths)
         self.N = steps
         self.scale = scale
         self.across_runs = across_runs

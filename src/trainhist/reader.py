@@ -402,6 +402,25 @@ _READAHEAD_SITES = 64
 
 
 
+def _open_regular(path: str) -> Any:
+    """``path`` opened for reading, refused unless it is a regular file: opened without blocking (a FIFO would wait
+    for a writer forever) and checked before a byte is read."""
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a pipe, socket or device)"
+            raise UsageError(f"{path} is {kind}: a history is read from a regular file", code="not_a_file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _bad(msg: str, code: str, path: str, offset: int) -> CorruptError:
     return CorruptError(msg, code=code, path=path, offset=offset)
 
@@ -411,7 +430,7 @@ class History:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
-        self._file = open(self.path, "rb")
+        self._file = _open_regular(self.path)
         size = os.fstat(self._file.fileno()).st_size
         self.size = size
         if size == 0:
