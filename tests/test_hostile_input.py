@@ -199,7 +199,7 @@ def test_a_pipe_or_directory_is_refused_without_waiting(tmp_path):
         with pytest.raises(TrainhistError) as ei:
             trainhist.open(path)
         assert ei.value.code == "not_a_file"
-    assert cli.main(["info", str(fifo)]) == 2
+    assert cli.main(["info", str(fifo)]) == 1
 
 
 def test_merge_and_coarsen_never_replace_an_input_or_a_special_file(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 import trainhist
@@ -69,7 +71,7 @@ def test_clean_history_has_no_findings(tmp_path) -> None:
 def test_cli_reports_io_errors_without_a_traceback(tmp_path, capsys) -> None:
     assert main(["info", str(tmp_path)]) == 1  # a directory, not a file
     err = capsys.readouterr().err
-    assert err.startswith("trainhist: error [io_error]") and "Traceback" not in err
+    assert err.startswith("trainhist: error [not_a_file]") and "Traceback" not in err
     assert main(["verify", str(tmp_path / "missing.thist")]) == 1
     assert "[not_found]" in capsys.readouterr().err
 
@@ -119,3 +121,50 @@ def test_cli_broken_pipe_is_not_an_error(monkeypatch, capsys) -> None:
     monkeypatch.setattr(cli, "build_parser", lambda: types.SimpleNamespace(parse_known_args=lambda argv: (parsed, [])))
     assert main(["dump", "x.thist"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_coarsened_rows_cover_their_span(tmp_path) -> None:
+    """A coarsened row covers its whole window: no steps between windows are 'not observed'."""
+    src, dst = tmp_path / "s.thist", tmp_path / "c.thist"
+    with trainhist.HistoryWriter(src) as w:
+        a = w.site("h.0", "activation")
+        for step in range(8):
+            w.observe(a, step, np.array([np.nan if step == 5 else 1.0], np.float32))
+    for n in (2, 4):
+        trainhist.coarsen(src, dst, steps=n)
+        with trainhist.open(dst) as h:
+            t = triage(h)
+        assert t.first_nonfinite.step == 4 and "at step 4" in t.first_nonfinite.text
+        assert not any("not observed" in f.text for f in t.findings), t.format()
+        os.unlink(dst)
+
+
+def test_time_runs_by_segment_then_step(tmp_path) -> None:
+    """A run resumed at an earlier step is later in time: the first non-finite value is the one of the earlier
+    segment, and a site's previous observation is taken in its own segment."""
+    p = tmp_path / "r.thist"
+    with trainhist.HistoryWriter(p) as w:
+        a = w.site("h.0", "activation")
+        for step in range(10):
+            w.observe(a, step, np.array([np.nan if step == 8 else 1.0], np.float32))
+        w.new_segment(5, "resume")
+        for step in (5, 6):
+            w.observe(a, step, np.array([np.inf if step == 6 else 1.0], np.float32))
+    with trainhist.open(p) as h:
+        t = triage(h)
+    assert t.first_nonfinite.step == 8 and "(segment 0)" in t.first_nonfinite.text
+    assert "from step 8 (segment 0) to step 6 (segment 1)" in t.format()
+    q = tmp_path / "gap.thist"
+    with trainhist.HistoryWriter(q) as w:
+        a = w.site("h.0", "activation")
+        w.scalar("loss", 0, 1.0)
+        for step in range(10):
+            w.observe(a, step, np.ones(1, np.float32))
+        w.new_segment(5, "resume")
+        w.scalar("loss", 8, float("nan"))
+        for step in (5, 8):
+            w.observe(a, step, np.array([np.nan if step == 8 else 1.0], np.float32))
+    with trainhist.open(q) as h:
+        t = triage(h)
+    site = next(f for f in t.findings if f.kind == "first_nonfinite_site")
+    assert "previous observation, at step 5" in site.text and "steps 6..7 were not observed" in site.text

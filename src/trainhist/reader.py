@@ -44,7 +44,7 @@ from .batchdecode import (  # noqa: F401 - _directories_*, _int_positions: tests
 )
 from .chunk import Chunk, Codec
 from .dyadic import Dyadic
-from .errors import CorruptError, FormatError, UnsupportedError, UsageError
+from .errors import CorruptError, FormatError, TrainhistError, UnsupportedError, UsageError
 from .framing import (
     COMMIT_ENTRY,
     COMMIT_ENTRY_DTYPE,
@@ -412,7 +412,7 @@ def _open_regular(path: str) -> Any:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a pipe, socket or device)"
-            raise UsageError(f"{path} is {kind}: a history is read from a regular file", code="not_a_file")
+            raise TrainhistError(f"{kind}: a history is read from a regular file", code="not_a_file", path=path)
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")

@@ -8,6 +8,7 @@ names the site, stream, phase and step so that a person can go straight to it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -67,33 +68,55 @@ def _what(nan: int, inf: int) -> str:
     return ", ".join(x for x in (f"{nan} NaN" if nan else "", f"{inf} inf" if inf else "") if x)
 
 
-def _gap(e: tuple) -> bool:
-    """Whether the site was unobserved on the step before its first non-finite row (a cadence gap)."""
-    return e[7] is not None and e[7] != e[0] - 1
+class _Event(NamedTuple):
+    """A non-finite observation: where it sits in time (segment, step), its pass, the site's place in that pass,
+    and the site's previous observation in the same segment (its first step and the step after its span)."""
+
+    segment: int
+    step: int
+    pass_rank: int
+    order: int
+    phase: str
+    site: Any
+    nan: int
+    inf: int
+    before: int | None
+    before_end: int | None
 
 
-def _site_finding(e: tuple) -> Finding:
+def _gap(e: _Event) -> bool:
+    """Whether the site was unobserved on some step just before its first non-finite row (a cadence gap)."""
+    return e.before_end is not None and e.before_end < e.step
+
+
+def _at(e: _Event, segments: int) -> str:
+    return f"step {e.step}" + (f" (segment {e.segment})" if segments > 1 else "")
+
+
+def _site_finding(e: _Event, segments: int) -> Finding:
     """The first site-level non-finite observation, bracketed by the site's previous (finite) observation.
 
     With spines at a cadence the site first seen non-finite may be downstream of the origin, so the finding says
     which steps were not observed rather than attributing the origin to it.
     """
-    step, _, _, phase, site, nan, inf, before = e
-    where = f"the first site with non-finite values is {_label(site, phase)} at step {step} ({_what(nan, inf)})"
+    where = (f"the first site with non-finite values is {_label(e.site, e.phase)} at {_at(e, segments)} "
+             f"({_what(e.nan, e.inf)})")
     if _gap(e):
-        where += (f"; its previous observation, at step {before}, was finite and steps {before + 1}..{step - 1} "
-                  f"were not observed there, so the values may have turned non-finite earlier, or first upstream of "
-                  f"this site (record every step to pin it)")
-    return Finding("first_nonfinite_site", step, site.path, where)
+        covered = "" if e.before_end == e.before + 1 else f" (covering steps {e.before}..{e.before_end - 1})"
+        where += (f"; its previous observation, at step {e.before}{covered}, was finite and steps {e.before_end}.."
+                  f"{e.step - 1} were not observed there, so the values may have turned non-finite earlier, or first "
+                  f"upstream of this site (record every step to pin it)")
+    return Finding("first_nonfinite_site", e.step, e.site.path, where)
 
 
 def triage(h: History) -> Triage:
-    """Scan every site's spine of ``h`` and the step table; return the findings, most important first."""
+    """Scan every site's spine of ``h`` and the step table; return the findings, most important first. Time runs
+    by segment, then step (a run resumed at an earlier step is later in time)."""
     report = Triage(h.path)
-    # step, pass, order, phase, site, nan, inf, the site's previous observed step
-    events: list[tuple[int, int, int, str, object, int, int, int | None]] = []
+    events: list[_Event] = []
     failed: dict[str, list[int]] = {}
     n_sites = len(h.sites)
+    n_segments = len(h.segments)
     for site in h.sites:
         for phase in ("default", "pre_clip", "post_clip"):
             s = h.spine(site.path, site.stream, site.facet, phase=phase)
@@ -102,29 +125,35 @@ def triage(h: History) -> Triage:
             obs = s.observed
             bad = obs & ((s.nan > 0) | (s.pinf > 0) | (s.ninf > 0))
             order = n_sites - site.id if site.stream == "activation_grad" else site.id
-            obs_steps = s.step[obs]
-            rows = np.flatnonzero(bad)
-            earlier = np.searchsorted(obs_steps, s.step[rows]).tolist()  # observed rows at earlier steps
-            for i, k in zip(rows.tolist(), earlier):
-                before = int(obs_steps[k - 1]) if k else None
-                events.append((int(s.step[i]), PASS_ORDER[site.stream], order, phase, site, int(s.nan[i]),
-                               int(s.pinf[i] + s.ninf[i]), before))
+            step, span, seg = s.step, s.span.astype(np.int64), s.segment
+            for g in np.unique(seg[bad]).tolist():
+                mine = np.flatnonzero(obs & (seg == g))
+                mine = mine[np.argsort(step[mine], kind="stable")]  # the segment's observed rows by step
+                rows = np.flatnonzero(bad & (seg == g))
+                earlier = np.searchsorted(step[mine], step[rows])  # observed rows at earlier steps
+                for i, k in zip(rows.tolist(), earlier.tolist()):
+                    prev = int(mine[k - 1]) if k else None
+                    before = None if prev is None else int(step[prev])
+                    events.append(_Event(int(g), int(step[i]), PASS_ORDER[site.stream], order, phase, site,
+                                         int(s.nan[i]), int(s.pinf[i] + s.ninf[i]), before,
+                                         None if prev is None else before + int(span[prev])))
             fails = np.flatnonzero(s.presence == Presence.FAILED)
             if fails.size:
                 failed[_label(site, phase)] = s.step[fails].tolist()
-    events.sort(key=lambda e: (e[0], e[1], e[2]))
+    events.sort(key=lambda e: (e.segment, e.step, e.pass_rank, e.order))
     if events:
-        step, _, _, phase, site, nan, inf, _ = events[0]
-        report.findings.append(Finding("first_nonfinite", step, site.path,
-                                       f"the first non-finite value was in {_label(site, phase)} at step {step} "
-                                       f"({_what(nan, inf)})"))
-        first_site = next((e for e in events if e[4].stream != "scalar"), None)
-        if first_site is not None and (site.stream == "scalar" or _gap(first_site)):
-            report.findings.append(_site_finding(first_site))
-        sites_hit = {(e[4].id, e[3]) for e in events}
+        e0 = events[0]
+        report.findings.append(Finding("first_nonfinite", e0.step, e0.site.path,
+                                       f"the first non-finite value was in {_label(e0.site, e0.phase)} at "
+                                       f"{_at(e0, n_segments)} ({_what(e0.nan, e0.inf)})"))
+        first_site = next((e for e in events if e.site.stream != "scalar"), None)
+        if first_site is not None and (e0.site.stream == "scalar" or _gap(first_site)):
+            report.findings.append(_site_finding(first_site, n_segments))
+        sites_hit = {(e.site.id, e.phase) for e in events}
         report.findings.append(Finding("nonfinite", None, None,
                                        f"{len(events)} observations on {len(sites_hit)} site/phase pairs held "
-                                       f"non-finite values, from step {events[0][0]} to step {events[-1][0]}"))
+                                       f"non-finite values, from {_at(events[0], n_segments)} to "
+                                       f"{_at(events[-1], n_segments)}"))
     for label, steps in failed.items():
         report.findings.append(Finding("failed", steps[0], label,
                                        f"the reduction failed for {label} at {len(steps)} step(s), first {steps[0]}"))
