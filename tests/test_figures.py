@@ -62,3 +62,36 @@ def test_figures_render_with_labels(tmp_path) -> None:
         assert (tmp_path / "wf.png").stat().st_size > 1000
         pages = contact_sheet(h, tmp_path / "sheet", per_page=4, cols=2)
     assert len(pages) == 2 and all(pg.stat().st_size > 1000 for pg in pages)
+
+
+def _mesh_columns(fig) -> list[tuple[float, float, list[int]]]:
+    """(x from, x to, occupied bin rows) of each column of a waterfall's mesh."""
+    mesh = fig.axes[0].collections[0]
+    xs = mesh.get_coordinates()[0, :, 0]
+    arr = np.ma.masked_invalid(np.ma.filled(mesh.get_array().astype(float), np.nan).reshape(-1, len(xs) - 1))
+    return [(float(xs[j]), float(xs[j + 1]), np.flatnonzero(~arr.mask[:, j]).tolist()) for j in range(len(xs) - 1)]
+
+
+def test_waterfall_draws_each_sketch_over_its_own_steps(tmp_path):
+    """Rows at steps 0, 1, 2, 10, 11 (nothing in between): each column sits over its step and steps 3..9 are
+    blank (an image of equal columns used to draw step 10's sketch over steps 6..9). A coarsened row spans its
+    window; rows of one step are summed."""
+    p = tmp_path / "w.thist"
+    with trainhist.HistoryWriter(p) as w:
+        s = w.site("a", "activation")
+        for st in (0, 1, 2, 10, 11):
+            w.observe(s, st, np.full(8, 1.0 if st < 10 else 1000.0))
+        w.observe(s, 11, np.full(8, 1000.0), micro=1)
+    with trainhist.open(p) as h:
+        fig = waterfall(h, "a")
+        assert "rows of one step summed" in fig.axes[0].get_title()
+    cols = _mesh_columns(fig)
+    assert [(a, b) for a, b, _ in cols] == [(-0.5, 0.5), (0.5, 1.5), (1.5, 2.5), (2.5, 9.5), (9.5, 10.5),
+                                            (10.5, 11.5)]
+    assert cols[3][2] == [] and cols[0][2] == cols[1][2] == cols[2][2] != cols[4][2] == cols[5][2] != []
+    assert cols[4][2][0] > cols[0][2][0]  # 1000 lies in a higher bin than 1
+    c = tmp_path / "c.thist"
+    trainhist.coarsen(p, c, steps=4)
+    with trainhist.open(c) as h:
+        cols = _mesh_columns(waterfall(h, "a"))
+    assert [(a, b) for a, b, _ in cols] == [(-0.5, 3.5), (3.5, 7.5), (7.5, 11.5)] and cols[1][2] == []

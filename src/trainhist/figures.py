@@ -121,6 +121,31 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
     return fig
 
 
+def _step_columns(steps: np.ndarray, spans: np.ndarray | None, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+    """The x edges and log10 columns of a steps × bins image of ``grid`` (rows × bins counts): each row drawn over
+    its own steps ``[step, step + span)``, rows of one step and span summed (micro-batches), and a blank column over
+    steps without a row, so that no sketch is drawn at a step it does not describe. Returns (edges, bins × columns,
+    whether rows were summed)."""
+    steps = steps.astype(np.int64)
+    spans = np.ones_like(steps) if spans is None else spans.astype(np.int64)
+    keys, inv = np.unique(np.stack([steps, spans], axis=1), axis=0, return_inverse=True)
+    counts = np.zeros((len(keys), grid.shape[1]))
+    np.add.at(counts, inv.reshape(-1), grid)
+    with np.errstate(divide="ignore"):
+        cols = np.log10(counts.T)
+    edges, out = [float(keys[0, 0]) - 0.5], []
+    for i, (start, span) in enumerate(keys.tolist()):
+        if start - 0.5 > edges[-1]:  # steps without a row: blank
+            out.append(np.full(grid.shape[1], np.nan))
+            edges.append(start - 0.5)
+        end = start + span - 0.5
+        if i + 1 < len(keys):
+            end = min(end, float(keys[i + 1, 0]) - 0.5)  # (spans that overlap the next row: cut where it starts)
+        out.append(cols[:, i])
+        edges.append(end)
+    return np.array(edges), np.stack(out, axis=1), len(keys) < len(steps)
+
+
 def waterfall(h: History, path: str, stream: str = "activation", facet: str | None = None, *,
               phase: str | None = None, out: str | Path | None = None):
     """Steps × signed-log2 bins heat map of the stored sketch counts (log color), bands shown apart."""
@@ -129,20 +154,19 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
     fig, ax = plt.subplots(figsize=(8, 4))
     if len(sk):
         grid = np.concatenate([sk.neg[:, ::-1], sk.pos], axis=1).astype(np.float64)
-        with np.errstate(divide="ignore"):
-            img = np.log10(grid.T)
         nb = nbins(sk.scale)
         lo = index_min(sk.scale) / 2**sk.scale
         hi = (index_min(sk.scale) + nb) / 2**sk.scale
-        steps = sk.columns["step"]
-        ax.imshow(img, aspect="auto", origin="lower", interpolation="nearest", cmap="viridis",
-                  extent=(steps.min() - 0.5, steps.max() + 0.5, -nb, nb))
+        x, img, summed = _step_columns(sk.columns["step"], sk.columns.get("span"), grid)
+        ax.pcolormesh(x, np.linspace(-nb, nb, 2 * nb + 1), np.ma.masked_invalid(img), cmap="viridis",
+                      shading="flat")
         ticks = np.linspace(-nb, nb, 9)
         ax.set_yticks(ticks)
         ax.set_yticklabels([f"{'-' if t < 0 else ''}2^{lo + abs(t) / nb * (hi - lo):.0f}" if t else "0"
                             for t in ticks])
         outside = int(sk.bands.sum())
-        ax.set_title(_site_title(sk.site, phase) + f" · sketch, {2**sk.scale} bins/octave (never rebinned)")
+        ax.set_title(_site_title(sk.site, phase) + f" · sketch, {2**sk.scale} bins/octave (never rebinned)"
+                     + (" · rows of one step summed" if summed else ""))
         ax.text(0.01, 0.01, f"outside the window (2^-48, 2^16]: {outside} values in the under/overflow bands",
                 transform=ax.transAxes, fontsize=7, color="w")
     else:
