@@ -95,3 +95,19 @@ def test_waterfall_draws_each_sketch_over_its_own_steps(tmp_path):
     with trainhist.open(c) as h:
         cols = _mesh_columns(waterfall(h, "a"))
     assert [(a, b) for a, b, _ in cols] == [(-0.5, 3.5), (3.5, 7.5), (7.5, 11.5)] and cols[1][2] == []
+
+
+def test_extreme_magnitudes_render_with_the_data_in_view(tmp_path):
+    """rms from 1e154 down to 1e-160 (contact sheet: an OverflowError inside matplotlib's tick layout) and values
+    at the ends of the float range (site figure: limits of +-0.001, the data out of view)."""
+    p = tmp_path / "x.thist"
+    with trainhist.HistoryWriter(p) as w:
+        c, m = w.site("c", "activation"), w.site("m", "activation")
+        for st in range(3):
+            w.observe(c, st, np.array([1e154 if st == 0 else 1e-160]))
+            w.observe(m, st, np.array([1.7976931348623157e308, -1.7976931348623157e308]))
+    with trainhist.open(p) as h:
+        pages = contact_sheet(h, tmp_path / "sheet")
+        assert len(pages) == 1 and pages[0].stat().st_size > 1000
+        lo, hi = site_figure(h, "m").axes[0].get_ylim()
+        assert lo <= -1.7e308 and hi >= 1.7e308

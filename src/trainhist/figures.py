@@ -57,6 +57,27 @@ def quantiles_from_sketch(pos: np.ndarray, neg: np.ndarray, bands: np.ndarray, z
     return out
 
 
+_FMAX = float(np.finfo(np.float64).max)
+
+
+def _fit_y(ax, values: np.ndarray, log: bool) -> None:
+    """Set the y limits around the finite ``values`` with a 5% margin computed without overflow: matplotlib's own
+    margins overflow near the ends of the float range (1e±300) and then lose the data (limits of 1..10)."""
+    v = values[np.isfinite(values)]
+    if log:
+        v = v[v > 0]
+    if not v.size:
+        return
+    if log:
+        lo, hi = math.log10(float(v.min())), math.log10(float(v.max()))
+        m = 0.05 * (hi - lo) or 0.5
+        ax.set_ylim(10.0 ** max(lo - m, -323.0), 10.0 ** min(hi + m, 308.0))
+    else:
+        lo, hi = float(v.min()), float(v.max())
+        m = (0.05 * hi - 0.05 * lo) or max(abs(lo) * 0.05, 1.0)
+        ax.set_ylim(max(lo - m, -_FMAX), min(hi + m, _FMAX))
+
+
 def _site_title(site: Site, phase: str | None) -> str:
     facet = "" if site.facet is None else f"[{site.facet}]"
     ph = "" if phase in (None, "default") else f" {phase}"
@@ -94,8 +115,9 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
     sk = h.sketch(path, stream, facet, phase=phase)
     fig, ax = plt.subplots(figsize=(8, 4))
     obs = s.observed & (s.finite > 0)
-    ax.plot(s.step[obs], s.min[obs], ":", color="k", lw=1, label="min / max (exact, spine)")
-    ax.plot(s.step[obs], s.max[obs], ":", color="k", lw=1)
+    mark = "." if obs.sum() == 1 else None  # (a line of one point draws nothing)
+    ax.plot(s.step[obs], s.min[obs], ":", color="k", lw=1, marker=mark, label="min / max (exact, spine)")
+    ax.plot(s.step[obs], s.max[obs], ":", color="k", lw=1, marker=mark)
     if len(sk):
         zero = s.zero[s.sk_row >= 0]
         q = quantiles_from_sketch(sk.pos, sk.neg, sk.bands, zero, sk.scale, (0.05, 0.25, 0.5, 0.75, 0.95))
@@ -110,6 +132,7 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
     _marks(ax, h, s)
     lin = max(1e-12, float(np.nanmax(np.abs(np.r_[s.min[obs], s.max[obs], 1e-12]))) * 1e-3)
     ax.set_yscale("symlog", linthresh=lin)
+    _fit_y(ax, np.r_[s.min[obs], s.max[obs], 0.0], log=False)
     ax.set_xlabel("step")
     ax.set_ylabel("value (symlog)")
     ax.set_title(_site_title(s.site, phase))
@@ -236,13 +259,15 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
                 ax.vlines(s.step[nf], 0, 1, transform=ax.get_xaxis_transform(), color="red", lw=0.5)
             if obs.any() and (s.rms[obs] > 0).all():
                 ax.set_yscale("log")
+                _fit_y(ax, s.rms[obs], log=True)
             # few ticks and no minor ticks: tick layout dominates the drawing time of a sheet
             ax.minorticks_off()
             ax.xaxis.set_major_locator(MaxNLocator(3))
             if ax.get_yscale() == "linear":
                 ax.yaxis.set_major_locator(MaxNLocator(3))
             else:
-                ax.yaxis.set_major_locator(LogLocator(numticks=3))
+                lo, hi = ax.get_ylim()  # (three ticks over hundreds of decades overflow in matplotlib)
+                ax.yaxis.set_major_locator(LogLocator(numticks=3) if math.log10(hi / lo) < 100 else LogLocator())
             ax.set_title(_site_title(site, phase), fontsize=6)
             ax.tick_params(labelsize=5)
         a, b = k * per_page + 1, k * per_page + len(tiles)
