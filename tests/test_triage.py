@@ -168,3 +168,18 @@ def test_time_runs_by_segment_then_step(tmp_path) -> None:
         t = triage(h)
     site = next(f for f in t.findings if f.kind == "first_nonfinite_site")
     assert "previous observation, at step 5" in site.text and "steps 6..7 were not observed" in site.text
+
+
+def test_rows_without_numbers_are_reported_by_state(tmp_path) -> None:
+    """Absent, skipped and unknown rows are findings (a file of only such rows used to report nothing)."""
+    p = tmp_path / "m.thist"
+    with trainhist.HistoryWriter(p) as w:
+        a, b = w.site("moe.1", "activation"), w.site("h.0", "param_delta")
+        for step in range(4):
+            w.mark(a, step, "absent")
+        w.mark(b, 2, "skipped")
+    with trainhist.open(p) as h:
+        t = triage(h)
+    kinds = {f.kind: f for f in t.findings}
+    assert "4 rows of 1 site/phase pairs did not run, first `moe.1` forward" in kinds["rows_absent"].text
+    assert kinds["rows_skipped"].step == 2 and "no non-finite" not in t.format()

@@ -29,7 +29,8 @@ _PASS_NAME = {"activation": "forward", "activation_grad": "backward", "param_gra
 class Finding:
     """One thing a person should look at."""
 
-    kind: str  # first_nonfinite, first_nonfinite_site, nonfinite, failed, skipped_step, unknown_applied, segment
+    kind: str  # first_nonfinite(_site), nonfinite, failed, rows_absent/_skipped/_unknown, skipped_step,
+    # unknown_applied, segment
     step: int | None
     site: str | None
     text: str
@@ -115,6 +116,7 @@ def triage(h: History) -> Triage:
     report = Triage(h.path)
     events: list[_Event] = []
     failed: dict[str, list[int]] = {}
+    missing: dict[str, list[tuple[int, int, str]]] = {}  # presence -> (first step, rows, site label) per site
     n_sites = len(h.sites)
     n_segments = len(h.segments)
     for site in h.sites:
@@ -140,6 +142,11 @@ def triage(h: History) -> Triage:
             fails = np.flatnonzero(s.presence == Presence.FAILED)
             if fails.size:
                 failed[_label(site, phase)] = s.step[fails].tolist()
+            for code, name in ((Presence.ABSENT, "absent"), (Presence.SKIPPED, "skipped"),
+                               (Presence.UNKNOWN, "unknown")):
+                at = np.flatnonzero(s.presence == code)
+                if at.size:
+                    missing.setdefault(name, []).append((int(s.step[at].min()), int(at.size), _label(site, phase)))
     events.sort(key=lambda e: (e.segment, e.step, e.pass_rank, e.order))
     if events:
         e0 = events[0]
@@ -157,6 +164,12 @@ def triage(h: History) -> Triage:
     for label, steps in failed.items():
         report.findings.append(Finding("failed", steps[0], label,
                                        f"the reduction failed for {label} at {len(steps)} step(s), first {steps[0]}"))
+    why = {"absent": "did not run", "skipped": "had nothing to observe (skipped)", "unknown": "are unknown"}
+    for name, found in missing.items():  # rows without numbers, by state: one finding each, naming the earliest
+        step, n, label = min(found)
+        report.findings.append(Finding(f"rows_{name}", step, None,
+                                       f"{sum(f[1] for f in found)} rows of {len(found)} site/phase pairs "
+                                       f"{why[name]}, first {label} at step {step}"))
     rows = h.step_truth_rows()
     skipped = [r["step"] for r in rows if r["applied"] == "skipped"]
     if skipped:
