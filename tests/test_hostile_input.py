@@ -224,8 +224,9 @@ def test_merge_and_coarsen_never_replace_an_input_or_a_special_file(tmp_path):
         with pytest.raises(TrainhistError) as ei:
             trainhist.merge([a], fifo)
         assert ei.value.code == "bad_output" and stat.S_ISFIFO(os.stat(fifo).st_mode)
-    with pytest.raises(TrainhistError) as ei:
-        trainhist.merge([a], tmp_path)
-    assert ei.value.code == "bad_output"
+    for out in (tmp_path, tmp_path / "no" / "such" / "m.thist", tmp_path / "a.thist" / "m.thist"):
+        with pytest.raises(TrainhistError) as ei:
+            trainhist.merge([a], out)
+        assert ei.value.code == "bad_output" and ".tmp" not in str(ei.value)
     left = sorted(p.name for p in tmp_path.iterdir())  # (no output, no temporary file)
     assert left == ["a.thist", "link.thist", "out.fifo"][: 3 if hasattr(os, "mkfifo") else 2]

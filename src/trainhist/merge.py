@@ -405,6 +405,9 @@ def _check_output(output: str, inputs: list[str]) -> None:
 
     if not output or output.endswith(os.sep):
         raise UsageError(f"output {output!r} is not a file name", code="bad_output")
+    parent = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(parent):
+        raise UsageError(f"output {output}: the folder {parent} does not exist (or is not a folder)", code="bad_output")
     try:
         st = os.stat(output)
     except FileNotFoundError:
