@@ -81,6 +81,10 @@ def _surfaces(p: Path, tmp_path: Path) -> dict[str, str]:
             for i in range(len(sp)):
                 sp.summary(i)
             h.presence(s.path, s.stream, s.facet)
+            if s.stream != "scalar":
+                sk = h.sketch(s.path, s.stream, s.facet, phase="*")
+                for i in range(len(sk)):
+                    sk.sketch(i)
         h.step_truth_rows()
 
     def merged(kind: str) -> None:
@@ -230,3 +234,33 @@ def test_merge_and_coarsen_never_replace_an_input_or_a_special_file(tmp_path):
         assert ei.value.code == "bad_output" and ".tmp" not in str(ei.value)
     left = sorted(p.name for p in tmp_path.iterdir())  # (no output, no temporary file)
     assert left == ["a.thist", "link.thist", "out.fifo"][: 3 if hasattr(os, "mkfifo") else 2]
+
+
+def test_a_lying_variable_column_is_refused_before_it_is_decoded(tmp_path):
+    """sk_counts stored as an 8-byte constant frame-of-reference block that declares 256 MiB (within the column
+    limit of spec 12) while the sketch ranges use 40 values: every surface refuses it (bad_sketch) from the
+    declared size, before decoding it (it used to allocate the 256 MiB first)."""
+    import sys
+    import tracemalloc
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import gen_vectors as gv
+
+    from trainhist.chunk import Codec
+
+    recs = gv.parse(_base(tmp_path / "base.thist"))
+
+    def bomb(meta: dict, cols: list) -> None:
+        c = gv.col(cols, "sk_counts")
+        c.codec, c.block, c.raw = Codec.FOR, struct.pack("<Q", 1), 256 << 20
+
+    gv.edit_chunk(gv.first(recs, RecordType.OBS), bomb)
+    p = tmp_path / "bomb.thist"
+    p.write_bytes(gv.build(recs)[0])
+    tracemalloc.start()
+    try:
+        assert set(_surfaces(p, tmp_path).values()) == {"bad_sketch"}
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak

@@ -318,8 +318,18 @@ def read_obs(payload: memoryview, *, path: str, offset: int, site: int, segment:
             raise _bad(f"chunk has tally columns {tnames} but not all of {_TALLY_NAMES}", path, offset,
                        "bad_tally")
         tally = [ch.column(n, rows) for n in _TALLY_NAMES]
-    exact = {name: (ch.column(name + "_xn", rows), ch.column(name + "_x")) if ch.has(name + "_xn") else None
-             for name in ("sum", "sumsq")}
+    exact: dict[str, tuple[np.ndarray, np.ndarray] | None] = {}
+    for name in ("sum", "sumsq"):
+        exact[name] = None
+        if ch.has(name + "_xn"):
+            if not ch.has(name + "_x"):
+                raise _bad(f"chunk has {name}_xn without {name}_x", path, offset, "missing_column")
+            lens = ch.column(name + "_xn", rows)
+            size = ch.raw_size(name + "_x")  # (checked against the lengths before it is decoded)
+            if int(lens.sum(dtype=np.uint64)) != size:
+                raise _bad(f"{name}_x holds {size} bytes, {name}_xn sums to {int(lens.sum(dtype=np.uint64))}", path,
+                           offset, "bad_column_length")
+            exact[name] = (lens, ch.column(name + "_x"))
     sk = counts = scale = None
     if ch.has("sk"):
         scale = m.get("scale")
@@ -330,6 +340,16 @@ def read_obs(payload: memoryview, *, path: str, offset: int, site: int, segment:
         if missing:
             raise _bad(f"chunk with sketches lacks the sketch columns {missing}", path, offset, "missing_column")
         sk = {k: ch.column(k, rows) for k in SKETCH_COLUMNS if k != "sk_counts"}
+        if (sk["sk"] > 1).any():
+            raise _bad("sk column holds values other than 0 and 1", path, offset, "bad_sketch")
+        has = sk["sk"] == 1
+        if (~has & ((sk["sk_pn"] > 0) | (sk["sk_nn"] > 0))).any():
+            raise _bad("a row without a sketch declares sketch bins", path, offset, "bad_sketch")
+        declared = ch.raw_size("sk_counts") // 8  # (checked against the ranges before it is decoded)
+        used = int(sk["sk_pn"][has].sum(dtype=np.int64) + sk["sk_nn"][has].sum(dtype=np.int64))
+        if used != declared:
+            raise _bad(f"the sketch ranges use {used} values, sk_counts declares {declared}", path, offset,
+                       "bad_sketch")
         counts = ch.column("sk_counts")
     return ObsChunk(path, offset, rows, step_min, step_max, src, cols, tally, exact, sk, counts, scale)
 

@@ -335,6 +335,12 @@ class Chunk:
     def has(self, name: str) -> bool:
         return name in self._dir
 
+    def raw_size(self, name: str) -> int:
+        """The decoded byte length the directory declares for column ``name`` (checked within the limits, not yet
+        against the data): a variable-length column's size is compared with what other columns imply before it is
+        decoded, so that a lying directory costs no allocation."""
+        return int(self._dir[name][5])
+
     def column(self, name: str, rows: int | None = None) -> np.ndarray:
         """The column as a numpy array of its registered dtype; ``rows`` checks the element count of fixed-width
         columns."""

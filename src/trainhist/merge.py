@@ -388,6 +388,9 @@ def _batch_columns(batch: list[tuple[_Source, Any]], raw: list[bytes]) -> _Batch
         cc = skc["sk_counts"]
         if any(r % 8 for r in cc.rlen):
             raise Fallback
+        used = np.where(sk["sk"] == 1, sk["sk_pn"].astype(np.int64) + sk["sk_nn"].astype(np.int64), 0)
+        if np.add.reduceat(used, starts).tolist() != [r // 8 for r in cc.rlen]:
+            raise Fallback  # (before sk_counts is decoded: the per-chunk path names the chunk, allocating nothing)
         sub = cc.subset()
         ns = [r // 8 for r in sub.rlen]
         counts, cmax = _gather(view, sub, "u8", ns, bound=True)

@@ -670,10 +670,11 @@ class History:
         for name in ("sum", "sumsq"):
             if ch.has(name + "_xn"):
                 lens = ch.column(name + "_xn", e.rows).astype(np.int64)
-                blob = ch.column(name + "_x")
-                if int(lens.sum()) != blob.size:
-                    raise _bad(f"{name}_x holds {blob.size} bytes, {name}_xn sums to {int(lens.sum())}",
+                size = ch.raw_size(name + "_x") if ch.has(name + "_x") else 0  # (checked before it is decoded)
+                if int(lens.sum()) != size:
+                    raise _bad(f"{name}_x holds {size} bytes, {name}_xn sums to {int(lens.sum())}",
                                "bad_column_length", path, e.offset)
+                blob = ch.column(name + "_x")
                 exact[name] = (lens, blob.tobytes())
             else:
                 exact[name] = (np.zeros(e.rows, np.int64), b"")
@@ -689,7 +690,6 @@ class History:
                        e.offset)
         nb = nbins(s)
         sk = {k: ch.column(k, e.rows) for k in SKETCH_COLUMNS if k != "sk_counts"}
-        counts = ch.column("sk_counts")
         if (sk["sk"] > 1).any():
             raise _bad("sk column holds values other than 0 and 1", "bad_sketch", self.path, e.offset)
         has = sk["sk"] == 1
@@ -697,9 +697,11 @@ class History:
             raise _bad("a row without a sketch declares sketch bins", "bad_sketch", self.path, e.offset)
         pn, nn = sk["sk_pn"][has].astype(np.int64), sk["sk_nn"][has].astype(np.int64)
         plo, nlo = sk["sk_plo"][has].astype(np.int64), sk["sk_nlo"][has].astype(np.int64)
-        if (plo + pn > nb).any() or (nlo + nn > nb).any() or int(pn.sum() + nn.sum()) != counts.size:
-            raise _bad(f"sketch ranges exceed {nb} bins or do not use exactly the {counts.size} values of sk_counts",
+        declared = ch.raw_size("sk_counts") // 8  # (checked against the ranges before it is decoded)
+        if (plo + pn > nb).any() or (nlo + nn > nb).any() or int(pn.sum() + nn.sum()) != declared:
+            raise _bad(f"sketch ranges exceed {nb} bins or do not use exactly the {declared} values of sk_counts",
                        "bad_sketch", self.path, e.offset)
+        counts = ch.column("sk_counts")
         start = np.cumsum(pn + nn) - (pn + nn)  # where each row's values begin in sk_counts
         bands = tuple(sk[k][has] for k in ("sk_up", "sk_un", "sk_op", "sk_on"))
         return has, _Sparse(s, counts, start, plo, pn, nlo, nn, bands)
@@ -874,14 +876,6 @@ class History:
             cc = lay.col("sk_counts")
             if cc.present != have:
                 raise _Fallback
-            sub = cc.subset()
-            ns = [r // 8 for r in sub.rlen]
-            lazy = None
-            if sub.uniform and sub.codec[0] == Codec.PATCHED:  # kept as stored; widened when bins are read
-                lazy = _patched_checked(view, sub.start, sub.slen, ns)
-                counts: np.ndarray = np.zeros(0, np.uint64)
-            else:
-                counts = _gather(view, sub, "u8", ns)
             flag = sk["sk"]
             if (flag > 1).any():
                 raise _Fallback
@@ -891,7 +885,15 @@ class History:
                 raise _Fallback
             per_chunk = [r // 8 for r in cc.rlen]
             if np.add.reduceat(pn_all + nn_all, starts).tolist() != per_chunk:
-                raise _Fallback
+                raise _Fallback  # (before sk_counts is decoded: a lying directory costs no allocation)
+            sub = cc.subset()
+            ns = [r // 8 for r in sub.rlen]
+            lazy = None
+            if sub.uniform and sub.codec[0] == Codec.PATCHED:  # kept as stored; widened when bins are read
+                lazy = _patched_checked(view, sub.start, sub.slen, ns)
+                counts: np.ndarray = np.zeros(0, np.uint64)
+            else:
+                counts = _gather(view, sub, "u8", ns)
             nbs = {nbins(sc) for sc in scale_of}
             nb = nbs.pop() if len(nbs) == 1 else np.repeat(
                 np.array([nbins(sc) for sc in scale_of], np.int64), np.diff(np.array(row_at, np.int64)))[hs]
