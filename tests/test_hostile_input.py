@@ -264,3 +264,26 @@ def test_a_lying_variable_column_is_refused_before_it_is_decoded(tmp_path):
     finally:
         tracemalloc.stop()
     assert peak < 64 << 20, peak
+
+
+def test_the_writer_refuses_rows_the_reader_would_refuse(tmp_path):
+    """A Summary or SpineTable row that breaks spec 5.5 is a UsageError at observe(), not a site made unreadable
+    after its commit (reversed signed zeros, NaN or infinite extremes, counts above count)."""
+    from trainhist.errors import UsageError
+    from trainhist.summary import SpineTable, Summary
+
+    bad = [Summary(count=1), Summary(count=2, zero=2, min=0.0, max=-0.0), Summary(count=1, min=np.inf, max=np.inf),
+           Summary(count=1, nan=1, min=1.0, max=1.0), Summary(count=1, nan=1, zero=1)]
+    with trainhist.HistoryWriter(tmp_path / "w.thist", fsync="never") as w:
+        s = w.site("x", "activation")
+        for summ in bad:
+            with pytest.raises(UsageError):
+                w.observe(s, 0, summary=summ)
+        w.observe(s, 0, summary=Summary(count=2, zero=2, min=-0.0, max=0.0))  # (total order: fine)
+        one = dict(count=np.array([2]), nan=np.array([0]), pinf=np.array([0]), ninf=np.array([0]),
+                   zero=np.array([2]), sum=np.array([0.0]), sumsq=np.array([0.0]), method=np.array([1]))
+        with pytest.raises(UsageError):
+            w.observe_spines([s], 1, SpineTable(min=np.array([0.0]), max=np.array([-0.0]), **one))
+        w.observe_spines([s], 1, SpineTable(min=np.array([-0.0]), max=np.array([0.0]), **one))
+    h = trainhist.open(tmp_path / "w.thist")
+    assert h.spine("x").step.tolist() == [0, 1] and h.verify()["rows"] == 2

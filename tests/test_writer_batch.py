@@ -77,9 +77,14 @@ def _summary(r: random.Random, rng: np.random.Generator, scale: int, sketch: boo
         s = summarize(rng.standard_normal(r.randint(1, 40)) * 10.0 ** r.randint(-20, 20), sketch=False)
     elif kind < 0.8:  # the torch collector's kind: float64 sums, huge counts
         sm, sq = dyadics_of(np.array([r.uniform(-1e6, 1e6), r.uniform(0, 1e12)]))
-        lo, hi = (math.nan, math.nan) if r.random() < 0.2 else sorted([r.uniform(-5, 5), r.choice([0.0, -0.0, 5.0])])
-        s = Summary(count=r.choice([1, 1000, 1 << 33, (1 << 64) - 1]), nan=r.choice([0, 2]), pinf=r.choice([0, 1]),
-                    zero=r.choice([0, 300]), min=lo, max=hi, sum=sm, sumsq=sq, sum_method=SumMethod.F64)
+        count = r.choice([1, 1000, 1 << 33, (1 << 64) - 1])
+        nan, pinf, zero = (r.choice([0, 2]), r.choice([0, 1]), r.choice([0, 300])) if count >= 1000 else (0, 0, 0)
+        if r.random() < 0.2:  # nothing finite (spec 5.5: NaN extremes)
+            nan, pinf, zero, sm, sq = count, 0, 0, Dyadic(0, 0), Dyadic(0, 0)
+        lo, hi = ((math.nan, math.nan) if nan == count
+                  else sorted([r.uniform(-5, 5), r.choice([0.0, -0.0, 5.0])]))
+        s = Summary(count=count, nan=nan, pinf=pinf, zero=zero, min=lo, max=hi, sum=sm, sumsq=sq,
+                    sum_method=SumMethod.F64)
     else:
         s = Summary(count=3, min=-1.0, max=1.0, sum=Dyadic.make(r.randint(-(1 << 200), 1 << 200), -40),
                     sumsq=Dyadic.make(r.randint(1, 1 << 60), r.randint(-1100, 900)))
@@ -110,7 +115,7 @@ def test_encode_obs_chunks_equals_each_chunk_alone(codec: int) -> None:
     for _ in range(6):
         chunks = [(_rows(r, rng), r.randrange(500), r.randrange(3)) for _ in range(r.randint(1, 12))]
         assert encode_obs_chunks(chunks, codec) == [encode_obs_rows(*chunk, codec) for chunk in chunks]
-    mixed = [(1, 1, MICRO_ALL, 0, Presence.OBSERVED, Summary(count=1, sketch=Sketch.empty(s))) for s in (1, 2)]
+    mixed = [(1, 1, MICRO_ALL, 0, Presence.OBSERVED, Summary(count=1, nan=1, sketch=Sketch.empty(s))) for s in (1, 2)]
     with pytest.raises(UsageError, match=r"cannot mix sketch scales \[1, 2\]"):
         encode_obs_chunks([(_rows(r, rng), 0, 0), (mixed, 1, 0)], codec)
 
@@ -134,7 +139,7 @@ def _write(path: Path, one_by_one: bool, monkeypatch: pytest.MonkeyPatch) -> int
                     w.mark(site, step, "absent")
             if step in (12, 21):  # a site in the middle gets sketches at two scales: the next commit raises
                 for scale in (1, grid.NATIVE_SCALE):
-                    w.observe(sites[17], step, summary=Summary(count=1, sketch=Sketch.empty(scale)))
+                    w.observe(sites[17], step, summary=Summary(count=1, nan=1, sketch=Sketch.empty(scale)))
             if step % 6 == 5:
                 try:
                     w.commit()

@@ -407,13 +407,14 @@ def _open_regular(path: str) -> Any:
     for a writer forever) and checked before a byte is read."""
     import stat
 
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    nonblock = getattr(os, "O_NONBLOCK", 0)  # (none on Windows, where opening a pipe does not wait)
+    fd = os.open(path, os.O_RDONLY | nonblock | getattr(os, "O_BINARY", 0))
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a pipe, socket or device)"
             raise TrainhistError(f"{kind}: a history is read from a regular file", code="not_a_file", path=path)
-        if hasattr(os, "set_blocking"):
+        if nonblock:
             os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:

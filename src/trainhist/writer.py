@@ -128,7 +128,9 @@ class _Spines:
         ranges = np.array([t.min, t.max], dtype=np.float64).reshape(2, n)
         has = finite > 0
         with np.errstate(invalid="ignore"):
-            if (np.isnan(ranges) != ~has).any() or np.isinf(ranges).any() or (ranges[0] > ranges[1]).any():
+            reversed_zeros = (ranges[0] == ranges[1]) & ~np.signbit(ranges[0]) & np.signbit(ranges[1])  # +0 > -0
+            if ((np.isnan(ranges) != ~has).any() or np.isinf(ranges).any() or (ranges[0] > ranges[1]).any()
+                    or reversed_zeros.any()):
                 raise UsageError("a SpineTable's min and max must be finite with min <= max in a row with a finite "
                                  "value, and NaN in one without")
         self.keys = None if t.sketch is None else _sketch_keys(t.sketch, finite - counts[4])
@@ -141,6 +143,24 @@ class _Spines:
     def sketch(self, i: int) -> Sketch:
         """The sketch of row ``i``."""
         return Sketch.from_key_counts(self.keys[i])  # type: ignore[index]
+
+
+def _check_summary(s: Summary) -> None:
+    """Refuse a caller's :class:`Summary` that no tensor could give (spec 5.5), which readers would refuse: written,
+    it would make its site unreadable."""
+    counts = (s.count, s.nan, s.pinf, s.ninf, s.zero)
+    if not all(isinstance(c, (int, np.integer)) and not isinstance(c, bool) and 0 <= c < 2**64 for c in counts):
+        raise UsageError(f"a Summary's counts must be integers in [0, 2**64), got {counts}")
+    if s.nan + s.pinf + s.ninf + s.zero > s.count:
+        raise UsageError(f"a Summary counts more NaN, infinities and zeros than its {s.count} values")
+    lo, hi = float(s.min), float(s.max)
+    if s.finite > 0:
+        if (not (math.isfinite(lo) and math.isfinite(hi)) or lo > hi
+                or (lo == hi and math.copysign(1.0, lo) > math.copysign(1.0, hi))):
+            raise UsageError(f"a Summary with finite values needs finite min <= max in total order (-0.0 before "
+                             f"+0.0), got min {lo!r}, max {hi!r}")
+    elif not (math.isnan(lo) and math.isnan(hi)):
+        raise UsageError(f"a Summary without finite values has NaN min and max, got min {lo!r}, max {hi!r}")
 
 
 def _sketch_keys(sketch: np.ndarray, nonzero: np.ndarray) -> np.ndarray:
@@ -542,6 +562,8 @@ class HistoryWriter:
             raise UsageError(f"observe()'s summary= must be a trainhist.Summary, not {type(summary).__name__}")
         if summary is None:
             summary = summarize(values, dtype=dtype, sketch=sketch)
+        else:
+            _check_summary(summary)
         self._add(site, step, phase, micro, Presence.OBSERVED, summary)
 
     def observe_spines(self, sites: Sequence[SiteHandle], step: int, table: SpineTable, *,
