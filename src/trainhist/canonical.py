@@ -35,12 +35,10 @@ from .framing import (
 from .grid import nbins
 from .model import (
     CANONICAL_NAN,
-    Applied,
-    Clipped,
-    GradBasis,
     PRIORITY,
     derive_presence,
     row_problem,
+    unknown_steps_code,
     EXACT_COLUMNS,
     OBS_COLUMNS,
     SKETCH_COLUMNS,
@@ -531,10 +529,10 @@ def decode_steps(payload: memoryview, *, path: str, offset: int, segment: int, r
         raise _bad("steps chunk steps disagree with the commit entry's step range", path, offset)
     if (cols["span"] == 0).any():
         raise _bad("steps row with span 0", path, offset, "bad_span")
-    for name, enum in (("applied", Applied), ("grad_basis", GradBasis), ("clipped", Clipped)):
-        if (cols[name] >= len(enum.NAMES)).any():
-            raise UnsupportedError(f"steps column {name} holds codes unknown to this reader", code="unknown_code",
-                                   path=path, offset=offset)
+    name = unknown_steps_code(cols)
+    if name is not None:
+        raise UnsupportedError(f"steps column {name} holds codes unknown to this reader", code="unknown_code",
+                               path=path, offset=offset)
     for k in ("loss_scale", "clip_threshold"):
         c = cols[k]
         c[np.isnan(c)] = CANONICAL_NAN

@@ -27,6 +27,7 @@ __all__ = [
     "PRIORITY",
     "derive_presence",
     "row_problem",
+    "unknown_steps_code",
 ]
 
 STREAMS = ("activation", "activation_grad", "param", "param_grad", "param_delta", "scalar")
@@ -185,3 +186,11 @@ def row_problem(cols: dict[str, np.ndarray]) -> tuple[int, str] | None:
         if hit.size and (first is None or hit[0] < first[0]):
             first = (int(hit[0]), msg)
     return first
+
+
+def unknown_steps_code(cols: dict[str, np.ndarray]) -> str | None:
+    """The first step-truth column (applied, grad_basis, clipped) holding a code this reader does not know."""
+    for name, enum in (("applied", Applied), ("grad_basis", GradBasis), ("clipped", Clipped)):
+        if (cols[name] >= len(enum.NAMES)).any():
+            return name
+    return None

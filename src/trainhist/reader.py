@@ -66,6 +66,7 @@ from .model import (
     PRIORITY,
     derive_presence,
     row_problem,
+    unknown_steps_code,
     SKETCH_COLUMNS,
     STEPS_COLUMNS,
     TALLY_COLUMNS,
@@ -972,10 +973,10 @@ class History:
                 if (cols["span"] == 0).any():
                     raise _bad("steps row with span 0", "bad_span", self.path, e.offset)
                 cols["segment"] = np.full(e.rows, e.segment, np.uint32)
-                for name, enum in (("applied", Applied), ("grad_basis", GradBasis), ("clipped", Clipped)):
-                    if (cols[name] >= len(enum.NAMES)).any():
-                        raise UnsupportedError(f"steps column {name} holds codes unknown to this reader",
-                                               code="unknown_code", path=self.path, offset=e.offset)
+                name = unknown_steps_code(cols)
+                if name is not None:
+                    raise UnsupportedError(f"steps column {name} holds codes unknown to this reader",
+                                           code="unknown_code", path=self.path, offset=e.offset)
                 parts.append(cols)
             names = list(STEPS_COLUMNS) + ["span", "segment"]
             if parts:
