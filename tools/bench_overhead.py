@@ -144,6 +144,55 @@ def _cpu_method(device: str) -> str:
     return f"the fused CPU kernel (method `fused`, numba {numba.__version__})"
 
 
+def _cpu_info() -> str:
+    """The CPU model and the widest vector instruction set torch's CPU kernels use on it (AVX2, AVX512, ...): the
+    ratios depend on both (torch's matrix products speed up with wider vectors more than a memory-bound reduction)."""
+    model = platform.processor() or "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{model}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+
+
+@contextlib.contextmanager
+def kernel_timer() -> Iterator[dict[str, float]]:
+    """Time the collector's calls into the compiled CPU kernels (outputs and gradients one by one, parameters in
+    batches, the update's gathers) while the block runs: seconds and elements, summed."""
+    from trainhist.torch import collector
+
+    acc = {"s": 0.0, "elements": 0.0, "calls": 0.0}
+    one, many, gather = collector.fused_at, collector.fused_many_at, collector._DeltaBatch.gather
+
+    def timed_one(address: int, n: int, *rest: object) -> None:
+        t = time.perf_counter()
+        one(address, n, *rest)
+        acc["s"] += time.perf_counter() - t
+        acc["elements"] += n
+        acc["calls"] += 1
+
+    def timed_many(ats: list, *rest: object) -> list:
+        t = time.perf_counter()
+        out = many(ats, *rest)
+        acc["s"] += time.perf_counter() - t
+        acc["elements"] += sum(a[1] for a in ats if a is not None)
+        acc["calls"] += 1
+        return out
+
+    def timed_gather(self: object, *rest: object) -> None:
+        t = time.perf_counter()
+        gather(self, *rest)
+        acc["s"] += time.perf_counter() - t
+        acc["calls"] += 1
+
+    collector.fused_at, collector.fused_many_at, collector._DeltaBatch.gather = timed_one, timed_many, timed_gather
+    try:
+        yield acc
+    finally:
+        collector.fused_at, collector.fused_many_at, collector._DeltaBatch.gather = one, many, gather
+
+
 def _default_cadence() -> tuple[int, int]:
     from trainhist.torch.collector import DEFAULT_EVERY, DEFAULT_SKETCH_EVERY
 
@@ -164,7 +213,7 @@ def period(name: str) -> int:
 
 
 def run_config(name: str, init_state: dict, args: argparse.Namespace, data: list[torch.Tensor],
-               tmp: Path) -> dict[str, tuple[float, float]]:
+               tmp: Path, kernels: dict[str, float] | None = None) -> dict[str, tuple[float, float]]:
     """Wall-clock and process-CPU seconds per step of ``name`` after the warm-up steps, as median and mean: the
     timed steps are ``--steps`` steps, or one whole cadence period for a configuration that records at a cadence
     (whose cost is the average over the period: a median would miss the recording steps).
@@ -172,7 +221,8 @@ def run_config(name: str, init_state: dict, args: argparse.Namespace, data: list
     trainhist buffers a step's rows and writes them at a commit (every 30 s by default, inside a step of a long
     run); these runs are shorter: the warm-up steps' rows are committed before the timed steps, and the timed
     steps' rows by ``close()``. Its time, spread over the timed steps, is added to each of them (``"deferred"``:
-    seconds per step)."""
+    seconds per step). ``kernels``: a :func:`kernel_timer` dict, reset when the timed steps start (``"steps"``: how
+    many)."""
     model = make_model(args)
     model.load_state_dict(init_state)
     model.to(args.device)
@@ -185,6 +235,8 @@ def run_config(name: str, init_state: dict, args: argparse.Namespace, data: list
         for step, x in enumerate(data):
             if step == args.warmup:
                 settle()
+                if kernels is not None:
+                    kernels.update(s=0.0, elements=0.0, calls=0.0, steps=float(n - args.warmup))
             t0, c0 = time.perf_counter(), time.process_time()
             with wrap(step):
                 out = model(input_ids=x, labels=x)
@@ -263,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
                 deferred[name].append(runs[name]["deferred"][0])
                 ratios[name].append(got[name] / base[0])
                 cpu_ratios[name].append(gotc[name] / base[1])
+        spine = "trainhist spine, all sites, every step"
+        breakdown = None
+        if spine in names and args.device == "cpu" and _cpu_method("cpu").startswith("the fused CPU kernel"):
+            with kernel_timer() as acc:  # one more run of the spine configuration, its kernel calls timed
+                run_config(spine, init_state, args, data, Path(d), kernels=acc)
+            breakdown = dict(acc)
     load_after = os.getloadavg()
     timed = (f"{PAIRED['period']} timed steps, one whole cadence period" if args.paired_period else
              f"{args.steps} timed steps, or one whole cadence period where a configuration records at a cadence")
@@ -276,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'/'.join(f'{v:.2f}' for v in load_before)}, after {'/'.join(f'{v:.2f}' for v in load_after)} "
         f"(the measurement itself keeps one CPU busy: a load above 1 means other work shared the machine); 1-minute "
         f"load sampled after each configuration: {min(loads):.2f} to {max(loads):.2f}, median "
-        f"{statistics.median(loads):.2f}. trainhist reduces with {_cpu_method(args.device)}."
+        f"{statistics.median(loads):.2f}. CPU: {_cpu_info()}. trainhist reduces with {_cpu_method(args.device)}."
         + (f" Not run: {', '.join(missing)} (the package is not installed here)." if missing else ""),
         "",
         f"Model: transformers GPT-2, {args.layers} layers, width {args.width}, sequence {args.seq}, batch {args.batch}, "
@@ -306,6 +364,17 @@ def main(argv: list[str] | None = None) -> int:
                      f"{statistics.median(deferred[name]) * 1e3:.1f} | "
                      f"{statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}] | "
                      f"{statistics.median(c):.3f} [{min(c):.3f}, {max(c):.3f}] |")
+    if breakdown is not None:
+        per = breakdown["steps"]
+        k_ms = breakdown["s"] / per * 1e3
+        extra = [(a - b) * 1e3 for a, b in zip(step_s[spine], step_s["baseline"])]
+        lines += ["", f"Where the spine configuration's time goes (one more run of it, its calls into the compiled "
+                  f"kernels timed): {breakdown['calls'] / per:.0f} kernel calls a step read "
+                  f"{breakdown['elements'] / per / 1e6:.1f} M elements in {k_ms:.1f} ms "
+                  f"({breakdown['s'] / max(breakdown['elements'], 1) * 1e9:.3f} ns per element, the parameter updates' "
+                  f"gathers included); its step took {statistics.median(extra):.1f} ms longer than the baseline's "
+                  "(median over the repetitions, the time written at close included): what the kernels do not "
+                  "account for is the Python of the hooks, decoding the rows and writing them."]
     aa, aac = ratios["baseline (A/A)"], cpu_ratios["baseline (A/A)"]
     lines += ["", f"Noise band (A/A): wall {min(aa):.3f} to {max(aa):.3f}, CPU time {min(aac):.3f} to {max(aac):.3f}; "
               "a ratio inside it is not distinguishable from no overhead on this machine."]
