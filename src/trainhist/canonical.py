@@ -38,6 +38,7 @@ from .model import (
     PRIORITY,
     derive_presence,
     row_problem,
+    sketch_problem,
     unknown_steps_code,
     EXACT_COLUMNS,
     OBS_COLUMNS,
@@ -331,23 +332,13 @@ def read_obs(payload: memoryview, *, path: str, offset: int, site: int, segment:
     sk = counts = scale = None
     if ch.has("sk"):
         scale = m.get("scale")
-        if not isinstance(scale, int) or isinstance(scale, bool) or scale not in (0, 1, 2):
-            raise _bad(f"chunk with sketches declares scale {scale!r}; expected 0, 1 or 2", path, offset,
-                       "bad_scale")
         missing = [k for k in SKETCH_COLUMNS if not ch.has(k)]
         if missing:
             raise _bad(f"chunk with sketches lacks the sketch columns {missing}", path, offset, "missing_column")
         sk = {k: ch.column(k, rows) for k in SKETCH_COLUMNS if k != "sk_counts"}
-        if (sk["sk"] > 1).any():
-            raise _bad("sk column holds values other than 0 and 1", path, offset, "bad_sketch")
-        has = sk["sk"] == 1
-        if (~has & ((sk["sk_pn"] > 0) | (sk["sk_nn"] > 0))).any():
-            raise _bad("a row without a sketch declares sketch bins", path, offset, "bad_sketch")
-        declared = ch.raw_size("sk_counts") // 8  # (checked against the ranges before it is decoded)
-        used = int(sk["sk_pn"][has].sum(dtype=np.int64) + sk["sk_nn"][has].sum(dtype=np.int64))
-        if used != declared:
-            raise _bad(f"the sketch ranges use {used} values, sk_counts declares {declared}", path, offset,
-                       "bad_sketch")
+        problem = sketch_problem(scale, sk, ch.raw_size("sk_counts") // 8)
+        if problem is not None:
+            raise _bad(problem[0], path, offset, problem[1])
         counts = ch.column("sk_counts")
     return ObsChunk(path, offset, rows, step_min, step_max, src, cols, tally, exact, sk, counts, scale)
 

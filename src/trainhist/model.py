@@ -27,6 +27,7 @@ __all__ = [
     "PRIORITY",
     "derive_presence",
     "row_problem",
+    "sketch_problem",
     "unknown_steps_code",
 ]
 
@@ -186,6 +187,30 @@ def row_problem(cols: dict[str, np.ndarray]) -> tuple[int, str] | None:
         if hit.size and (first is None or hit[0] < first[0]):
             first = (int(hit[0]), msg)
     return first
+
+
+def sketch_problem(scale: object, sk: dict[str, np.ndarray], declared: int) -> tuple[str, str] | None:
+    """The first way one chunk's sketch columns break spec 7.5 (message, error code), or None: its ``scale`` must
+    be 0, 1 or 2; ``sk`` 0 or 1; a row without a sketch stores no bins; every stored range lies inside the scale's
+    bins; and the ranges use exactly the ``declared`` values of ``sk_counts`` (checked before that column is
+    decoded: a lying directory costs no allocation). ``sk``: the chunk's sketch columns but ``sk_counts``."""
+    from .grid import nbins
+
+    if not isinstance(scale, int) or isinstance(scale, bool) or scale not in (0, 1, 2):
+        return f"chunk with sketches declares scale {scale!r}; expected 0, 1 or 2", "bad_scale"
+    if (sk["sk"] > 1).any():
+        return "sk column holds values other than 0 and 1", "bad_sketch"
+    has = sk["sk"] == 1
+    if (~has & ((sk["sk_pn"] > 0) | (sk["sk_nn"] > 0))).any():
+        return "a row without a sketch declares sketch bins", "bad_sketch"
+    nb = nbins(scale)
+    pn, nn = sk["sk_pn"][has].astype(np.int64), sk["sk_nn"][has].astype(np.int64)
+    if (sk["sk_plo"][has].astype(np.int64) + pn > nb).any() or (sk["sk_nlo"][has].astype(np.int64) + nn > nb).any():
+        return f"a sketch range exceeds the {nb} bins of scale {scale}", "bad_sketch"
+    used = int(pn.sum() + nn.sum())
+    if used != declared:
+        return f"the sketch ranges use {used} values, sk_counts declares {declared}", "bad_sketch"
+    return None
 
 
 def unknown_steps_code(cols: dict[str, np.ndarray]) -> str | None:

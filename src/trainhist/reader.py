@@ -66,6 +66,7 @@ from .model import (
     PRIORITY,
     derive_presence,
     row_problem,
+    sketch_problem,
     unknown_steps_code,
     SKETCH_COLUMNS,
     STEPS_COLUMNS,
@@ -687,22 +688,13 @@ class History:
         from .grid import nbins
 
         s = ch.meta.get("scale")
-        if not isinstance(s, int) or isinstance(s, bool) or s not in (0, 1, 2):
-            raise _bad(f"chunk with sketches declares scale {s!r}; expected 0, 1 or 2", "bad_scale", self.path,
-                       e.offset)
-        nb = nbins(s)
         sk = {k: ch.column(k, e.rows) for k in SKETCH_COLUMNS if k != "sk_counts"}
-        if (sk["sk"] > 1).any():
-            raise _bad("sk column holds values other than 0 and 1", "bad_sketch", self.path, e.offset)
+        problem = sketch_problem(s, sk, ch.raw_size("sk_counts") // 8)
+        if problem is not None:
+            raise _bad(problem[0], problem[1], self.path, e.offset)
         has = sk["sk"] == 1
-        if (~has & ((sk["sk_pn"] > 0) | (sk["sk_nn"] > 0))).any():
-            raise _bad("a row without a sketch declares sketch bins", "bad_sketch", self.path, e.offset)
         pn, nn = sk["sk_pn"][has].astype(np.int64), sk["sk_nn"][has].astype(np.int64)
         plo, nlo = sk["sk_plo"][has].astype(np.int64), sk["sk_nlo"][has].astype(np.int64)
-        declared = ch.raw_size("sk_counts") // 8  # (checked against the ranges before it is decoded)
-        if (plo + pn > nb).any() or (nlo + nn > nb).any() or int(pn.sum() + nn.sum()) != declared:
-            raise _bad(f"sketch ranges exceed {nb} bins or do not use exactly the {declared} values of sk_counts",
-                       "bad_sketch", self.path, e.offset)
         counts = ch.column("sk_counts")
         start = np.cumsum(pn + nn) - (pn + nn)  # where each row's values begin in sk_counts
         bands = tuple(sk[k][has] for k in ("sk_up", "sk_un", "sk_op", "sk_on"))
