@@ -45,6 +45,7 @@ from .model import (
     GradBasis,
     Phase,
     Presence,
+    row_problem,
 )
 from .schemas import validate_manifest
 from .summary import Sketch, SpineTable, Summary, SumMethod, summarize
@@ -105,15 +106,11 @@ class _Spines:
         if any(c.dtype.kind not in "iu" for c in ints) or any(c.size and c.min() < 0 for c in ints):
             raise UsageError("the counts of a SpineTable must be non-negative integers")
         counts = np.array(ints, dtype=np.uint64).reshape(5, n)
-        total, wrapped = counts[1].copy(), np.zeros(n, bool)
-        for c in counts[2:]:  # (uint64: a sum that wraps is smaller than its terms)
-            total += c
-            wrapped |= total < c
-        if (wrapped | (total > counts[0])).any():
-            raise UsageError("a SpineTable row counts more NaN, infinities and zeros than values")
-        finite = counts[0] - counts[1] - counts[2] - counts[3]  # (no wrap: checked above)
         if any(np.asarray(c).dtype.kind not in "fiu" for c in cols[5:9]):
             raise UsageError("the min, max, sum and sumsq of a SpineTable must be numbers (float64 values)")
+        ranges = np.array([t.min, t.max], dtype=np.float64).reshape(2, n)
+        _refuse_impossible("SpineTable", counts, ranges)
+        finite = counts[0] - counts[1] - counts[2] - counts[3]  # (no wrap: checked above)
         method = np.asarray(t.method)
         if method.dtype.kind not in "iu" or not np.isin(method, _TABLE_METHODS).all():
             raise UsageError("the methods of a SpineTable must be SumMethod.F64, F32 or UNKNOWN (exact sums need a "
@@ -125,14 +122,6 @@ class _Spines:
         if (sums[1, known] < 0).any() or (sums[:, known & (finite == 0)] != 0).any():
             raise UsageError("a SpineTable's sum of squares cannot be negative, nor its sums other than 0 in a row "
                              "with no finite value")
-        ranges = np.array([t.min, t.max], dtype=np.float64).reshape(2, n)
-        has = finite > 0
-        with np.errstate(invalid="ignore"):
-            reversed_zeros = (ranges[0] == ranges[1]) & ~np.signbit(ranges[0]) & np.signbit(ranges[1])  # +0 > -0
-            if ((np.isnan(ranges) != ~has).any() or np.isinf(ranges).any() or (ranges[0] > ranges[1]).any()
-                    or reversed_zeros.any()):
-                raise UsageError("a SpineTable's min and max must be finite with min <= max in a row with a finite "
-                                 "value, and NaN in one without")
         self.keys = None if t.sketch is None else _sketch_keys(t.sketch, finite - counts[4])
         self.counts = counts
         self.ranges = ranges
@@ -151,16 +140,23 @@ def _check_summary(s: Summary) -> None:
     counts = (s.count, s.nan, s.pinf, s.ninf, s.zero)
     if not all(isinstance(c, (int, np.integer)) and not isinstance(c, bool) and 0 <= c < 2**64 for c in counts):
         raise UsageError(f"a Summary's counts must be integers in [0, 2**64), got {counts}")
-    if s.nan + s.pinf + s.ninf + s.zero > s.count:
-        raise UsageError(f"a Summary counts more NaN, infinities and zeros than its {s.count} values")
-    lo, hi = float(s.min), float(s.max)
-    if s.finite > 0:
-        if (not (math.isfinite(lo) and math.isfinite(hi)) or lo > hi
-                or (lo == hi and math.copysign(1.0, lo) > math.copysign(1.0, hi))):
-            raise UsageError(f"a Summary with finite values needs finite min <= max in total order (-0.0 before "
-                             f"+0.0), got min {lo!r}, max {hi!r}")
-    elif not (math.isnan(lo) and math.isnan(hi)):
-        raise UsageError(f"a Summary without finite values has NaN min and max, got min {lo!r}, max {hi!r}")
+    _refuse_impossible("Summary", np.array(counts, np.uint64).reshape(5, 1),
+                       np.array([float(s.min), float(s.max)]).reshape(2, 1))
+
+
+def _refuse_impossible(what: str, counts: np.ndarray, ranges: np.ndarray) -> None:
+    """Refuse rows (``counts``: count, NaN, +inf, -inf, zero; ``ranges``: min, max) that break spec 5.5's rules
+    for an observed row, with readers' own test (:func:`~trainhist.model.row_problem`)."""
+    cols = dict(zip(("count", "nan", "pinf", "ninf", "zero"), counts), min=ranges[0], max=ranges[1],
+                presence=np.full(counts.shape[1], Presence.OBSERVED, np.uint8), sum=np.zeros(counts.shape[1]),
+                sumsq=np.zeros(counts.shape[1]))
+    problem = row_problem(cols)
+    if problem is not None:
+        row, msg = problem
+        where = "" if what == "Summary" else f" (row {row})"
+        raise UsageError(f"a {what}{where} that no tensor could give (spec 5.5): "
+                         f"{msg.removeprefix('row {row}: ')}; min and max are the finite extremes in IEEE total "
+                         "order (-0.0 before +0.0), NaN when no value is finite")
 
 
 def _sketch_keys(sketch: np.ndarray, nonzero: np.ndarray) -> np.ndarray:
