@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import trainhist
-from trainhist.figures import contact_sheet, quantiles_from_sketch, site_figure, waterfall
+from trainhist.figures import _step_columns, contact_sheet, quantiles_from_sketch, site_figure, waterfall
 
 pytest.importorskip("matplotlib")
 
@@ -95,6 +95,19 @@ def test_waterfall_draws_each_sketch_over_its_own_steps(tmp_path):
     with trainhist.open(c) as h:
         cols = _mesh_columns(waterfall(h, "a"))
     assert [(a, b) for a, b, _ in cols] == [(-0.5, 3.5), (3.5, 7.5), (7.5, 11.5)] and cols[1][2] == []
+
+
+def test_waterfall_counts_rows_that_overlap_instead_of_drawing_them_at_zero_width():
+    """A span-1 row at the step where a span-10 row starts used to get a zero-width column (drawn nowhere, said
+    nowhere); a row whose span reaches past the next row's step is cut there. Both are counted for the title."""
+    grid = np.eye(3)
+    edges, img, summed, overlapped = _step_columns(np.array([5, 5, 20]), np.array([1, 10, 1]), grid)
+    assert edges.tolist() == [4.5, 14.5, 19.5, 20.5] and overlapped == 1 and not summed
+    assert img.shape == (3, 3) and np.isnan(img[:, 1]).all() and img[1, 0] == 0.0  # the span-10 row's counts
+    edges, img, summed, overlapped = _step_columns(np.array([0, 2]), np.array([4, 1]), grid[:2])
+    assert edges.tolist() == [-0.5, 1.5, 2.5] and overlapped == 1
+    edges, img, summed, overlapped = _step_columns(np.array([0, 4]), np.array([4, 1]), grid[:2])
+    assert edges.tolist() == [-0.5, 3.5, 4.5] and overlapped == 0
 
 
 def test_extreme_magnitudes_render_with_the_data_in_view(tmp_path):

@@ -144,11 +144,14 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
     return fig
 
 
-def _step_columns(steps: np.ndarray, spans: np.ndarray | None, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+def _step_columns(steps: np.ndarray, spans: np.ndarray | None,
+                  grid: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool, int]:
     """The x edges and log10 columns of a steps × bins image of ``grid`` (rows × bins counts): each row drawn over
     its own steps ``[step, step + span)``, rows of one step and span summed (micro-batches), and a blank column over
-    steps without a row, so that no sketch is drawn at a step it does not describe. Returns (edges, bins × columns,
-    whether rows were summed)."""
+    steps without a row, so that no sketch is drawn at a step it does not describe. A row whose span reaches past
+    the next row's step is cut there, and one that starts where a row of another span starts is left out (an image
+    has one column per step): the figure says how many. Returns (edges, bins × columns, whether rows were summed,
+    how many (summed) rows were cut or left out)."""
     steps = steps.astype(np.int64)
     spans = np.ones_like(steps) if spans is None else spans.astype(np.int64)
     keys, inv = np.unique(np.stack([steps, spans], axis=1), axis=0, return_inverse=True)
@@ -156,17 +159,20 @@ def _step_columns(steps: np.ndarray, spans: np.ndarray | None, grid: np.ndarray)
     np.add.at(counts, inv.reshape(-1), grid)
     with np.errstate(divide="ignore"):
         cols = np.log10(counts.T)
-    edges, out = [float(keys[0, 0]) - 0.5], []
+    edges, out, overlapped = [float(keys[0, 0]) - 0.5], [], 0
     for i, (start, span) in enumerate(keys.tolist()):
         if start - 0.5 > edges[-1]:  # steps without a row: blank
             out.append(np.full(grid.shape[1], np.nan))
             edges.append(start - 0.5)
         end = start + span - 0.5
-        if i + 1 < len(keys):
-            end = min(end, float(keys[i + 1, 0]) - 0.5)  # (spans that overlap the next row: cut where it starts)
+        if i + 1 < len(keys) and float(keys[i + 1, 0]) - 0.5 < end:  # (overlaps the next row: cut where it starts)
+            end = float(keys[i + 1, 0]) - 0.5
+            overlapped += 1
+            if end <= edges[-1]:  # (the next row starts at the same step: nothing of this one is left to draw)
+                continue
         out.append(cols[:, i])
         edges.append(end)
-    return np.array(edges), np.stack(out, axis=1), len(keys) < len(steps)
+    return np.array(edges), np.stack(out, axis=1), len(keys) < len(steps), overlapped
 
 
 def waterfall(h: History, path: str, stream: str = "activation", facet: str | None = None, *,
@@ -180,7 +186,7 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
         nb = nbins(sk.scale)
         lo = index_min(sk.scale) / 2**sk.scale
         hi = (index_min(sk.scale) + nb) / 2**sk.scale
-        x, img, summed = _step_columns(sk.columns["step"], sk.columns.get("span"), grid)
+        x, img, summed, overlapped = _step_columns(sk.columns["step"], sk.columns.get("span"), grid)
         ax.pcolormesh(x, np.linspace(-nb, nb, 2 * nb + 1), np.ma.masked_invalid(img), cmap="viridis",
                       shading="flat")
         ticks = np.linspace(-nb, nb, 9)
@@ -189,7 +195,8 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
                             for t in ticks])
         outside = int(sk.bands.sum())
         ax.set_title(_site_title(sk.site, phase) + f" · sketch, {2**sk.scale} bins/octave (never rebinned)"
-                     + (" · rows of one step summed" if summed else ""))
+                     + (" · rows of one step summed" if summed else "")
+                     + (f" · {overlapped} rows overlapping later ones cut or left out" if overlapped else ""))
         ax.text(0.01, 0.01, f"outside the window (2^-48, 2^16]: {outside} values in the under/overflow bands",
                 transform=ax.transAxes, fontsize=7, color="w")
     else:
