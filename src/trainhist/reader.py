@@ -685,8 +685,6 @@ class History:
 
     def _sketch_part(self, e: _Entry, ch: Chunk) -> tuple[np.ndarray, _Sparse]:
         """Sketch rows of one chunk: (has mask, the rows' stored ranges), validated against the spec's layout."""
-        from .grid import nbins
-
         s = ch.meta.get("scale")
         sk = {k: ch.column(k, e.rows) for k in SKETCH_COLUMNS if k != "sk_counts"}
         problem = sketch_problem(s, sk, ch.raw_size("sk_counts") // 8)
