@@ -236,6 +236,46 @@ def test_merge_and_coarsen_never_replace_an_input_or_a_special_file(tmp_path):
     assert left == ["a.thist", "link.thist", "out.fifo"][: 3 if hasattr(os, "mkfifo") else 2]
 
 
+def test_an_output_that_cannot_be_written_is_named_not_its_temporary_file(tmp_path, monkeypatch):
+    """A folder that refuses new files (/proc) and a file system that fills up while the output is written: merge and
+    coarsen raised the OSError of a hidden temporary file the user never named; now `output_unwritable` on the
+    output, with nothing left behind. An input that fails to read is not relabelled as an output problem."""
+    import errno
+
+    from trainhist import canonical
+
+    a = tmp_path / "a.thist"
+    _base(a)
+    if os.path.isdir("/proc/self"):
+        with pytest.raises(TrainhistError) as ei:
+            trainhist.merge([a], "/proc/trainhist-out.thist")
+        assert ei.value.code == "output_unwritable" and ei.value.path == "/proc/trainhist-out.thist"
+    real_close = canonical.CanonicalWriter.close
+
+    def full(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(canonical.CanonicalWriter, "close", full)
+    for run in (lambda: trainhist.merge([a], tmp_path / "m.thist"),
+                lambda: trainhist.coarsen(a, tmp_path / "m.thist", steps=2)):
+        with pytest.raises(TrainhistError) as ei:
+            run()
+        assert ei.value.code == "output_unwritable" and "No space left" in str(ei.value)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["a.thist"]
+    monkeypatch.setattr(canonical.CanonicalWriter, "close", real_close)
+    real_open = os.open
+
+    def unreadable(path, *args, **kwargs):
+        if os.fspath(path) == str(a):
+            raise OSError(errno.EIO, "Input/output error", str(a))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", unreadable)
+    with pytest.raises(Exception) as ei:
+        trainhist.merge([a], tmp_path / "m.thist")
+    assert getattr(ei.value, "code", None) != "output_unwritable" and "Input/output error" in str(ei.value)
+
+
 def test_a_lying_variable_column_is_refused_before_it_is_decoded(tmp_path):
     """sk_counts stored as an 8-byte constant frame-of-reference block that declares 256 MiB (within the column
     limit of spec 12) while the sketch ranges use 40 values: every surface refuses it (bad_sketch) from the

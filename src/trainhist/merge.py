@@ -11,6 +11,7 @@ and a coarser sketch scale.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import multiprocessing as mp
 import os
@@ -951,6 +952,20 @@ class _Engine:
             pos += len(part)
         return [r.take(slice(pos, n))] if pos < n else []
 
+    def _writing_failed(self, e: OSError, out_dir: str, tmp: str) -> bool:
+        """Whether ``e`` came from writing the output (its temporary file, the spool folder beside it, the rename,
+        or a full or read-only file system), not from reading an input."""
+        names = {str(n) for n in (e.filename, e.filename2) if n is not None}
+        ours = {tmp, self.output, out_dir}
+        return (bool(names & ours) or any(os.path.basename(n).startswith(".trainhist-") for n in names)
+                or e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG))
+
+    def _output_error(self, e: OSError, tmp: str) -> MergeError:
+        """``e`` in the output's terms: the temporary file is an implementation detail the user never named."""
+        return MergeError(f"cannot write the output: {e.strerror or e} (the output is written to {tmp} beside it and "
+                          "renamed over it when complete; nothing was left there). Write to a folder with room "
+                          "that you may write to", code="output_unwritable", path=self.output)
+
     def run(self) -> MergeReport:
         t0 = time.perf_counter()
         self._scan()
@@ -960,17 +975,23 @@ class _Engine:
         self.scale_file: dict[int, str] = {}
         out_dir = os.path.dirname(os.path.abspath(self.output))
         tmp = os.path.join(out_dir, f".{os.path.basename(self.output)}.{os.getpid()}.tmp")
-        w = CanonicalWriter(tmp, canonical_salt(self.leaf_writers))
+        try:
+            w = CanonicalWriter(tmp, canonical_salt(self.leaf_writers))
+        except OSError as e:
+            self.pool.close()
+            raise self._output_error(e, tmp) from e
         try:
             self._write(w)
             w.close()
             os.replace(tmp, self.output)
-        except BaseException:
+        except BaseException as e:
             w.abort()
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
+            if isinstance(e, OSError) and self._writing_failed(e, out_dir, tmp):
+                raise self._output_error(e, tmp) from e
             raise
         finally:
             self.pool.close()
