@@ -276,6 +276,32 @@ def test_an_output_that_cannot_be_written_is_named_not_its_temporary_file(tmp_pa
     assert getattr(ei.value, "code", None) != "output_unwritable" and "Input/output error" in str(ei.value)
 
 
+def test_the_ignored_sketch_fields_of_a_row_without_a_sketch_stay_ignored(tmp_path):
+    """Spec 7.5: a row with sk = 0 has no ranges or bands; readers ignore what it stores there. Coarsen added such
+    a row's bands into the combined row's sketch (wrong counts), and merge checked its range against the bins (a
+    file the reader accepts, refused)."""
+    from history_helpers import obs_payload, rewrite
+
+    p = tmp_path / "a.thist"
+    with trainhist.HistoryWriter(p, codec="raw") as w:
+        s = w.site("x", "activation")
+        w.observe(s, 0, np.array([1e9, 2.0]))
+        w.observe(s, 1, np.array([1e9, 3.0]), sketch=False)
+    data = bytearray(p.read_bytes())
+    pos, payload, cols = obs_payload(bytes(data), 0)
+    struct.pack_into("<Q", payload, cols["sk_up"][3] + 8, 5)  # row 1 (sk = 0): a band of 5
+    struct.pack_into("<H", payload, cols["sk_plo"][3] + 2, 65535)  # and a range start past the bins
+    rewrite(data, pos, bytes(payload))
+    p.write_bytes(data)
+    with trainhist.open(p) as h:
+        assert h.verify()["rows"] == 2 and h.sketch("x").bands.tolist() == [[0, 0, 1, 0]]
+    trainhist.merge([p], tmp_path / "m.thist")
+    trainhist.coarsen(p, tmp_path / "c.thist", steps=2)
+    for out in ("m.thist", "c.thist"):
+        with trainhist.open(tmp_path / out) as h:
+            assert h.sketch("x").bands.tolist() == [[0, 0, 1, 0]], out
+
+
 def test_a_lying_variable_column_is_refused_before_it_is_decoded(tmp_path):
     """sk_counts stored as an 8-byte constant frame-of-reference block that declares 256 MiB (within the column
     limit of spec 12) while the sketch ranges use 40 values: every surface refuses it (bad_sketch) from the

@@ -476,6 +476,7 @@ def decode_obs_columns(parts: list[ObsChunk], cols: dict[str, np.ndarray], tally
         if stray.any():
             raise fail(stray, "a row without a sketch declares sketch bins", "bad_sketch")
         lo = np.stack([plo, nlo], axis=1).astype(np.int64)  # row-major: pos, neg
+        lo[~has] = 0  # (spec 7.5: a row without a sketch has no ranges; what it stores there is ignored)
         n = np.stack([pn, nn], axis=1).astype(np.int64)
         per_chunk = np.add.reduceat(n.sum(axis=1), row0)
         csize = np.array(csize, np.int64)
@@ -491,6 +492,7 @@ def decode_obs_columns(parts: list[ObsChunk], cols: dict[str, np.ndarray], tally
             cmax = int(counts.max()) if counts.size else 0
         sparse = Sparse(lo, n, counts, cmax)
         bands = np.stack([sk[k] for k in ("sk_up", "sk_un", "sk_op", "sk_on")], axis=1).astype(np.uint64)
+        bands[~has] = 0  # (ignored, like the ranges: they must not add into a combined row's sketch)
     r = Rows(cols, xcols[0], xcols[1], tally, has, None, None, bands, scale, sparse)
     blank(r, ~observed)  # spec 2.6: only observed rows carry numbers
     if r.sparse is not None and not r.has_sk.any():
