@@ -85,7 +85,7 @@ def instrument(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, tm
             kw = dict(streams=("param", "param_grad"), every=1, sketch_every=1)
         elif "sketches" in name:
             kw = dict(every=1, sketch_every=1)
-        col = Collector(model, tmp / f"{abs(hash(name))}.thist", **kw)
+        col = Collector(model, tmp / f"{abs(hash(name))}.thist", mode="w", **kw)  # (each repetition: a new file)
         col.discover({"input_ids": sample, "labels": sample})
         col.attach(optimizer=opt)
         try:

@@ -244,14 +244,15 @@ def test_gradscaler_skipped_step_records_skipped_delta_and_basis(tmp_path):
     h = trainhist.open(path)
     rows = h.step_truth_rows()
     assert [r["applied"] for r in rows] == ["applied", "skipped", "applied"]
-    assert [r["loss_scale"] for r in rows] == [1024.0, 512.0, 512.0]
+    # the scale each step's loss was multiplied by: step 1's overflow halves it for step 2, not for step 1
+    assert [r["loss_scale"] for r in rows] == [1024.0, 1024.0, 512.0]
     assert [r["grad_basis"] for r in rows] == ["unscaled", "unscaled", "unscaled"]
     assert presence(h, "0.weight", "param_delta", 1) == "skipped"
     assert presence(h, "0.weight", "param_delta", 0) == "observed"
     g = h.spine("0.weight", "param_grad", phase="default")
     assert g.nan[list(g.step).index(1)] + g.pinf[list(g.step).index(1)] + g.ninf[list(g.step).index(1)] > 0
     assert presence(h, "0.weight", "param_grad", 2, phase="pre_clip") == "observed"
-    np.testing.assert_array_equal(h.spine("loss_scale", "scalar").max, [1024.0, 512.0, 512.0])
+    np.testing.assert_array_equal(h.spine("loss_scale", "scalar").max, [1024.0, 1024.0, 512.0])
 
 
 def test_scaled_basis_when_clipping_before_unscale(tmp_path):
@@ -1087,3 +1088,198 @@ def test_rows_follow_output_structure_and_clipping_that_change_between_steps(tmp
     for step in (0, 2):
         assert_row(h, "lin.weight", "param_grad", step, ref_summary([grads[step]["pre"]]), phase="default",
                    sketch=False)
+
+
+# -- what a user review of the collector found (each failed before its fix) -------------------------------------
+
+
+def test_lr_is_the_rate_the_update_used_even_when_the_scheduler_steps_inside(tmp_path):
+    """The loop steps its scheduler inside the step: the recorded lr was the next step's."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    col = Collector(model, tmp_path / "lr.thist", streams=("param",))
+    col.attach(optimizer=opt)
+    for step in range(3):
+        with col.step(step):
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    col.close()
+    np.testing.assert_allclose(trainhist.open(tmp_path / "lr.thist").spine("lr/group0", "scalar").max,
+                               [0.1, 0.05, 0.025])
+
+
+def test_clipping_is_seen_when_the_loop_imported_clip_grad_norm_itself(tmp_path):
+    """`from torch.nn.utils import clip_grad_norm_` binds the function before the step patches its name: clipping
+    went unseen (no pre/post-clip rows, the clipped norm recorded as the global one)."""
+    from torch.nn.utils import clip_grad_norm_ as clip
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    col = Collector(model, tmp_path / "c.thist", streams=("param_grad",))
+    col.attach(optimizer=opt)
+    with col.step(0):
+        (100 * model(torch.randn(4, 8))).square().mean().backward()
+        pre = {n: p.grad.clone() for n, p in model.named_parameters()}
+        norm = float(clip(model.parameters(), 1.0))
+        opt.step()
+        opt.zero_grad()
+    col.close()
+    h = trainhist.open(tmp_path / "c.thist")
+    assert h.step_truth_rows()[0]["clipped"] == "clipped" and norm > 1.0
+    assert presence(h, "0.weight", "param_grad", 0, phase="pre_clip") == "observed"
+    assert h.spine("0.weight", "param_grad", phase="pre_clip").max[0] == float(pre["0.weight"].max())
+    assert h.spine("grad_norm", "scalar").max[0] == pytest.approx(norm, rel=1e-6)
+    assert h.spine("grad_norm_post_clip", "scalar").max[0] == pytest.approx(1.0, rel=1e-5)
+
+
+def test_clipping_some_parameters_leaves_the_others_rows_and_the_global_norm_true(tmp_path):
+    """A clip of the first layer only: the other layers' gradients were recorded 'absent' and the subset's norm
+    as the global one."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    col = Collector(model, tmp_path / "s.thist", streams=("param_grad",))
+    col.attach(optimizer=opt)
+    with col.step(0):
+        (100 * model(torch.randn(4, 8))).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(model[0].parameters(), 1.0)
+        after = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+    col.close()
+    h = trainhist.open(tmp_path / "s.thist")
+    assert presence(h, "0.weight", "param_grad", 0, phase="post_clip") == "observed"
+    assert presence(h, "2.weight", "param_grad", 0, phase="default") == "observed"
+    assert h.spine("2.weight", "param_grad", phase="default").max[0] == float(after[2].max())  # (2.weight)
+    assert "grad_norm" not in {s.path for s in h.sites}
+    want = float(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in after])))
+    assert h.spine("grad_norm_post_clip", "scalar").max[0] == pytest.approx(want, rel=1e-6)
+
+
+def test_a_second_collector_on_the_same_file_appends_a_segment(tmp_path):
+    """A restarted job constructing its Collector on the same path truncated the history (mode 'w' by default)."""
+    path = tmp_path / "r.thist"
+    for start in (0, 5):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            col = Collector(model, path, streams=("param",))
+            col.attach(optimizer=opt)
+        assert any("appended" in str(w.message) for w in caught) == (start > 0)
+        for step in range(start, start + 5):
+            with col.step(step):
+                model(torch.randn(4, 8)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        col.close()
+    h = trainhist.open(path)
+    assert h.spine("0.weight", "param").step.tolist() == list(range(10)) and len(h.segments) == 2
+    col = Collector(mlp(), path, streams=("param",), mode="w")  # asked for: starts over
+    col.attach()
+    col.close()
+    assert trainhist.open(path).verify()["rows"] == 0
+
+
+def test_gradients_cleared_before_the_step_ends_with_no_optimizer_attached_are_unknown(tmp_path):
+    """No attach(optimizer=): gradients are read at step exit, after the loop's zero_grad; they were recorded
+    'absent' (did not run), silently."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    col = Collector(model, tmp_path / "u.thist", streams=("param_grad",))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with col.step(0):
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        col.close()
+    assert any("attach(optimizer=opt)" in str(w.message) for w in caught)
+    assert presence(trainhist.open(tmp_path / "u.thist"), "0.weight", "param_grad", 0) == "unknown"
+
+
+def test_a_site_declares_the_dtype_it_recorded_not_the_one_seen_by_discover(tmp_path):
+    """discover() in float32, training under CPU autocast: the file said float32 for bfloat16 values."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    col = Collector(model, tmp_path / "d.thist", streams=("activation",))
+    col.discover(torch.randn(4, 8))
+    col.attach(optimizer=opt)
+    with col.step(0):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randn(4, 8)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    col.close()
+    h = trainhist.open(tmp_path / "d.thist")
+    assert h.site("0", "activation").dtype == "bfloat16" and h.site("1", "activation").dtype == "bfloat16"
+
+
+def test_an_empty_selection_and_fractional_cadences_are_refused():
+    with pytest.raises(trainhist.errors.UsageError, match="empty site selection"):
+        Collector(mlp(), "unused.thist", sites=[])
+    for bad in (1.5, "10", True):
+        with pytest.raises(trainhist.errors.UsageError, match="whole number"):
+            Collector(mlp(), "unused.thist", every=bad)
+    with pytest.raises(trainhist.errors.UsageError, match="whole number"):
+        Collector(mlp(), "unused.thist", sketch_every={"activation": 2.5})
+
+
+def test_a_sparse_gradient_is_recorded_and_keeps_the_global_norm(tmp_path):
+    """nn.Embedding(sparse=True): its gradient failed at every step (torch's 'copy_() between dense and sparse'),
+    and with it the step's global gradient norm."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    col = Collector(model, tmp_path / "sp.thist", streams=("param_grad",))
+    col.attach(optimizer=opt)
+    with col.step(0):
+        model(torch.tensor([1, 3, 3])).square().mean().backward()
+        dense = model[0].weight.grad.to_dense()
+        total = torch.linalg.vector_norm(torch.cat([dense.reshape(-1), model[1].weight.grad.reshape(-1),
+                                                    model[1].bias.grad.reshape(-1)]))
+        opt.step()
+        opt.zero_grad()
+    col.close()
+    h = trainhist.open(tmp_path / "sp.thist")
+    g = h.spine("0.weight", "param_grad")
+    assert g.presence_names[0] == "observed" and g.count[0] == 40 and g.zero[0] == int((dense == 0).sum())
+    assert g.min[0] == float(dense.min()) and g.max[0] == float(dense.max())
+    assert h.spine("grad_norm", "scalar").max[0] == pytest.approx(float(total), rel=1e-6)
+
+
+def test_a_module_discover_did_not_see_is_in_the_plan_with_its_size_unknown(tmp_path):
+    """A branch not taken during discover() was left out of the plan (its cost unstated); containers that are
+    never called themselves stay out."""
+
+    class Branchy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.main = torch.nn.Linear(4, 4)
+            self.late = torch.nn.Linear(4, 4)
+            self.blocks = torch.nn.ModuleList([torch.nn.Tanh()])
+            self.use_late = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.blocks[0](self.main(x))
+            return self.late(x) if self.use_late else x
+
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    col = Collector(model, tmp_path / "b.thist", streams=("activation",))
+    col.discover(torch.randn(2, 4))
+    rows = {(s.path, s.facet, s.elements) for s in col.plan.sites}
+    assert ("late", "?", None) in rows and not any(p == "blocks" for p, _, _ in rows)
+    assert "late" in col.plan.format_table()
+    col.attach(optimizer=opt)
+    for step in range(2):
+        model.use_late = step == 1
+        with col.step(step):
+            model(torch.randn(2, 4)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    col.close()
+    sp = trainhist.open(tmp_path / "b.thist").spine("late", "activation")
+    assert sp.step.tolist() == [1] and sp.count.tolist() == [8]

@@ -7,11 +7,14 @@ Design notes (also written into the file's settings):
 
 * Micro-batches: every forward of a step reduces into the same ledger row, so the writer receives one exactly
   merged row per (site, phase) per step with ``micro=None``; the number of forwards is ``micro_batches``.
-* Parameter gradients: captured once per phase per step. Inside the step, ``torch.nn.utils.clip_grad_norm_`` is
-  wrapped: it records phase ``pre_clip`` before and ``post_clip`` after clipping (and the global norms);
-  without clipping the gradients are captured as phase ``default`` just before the optimizer step (or at step
-  exit when no optimizer is attached). The gradient basis is ``scaled``/``unscaled`` under an attached,
-  enabled GradScaler (depending on whether ``unscale_`` ran first), otherwise unknown unless the loop says.
+* Parameter gradients: captured once per phase per step. Inside the step, torch's ``_clip_grads_with_norm_``
+  (which ``clip_grad_norm_`` calls by its module-global name, however the loop imported ``clip_grad_norm_``) is
+  wrapped: the parameters it clips get phase ``pre_clip`` before and ``post_clip`` after (and the global norms,
+  when it clips all of them); the others are captured as phase ``default`` just before the optimizer step (or at
+  step exit when no optimizer step ran: a gradient missing there is ``unknown``, the loop may have cleared it).
+  The gradient basis is ``scaled``/``unscaled`` under an attached, enabled GradScaler (depending on whether
+  ``unscale_`` ran first), otherwise unknown unless the loop says. ``loss_scale`` is the scale before the step's
+  ``update()``; the learning rates are read when the optimizer step starts.
 * ``param`` is the value at step exit (after the update); ``param_delta`` is exit minus entry on a seeded
   float32 subvector. A step whose update was not applied records ``param_delta`` as ``skipped``.
 * Activation-checkpoint recompute runs inside backward; forward hooks firing there are not counted again (they
@@ -125,6 +128,11 @@ class _Step:
     fused: bool = False  # reductions go through the CPU kernel (a CPU ledger, reduce.CPU_METHOD == "fused")
     defer: bool = False  # outputs and gradients are reduced in batches (the GPU's batched kernel): _flush_deferred
     flush: bool = False  # the loop runs with torch.set_flush_denormal(True): reductions switch it off (_no_flush)
+    lrs: dict[int, list] = field(default_factory=dict)  # optimizer index -> its groups' lr when its step began
+    scale_used: torch.Tensor | None = None  # the GradScaler's scale before its update in this step
+    clipped_names: set[str] = field(default_factory=set)  # parameters whose gradients a clip saw this step
+    clipped_any: torch.Tensor | None = None  # whether any clip call of the step scaled gradients down
+    unknown: set[tuple] = field(default_factory=set)  # rows whose state cannot be told (gradients read at exit)
 
 
 class _DeltaBatch:
@@ -182,13 +190,18 @@ def _add_sumsq(total: float, count: int, nan: int, inf: int, sumsq: float) -> fl
 
 
 def _per_stream(value: int | Mapping[str, int], name: str) -> dict[str, int]:
+    def whole(v: object) -> int:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise UsageError(f"{name} must be a whole number of steps (0 = never), got {v!r}")
+        return int(v)
+
     if isinstance(value, Mapping):
         bad = set(value) - set(STREAMS)
         if bad:
             raise UsageError(f"{name}: unknown stream(s) {sorted(bad)}; streams are {', '.join(STREAMS)}")
-        out = {s: int(value.get(s, DEFAULT_EVERY if name == "every" else DEFAULT_SKETCH_EVERY)) for s in STREAMS}
+        out = {s: whole(value.get(s, DEFAULT_EVERY if name == "every" else DEFAULT_SKETCH_EVERY)) for s in STREAMS}
     else:
-        out = {s: int(value) for s in STREAMS}
+        out = {s: whole(value) for s in STREAMS}
     if any(v < 0 for v in out.values()):
         raise UsageError(f"{name} must be >= 0 (0 = never), got {out}")
     return out
@@ -219,6 +232,14 @@ def _call(model: torch.nn.Module, batch: object) -> object:
     return model(batch)
 
 
+_SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def _no_forward(m: torch.nn.Module) -> bool:
+    """A container that is never called itself (ModuleList, ModuleDict: the base class's forward)."""
+    return type(m).forward is torch.nn.Module.forward
+
+
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
@@ -244,6 +265,11 @@ class Collector:
     cadence (e.g. ``every=25, sketch_every=50``, measured in the same table): the scalars still give the exact
     *step* of the first non-finite gradient or loss, but the *site* is seen only at the next spine step, possibly
     after the values spread downstream (the triage then brackets it), or narrow ``sites=`` / ``streams=``.
+
+    The file is opened when the collector attaches (``writer_options`` go to :class:`~trainhist.HistoryWriter`): one
+    that already holds a history is appended to, as a new segment (``mode="a"``, the default here; a warning says
+    so); ``mode="w"`` starts it over. :meth:`discover` runs one real forward in the model's current mode (a
+    training-mode forward updates BatchNorm statistics and draws dropout masks, as any forward would).
 
     ``batch_outputs`` (GPU with Triton only; default off): hold module outputs and their gradients and reduce them in
     batches (:data:`DEFER_TENSORS`, :data:`DEFER_BYTES`, the end of each forward and step), one kernel launch per
@@ -374,8 +400,12 @@ class Collector:
         for path in order:
             if path not in self._sel_modules:
                 continue
-            # after discover(), a module that did not run (a container) has no facets until it does
-            facets = None if self._facets is None else self._facets.get(path, [])
+            # after discover(), a module that did not run there has no facets until it does: a container without a
+            # forward of its own never will; another (a branch not taken, an expert not routed) is listed with
+            # its size unknown, so that the plan does not leave out what it may cost
+            facets = None if self._facets is None else self._facets.get(path)
+            if facets is None and self._facets is not None and _no_forward(self._modules[path]):
+                continue
             known = facets is not None
             for facet, shape, dtype in facets if known else [("?", None, None)]:
                 for stream in ("activation", "activation_grad"):
@@ -459,9 +489,12 @@ class Collector:
         opts = dict(self._writer_options)
         opts.setdefault("rank", self.rank)
         opts.setdefault("world_size", self.world_size)
+        opts.setdefault("mode", "a")  # an existing history is resumed, never truncated unasked
         settings = {**self.settings(), **dict(opts.pop("settings", None) or {})}  # type: ignore[arg-type]
         self._writer = HistoryWriter(self.path, settings=settings, **opts)  # type: ignore[arg-type]
-        self._register_sites()
+        if self._writer.segment > 0:
+            self._warn_once("resume", f"trainhist: {self.path} already holds a history: this run is appended to it as "
+                            f"segment {self._writer.segment}; pass mode='w' to start the file over")
 
     def _register_sites(self) -> None:
         for s in self.plan.sites:
@@ -482,7 +515,8 @@ class Collector:
                 self.plan.sites.append(s)
             shape = s.shape if stream.startswith("param") else None
             h = self._safe(
-                self._writer.site, path, stream, facet=facet, shape=shape, dtype=s.dtype, sharing=s.sharing,
+                self._writer.site, path, stream, facet=facet, shape=shape, dtype=self._dtypes.get(key) or s.dtype,
+                sharing=s.sharing,
                 cadence_spine=s.every, cadence_sketch=s.sketch_every, sample=s.sample,
             )
             if h is not None:
@@ -542,13 +576,20 @@ class Collector:
         if st.due["param_delta"]:
             with _no_flush():  # (float64 parameters are cast to float32: a flush would change subnormals)
                 self._snapshot(st)
+        # clip_grad_norm_ computes the norm, then calls this module's _clip_grads_with_norm_ by its global name: a
+        # loop that bound clip_grad_norm_ itself at import (from torch.nn.utils import ...) still goes through it
         clip_mod = torch.nn.utils.clip_grad
+        inner = getattr(clip_mod, "_clip_grads_with_norm_", None)
         orig_clip = (torch.nn.utils.clip_grad_norm_, clip_mod.clip_grad_norm_)
-        wrapped = partial(self._clip, orig_clip[0])
-        torch.nn.utils.clip_grad_norm_ = clip_mod.clip_grad_norm_ = wrapped
+        if inner is not None:
+            clip_mod._clip_grads_with_norm_ = partial(self._clip_with_norm, inner)
+        else:  # (an older torch: the public name only)
+            torch.nn.utils.clip_grad_norm_ = clip_mod.clip_grad_norm_ = partial(self._clip, orig_clip[0])
         try:
             yield self
         finally:
+            if inner is not None:
+                clip_mod._clip_grads_with_norm_ = inner
             torch.nn.utils.clip_grad_norm_, clip_mod.clip_grad_norm_ = orig_clip
             try:
                 with _no_flush():  # (the step's own reductions, decoding and writing: see _no_flush)
@@ -558,19 +599,22 @@ class Collector:
 
     def _exit(self, st: _Step) -> None:
         self._flush_deferred()
-        if not st.clip_seen:
-            self._capture_grads("default", None)
+        self._capture_grads("default", None, at_exit=True)  # (those no clip and no optimizer step took)
+        if st.clipped_any is not None:
+            self._put_scalar(st, st.step, "_clipped", st.clipped_any)
         if st.due["param"]:
             self._reduce_many([(("param", name, None, "default"), self._params[name]) for name in self._sel_params])
         if st.due["param_delta"]:
             self._deltas(st)
-        for oi, opt in enumerate(self._optimizers):
-            for gi, g in enumerate(opt.param_groups):
+        for oi, opt in enumerate(self._optimizers):  # the rates its step used (a scheduler may have moved on)
+            lrs = st.lrs.get(oi) or [g.get("lr") for g in opt.param_groups]
+            for gi, lr in enumerate(lrs):
                 name = f"lr/group{gi}" if len(self._optimizers) == 1 else f"lr/opt{oi}.group{gi}"
-                self._put_scalar(st, st.step, name, g.get("lr"))
+                self._put_scalar(st, st.step, name, lr)
         sc = self._scaler
         if sc is not None and sc.is_enabled() and getattr(sc, "_scale", None) is not None:
-            self._put_scalar(st, st.step, "loss_scale", sc._scale)
+            # the scale the step's loss was multiplied by: before update() changed it
+            self._put_scalar(st, st.step, "loss_scale", st.scale_used if st.scale_used is not None else sc._scale)
         st.host_scalars.append((st.step, "step_time", time.perf_counter() - st.t0))
         self._transfer(st)
         while len(self._pending) > self._lag:
@@ -635,6 +679,8 @@ class Collector:
                 self._reduce_plain(st, key, t, alias, at)
                 return
             t = local_tensor(t)
+            if t.layout in _SPARSE:  # (a sparse gradient: its values and implicit zeros, through a dense copy)
+                t = t.to_dense()
             site = (key[1], key[0], key[2])
             if site not in self._dtypes:
                 self._dtypes[site] = _dtype_name(t)
@@ -853,20 +899,30 @@ class Collector:
             return "unscaled"
         return "unscaled" if st.unscaled else "scaled"
 
-    def _capture_grads(self, phase: str, params: Iterable[torch.Tensor] | None) -> None:
+    def _capture_grads(self, phase: str, params: Iterable[torch.Tensor] | None, at_exit: bool = False) -> None:
         with _no_flush():  # (the global norm too)
-            self._capture_grads_in(phase, params)
+            self._capture_grads_in(phase, params, at_exit)
 
-    def _capture_grads_in(self, phase: str, params: Iterable[torch.Tensor] | None) -> None:
+    def _capture_grads_in(self, phase: str, params: Iterable[torch.Tensor] | None, at_exit: bool) -> None:
+        """Reduce the gradients of ``params`` (None: every selected parameter) in ``phase``; in phase ``default``,
+        those of parameters no clip took this step. Read at step exit with no optimizer step before, a missing
+        gradient may have been cleared by the loop (``zero_grad``): its row is ``unknown``, not ``absent``."""
         st = self._state
         if st is None:
             return
-        if phase == "default" and not st.norm_done and not (st.due["param_grad"] and self._all_trainable_selected()):
-            self._total_grad_norm(st)
+        if phase == "default" and not st.norm_done:
+            if st.clip_seen:  # some gradients were clipped, not all: the norm of what the optimizer gets
+                self._total_grad_norm(st, "grad_norm_post_clip")
+            elif not (st.due["param_grad"] and self._all_trainable_selected()):
+                self._total_grad_norm(st, "grad_norm")
         if not st.due["param_grad"]:
             return
         items = []
+        cleared = at_exit and not st.opt_called
+        missing = 0
         for name in self._param_names(params):
+            if phase == "default" and name in st.clipped_names:
+                continue
             key = ("param_grad", name, None, phase)
             if key in st.grad_done:
                 continue
@@ -874,11 +930,19 @@ class Collector:
             g = self._params[name].grad
             if g is not None:
                 items.append((key, g))
+            elif cleared:
+                st.unknown.add(key)
+                missing += 1
+        if missing and not items and not self._optimizers:
+            self._warn_once("no_grads", "trainhist: no parameter had a gradient at the end of the step and no "
+                            "optimizer is attached, so gradients cannot be read when the optimizer uses them (the "
+                            "loop may clear them first): param_grad is recorded as 'unknown'; call "
+                            "attach(optimizer=opt)")
         self._reduce_many(items)
         if items:
             st.bases.add(self._basis(st))
 
-    def _total_grad_norm(self, st: _Step) -> None:
+    def _total_grad_norm(self, st: _Step, name: str) -> None:
         """The global gradient norm as a device scalar, on steps where the param_grad spines do not give it.
 
         One batched reduction over every trainable parameter's gradient (``torch.nn.utils.get_total_norm``, the
@@ -891,11 +955,12 @@ class Collector:
         st.norm_done = True
         try:
             norm = torch.nn.utils.get_total_norm(grads, 2.0)
-            self._put_scalar(st, st.step, "grad_norm", norm.detach().to(torch.float64))
+            self._put_scalar(st, st.step, name, norm.detach().to(torch.float64))
         except Exception as e:  # noqa: BLE001 -- a scalar must not stop training
             self._warn_once("grad_norm", f"trainhist: the global gradient norm failed: {e!r}")
 
     def _clip(self, orig: object, parameters: object, max_norm: float, *args: object, **kwargs: object) -> object:
+        """``clip_grad_norm_`` on a torch without ``_clip_grads_with_norm_``: the gradients before and after it."""
         st = self._state
         if st is None:
             return orig(parameters, max_norm, *args, **kwargs)  # type: ignore[operator]
@@ -903,25 +968,54 @@ class Collector:
         self._capture_grads("pre_clip", params)
         norm = orig(params, max_norm, *args, **kwargs)  # type: ignore[operator]
         self._capture_grads("post_clip", params)
+        self._clipped(st, params, max_norm, norm)
+        return norm
+
+    def _clip_with_norm(self, orig: object, parameters: object, max_norm: float, total_norm: torch.Tensor,
+                        *args: object, **kwargs: object) -> object:
+        """torch's ``_clip_grads_with_norm_`` (what ``clip_grad_norm_`` calls once it has the norm): the gradients
+        before and after it, however the loop reached it."""
+        st = self._state
+        if st is None:
+            return orig(parameters, max_norm, total_norm, *args, **kwargs)  # type: ignore[operator]
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)  # type: ignore[arg-type]
+        self._capture_grads("pre_clip", params)
+        out = orig(params, max_norm, total_norm, *args, **kwargs)  # type: ignore[operator]
+        self._capture_grads("post_clip", params)
+        self._clipped(st, params, max_norm, total_norm)
+        return out
+
+    def _clipped(self, st: _Step, params: list[torch.Tensor], max_norm: float, norm: object) -> None:
+        """After a clip of ``params``: their rows are pre/post-clip ones; the global norms are the clip's own when
+        it took every trainable parameter (a clip of some of them leaves the others' gradients as they are)."""
         st.clip_seen = True
+        ids = {id(p) for p in params}
+        st.clipped_names.update(n for n, p in self._params.items() if id(p) in ids)
         if isinstance(max_norm, (int, float)):
             st.clip_threshold = float(max_norm)
-        if isinstance(norm, torch.Tensor):
+        if not isinstance(norm, torch.Tensor):
+            return
+        coef = max_norm / (norm.detach() + 1e-6)  # clip_grad_norm_'s own coefficient, in its dtype
+        clipped = (coef < 1).to(torch.float64)
+        st.clipped_any = clipped if st.clipped_any is None else torch.maximum(st.clipped_any, clipped)
+        every = all(id(p) in ids for p in self._params.values() if p.requires_grad)
+        if every and not st.norm_done:
             n = norm.detach().to(torch.float64)
-            coef = max_norm / (norm.detach() + 1e-6)  # clip_grad_norm_'s own coefficient, in its dtype
-            clipped = (coef < 1).to(torch.float64)
             post = n * torch.clamp(coef, max=1.0).to(torch.float64)
-            for name, v in (("grad_norm", n), ("grad_norm_post_clip", post), ("_clipped", clipped)):
+            for name, v in (("grad_norm", n), ("grad_norm_post_clip", post)):
                 self._put_scalar(st, st.step, name, v)
-        return norm
+            st.norm_done = True
 
     def _on_opt_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         st = self._state
         if st is None:
             return
         st.opt_called = True
-        if not st.clip_seen:
-            self._capture_grads("default", [p for g in opt.param_groups for p in g["params"]])
+        oi = next((i for i, o in enumerate(self._optimizers) if o is opt), None)
+        if oi is not None and oi not in st.lrs:  # the rates this update uses (a tensor lr: its value now)
+            st.lrs[oi] = [lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
+                          for lr in (g.get("lr") for g in opt.param_groups)]
+        self._capture_grads("default", [p for g in opt.param_groups for p in g["params"]])
 
     def _on_opt_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         st = self._state
@@ -937,7 +1031,7 @@ class Collector:
     def _scaler_step(self, optimizer: torch.optim.Optimizer, *args: object, **kwargs: object) -> object:
         out = self._scaler_orig["step"](optimizer, *args, **kwargs)  # type: ignore[operator]
         st = self._state
-        if st is not None and not st.clip_seen:  # the scaler skipped the step: keep the (non-finite) gradients
+        if st is not None:  # the scaler skipped the step: keep the (non-finite) gradients
             self._capture_grads("default", [p for g in optimizer.param_groups for p in g["params"]])
         return out
 
@@ -945,7 +1039,10 @@ class Collector:
         st, sc = self._state, self._scaler
         before = getattr(sc, "_scale", None)
         if st is not None and before is not None:
-            self._put_scalar(st, st.step, "_scale_before", before.detach().clone())
+            used = before.detach().clone()
+            self._put_scalar(st, st.step, "_scale_before", used)
+            if st.scale_used is None:
+                st.scale_used = used
         out = self._scaler_orig["update"](new_scale)  # type: ignore[operator]
         after = getattr(sc, "_scale", None)
         if st is not None and before is not None and after is not None:
@@ -1156,7 +1253,7 @@ class Collector:
         if self._emit_version is None or self._emit_version[0] is not sites or self._emit_version[1] != version:
             self._emit_plans.clear()
             self._emit_version = (sites, version)
-        ident = (tuple(st.due.items()), st.clip_seen)
+        ident = (tuple(st.due.items()), frozenset(st.clipped_names) if st.clip_seen else None)
         entries = self._emit_plans.get(ident)
         if entries is None:
             entries = self._emit_plans[ident] = []
@@ -1173,7 +1270,7 @@ class Collector:
 
     def _phases(self, s: PlannedSite, st: _Step) -> tuple[str, ...]:
         if s.stream == "param_grad":
-            return ("pre_clip", "post_clip") if st.clip_seen else ("default",)
+            return ("pre_clip", "post_clip") if s.path in st.clipped_names else ("default",)
         return ("default",)
 
     def _summary(self, st: _Step, data: np.ndarray | None, key: tuple) -> object:
@@ -1245,7 +1342,8 @@ class Collector:
             except Exception as e:  # noqa: BLE001 -- a broken disk must not kill the training run
                 self._writer_error(e)
         else:
-            self._safe(self._writer.mark, h, st.step, "failed" if key in st.failed else "absent", phase=phase)
+            state = "failed" if key in st.failed else "unknown" if key in st.unknown else "absent"
+            self._safe(self._writer.mark, h, st.step, state, phase=phase)
 
     def _drain(self) -> None:
         while self._pending:
@@ -1281,6 +1379,8 @@ class Collector:
             for name in self._scaler_orig:
                 with contextlib.suppress(AttributeError):
                     delattr(self._scaler, name)
+        if self._writer is not None and self._plan is not None:
+            self._register_sites()  # (the planned sites no step recorded: declared, with no rows)
         if self._writer is not None and (self.path is not None):
             self._safe(self._writer.close)
         elif self._writer is not None:

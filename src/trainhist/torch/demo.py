@@ -76,7 +76,7 @@ def _run(args: argparse.Namespace) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     # spines every step (the default) let the triage name the faulty site at the very step it went wrong; a tiny
     # model affords sketches every 5 steps (the default is every 10) for denser figures
-    col = Collector(model, args.out, run_name="trainhist-demo", every=1, sketch_every=5,
+    col = Collector(model, args.out, mode="w", run_name="trainhist-demo", every=1, sketch_every=5,  # a fresh file
                     config={"model": "gpt2-tiny", **{k: v for k, v in vars(args).items() if k != "out"}})
     first = batch()
     col.discover({"input_ids": first, "labels": first})

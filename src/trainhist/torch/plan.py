@@ -97,6 +97,9 @@ def select(module_names: list[str], param_names: list[str], patterns: list[str] 
     """
     if patterns is None:
         return set(module_names), set(param_names)
+    if not patterns:
+        raise UsageError("an empty site selection records nothing; pass sites=None (the default) for every module "
+                         "and parameter", code="no_such_site")
     mods: set[str] = set()
     params: set[str] = set()
     for pat in patterns:
