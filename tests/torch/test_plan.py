@@ -42,6 +42,8 @@ def test_selection_matching_nothing_names_the_closest():
     with pytest.raises(UsageError, match="closest names: encoder") as e:
         Collector(Net(), "unused.thist", sites=["encodr"])
     assert e.value.code == "no_such_site"
+    with pytest.raises(UsageError, match="drop the 'module.' prefix"):  # a name copied from a DDP-wrapped model
+        Collector(Net(), "unused.thist", sites=["module.encoder"])
 
 
 def test_wrappers_are_unwrapped_to_the_users_names():

@@ -108,6 +108,10 @@ def select(module_names: list[str], param_names: list[str], patterns: list[str] 
         if not m and not p:
             close = difflib.get_close_matches(pat, module_names + param_names, n=5, cutoff=0.4)
             hint = f"; closest names: {', '.join(close)}" if close else ""
+            wrapper = next((w for w in ("module.", "_orig_mod.", "_fsdp_wrapped_module.") if pat.startswith(w)), None)
+            if wrapper:
+                hint += (f"; names are those of the model inside DDP, torch.compile or FSDP wrappers: drop the "
+                         f"{wrapper!r} prefix")
             raise UsageError(f"site selection {pat!r} matches no module or parameter of the model{hint}",
                              code="no_such_site")
         mods |= m
