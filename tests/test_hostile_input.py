@@ -302,6 +302,31 @@ def test_the_ignored_sketch_fields_of_a_row_without_a_sketch_stay_ignored(tmp_pa
             assert h.sketch("x").bands.tolist() == [[0, 0, 1, 0]], out
 
 
+def test_replicas_compare_what_the_rows_say_not_how_a_zero_or_a_nan_is_stored(tmp_path):
+    """Spec 11.5: replica rows are compared as numbers. A rank that stores a zero sum as -0.0 (readers accept it, spec
+    5.5) was a replica divergence; a NaN min of a row without finite values is no number at all. The merged row
+    holds +0.0 and the canonical NaN."""
+    from history_helpers import obs_payload, rewrite
+
+    files = []
+    for rank in range(2):
+        p = tmp_path / f"r{rank}.thist"
+        with trainhist.HistoryWriter(p, run_id="ab" * 16, rank=rank, world_size=2, codec="raw") as w:
+            s = w.site("w", "param", sharing="replica")
+            w.observe(s, 0, np.array([np.nan, np.nan]))
+            w.observe(s, 1, np.array([0.0, 0.0]))
+        files.append(p)
+    data = bytearray(files[1].read_bytes())
+    pos, payload, cols = obs_payload(bytes(data), 0)
+    struct.pack_into("<Q", payload, cols["min"][3], 0x7FF8000000000001)
+    struct.pack_into("<d", payload, cols["sum"][3] + 8, -0.0)
+    rewrite(data, pos, bytes(payload))
+    files[1].write_bytes(data)
+    trainhist.merge(files, tmp_path / "m.thist")
+    text = dumps(trainhist.open(tmp_path / "m.thist"))
+    assert '"sum":"d:0p0"' in text and "7ff8000000000001" not in text
+
+
 def test_a_lying_variable_column_is_refused_before_it_is_decoded(tmp_path):
     """sk_counts stored as an 8-byte constant frame-of-reference block that declares 256 MiB (within the column
     limit of spec 12) while the sketch ranges use 40 values: every surface refuses it (bad_sketch) from the

@@ -493,6 +493,9 @@ def decode_obs_columns(parts: list[ObsChunk], cols: dict[str, np.ndarray], tally
         sparse = Sparse(lo, n, counts, cmax)
         bands = np.stack([sk[k] for k in ("sk_up", "sk_un", "sk_op", "sk_on")], axis=1).astype(np.uint64)
         bands[~has] = 0  # (ignored, like the ranges: they must not add into a combined row's sketch)
+    for k in ("sum", "sumsq"):  # a zero sum is the dyadic 0 whatever its sign (readers accept -0.0, spec 5.5)
+        c = cols[k]
+        c[c == 0] = 0.0
     r = Rows(cols, xcols[0], xcols[1], tally, has, None, None, bands, scale, sparse)
     blank(r, ~observed)  # spec 2.6: only observed rows carry numbers
     if r.sparse is not None and not r.has_sk.any():
