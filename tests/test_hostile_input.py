@@ -327,6 +327,27 @@ def test_replicas_compare_what_the_rows_say_not_how_a_zero_or_a_nan_is_stored(tm
     assert '"sum":"d:0p0"' in text and "7ff8000000000001" not in text
 
 
+def test_a_window_that_would_start_before_the_least_step_is_refused_not_wrapped(tmp_path):
+    """Coarsening by 3 a row at step -2**63 (window start -2**63 - 2): the step wrapped around to 2**63 - 2, and
+    the row moved to the far end of the run. Rows, step-truth rows and a segment's first step: step_overflow."""
+    cases = {"first": (-2**63, None), "row": (5, -2**63), "steps": (5, None)}
+    for name, (first, later) in cases.items():
+        p = tmp_path / f"{name}.thist"
+        with trainhist.HistoryWriter(p) as w:
+            s = w.site("x", "activation")
+            w.observe(s, first, np.ones(3))
+            if later is not None:
+                w.observe(s, later, np.ones(3))
+            if name == "steps":
+                w.step_truth(-2**63, applied=True)
+        with pytest.raises(TrainhistError) as ei:
+            trainhist.coarsen(p, tmp_path / "c.thist", steps=3)
+        assert ei.value.code == "step_overflow", name
+        trainhist.coarsen(p, tmp_path / "c.thist", steps=4)  # (a power of two divides 2**63: it fits)
+        with trainhist.open(tmp_path / "c.thist") as h:
+            assert h.spine("x").step.min() >= -2**63 and (h.spine("x").step <= 5).all(), name
+
+
 def test_a_lying_variable_column_is_refused_before_it_is_decoded(tmp_path):
     """sk_counts stored as an 8-byte constant frame-of-reference block that declares 256 MiB (within the column
     limit of spec 12) while the sketch ranges use 40 values: every surface refuses it (bad_sketch) from the

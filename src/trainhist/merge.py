@@ -430,6 +430,18 @@ def _check_output(output: str, inputs: list[str]) -> None:
             continue  # (an input that cannot be opened is reported by the scan)
 
 
+def _refuse_underflow(step: np.ndarray, off: np.ndarray, n: int, where: str, paths: list[str],
+                      src: np.ndarray | None) -> None:
+    """Refuse rows whose window of ``n`` steps would start below -2**63 (``step - off`` would wrap around to the
+    far end of the range: the rows would move there)."""
+    low = step < np.iinfo(np.int64).min + off
+    if low.any():
+        i = int(np.flatnonzero(low)[0])
+        raise MergeError(f"{where}: the row at step {int(step[i])} has no window of {n} steps that a file can hold "
+                         "(steps start at -2**63); coarsen by another number of steps", code="step_overflow",
+                         path=paths[int(src[i])] if src is not None else paths[0])
+
+
 class _Engine:
     def __init__(self, paths: list[str], output: str, *, steps: int, scale: int | None, across_runs: bool,
                  replica_divergence: str, codec: str, workers: int | None = None) -> None:
@@ -541,6 +553,10 @@ class _Engine:
             members = groups[k]
             firsts = [g.first_step for _, g, _, _ in members if g.first_step is not None]
             first = None if not firsts else (min(firsts) // self.N) * self.N
+            if first is not None and first < -(1 << 63):
+                raise MergeError(f"segment {new_id[k]}: its first step {min(firsts)} has no window of {self.N} "
+                                 "steps that a file can hold (steps start at -2**63); coarsen by another number of "
+                                 "steps", code="step_overflow", path=self.paths[0])
             reasons = [g.reason for _, g, _, _ in members]
             prevs = [None if g.previous is None else new_id.get(local_key.get((s.idx, g.previous)))
                      for s, g, _, _ in members]
@@ -829,6 +845,7 @@ class _Engine:
                 f"window of {n} steps (coarsen to a multiple of the existing span)", code="incompatible_span",
                 path=self.paths[int(c["src"][i])],
             )
+        _refuse_underflow(c["step"], off, n, where, self.paths, c["src"])
         c["step"] = c["step"] - off
         c["span"] = np.full(len(r), n, np.uint32)
         order, starts, sizes = _groups([c["step"], c["phase"], c["micro"]])
@@ -843,6 +860,7 @@ class _Engine:
             if (off + c["span"].astype(np.int64) > n).any():
                 raise MergeError(f"{where}: a step-truth row crosses a window of {n} steps", code="incompatible_span",
                                  path=self.paths[0])
+            _refuse_underflow(c["step"], off, n, where, self.paths, None)
             c["step"] = c["step"] - off
             c["span"] = np.full(len(r), n, np.uint32)
         order, starts, sizes = _groups([c["step"], c["span"]])
