@@ -461,6 +461,8 @@ def decode_obs_columns(parts: list[ObsChunk], cols: dict[str, np.ndarray], tally
                     raise _bad(f"{name}_x holds {bs} bytes, {name}_xn sums to {ls}", p.path, p.offset,
                                "bad_column_length")
         xcols.append(decode_exact(name, cols[name], lens, blob, observed, locate))
+        c = cols[name]  # a zero sum is the dyadic 0 whatever its sign (readers accept -0.0, spec 5.5); a row with an
+        c[(c == 0) & (True if lens is None else lens == 0)] = 0.0  # exact form keeps its correctly rounded zero
     has = np.zeros(total, bool)
     sparse = bands = None
     if scale is not None:
@@ -493,9 +495,6 @@ def decode_obs_columns(parts: list[ObsChunk], cols: dict[str, np.ndarray], tally
         sparse = Sparse(lo, n, counts, cmax)
         bands = np.stack([sk[k] for k in ("sk_up", "sk_un", "sk_op", "sk_on")], axis=1).astype(np.uint64)
         bands[~has] = 0  # (ignored, like the ranges: they must not add into a combined row's sketch)
-    for k in ("sum", "sumsq"):  # a zero sum is the dyadic 0 whatever its sign (readers accept -0.0, spec 5.5)
-        c = cols[k]
-        c[c == 0] = 0.0
     r = Rows(cols, xcols[0], xcols[1], tally, has, None, None, bands, scale, sparse)
     blank(r, ~observed)  # spec 2.6: only observed rows carry numbers
     if r.sparse is not None and not r.has_sk.any():

@@ -18,7 +18,8 @@ from .reader import History
 __all__ = ["Finding", "Triage", "triage", "PASS_ORDER"]
 
 # Within one step, the order in which a training step produces its streams: a NaN in an earlier pass explains the
-# later ones. Backward runs through the modules in reverse, so activation gradients are ranked in reverse site order.
+# later ones. Backward runs through the modules in reverse, so activation gradients are ranked in the reverse of
+# their modules' forward (activation site) order.
 #: stream -> rank of its pass within a step (used by the triage and by the figures' site order)
 PASS_ORDER = {"scalar": 5, "activation": 0, "activation_grad": 1, "param_grad": 2, "param_delta": 3, "param": 4}
 _PASS_NAME = {"activation": "forward", "activation_grad": "backward", "param_grad": "gradient",
@@ -119,6 +120,9 @@ def triage(h: History) -> Triage:
     missing: dict[str, list[tuple[int, int, str]]] = {}  # presence -> (first step, rows, site label) per site
     n_sites = len(h.sites)
     n_segments = len(h.segments)
+    # backward visits modules in the reverse of the forward order: a gradient site ranks by the id of its module's
+    # activation site (writers declare those in forward order), reversed; whatever order its own id came in
+    forward_id = {(x.path, x.facet): x.id for x in h.sites if x.stream == "activation"}
     for site in h.sites:
         for phase in ("default", "pre_clip", "post_clip"):
             s = h.spine(site.path, site.stream, site.facet, phase=phase)
@@ -126,7 +130,8 @@ def triage(h: History) -> Triage:
                 continue
             obs = s.observed
             bad = obs & ((s.nan > 0) | (s.pinf > 0) | (s.ninf > 0))
-            order = n_sites - site.id if site.stream == "activation_grad" else site.id
+            order = (n_sites - forward_id.get((site.path, site.facet), site.id) if site.stream == "activation_grad"
+                     else site.id)
             step, span, seg = s.step, s.span.astype(np.int64), s.segment
             for g in np.unique(seg[bad]).tolist():
                 mine = np.flatnonzero(obs & (seg == g))

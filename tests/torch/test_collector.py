@@ -1283,3 +1283,40 @@ def test_a_module_discover_did_not_see_is_in_the_plan_with_its_size_unknown(tmp_
     col.close()
     sp = trainhist.open(tmp_path / "b.thist").spine("late", "activation")
     assert sp.step.tolist() == [1] and sp.count.tolist() == [8]
+
+
+@pytest.mark.parametrize("discover", [True, False])
+def test_triage_names_the_first_site_a_backward_nan_reached(tmp_path, discover):
+    """A module whose backward yields a NaN (sqrt at 0) at step 2: the collector saw it first at that module's
+    output gradient, and so must the triage (it named the last module backward reached: gradient sites were
+    declared in backward order and the triage reversed them once more). Without discover() sites are declared as
+    they are first seen, gradients in backward order: the triage ranks them by their module's forward site."""
+    from trainhist.triage import triage
+
+    class SqrtAt0(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sqrt(torch.relu(x) * 0)
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), SqrtAt0(),
+                            torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    col = Collector(m, tmp_path / "bwd.thist")
+    if discover:
+        col.discover(torch.randn(3, 4))
+    col.attach(optimizer=opt)
+    for step in range(3):
+        with col.step(step):
+            x = m[0:3](torch.randn(3, 4))
+            out = m[4](m[3](x)) if step == 2 else m[4](x)
+            out.sum().backward()
+            opt.step()
+            opt.zero_grad()
+    col.close()
+    assert col.first_nonfinite[:3] == (2, "2", "activation_grad")
+    h = trainhist.open(tmp_path / "bwd.thist")
+    first = next(f for f in triage(h).findings if f.kind == "first_nonfinite")
+    assert first.step == 2 and first.site == "2" and "backward" in first.text
+    ids = {(s.path, s.stream): s.id for s in h.sites}
+    if discover:  # the plan's order: each module's output, then its gradient, in forward order
+        assert ids[("0", "activation")] < ids[("0", "activation_grad")] < ids[("2", "activation")]

@@ -328,6 +328,7 @@ class Collector:
         self._emit_plans: dict[tuple, list] = {}  # see _emit_plan
         self._emit_version: tuple | None = None
         self._handled: set[tuple] = set()  # row keys whose site has a handle
+        self._registered = False  # the plan's sites are declared (at the first finished step, or at close)
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._fwd_handles: list[tuple[torch.nn.Module, int]] = []
         self._optimizers: list[torch.optim.Optimizer] = []
@@ -1180,6 +1181,9 @@ class Collector:
             clip_threshold=threshold, micro_batches=t.micro_batches if t.micro_batches is not None else st.micro,
             tokens=t.tokens, samples=t.samples,
         )
+        if not self._registered:  # the planned sites, in the plan's (forward) order, with the dtypes now recorded
+            self._registered = True
+            self._register_sites()
         handled = self._handled
         for key in [*st.counts, *st.failed]:  # facets first seen in this step
             if key not in handled:
