@@ -121,7 +121,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     try:
         from .torch.demo import main as demo_main
     except ImportError as e:
-        raise UsageError(f"the demo trains a torch model: install the torch extra ({e})", code="needs_torch") from None
+        raise UsageError(f"the demo trains a tiny GPT-2 with torch and transformers: pip install 'trainhist[demo]' "
+                         f"({e})", code="needs_torch") from None
     return demo_main(args.rest)
 
 

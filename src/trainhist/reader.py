@@ -976,7 +976,8 @@ class History:
         return self._steps_table
 
     def step_truth_rows(self) -> list[dict]:
-        """The step-truth table as dicts with named values and ``None`` for unknown."""
+        """The step-truth table as dicts with named values: ``applied``, ``grad_basis`` and ``clipped`` give
+        ``"unknown"`` when unknown, the numbers ``None``."""
         t = self.steps
         out = []
         for i in range(t["step"].size):

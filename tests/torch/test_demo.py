@@ -22,3 +22,14 @@ def test_demo_with_injected_nan(tmp_path, capsys):
     loss = h.spine("loss", "scalar").max
     assert np.isfinite(loss[:3]).all() and len(loss) == 5
     assert [r["micro_batches"] for r in h.step_truth_rows()] == [2] * 5
+
+
+def test_demo_without_transformers_says_what_to_install(tmp_path, monkeypatch, capsys):
+    """transformers is not in the torch extra: the demo ended in an ImportError traceback."""
+    import sys
+
+    from trainhist import cli
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # (import transformers now raises ImportError)
+    assert cli.main(["demo", "--out", str(tmp_path / "d.thist"), "--steps", "1", "--no-figures"]) == 2
+    assert "pip install 'trainhist[demo]'" in capsys.readouterr().err

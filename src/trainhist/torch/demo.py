@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UsageError
 from .collector import Collector, StepTruth
 
 __all__ = ["main"]
@@ -55,8 +56,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from transformers.utils import logging as hf_logging
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+        from transformers.utils import logging as hf_logging
+    except ImportError as e:
+        raise UsageError(f"the demo builds a tiny GPT-2 with transformers: pip install 'trainhist[demo]' ({e})",
+                         code="needs_torch") from None
 
     hf_logging.set_verbosity_error()  # config notices about the tiny vocabulary are not the demo's point
 
