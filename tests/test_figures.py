@@ -124,3 +124,31 @@ def test_extreme_magnitudes_render_with_the_data_in_view(tmp_path):
         assert len(pages) == 1 and pages[0].stat().st_size > 1000
         lo, hi = site_figure(h, "m").axes[0].get_ylim()
         assert lo <= -1.7e308 and hi >= 1.7e308
+
+
+def test_figures_keep_a_resumed_segment_apart_and_mark_its_boundary(tmp_path):
+    """A run resumed at step 20 replays steps 20-29: the waterfall summed the two segments' rows there (two runs
+    mixed in one column), the contact sheet and the site figure joined their lines across the boundary, and only
+    the site figure marked it."""
+    p = tmp_path / "r.thist"
+    with trainhist.HistoryWriter(p) as w:
+        s = w.site("a", "activation")
+        for st in range(30):
+            w.observe(s, st, np.full(8, 1.0))
+    with trainhist.HistoryWriter(p, mode="a") as w:  # the resume: steps 20..39, values of another magnitude
+        s = w.site("a", "activation")
+        for st in range(20, 40):
+            w.observe(s, st, np.full(8, 1000.0))
+    with trainhist.open(p) as h:
+        fig = waterfall(h, "a")
+        assert "10 rows of a segment a resume replayed not drawn" in fig.axes[0].get_title()  # steps 20..29
+        assert "summed" not in fig.axes[0].get_title()
+        cols = _mesh_columns(fig)
+        assert [round(a + 0.5) for a, _, _ in cols] == list(range(40))  # one column per step, none doubled
+        assert cols[19][2] != cols[20][2] == cols[39][2]  # steps 20.. show the resumed run's values
+        for f in (fig, site_figure(h, "a")):
+            assert any(line.get_xdata()[0] == 20 and line.get_linestyle() == "--" for line in f.axes[0].lines)
+        lines = [ln for ln in site_figure(h, "a").axes[0].lines if ln.get_linestyle() == ":"]
+        assert all(np.all(np.diff(ln.get_xdata()) > 0) for ln in lines) and len(lines) == 4  # min, max per segment
+        page = contact_sheet(h, tmp_path / "sheet")[0]
+        assert page.stat().st_size > 1000

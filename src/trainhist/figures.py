@@ -84,6 +84,33 @@ def _site_title(site: Site, phase: str | None) -> str:
     return f"{site.path}{facet} · {site.stream}{ph}"
 
 
+def _segment_runs(segment: np.ndarray) -> list[np.ndarray]:
+    """Positions of each segment's rows (a series is ordered by segment, then step): drawn as separate lines, so
+    that no line joins the end of one segment to the start of the next (a resumed run replays steps)."""
+    if segment.size == 0:
+        return []
+    cuts = np.flatnonzero(segment[1:] != segment[:-1]) + 1
+    return np.split(np.arange(segment.size), cuts)
+
+
+def _boundaries(ax, h: History, step: np.ndarray, segment: np.ndarray, **style: object) -> None:
+    """A dashed vertical line at the first step of every segment after the first: its manifest's ``first_step``,
+    or, where the writer did not know it, the first step of its rows in this series (``step``, ``segment``)."""
+    k = 0
+    for g in h.segments:
+        if g.reason == "start":
+            continue
+        at = g.first_step
+        if at is None:
+            mine = step[segment == g.id]
+            if not mine.size:
+                continue
+            at = int(mine.min())
+        ax.axvline(at, **{"color": "k", "ls": "--", "lw": 1.2, **style},
+                   label="segment boundary (resume)" if k == 0 else None)
+        k += 1
+
+
 def _marks(ax, h: History, s) -> None:
     """Presence gaps, non-finite events, skipped steps and segment boundaries as visible marks."""
     steps = s.step
@@ -99,8 +126,7 @@ def _marks(ax, h: History, s) -> None:
     skipped = [r["step"] for r in truth if r["applied"] == "skipped"]
     for k, x in enumerate(skipped):
         ax.axvline(x, color="orange", ls=":", lw=1, label="optimizer step skipped" if k == 0 else None)
-    for k, g in enumerate(x for x in h.segments if x.reason != "start" and x.first_step is not None):
-        ax.axvline(g.first_step, color="k", ls="--", lw=1.2, label="segment boundary (resume)" if k == 0 else None)
+    _boundaries(ax, h, s.step, s.segment)
     spans = s.span > 1
     if spans.any():
         ax.text(0.01, 0.02, f"{int(spans.sum())} rows are coarsened spans of up to {int(s.span.max())} steps",
@@ -115,20 +141,27 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
     sk = h.sketch(path, stream, facet, phase=phase)
     fig, ax = plt.subplots(figsize=(8, 4))
     obs = s.observed & (s.finite > 0)
-    mark = "." if obs.sum() == 1 else None  # (a line of one point draws nothing)
-    ax.plot(s.step[obs], s.min[obs], ":", color="k", lw=1, marker=mark, label="min / max (exact, spine)")
-    ax.plot(s.step[obs], s.max[obs], ":", color="k", lw=1, marker=mark)
+    for k, run in enumerate(_segment_runs(s.segment)):  # (one line per segment: none joins a resume's replay)
+        r = run[obs[run]]
+        mark = "." if r.size == 1 else None  # (a line of one point draws nothing)
+        ax.plot(s.step[r], s.min[r], ":", color="k", lw=1, marker=mark,
+                label="min / max (exact, spine)" if k == 0 else None)
+        ax.plot(s.step[r], s.max[r], ":", color="k", lw=1, marker=mark)
+        if not len(sk):
+            ax.plot(s.step[r], s.mean[r], color="C0", lw=1.5, label="mean (from exact sums)" if k == 0 else None)
     if len(sk):
         zero = s.zero[s.sk_row >= 0]
         q = quantiles_from_sketch(sk.pos, sk.neg, sk.bands, zero, sk.scale, (0.05, 0.25, 0.5, 0.75, 0.95))
         x = sk.columns["step"]
         width = 2 ** (1 / 2**sk.scale) - 1
-        ax.fill_between(x, q[:, 0], q[:, 4], alpha=0.2, color="C0", label="p5–p95 (derived from sketch)")
-        ax.fill_between(x, q[:, 1], q[:, 3], alpha=0.35, color="C0", label="p25–p75 (derived)")
-        ax.plot(x, q[:, 2], color="C0", lw=1.5,
-                label=f"median (derived; ±{width:.0%} relative, {2**sk.scale} bins/octave)")
-    else:
-        ax.plot(s.step[obs], s.mean[obs], color="C0", lw=1.5, label="mean (from exact sums)")
+        for k, r in enumerate(_segment_runs(sk.columns["segment"])):
+            first = k == 0
+            ax.fill_between(x[r], q[r, 0], q[r, 4], alpha=0.2, color="C0",
+                            label="p5–p95 (derived from sketch)" if first else None)
+            ax.fill_between(x[r], q[r, 1], q[r, 3], alpha=0.35, color="C0",
+                            label="p25–p75 (derived)" if first else None)
+            ax.plot(x[r], q[r, 2], color="C0", lw=1.5,
+                    label=f"median (derived; ±{width:.0%} relative, {2**sk.scale} bins/octave)" if first else None)
     _marks(ax, h, s)
     lin = max(1e-12, float(np.nanmax(np.abs(np.r_[s.min[obs], s.max[obs], 1e-12]))) * 1e-3)
     ax.set_yscale("symlog", linthresh=lin)
@@ -186,7 +219,17 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
         nb = nbins(sk.scale)
         lo = index_min(sk.scale) / 2**sk.scale
         hi = (index_min(sk.scale) + nb) / 2**sk.scale
-        x, img, summed, overlapped = _step_columns(sk.columns["step"], sk.columns.get("span"), grid)
+        step, seg = sk.columns["step"].astype(np.int64), sk.columns["segment"]
+        span = np.ones_like(step) if sk.columns.get("span") is None else sk.columns["span"].astype(np.int64)
+        # a resumed segment replays steps: where a later segment has rows, an earlier one's rows from the later
+        # one's first step on are not drawn (the image has one column per step; summing them would mix two runs)
+        keep = np.ones(step.size, bool)
+        for g in np.unique(seg).tolist():
+            later = seg > g
+            if later.any():
+                keep &= ~((seg == g) & (step + span > step[later].min()))
+        replaced = int(step.size - keep.sum())
+        x, img, summed, overlapped = _step_columns(step[keep], span[keep], grid[keep])
         ax.pcolormesh(x, np.linspace(-nb, nb, 2 * nb + 1), np.ma.masked_invalid(img), cmap="viridis",
                       shading="flat")
         ticks = np.linspace(-nb, nb, 9)
@@ -196,7 +239,9 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
         outside = int(sk.bands.sum())
         ax.set_title(_site_title(sk.site, phase) + f" · sketch, {2**sk.scale} bins/octave (never rebinned)"
                      + (" · rows of one step summed" if summed else "")
-                     + (f" · {overlapped} rows overlapping later ones cut or left out" if overlapped else ""))
+                     + (f" · {overlapped} rows overlapping later ones cut or left out" if overlapped else "")
+                     + (f" · {replaced} rows of a segment a resume replayed not drawn" if replaced else ""))
+        _boundaries(ax, h, step, seg, color="w")
         ax.text(0.01, 0.01, f"outside the window (2^-48, 2^16]: {outside} values in the under/overflow bands",
                 transform=ax.transAxes, fontsize=7, color="w")
     else:
@@ -210,7 +255,7 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
     return fig
 
 
-def _rank_key(h: History, site: Site) -> tuple:
+def _rank_key(h: History, site: Site, orders: dict[int, int]) -> tuple:
     """Sort key "nonfinite_first_then_drift": sites with non-finite values first, earliest step and pass first
     (the order triage uses); then the others by drift, |log(rms_last / rms_first)|, largest first."""
     from .triage import PASS_ORDER
@@ -229,7 +274,7 @@ def _rank_key(h: History, site: Site) -> tuple:
         rms = rms[np.isfinite(rms) & (rms > 0)]
         if rms.size > 1:
             drift = max(drift, float(abs(math.log(rms[-1] / rms[0]))))
-    order = len(h.sites) - site.id if site.stream == "activation_grad" else site.id
+    order = orders[site.id]
     if first_bad is not None:
         return (0, first_bad, PASS_ORDER[site.stream], order)
     return (1, -drift, site.id)
@@ -245,7 +290,10 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ranked = sorted(h.sites, key=lambda s: _rank_key(h, s))
+    from .triage import site_orders
+
+    orders = site_orders(h)
+    ranked = sorted(h.sites, key=lambda s: _rank_key(h, s, orders))
     pages = max(1, math.ceil(len(ranked) / per_page))
     written = []
     for k in range(pages):
@@ -259,7 +307,10 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
             phase = _first_phase(h, site)
             s = h.spine(site.path, site.stream, site.facet, phase=phase)
             obs = s.observed & (s.finite > 0)
-            ax.plot(s.step[obs], s.rms[obs], lw=1)
+            for run in _segment_runs(s.segment):
+                r = run[obs[run]]
+                ax.plot(s.step[r], s.rms[r], lw=1, color="C0")
+            _boundaries(ax, h, s.step, s.segment, lw=0.8)
             nf = s.observed & ((s.nan + s.pinf + s.ninf) > 0)
             if nf.any():
                 ax.set_facecolor("#fde0e0")

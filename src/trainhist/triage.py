@@ -26,6 +26,17 @@ _PASS_NAME = {"activation": "forward", "activation_grad": "backward", "param_gra
               "param_delta": "update", "param": "parameter", "scalar": "scalar"}
 
 
+def site_orders(h: History) -> dict[int, int]:
+    """Site id -> its rank within its pass of a step. Backward visits modules in the reverse of the forward order: a
+    gradient site ranks by the id of its module's output site (writers declare those in forward order), reversed,
+    whatever order its own id came in (a writer that declares sites as it first sees them declares gradients in
+    backward order)."""
+    forward_id = {(x.path, x.facet): x.id for x in h.sites if x.stream == "activation"}
+    n = len(h.sites)
+    return {x.id: n - forward_id.get((x.path, x.facet), x.id) if x.stream == "activation_grad" else x.id
+            for x in h.sites}
+
+
 @dataclass(frozen=True)
 class Finding:
     """One thing a person should look at."""
@@ -118,11 +129,8 @@ def triage(h: History) -> Triage:
     events: list[_Event] = []
     failed: dict[str, list[int]] = {}
     missing: dict[str, list[tuple[int, int, str]]] = {}  # presence -> (first step, rows, site label) per site
-    n_sites = len(h.sites)
     n_segments = len(h.segments)
-    # backward visits modules in the reverse of the forward order: a gradient site ranks by the id of its module's
-    # activation site (writers declare those in forward order), reversed; whatever order its own id came in
-    forward_id = {(x.path, x.facet): x.id for x in h.sites if x.stream == "activation"}
+    orders = site_orders(h)
     for site in h.sites:
         for phase in ("default", "pre_clip", "post_clip"):
             s = h.spine(site.path, site.stream, site.facet, phase=phase)
@@ -130,8 +138,7 @@ def triage(h: History) -> Triage:
                 continue
             obs = s.observed
             bad = obs & ((s.nan > 0) | (s.pinf > 0) | (s.ninf > 0))
-            order = (n_sites - forward_id.get((site.path, site.facet), site.id) if site.stream == "activation_grad"
-                     else site.id)
+            order = orders[site.id]
             step, span, seg = s.step, s.span.astype(np.int64), s.segment
             for g in np.unique(seg[bad]).tolist():
                 mine = np.flatnonzero(obs & (seg == g))
