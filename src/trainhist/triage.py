@@ -42,7 +42,7 @@ class Finding:
     """One thing a person should look at."""
 
     kind: str  # first_nonfinite(_site), nonfinite, failed, rows_absent/_skipped/_unknown, skipped_step,
-    # unknown_applied, segment
+    # interrupted, unknown_applied, segment
     step: int | None
     site: str | None
     text: str
@@ -186,7 +186,14 @@ def triage(h: History) -> Triage:
     skipped = [r["step"] for r in rows if r["applied"] == "skipped"]
     if skipped:
         report.findings.append(Finding("skipped_step", skipped[0], None,
-                                       f"{len(skipped)} optimizer step(s) were skipped, first at step {skipped[0]}"))
+                                       f"{len(skipped)} step(s) applied no update (the optimizer step was skipped, "
+                                       f"e.g. for an overflow, or not called), first at step {skipped[0]}"))
+    if any(x.path == "step_interrupted" and x.stream == "scalar" for x in h.sites):
+        at = h.spine("step_interrupted", "scalar").step.tolist()
+        report.findings.append(Finding("interrupted", at[0], None,
+                                       f"{len(at)} step(s) were interrupted by an exception in the training loop, "
+                                       f"first at step {at[0]}: their rows hold what was recorded before it, the "
+                                       "rest are unknown"))
     unknown = sum(r["applied"] == "unknown" for r in rows)
     if rows and unknown:
         report.findings.append(Finding("unknown_applied", None, None,

@@ -15,6 +15,7 @@ import trainhist
 from trainhist.summary import SumMethod, summarize
 from trainhist.torch import Collector, StepTruth
 from trainhist.torch.plan import ROOT, sample_indices
+from trainhist.triage import triage
 
 
 def mlp(seed: int = 0) -> torch.nn.Module:
@@ -1320,3 +1321,181 @@ def test_triage_names_the_first_site_a_backward_nan_reached(tmp_path, discover):
     ids = {(s.path, s.stream): s.id for s in h.sites}
     if discover:  # the plan's order: each module's output, then its gradient, in forward order
         assert ids[("0", "activation")] < ids[("0", "activation_grad")] < ids[("2", "activation")]
+
+
+# -- a second review: optimizers, interrupted steps, closing --------------------------------------------------
+
+
+def _two_layer():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+
+
+def test_one_scaler_two_optimizers_an_overflow_in_one_skips_only_its_parameters(tmp_path):
+    """GradScaler.step skips only the optimizer whose gradients overflowed: the other one's update was recorded
+    as skipped (the whole step was judged from the scale going down)."""
+    m = _two_layer()
+    oa, ob = torch.optim.SGD(m[0].parameters(), lr=0.1), torch.optim.SGD(m[1].parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    col = Collector(m, tmp_path / "s.thist", streams=("param_delta",))
+    col.attach(optimizer=[oa, ob], scaler=scaler)
+    for step in range(2):
+        with col.step(step):
+            scaler.scale(m(torch.randn(3, 4)).square().mean()).backward()
+            if step == 1:
+                m[0].weight.grad[0, 0] = math.inf  # only optimizer a sees the overflow
+            b_before = m[1].weight.detach().clone()
+            scaler.step(oa)
+            scaler.step(ob)
+            scaler.update()
+            oa.zero_grad()
+            ob.zero_grad()
+        if step == 1:
+            assert not torch.equal(m[1].weight, b_before)  # torch did update b
+    col.close()
+    h = trainhist.open(tmp_path / "s.thist")
+    assert [r["applied"] for r in h.step_truth_rows()] == ["applied", "unknown"]
+    assert presence(h, "0.weight", "param_delta", 1) == "skipped"
+    assert presence(h, "1.weight", "param_delta", 1) == "observed"
+
+
+def test_steps_without_an_optimizer_call_agree_with_and_without_a_scaler_and_fused_steps_are_applied(tmp_path):
+    """Gradient accumulation with one col.step per micro-batch: the steps with no optimizer call were 'skipped'
+    without a scaler and 'unknown' (with observed zero updates) with one; a fused optimizer's real steps were
+    'unknown' without a scaler (it can only skip when given found_inf)."""
+    for kind in ("plain", "scaler", "fused"):
+        m = _two_layer()
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1, fused=kind == "fused")
+        scaler = torch.amp.GradScaler("cpu") if kind == "scaler" else None
+        col = Collector(m, tmp_path / f"{kind}.thist", streams=("param_delta",))
+        col.attach(optimizer=opt, scaler=scaler)
+        for step in range(4):
+            with col.step(step):
+                loss = m(torch.randn(3, 4)).square().mean()
+                (scaler.scale(loss) if scaler else loss).backward()
+                if step % 2 == 1:
+                    if scaler:
+                        scaler.step(opt)
+                        scaler.update()
+                    else:
+                        opt.step()
+                    opt.zero_grad()
+        col.close()
+        h = trainhist.open(tmp_path / f"{kind}.thist")
+        assert [r["applied"] for r in h.step_truth_rows()] == ["skipped", "applied"] * 2, kind
+        assert [presence(h, "0.weight", "param_delta", s) for s in range(2)] == ["skipped", "observed"], kind
+        if kind == "plain":
+            assert "applied no update" in triage(h).format()
+
+
+def test_a_step_the_loop_aborts_is_recorded_as_interrupted_not_as_a_skipped_update(tmp_path):
+    """An exception inside the step: it was written as an ordinary step (applied 'skipped', a half-finished
+    backward's gradients as observed). close() inside a step lost the step and blamed a write failure; after
+    close(), scalars() warned of a write failure and attach() installed hooks nothing could remove."""
+    m = mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    col = Collector(m, tmp_path / "x.thist", streams=("activation", "param_grad"))
+    col.attach(optimizer=opt)
+    with col.step(0):
+        m(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with pytest.raises(ValueError):
+        with col.step(1):
+            m(torch.randn(4, 8)).square().mean().backward()
+            raise ValueError("the loop's own error")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no write failure is reported)
+        with col.step(2):
+            m(torch.randn(4, 8))
+            col.close()  # an error handler closing inside the step
+    with pytest.raises(trainhist.errors.UsageError, match="closed"):
+        col.scalars(3, loss=1.0)
+    with pytest.raises(trainhist.errors.UsageError, match="closed"):
+        col.attach(optimizer=opt)
+    h = trainhist.open(tmp_path / "x.thist")
+    assert [r["applied"] for r in h.step_truth_rows()] == ["applied", "unknown", "unknown"]
+    assert [presence(h, "0.weight", "param_grad", s) for s in range(3)] == ["observed", "unknown", "unknown"]
+    assert presence(h, "0", "activation", 2) == "observed"
+    assert h.spine("step_interrupted", "scalar").step.tolist() == [1, 2]
+    assert "2 step(s) were interrupted by an exception" in triage(h).format()
+
+
+def test_an_output_without_a_gradient_gets_no_gradient_site(tmp_path):
+    """A dict output with a bool mask and a detached tensor: both had activation_grad sites that were 'absent'
+    (did not run) at every step, which the triage then reported, although the module ran."""
+
+    class Masked(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> dict:
+            y = self.lin(x)
+            return {"y": y, "mask": y > 0, "ref": y.detach()}
+
+    m = Masked()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    col = Collector(m, tmp_path / "g.thist", streams=("activation", "activation_grad"))
+    col.discover(torch.randn(2, 4))
+    assert {(s.facet, s.stream) for s in col.plan.sites if s.path == "(root)"} == {
+        ("y", "activation"), ("y", "activation_grad"), ("mask", "activation"), ("ref", "activation")}
+    col.attach(optimizer=opt)
+    for step in range(2):
+        with col.step(step):
+            m(torch.randn(2, 4))["y"].sum().backward()
+            opt.step()
+            opt.zero_grad()
+    col.close()
+    h = trainhist.open(tmp_path / "g.thist")
+    assert not any(s.stream == "activation_grad" and s.facet in ("mask", "ref") for s in h.sites)
+    assert presence(h, "(root)", "activation_grad", 1, facet="y") == "observed"
+    assert "did not run" not in triage(h).format()
+
+
+def test_selecting_a_module_selects_the_parameter_it_shares(tmp_path):
+    """A head tied to the embedding: sites=["head"] recorded no parameter (the shared weight is named after the
+    embedding only), and said nothing."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4)
+            self.head = torch.nn.Linear(4, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(x))
+
+    col = Collector(Tied(), tmp_path / "t.thist", sites=["head"], streams=("activation", "param"))
+    assert {(s.path, s.stream) for s in col.plan.sites} == {("head", "activation"), ("emb.weight", "param")}
+    col.close()
+
+
+def test_a_model_compiled_before_the_collector_is_said_not_silently_lost(tmp_path):
+    """torch.compile keeps code compiled before the hooks existed: every module site was left out with no word.
+    Now a warning says what to do (discover() sees nothing already), and the advice works."""
+    for reset in (False, True):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+        cm = torch.compile(m, backend="eager")
+        cm(torch.randn(2, 4))  # a warm-up before the collector exists
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        path = tmp_path / f"c{reset}.thist"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            col = Collector(cm, path, streams=("activation",))
+            col.discover(torch.randn(2, 4))
+            col.attach(optimizer=opt)
+            if reset:
+                torch._dynamo.reset()
+            with col.step(0):
+                cm(torch.randn(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            col.close()
+        said = any("torch._dynamo.reset()" in str(w.message) for w in caught)
+        assert said  # (discover() ran the compiled code too: it saw no module)
+        if reset:
+            assert presence(trainhist.open(path), "0", "activation", 0) == "observed"
+    torch._dynamo.reset()

@@ -133,6 +133,10 @@ class _Step:
     clipped_names: set[str] = field(default_factory=set)  # parameters whose gradients a clip saw this step
     clipped_any: torch.Tensor | None = None  # whether any clip call of the step scaled gradients down
     unknown: set[tuple] = field(default_factory=set)  # rows whose state cannot be told (gradients read at exit)
+    opt_state: dict[int, str] = field(default_factory=dict)  # optimizer index -> "called", "stepped" or "maybe"
+    interrupted: bool = False  # the loop's code raised inside the step (or close() came first)
+    blind: bool = False  # a compiled model ran without calling the module hooks: unreached sites are unknown
+    outer: int = 0  # calls of a compiled model's wrapper (whose own hook runs outside the compiled code)
 
 
 class _DeltaBatch:
@@ -232,6 +236,10 @@ def _call(model: torch.nn.Module, batch: object) -> object:
     return model(batch)
 
 
+_COMPILED_BLIND = ("trainhist: the compiled model ran without calling the module hooks trainhist added "
+                   "(torch.compile keeps code compiled before they existed): its module sites are not seen, and "
+                   "recorded as 'unknown' where planned. Create the Collector, discover() and attach() before the "
+                   "first compiled call, or call torch._dynamo.reset() after attach()")
 _SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 
@@ -305,6 +313,7 @@ class Collector:
             raise UsageError("Collector needs exactly one of path= or writer=")
         self.model = model
         self.inner, self._ddp = unwrap(model)
+        self._compiled = any(hasattr(x, "_orig_mod") for x in (model, getattr(model, "module", None)) if x is not None)
         self._patterns = [sites] if isinstance(sites, str) else (None if sites is None else list(sites))
         self.every = _per_stream(every, "every")
         self.sketch_every = _per_stream(sketch_every, "sketch_every")
@@ -318,11 +327,15 @@ class Collector:
         self.batch_outputs = bool(batch_outputs)
         self._modules = {clean_name(n): m for n, m in self.inner.named_modules()}
         self._params = {clean_name(n): p for n, p in self.inner.named_parameters()}
-        sel_modules, sel_params = select(list(self._modules), list(self._params), self._patterns)
+        first: dict[int, str] = {id(p): n for n, p in self._params.items()}  # shared parameters: recorded once,
+        aliases = {clean_name(n): first[id(p)] for n, p in self.inner.named_parameters(remove_duplicate=False)
+                   if clean_name(n) not in self._params and id(p) in first}  # under their first name
+        sel_modules, sel_params = select(list(self._modules), list(self._params), self._patterns, aliases)
         # in the model's order (reductions run in it, and 'first non-finite' means first in execution order)
         self._sel_modules = dict.fromkeys(n for n in self._modules if n in sel_modules)
         self._sel_params = dict.fromkeys(n for n in self._params if n in sel_params)
         self._facets: dict[str, list[tuple[str | None, tuple[int, ...], str]]] | None = None
+        self._gradless: set[tuple[str, str | None]] = set()  # (path, facet) discover() saw without a gradient
         self._plan: Plan | None = None
         self._handles: dict[tuple, object] = {}
         self._emit_plans: dict[tuple, list] = {}  # see _emit_plan
@@ -360,6 +373,7 @@ class Collector:
     def discover(self, batch: object) -> object:
         """Run one real forward of ``batch`` to learn every module's output facets; returns the model output."""
         self._discovery = {}
+        self._gradless = set()
         self._versions = []
         handles = [
             m.register_forward_hook(partial(self._on_discover, n)) for n, m in self._modules.items()
@@ -375,12 +389,15 @@ class Collector:
                 h.remove()
             self._facets, self._discovery, self._versions = self._discovery, None, []
         self._plan = None
+        if self._compiled and not self._facets and self._sel_modules:
+            self._warn_once("compiled", _COMPILED_BLIND)
         return out
 
     def _on_discover(self, path: str, module: torch.nn.Module, args: tuple, output: object) -> None:
         if self._discovery is not None and path not in self._discovery:
             facets = list(flatten_output(output))
             self._discovery[path] = [(f, tuple(t.shape), _dtype_name(t)) for f, t in facets]
+            self._gradless.update((path, f) for f, t in facets if not t.requires_grad)
             for f, t in facets:
                 with contextlib.suppress(RuntimeError):  # (an inference tensor has no version counter)
                     self._versions.append((path, f, t, t._version))
@@ -410,7 +427,9 @@ class Collector:
             known = facets is not None
             for facet, shape, dtype in facets if known else [("?", None, None)]:
                 for stream in ("activation", "activation_grad"):
-                    if stream in self.streams:
+                    # (an output discover() saw without a gradient, a mask or a detached value, gets no gradient
+                    # site, so no 'absent' rows at every step; one that has a gradient later gets it then)
+                    if stream in self.streams and not (stream == "activation_grad" and (path, facet) in self._gradless):
                         plan.sites.append(PlannedSite(
                             path, stream, facet, shape, dtype, math.prod(shape) if known else None, "shard",
                             ev[stream], sk[stream], provisional=not known,
@@ -456,6 +475,8 @@ class Collector:
     # -- wiring ---------------------------------------------------------------------------------------------
     def attach(self, optimizer: object = None, scaler: object = None) -> "Collector":
         """Install the hooks; optionally watch ``optimizer`` (one or a list) and a ``torch.amp.GradScaler``."""
+        if self._closed:
+            raise UsageError("the collector is closed: make a new one to record more")
         self._open()
         if not self._fwd_handles:
             hooked = {ROOT}
@@ -466,6 +487,8 @@ class Collector:
                 h = m.register_forward_hook(partial(self._on_forward, path))
                 self._hooks.append(h)
                 self._fwd_handles.append((m, h.id))
+            if self._compiled:  # (to see a forward that the compiled code ran without the hooks above)
+                self._hooks.append(self.model.register_forward_hook(self._on_outer))
         opts = [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         for opt in opts:
             if any(o is opt for o in self._optimizers):
@@ -588,19 +611,34 @@ class Collector:
             torch.nn.utils.clip_grad_norm_ = clip_mod.clip_grad_norm_ = partial(self._clip, orig_clip[0])
         try:
             yield self
+        except BaseException:
+            st.interrupted = True  # (the loop's exception: recorded as such below, then raised on)
+            raise
         finally:
             if inner is not None:
                 clip_mod._clip_grads_with_norm_ = inner
             torch.nn.utils.clip_grad_norm_, clip_mod.clip_grad_norm_ = orig_clip
-            try:
-                with _no_flush():  # (the step's own reductions, decoding and writing: see _no_flush)
-                    self._exit(st)
-            finally:
-                self._state = None
+            if self._state is st:  # (close() inside the step has finished it already)
+                try:
+                    with _no_flush():  # (the step's own reductions, decoding and writing: see _no_flush)
+                        self._exit(st)
+                finally:
+                    self._state = None
 
     def _exit(self, st: _Step) -> None:
         self._flush_deferred()
-        self._capture_grads("default", None, at_exit=True)  # (those no clip and no optimizer step took)
+        if (self._compiled and (st.micro or st.outer) and st.due["activation"] and len(self._sel_modules) > 1
+                and not any(k[0] == "activation" and k[1] != ROOT for k in st.counts)):
+            st.blind = True  # the compiled code runs no hook added after it was compiled: nothing was seen
+            self._warn_once("compiled", _COMPILED_BLIND)
+        if st.interrupted:  # gradients of a backward cut short are not the step's: their rows are unknown
+            st.host_scalars.append((st.step, "step_interrupted", 1.0))
+            if st.due["param_grad"]:
+                st.unknown.update(("param_grad", n, None, "default") for n in self._sel_params
+                                  if ("param_grad", n, None, "default") not in st.grad_done)
+                st.grad_done.update(st.unknown)
+        else:
+            self._capture_grads("default", None, at_exit=True)  # (those no clip and no optimizer step took)
         if st.clipped_any is not None:
             self._put_scalar(st, st.step, "_clipped", st.clipped_any)
         if st.due["param"]:
@@ -646,6 +684,8 @@ class Collector:
 
     def scalars(self, step: int, **values: float | torch.Tensor) -> None:
         """Record run-level scalars (loss, lr, ...); tensors are read at the next single transfer, never synced."""
+        if self._closed:
+            raise UsageError("the collector is closed: scalars() after close() would be lost")
         with _no_flush():  # (a subnormal value is neither zero nor flushed in a cast)
             self._scalars(step, values)
 
@@ -883,6 +923,10 @@ class Collector:
         if path == ROOT and self._deferred:  # the forward is over: reduce what it held
             self._flush_deferred()
 
+    def _on_outer(self, module: torch.nn.Module, args: tuple, output: object) -> None:
+        if self._state is not None:
+            self._state.outer += 1
+
     def _on_grad(self, key: tuple, grad: torch.Tensor) -> None:
         self._reduce(key, grad, alias=True)
 
@@ -1007,12 +1051,46 @@ class Collector:
                 self._put_scalar(st, st.step, name, v)
             st.norm_done = True
 
+    def _applied(self, st: _Step, before: float | None, after: float | None) -> tuple[bool | None, set[str]]:
+        """Whether the step's update was applied (None: unknown) and the parameters it certainly did not update.
+
+        Per attached optimizer: its step ran (the post-hook fired: applied), or it was never called (no update;
+        under a GradScaler, the scaler skipped it for an overflow), or it was given ``found_inf`` (a fused step
+        under a GradScaler: applied unless the scale went down, which with one optimizer means it skipped). The
+        step is applied when every optimizer was, not when none was, else unknown; an interrupted step's optimizers
+        that never ran are unknown, not skipped."""
+        decreased = st.scaler_updated and before is not None and after is not None and after < before
+        if not self._optimizers:
+            return (None if not st.scaler_updated or before is None or after is None else not decreased), set()
+        verdicts = []
+        for oi in range(len(self._optimizers)):
+            state = st.opt_state.get(oi)
+            if state == "stepped":
+                verdicts.append(True)
+            elif state is None:
+                verdicts.append(None if st.interrupted else False)
+            elif state == "maybe" and st.scaler_updated and before is not None and after is not None:
+                verdicts.append(True if not decreased else False if len(self._optimizers) == 1 else None)
+            else:
+                verdicts.append(None)
+        applied = True if all(v is True for v in verdicts) else False if all(v is False for v in verdicts) else None
+        if applied is False:
+            return False, set(self._params)
+        skipped: set[str] = set()
+        for oi, v in enumerate(verdicts):
+            if v is False:
+                ids = {id(p) for g in self._optimizers[oi].param_groups for p in g["params"]}
+                skipped.update(n for n, p in self._params.items() if id(p) in ids)
+        return applied, skipped
+
     def _on_opt_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         st = self._state
         if st is None:
             return
         st.opt_called = True
         oi = next((i for i, o in enumerate(self._optimizers) if o is opt), None)
+        if oi is not None:
+            st.opt_state[oi] = "called"
         if oi is not None and oi not in st.lrs:  # the rates this update uses (a tensor lr: its value now)
             st.lrs[oi] = [lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
                           for lr in (g.get("lr") for g in opt.param_groups)]
@@ -1020,8 +1098,15 @@ class Collector:
 
     def _on_opt_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         st = self._state
-        if st is not None and not (opt.defaults.get("fused") or kwargs.get("found_inf") is not None):
-            st.opt_stepped = True  # a fused step (or one given found_inf) may have skipped inside its kernel
+        if st is None:
+            return
+        # a step given found_inf (a fused optimizer under a GradScaler) may have skipped inside its kernel
+        maybe = kwargs.get("found_inf") is not None
+        if not maybe:
+            st.opt_stepped = True
+        oi = next((i for i, o in enumerate(self._optimizers) if o is opt), None)
+        if oi is not None:
+            st.opt_state[oi] = "maybe" if maybe else "stepped"
 
     def _scaler_unscale(self, optimizer: object) -> object:
         out = self._scaler_orig["unscale_"](optimizer)  # type: ignore[operator]
@@ -1159,15 +1244,11 @@ class Collector:
             self._safe(w.commit)
             return
         t = st.truth
-        applied = t.applied
         before, after = dev.get((st.step, "_scale_before")), dev.get((st.step, "_scale_after"))
-        if applied is None:
-            if st.scaler_updated and before is not None and after is not None:
-                applied = not after < before
-            elif st.opt_stepped:
-                applied = True
-            elif self._optimizers and not st.opt_called and self._scaler is None:
-                applied = False
+        applied, skipped_params = self._applied(st, before, after)
+        if t.applied is not None:
+            applied = t.applied
+            skipped_params = set(self._params) if applied is False else set()
         loss_scale = t.loss_scale if t.loss_scale is not None else dev.get((st.step, "loss_scale"))
         basis = t.grad_basis
         if basis is None and len(st.bases) == 1:
@@ -1196,7 +1277,7 @@ class Collector:
         batch: list[tuple[object, str, int]] = []  # (handle, phase, row in d): one writer call for all of them
         for s, phase, key, h in self._emit_plan(st):
             i = spine_rows.get(key)
-            if i is not None and (applied is not False or s.stream != "param_delta"):
+            if i is not None and (s.stream != "param_delta" or s.path not in skipped_params):
                 if grad_sq is not None and s.stream == "param_grad":
                     if cols is None:
                         cols = (d.count.tolist(), d.nan.tolist(), (d.pinf + d.ninf).tolist(),  # type: ignore[union-attr]
@@ -1217,7 +1298,7 @@ class Collector:
                     sumsq = math.inf if summ.sum_method == SumMethod.UNKNOWN else summ.sumsq.to_float()
                     grad_sq = _add_sumsq(grad_sq, summ.count, summ.nan, summ.pinf + summ.ninf, sumsq)
             self._emit_batch(st, batch)  # (first: a site's rows stay in the order of its phases)
-            self._emit(st, s, phase, key, summ, applied)
+            self._emit(st, s, phase, key, summ, s.path in skipped_params)
         self._emit_batch(st, batch)
         bad = set(np.flatnonzero(d.nan | d.pinf | d.ninf).tolist()) if d is not None else set()  # type: ignore[union-attr]
         # in execution order: the first reduction that saw a NaN or inf (none when every row decoded finite)
@@ -1225,11 +1306,12 @@ class Collector:
             for key in st.counts:
                 i = spine_rows.get(key)
                 if i is not None:
-                    if i in bad and (key[0] != "param_delta" or applied is not False):
+                    if i in bad and (key[0] != "param_delta" or key[1] not in skipped_params):
                         self.first_nonfinite = (st.step, key[1], key[0], key[2])
                         break
                     continue
-                summ = self._summary(st, data, key) if key[0] != "param_delta" or applied is not False else None
+                summ = self._summary(st, data, key) if key[0] != "param_delta" or key[1] not in skipped_params \
+                    else None
                 if summ is not None and summ.finite != summ.count:
                     self.first_nonfinite = (st.step, key[1], key[0], key[2])
                     break
@@ -1334,11 +1416,11 @@ class Collector:
                 self._writer_error(e)
         batch.clear()
 
-    def _emit(self, st: _Step, s: PlannedSite, phase: str, key: tuple, summ: object, applied: bool | None) -> None:
+    def _emit(self, st: _Step, s: PlannedSite, phase: str, key: tuple, summ: object, skipped: bool) -> None:
         h = self._handle(s.path, s.stream, s.facet)
         if h is None:
             return
-        if s.stream == "param_delta" and applied is False:
+        if s.stream == "param_delta" and skipped:
             self._safe(self._writer.mark, h, st.step, "skipped", phase=phase)
         elif summ is not None:
             try:  # (the common case, without _safe's extra call)
@@ -1346,7 +1428,10 @@ class Collector:
             except Exception as e:  # noqa: BLE001 -- a broken disk must not kill the training run
                 self._writer_error(e)
         else:
-            state = "failed" if key in st.failed else "unknown" if key in st.unknown else "absent"
+            state = ("failed" if key in st.failed
+                     else "unknown" if key in st.unknown or st.interrupted or (st.blind and key[1] != ROOT
+                                                                                and key[0].startswith("activation"))
+                     else "absent")
             self._safe(self._writer.mark, h, st.step, state, phase=phase)
 
     def _drain(self) -> None:
@@ -1369,6 +1454,14 @@ class Collector:
         """Write what is pending, remove every hook, restore the scaler, and close the writer. Idempotent."""
         if self._closed:
             return
+        st = self._state
+        if st is not None:  # close() inside a step (an error handler, a signal): the step so far, as interrupted
+            st.interrupted = True
+            try:
+                with _no_flush():
+                    self._exit(st)
+            finally:
+                self._state = None
         self._closed = True
         self._drain()
         if self._late:  # tensor scalars given after the last step: one more transfer

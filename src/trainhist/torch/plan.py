@@ -90,8 +90,11 @@ def _owner(param_name: str) -> str:
     return param_name.rpartition(".")[0] or ROOT
 
 
-def select(module_names: list[str], param_names: list[str], patterns: list[str] | None) -> tuple[set[str], set[str]]:
+def select(module_names: list[str], param_names: list[str], patterns: list[str] | None,
+           aliases: dict[str, str] | None = None) -> tuple[set[str], set[str]]:
     """Selected module and parameter names: each pattern is a module-path prefix or an fnmatch pattern.
+    ``aliases``: other names of shared parameters (a tied ``lm_head.weight``) -> the name they are recorded under;
+    a module selected selects its shared parameters too.
 
     Raises :class:`~trainhist.errors.UsageError` naming the closest real names when a pattern matches nothing.
     """
@@ -105,6 +108,7 @@ def select(module_names: list[str], param_names: list[str], patterns: list[str] 
     for pat in patterns:
         m = {n for n in module_names if _matches(n, pat)}
         p = {n for n in param_names if _matches(n, pat) or _owner(n) in m}
+        p |= {c for a, c in (aliases or {}).items() if _matches(a, pat) or _owner(a) in m}
         if not m and not p:
             close = difflib.get_close_matches(pat, module_names + param_names, n=5, cutoff=0.4)
             hint = f"; closest names: {', '.join(close)}" if close else ""
