@@ -399,3 +399,38 @@ def test_the_writer_refuses_rows_the_reader_would_refuse(tmp_path):
         w.observe_spines([s], 1, SpineTable(min=np.array([-0.0]), max=np.array([0.0]), **one))
     h = trainhist.open(tmp_path / "w.thist")
     assert h.spine("x").step.tolist() == [0, 1] and h.verify()["rows"] == 2
+
+
+def test_replica_rows_coarsened_to_different_windows_are_refused_not_added(tmp_path):
+    """Two ranks' copies of one parameter coarsened by 2 and by 4, then merged: the rows cover the same steps under
+    different spans and merge kept both, so coarsening the result counted the tensor twice (spec 11.5)."""
+    files = []
+    for rank, n in ((0, 2), (1, 4)):
+        p = tmp_path / f"r{rank}.thist"
+        with trainhist.HistoryWriter(p, run_id="cd" * 16, rank=rank, world_size=2) as w:
+            s = w.site("w", "param", sharing="replica")
+            for st in range(8):
+                w.observe(s, st, np.ones(4))
+        trainhist.coarsen(p, tmp_path / f"c{rank}.thist", steps=n)
+        files.append(tmp_path / f"c{rank}.thist")
+    with pytest.raises(TrainhistError) as ei:
+        trainhist.merge(files, tmp_path / "m.thist")
+    assert ei.value.code == "incompatible_span" and "count the replicated tensor twice" in str(ei.value)
+
+
+def test_cli_merge_of_a_torn_input_exits_3_and_triage_shows_windows(tmp_path, capsys):
+    """merge and coarsen exited 0 on a torn input (verify, info and triage exit 3); the triage named a coarsened
+    window by its first step only ("at step 10" for a NaN at step 13)."""
+    p = tmp_path / "a.thist"
+    with trainhist.HistoryWriter(p) as w:
+        s = w.site("x", "activation")
+        for st in range(20):
+            w.observe(s, st, np.array([np.nan if st == 13 else 1.0]))
+    data = p.read_bytes()
+    torn = tmp_path / "t.thist"
+    torn.write_bytes(data + b"\x01" * 7)  # (an incomplete record after the last commit)
+    assert cli.main(["merge", str(torn), "-o", str(tmp_path / "m.thist")]) == 3
+    assert cli.main(["coarsen", str(p), "-o", str(tmp_path / "c.thist"), "--steps", "10"]) == 0
+    capsys.readouterr()
+    assert cli.main(["triage", str(tmp_path / "c.thist")]) == 0
+    assert "steps 10–19" in capsys.readouterr().out

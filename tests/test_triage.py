@@ -134,7 +134,7 @@ def test_coarsened_rows_cover_their_span(tmp_path) -> None:
         trainhist.coarsen(src, dst, steps=n)
         with trainhist.open(dst) as h:
             t = triage(h)
-        assert t.first_nonfinite.step == 4 and "at step 4" in t.first_nonfinite.text
+        assert t.first_nonfinite.step == 4 and f"at steps 4–{4 + n - 1}" in t.first_nonfinite.text  # its window
         assert not any("not observed" in f.text for f in t.findings), t.format()
         os.unlink(dst)
 

@@ -1,7 +1,7 @@
 """The ``trainhist`` command: a thin layer over the library.
 
-Exit codes: 0 ok (clean file), 3 the file had a torn tail and its committed prefix was used, 1 invalid or corrupt
-input (the error code, file and offset go to stderr), 2 bad command-line usage.
+Exit codes: 0 ok (clean file), 3 the file (for merge and coarsen: an input) had a torn tail and its committed
+prefix was used, 1 invalid or corrupt input (the error code, file and offset go to stderr), 2 bad command-line usage.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+import numpy as np
 
 from . import __version__
 from .errors import TrainhistError, UsageError
@@ -39,7 +41,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
             print(f"segment   {g.id}: from step {g.first_step} ({g.reason}{prev})")
         steps = h.steps["step"]
         if steps.size:
-            print(f"steps     {steps.size} recorded, {int(steps.min())}..{int(steps.max())}")
+            span = h.steps["span"] if "span" in h.steps else None
+            last = int((steps + (span.astype(np.int64) - 1 if span is not None else 0)).max())
+            what = "recorded" if span is None or (span == 1).all() else "windows recorded (coarsened)"
+            print(f"steps     {steps.size} {what}, {int(steps.min())}..{last}")
         print(f"sites     {len(h.sites)}")
         by_stream: dict[str, int] = {}
         for s in h.sites:
@@ -98,7 +103,7 @@ def _cmd_merge(args: argparse.Namespace) -> int:
     rep = merge(args.inputs, args.output, across_runs=args.across_runs,
                 replica_divergence="report" if args.report_divergence else "error", codec=args.codec)
     _print_report(rep, args.json)
-    return EXIT_OK
+    return _inputs_status(rep)
 
 
 def _cmd_coarsen(args: argparse.Namespace) -> int:
@@ -106,7 +111,12 @@ def _cmd_coarsen(args: argparse.Namespace) -> int:
 
     rep = coarsen(args.input, args.output, steps=args.steps, bins_per_octave=args.bins_per_octave, codec=args.codec)
     _print_report(rep, args.json)
-    return EXIT_OK
+    return _inputs_status(rep)
+
+
+def _inputs_status(rep: object) -> int:
+    """3 when an input had a torn tail (its committed prefix went in), as the reading commands say of a file."""
+    return EXIT_TORN if any(i.get("status") == "torn" for i in rep.inputs) else EXIT_OK  # type: ignore[attr-defined]
 
 
 def _cmd_triage(args: argparse.Namespace) -> int:

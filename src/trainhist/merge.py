@@ -515,10 +515,12 @@ class _Engine:
             for field_ in ("sharing", "sample"):
                 vals = [d.get(field_) for d in docs]
                 if any(v != vals[0] for v in vals):
-                    files = [src.path for src, site in members if site.manifest.get(field_) != vals[0]]
+                    other = next((src, site) for src, site in members if site.manifest.get(field_) != vals[0])
                     raise MergeError(
-                        f"site {_site_name(key)} has {field_} {vals[0]!r} in {members[0][0].path} but a different "
-                        f"{field_} in {files[0]}", code="incompatible_sites", path=files[0],
+                        f"site {_site_name(key)} has {field_} {vals[0]!r} in {members[0][0].path} but "
+                        f"{other[1].manifest.get(field_)!r} in {other[0].path}: a site must be recorded the same way "
+                        "by every writer (merge the files whose settings agree)", code="incompatible_sites",
+                        path=other[0].path,
                     )
             spine = math.gcd(*[d["cadence"]["spine"] for d in docs])
             sketch = math.gcd(*[d["cadence"]["sketch"] for d in docs])
@@ -773,6 +775,25 @@ class _Engine:
         blank(res, out["presence"] != Presence.OBSERVED)  # spec 2.6: a row that is not observed has no numbers
         return res
 
+    def _refuse_overlapping_replicas(self, r: Rows, where: str) -> None:
+        """Replica rows kept once per (step, span) must not cover the same steps under different spans: inputs
+        coarsened to different windows hold the same tensor's observations twice, and adding them would count it
+        twice (spec 11.5)."""
+        c = r.cols
+        if len(r) < 2 or not (c["span"] != 1).any():
+            return
+        o = np.lexsort((c["step"], c["micro"], c["phase"]))
+        ph, mi, st, sp = c["phase"][o], c["micro"][o], c["step"][o], c["span"][o].astype(np.uint64)
+        gap = st[1:].view(np.uint64) - st[:-1].view(np.uint64)  # (sorted: the true distance, even across 0)
+        over = (ph[1:] == ph[:-1]) & (mi[1:] == mi[:-1]) & (gap < sp[:-1])
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            raise MergeError(
+                f"{where}: replica rows at step {int(st[i])} (span {int(sp[i])}) and step {int(st[i + 1])} (span "
+                f"{int(sp[i + 1])}) cover the same steps: the inputs were coarsened to different windows, and adding "
+                "them would count the replicated tensor twice; coarsen every input to the same number of steps first",
+                code="incompatible_span", path=self.paths[int(c["src"][o[i + 1]])])
+
     def _replica(self, r: Rows, starts: np.ndarray, sizes: np.ndarray, where: str) -> Rows:
         """Keep one row of each group of replica rows; they must be identical (or, on request, are reported)."""
         r.densify()
@@ -828,6 +849,7 @@ class _Engine:
             if sharing == "replica":
                 r = r.take(order)
                 r = self._replica(r, starts, sizes, where) if (sizes > 1).any() else r
+                self._refuse_overlapping_replicas(r, where)
             elif (sizes > 1).any():
                 r = self._add(r, order, starts, sizes, where)
             else:

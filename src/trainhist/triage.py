@@ -95,6 +95,7 @@ class _Event(NamedTuple):
     inf: int
     before: int | None
     before_end: int | None
+    span: int = 1
 
 
 def _gap(e: _Event) -> bool:
@@ -102,8 +103,13 @@ def _gap(e: _Event) -> bool:
     return e.before_end is not None and e.before_end < e.step
 
 
+def _steps(step: int, span: int) -> str:
+    """A row's steps: one step, or the window a coarsened row covers (never shown as a single step)."""
+    return f"step {step}" if span <= 1 else f"steps {step}–{step + span - 1}"
+
+
 def _at(e: _Event, segments: int) -> str:
-    return f"step {e.step}" + (f" (segment {e.segment})" if segments > 1 else "")
+    return _steps(e.step, e.span) + (f" (segment {e.segment})" if segments > 1 else "")
 
 
 def _site_finding(e: _Event, segments: int) -> Finding:
@@ -127,7 +133,7 @@ def triage(h: History) -> Triage:
     by segment, then step (a run resumed at an earlier step is later in time)."""
     report = Triage(h.path)
     events: list[_Event] = []
-    failed: dict[str, list[int]] = {}
+    failed: dict[str, list[tuple[int, int]]] = {}  # site label -> (step, span) of its failed rows
     missing: dict[str, list[tuple[int, int, str]]] = {}  # presence -> (first step, rows, site label) per site
     n_segments = len(h.segments)
     orders = site_orders(h)
@@ -150,10 +156,10 @@ def triage(h: History) -> Triage:
                     before = None if prev is None else int(step[prev])
                     events.append(_Event(int(g), int(step[i]), PASS_ORDER[site.stream], order, phase, site,
                                          int(s.nan[i]), int(s.pinf[i] + s.ninf[i]), before,
-                                         None if prev is None else before + int(span[prev])))
+                                         None if prev is None else before + int(span[prev]), int(span[i])))
             fails = np.flatnonzero(s.presence == Presence.FAILED)
             if fails.size:
-                failed[_label(site, phase)] = s.step[fails].tolist()
+                failed[_label(site, phase)] = list(zip(s.step[fails].tolist(), s.span[fails].tolist()))
             for code, name in ((Presence.ABSENT, "absent"), (Presence.SKIPPED, "skipped"),
                                (Presence.UNKNOWN, "unknown")):
                 at = np.flatnonzero(s.presence == code)
@@ -174,8 +180,9 @@ def triage(h: History) -> Triage:
                                        f"non-finite values, from {_at(events[0], n_segments)} to "
                                        f"{_at(events[-1], n_segments)}"))
     for label, steps in failed.items():
-        report.findings.append(Finding("failed", steps[0], label,
-                                       f"the reduction failed for {label} at {len(steps)} step(s), first {steps[0]}"))
+        report.findings.append(Finding("failed", steps[0][0], label,
+                                       f"the reduction failed for {label} at {len(steps)} row(s), first at "
+                                       f"{_steps(*steps[0])}"))
     why = {"absent": "did not run", "skipped": "had nothing to observe (skipped)", "unknown": "are unknown"}
     for name, found in missing.items():  # rows without numbers, by state: one finding each, naming the earliest
         step, n, label = min(found)
