@@ -434,3 +434,24 @@ def test_cli_merge_of_a_torn_input_exits_3_and_triage_shows_windows(tmp_path, ca
     capsys.readouterr()
     assert cli.main(["triage", str(tmp_path / "c.thist")]) == 0
     assert "steps 10–19" in capsys.readouterr().out
+
+
+def test_ranks_whose_segments_start_at_different_steps_are_reported(tmp_path, capsys):
+    """Rank 1's first resume died before its first commit: its later segment is numbered one lower than rank 0's
+    and merge (which matches segments by number, spec 11.3) splits those steps across two segments; it said
+    nothing. The report and the command line now name the disagreement."""
+    starts = {0: (10, 15), 1: (15,)}
+    paths = []
+    for rank, resumes in starts.items():
+        p = tmp_path / f"r{rank}.thist"
+        with trainhist.HistoryWriter(p, run_id="ef" * 16, rank=rank, world_size=2) as w:
+            s = w.site("x", "activation")
+            w.observe(s, 0, np.ones(2))
+            for first in resumes:
+                w.new_segment(first, "resume")
+                w.observe(s, first, np.ones(2))
+        paths.append(str(p))
+    rep = trainhist.merge(paths, tmp_path / "m.thist")
+    assert [m["segment"] for m in rep.segment_mismatches] == [1]
+    assert cli.main(["merge", *paths, "-o", str(tmp_path / "m2.thist")]) == 0
+    assert "start at different steps (10 in" in capsys.readouterr().out

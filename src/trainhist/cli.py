@@ -95,6 +95,11 @@ def _print_report(rep, as_json: bool) -> None:
         print(f"  note: {p} had a torn tail; its committed prefix was used")
     for d in rep.divergences:
         print(f"  replica divergence: {d['where']}, step {d['step']}: {' vs '.join(d['files'])}")
+    for m in rep.segment_mismatches:
+        firsts = ", ".join(f"{step} in {path}" for step, path in m["first_steps"])
+        print(f"  note: the inputs of output segment {m['segment']} start at different steps ({firsts}): if one rank "
+              "lost a resume before its first commit, its later segments are numbered one lower and their steps are "
+              "split across two output segments; check the per-step totals there")
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:

@@ -94,6 +94,9 @@ class MergeReport:
     seconds: float = 0.0
     workers: int = 1  #: processes that built the sites (1: this one)
     divergences: list[dict] = field(default_factory=list)
+    #: segments whose inputs disagree on their first step: ranks that numbered their segments differently (a resume
+    #: that died before its first commit on one of them) have their steps split across two output segments
+    segment_mismatches: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -554,6 +557,10 @@ class _Engine:
         for k in keys:
             members = groups[k]
             firsts = [g.first_step for _, g, _, _ in members if g.first_step is not None]
+            if len(set(firsts)) > 1:
+                self.report.segment_mismatches.append({
+                    "segment": new_id[k], "first_steps": sorted({(g.first_step, s.path) for s, g, _, _ in members
+                                                                 if g.first_step is not None})})
             first = None if not firsts else (min(firsts) // self.N) * self.N
             if first is not None and first < -(1 << 63):
                 raise MergeError(f"segment {new_id[k]}: its first step {min(firsts)} has no window of {self.N} "
