@@ -455,3 +455,33 @@ def test_ranks_whose_segments_start_at_different_steps_are_reported(tmp_path, ca
     assert [m["segment"] for m in rep.segment_mismatches] == [1]
     assert cli.main(["merge", *paths, "-o", str(tmp_path / "m2.thist")]) == 0
     assert "start at different steps (10 in" in capsys.readouterr().out
+
+
+def test_a_replica_divergence_names_the_row_and_the_fields(tmp_path):
+    """The message named only the site, segment and step: not the phase (only post_clip differed) nor what."""
+    files = []
+    for rank in range(2):
+        p = tmp_path / f"r{rank}.thist"
+        with trainhist.HistoryWriter(p, run_id="ab" * 16, rank=rank, world_size=2) as w:
+            s = w.site("w", "param", sharing="replica")
+            w.observe(s, 0, np.ones(3))
+            w.observe(s, 1, np.ones(3) * (1 + rank), phase="post_clip")
+        files.append(p)
+    with pytest.raises(TrainhistError) as ei:
+        trainhist.merge(files, tmp_path / "m.thist")
+    assert "step 1, phase post_clip: replica site rows differ in min, max, sum, sumsq" in str(ei.value)
+    rep = trainhist.merge(files, tmp_path / "m2.thist", replica_divergence="report")
+    assert rep.divergences[0]["row"] == "step 1, phase post_clip" and "min" in rep.divergences[0]["fields"]
+
+
+def test_a_step_truth_overflow_names_its_step(tmp_path):
+    files = []
+    for rank in range(2):
+        p = tmp_path / f"r{rank}.thist"
+        with trainhist.HistoryWriter(p, run_id="ab" * 16, rank=rank, world_size=2) as w:
+            w.step_truth(2, tokens=5)
+            w.step_truth(3, tokens=2**63)
+        files.append(p)
+    with pytest.raises(TrainhistError) as ei:
+        trainhist.merge(files, tmp_path / "m.thist")
+    assert ei.value.code == "count_overflow" and "step 3: step-truth tokens overflows" in str(ei.value)

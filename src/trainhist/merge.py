@@ -54,7 +54,7 @@ from . import errors
 from .errors import MergeError, TrainhistError, UsageError
 from .framing import RECORD_HEADER_SIZE
 from .grid import nbins
-from .model import CANONICAL_NAN, CANONICAL_NAN_BITS, U64_UNKNOWN, Presence
+from .model import CANONICAL_NAN, CANONICAL_NAN_BITS, MICRO_ALL, U64_UNKNOWN, Phase, Presence
 from .batchdecode import Fallback, all_patched, check_chunk, gather, join, layout, upper_bound
 from .chunk import _INT_CODES, _RANGE, DTYPES, Codec
 from .framing import crc32c
@@ -828,17 +828,39 @@ class _Engine:
                 j = s0 + int(np.flatnonzero(diff[s0:s0 + sz])[0])
                 a, b = self.paths[int(c["src"][s0])], self.paths[int(c["src"][j])]
                 step = int(c["step"][s0])
+                fields = self._differing(r, s0, j)
+                row = (f"step {step}" + (f" (span {int(c['span'][s0])})" if c["span"][s0] != 1 else "")
+                       + f", phase {Phase.name(int(c['phase'][s0]))}"
+                       + ("" if c["micro"][s0] == MICRO_ALL else f", micro-batch {int(c['micro'][s0])}"))
                 if self.divergence == "error":
                     raise MergeError(
-                        f"{where}, step {step}: replica site rows differ between {a} and {b} (a replicated tensor "
-                        "must be identical on every rank; pass replica_divergence='report' to keep one and list "
-                        "the divergence)", code="replica_divergence", path=b,
+                        f"{where}, {row}: replica site rows differ in {', '.join(fields)} between {a} and {b} (a "
+                        "replicated tensor must be identical on every rank; pass replica_divergence='report' to "
+                        "keep one and list the divergence)", code="replica_divergence", path=b,
                     )
                 if len(self.report.divergences) < MAX_DIVERGENCES:
-                    self.report.divergences.append({"where": where, "step": step, "files": sorted({a, b})})
+                    self.report.divergences.append({"where": where, "step": step, "files": sorted({a, b}),
+                                                    "row": row, "fields": fields})
                 keep[g] = min(range(s0, s0 + sz), key=lambda i: self._row_key(r, i))
         out = r.take(keep)
         return out
+
+    @staticmethod
+    def _differing(r: Rows, i: int, j: int) -> list[str]:
+        """The fields in which replica rows ``i`` and ``j`` differ, for the message."""
+        c = r.cols
+        out = [k for k in ("presence", "method", "count", "nan", "pinf", "ninf", "zero") if c[k][i] != c[k][j]]
+        out += [k for k in ("min", "max", "sum", "sumsq") if c[k][i:i + 1].view(np.uint64)[0] != c[k][j:j + 1].view(
+            np.uint64)[0]]
+        if (r.tally[i] != r.tally[j]).any():
+            out.append("tally")
+        if r.has_sk[i] != r.has_sk[j] or (r.pos is not None and (
+                (r.pos[i] != r.pos[j]).any() or (r.neg[i] != r.neg[j]).any() or (r.bands[i] != r.bands[j]).any())):
+            out.append("sketch")
+        for name, x in (("sum (exact)", r.sum_x), ("sumsq (exact)", r.sumsq_x)):
+            if _exact_key(x.get(i)) != _exact_key(x.get(j)):
+                out.append(name)
+        return out or ["their contents"]
 
     @staticmethod
     def _row_key(r: Rows, i: int) -> tuple:
@@ -909,9 +931,13 @@ class _Engine:
             v = c[k]
             unknown = np.logical_or.reduceat(v == np.uint64(U64_UNKNOWN), starts)
             s, over = _sum_u64(np.where(v == np.uint64(U64_UNKNOWN), np.uint64(0), v), starts, sizes)
-            if over is not None or (s[~unknown] == np.uint64(U64_UNKNOWN)).any():
-                raise MergeError(f"{where}: step-truth {k} overflows an unsigned 64-bit count adding rows from "
-                                 f"{files}", code="count_overflow", path=self.paths[0])
+            bad = (s == np.uint64(U64_UNKNOWN)) & ~unknown
+            if over is not None:
+                bad |= over
+            if bad.any():
+                at = int(c["step"][starts[int(np.flatnonzero(bad)[0])]])
+                raise MergeError(f"{where}, step {at}: step-truth {k} overflows an unsigned 64-bit count adding rows "
+                                 f"from {files}", code="count_overflow", path=self.paths[0])
             out[k] = np.where(unknown, np.uint64(U64_UNKNOWN), s)
         return StepRows(out)
 
