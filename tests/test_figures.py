@@ -152,3 +152,25 @@ def test_figures_keep_a_resumed_segment_apart_and_mark_its_boundary(tmp_path):
         assert all(np.all(np.diff(ln.get_xdata()) > 0) for ln in lines) and len(lines) == 4  # min, max per segment
         page = contact_sheet(h, tmp_path / "sheet")[0]
         assert page.stat().st_size > 1000
+
+
+def test_quantile_edges_bands_and_partly_sketched_windows(tmp_path):
+    """q = 0 gave -65536 for every row (the empty over_neg cell came first); a quantile in an overflow band was
+    the window's edge (65536 for values near 1e12) with nothing to say so; and a coarsened window sketched at one
+    of its steps took the zeros of all of them (median 0 of a window whose values are five 3s and three 0s)."""
+    sk = trainhist.summarize(np.array([1.0, 2.0, 4.0])).sketch
+    q = quantiles_from_sketch(sk.pos[None], sk.neg[None], np.zeros((1, 4)), np.array([0]), sk.scale, (0.0, 1.0))
+    assert 0.8 < q[0, 0] < 1.2 and 3.5 < q[0, 1] < 4.6
+    big = trainhist.summarize(np.array([1e12, 4e12])).sketch
+    q = quantiles_from_sketch(big.pos[None], big.neg[None], np.array([[0, 0, 2, 0]]), np.array([0]), big.scale,
+                              (0.5,))
+    assert np.isnan(q[0, 0])
+    p = tmp_path / "z.thist"
+    with trainhist.HistoryWriter(p) as w:
+        s = w.site("a", "activation", cadence_sketch=4)
+        for st in range(4):
+            w.observe(s, st, np.array([3.0, 3.0]) if st == 0 else np.array([3.0, 0.0]), sketch=st == 0)
+    trainhist.coarsen(p, tmp_path / "c.thist", steps=4)
+    with trainhist.open(tmp_path / "c.thist") as h:
+        med = [ln for ln in site_figure(h, "a").axes[0].lines if "median" in str(ln.get_label())]
+        assert med and abs(med[0].get_ydata()[0] - 3.0) < 0.6 and "zeros estimated" in med[0].get_label()

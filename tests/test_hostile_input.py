@@ -485,3 +485,29 @@ def test_a_step_truth_overflow_names_its_step(tmp_path):
     with pytest.raises(TrainhistError) as ei:
         trainhist.merge(files, tmp_path / "m.thist")
     assert ei.value.code == "count_overflow" and "step 3: step-truth tokens overflows" in str(ei.value)
+
+
+def test_reader_arguments_are_checked_and_info_counts_distinct_steps(tmp_path, capsys):
+    """sketch(i) out of range raised numpy's IndexError; presence(steps="12") read the string as steps 1 and 2;
+    info counted a step that a resumed segment recorded again twice."""
+    p = tmp_path / "r.thist"
+    with trainhist.HistoryWriter(p) as w:
+        s = w.site("x", "activation")
+        for st in range(6):
+            w.observe(s, st, np.ones(2))
+            w.step_truth(st, applied=True)
+        w.new_segment(3, "resume")
+        for st in range(3, 6):
+            w.observe(s, st, np.ones(2))
+            w.step_truth(st, applied=True)
+    with trainhist.open(p) as h:
+        sk = h.sketch("x")
+        with pytest.raises(TrainhistError) as ei:
+            sk.sketch(len(sk))
+        assert ei.value.code == "bad_index"
+        for bad in ("12", [1.5]):
+            with pytest.raises(TrainhistError) as ei:
+                h.presence("x", steps=bad)
+            assert ei.value.code == "bad_steps"
+    assert cli.main(["info", str(p)]) == 0
+    assert "steps     6 recorded (3 of them again in a later segment), 0..5" in capsys.readouterr().out

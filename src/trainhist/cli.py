@@ -44,7 +44,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
             span = h.steps["span"] if "span" in h.steps else None
             last = int((steps + (span.astype(np.int64) - 1 if span is not None else 0)).max())
             what = "recorded" if span is None or (span == 1).all() else "windows recorded (coarsened)"
-            print(f"steps     {steps.size} {what}, {int(steps.min())}..{last}")
+            distinct = int(np.unique(steps).size)
+            again = f" ({steps.size - distinct} of them again in a later segment)" if distinct < steps.size else ""
+            print(f"steps     {distinct} {what}{again}, {int(steps.min())}..{last}")
         print(f"sites     {len(h.sites)}")
         by_stream: dict[str, int] = {}
         for s in h.sites:

@@ -35,15 +35,17 @@ def quantiles_from_sketch(pos: np.ndarray, neg: np.ndarray, bands: np.ndarray, z
                           qs: tuple[float, ...]) -> np.ndarray:
     """Quantiles per row, each the geometric middle of the bin that holds it (relative error < one bin width).
 
-    Rows are sketches; ``zero`` is the spine's zero count. Values outside the window are placed at its edge.
-    Returns (rows, len(qs)); NaN for rows with nothing finite.
+    Rows are sketches; ``zero`` is how many of the sketched values are zero (the spine's zero count when the
+    sketch covers its row). A quantile that falls in an under- or overflow band (outside the window
+    (2^-48, 2^16]) cannot be placed within a bin: it is NaN, never the window's edge. ``q = 0`` and ``1`` are the
+    lowest and highest occupied cells. Returns (rows, len(qs)); NaN for rows with nothing finite.
     """
     n = pos.shape[0]
     nb = nbins(scale)
     lo = index_min(scale)
     mids = 2.0 ** ((np.arange(nb) + lo + 0.5) / 2**scale)
     # value-ordered cells: over_neg, neg bins (large to small), under_neg, zero, under_pos, pos bins, over_pos
-    vals = np.concatenate([[-(2.0**16)], -mids[::-1], [-(2.0**-48)], [0.0], [2.0**-48], mids, [2.0**16]])
+    vals = np.concatenate([[np.nan], -mids[::-1], [np.nan], [0.0], [np.nan], mids, [np.nan]])  # (bands: NaN)
     out = np.full((n, len(qs)), np.nan)
     for i in range(n):
         counts = np.concatenate([[bands[i, 3]], neg[i, ::-1], [bands[i, 1]], [zero[i]], [bands[i, 0]], pos[i],
@@ -51,9 +53,9 @@ def quantiles_from_sketch(pos: np.ndarray, neg: np.ndarray, bands: np.ndarray, z
         total = counts.sum()
         if total == 0:
             continue
-        cdf = np.cumsum(counts) / total
-        for j, q in enumerate(qs):
-            out[i, j] = vals[int(np.searchsorted(cdf, q, side="left"))]
+        cdf = np.cumsum(counts)
+        for j, q in enumerate(qs):  # (the rank of at least the first value: q = 0 is the lowest occupied cell)
+            out[i, j] = vals[int(np.searchsorted(cdf, max(q * total, 0.5), side="left"))]
     return out
 
 
@@ -150,7 +152,14 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
         if not len(sk):
             ax.plot(s.step[r], s.mean[r], color="C0", lw=1.5, label="mean (from exact sums)" if k == 0 else None)
     if len(sk):
-        zero = s.zero[s.sk_row >= 0]
+        rows = s.sk_row >= 0
+        zero = s.zero[rows].astype(np.float64)
+        # a sketch may cover part of its row (a coarsened window with sketches at a sparser cadence, spec 11.2):
+        # its own total counts; the zeros among its values are estimated in the same proportion
+        nonzero = (s.finite[rows] - s.zero[rows]).astype(np.float64)
+        covered = (sk.pos.sum(axis=1) + sk.neg.sum(axis=1) + sk.bands.sum(axis=1)).astype(np.float64)
+        partial = covered < nonzero
+        zero = np.where(partial, zero * covered / np.maximum(nonzero, 1), zero)
         q = quantiles_from_sketch(sk.pos, sk.neg, sk.bands, zero, sk.scale, (0.05, 0.25, 0.5, 0.75, 0.95))
         x = sk.columns["step"]
         width = 2 ** (1 / 2**sk.scale) - 1
@@ -161,7 +170,8 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
             ax.fill_between(x[r], q[r, 1], q[r, 3], alpha=0.35, color="C0",
                             label="p25–p75 (derived)" if first else None)
             ax.plot(x[r], q[r, 2], color="C0", lw=1.5,
-                    label=f"median (derived; ±{width:.0%} relative, {2**sk.scale} bins/octave)" if first else None)
+                    label=f"median (derived; ±{width:.0%} relative, {2**sk.scale} bins/octave"
+                    + ("; partly sketched windows: zeros estimated" if partial.any() else "") + ")" if first else None)
     _marks(ax, h, s)
     lin = max(1e-12, float(np.nanmax(np.abs(np.r_[s.min[obs], s.max[obs], 1e-12]))) * 1e-3)
     ax.set_yscale("symlog", linthresh=lin)

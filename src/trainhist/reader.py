@@ -385,6 +385,10 @@ class SketchSeries:
     def sketch(self, i: int) -> Sketch:
         from .grid import nbins
 
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not -len(self) <= i < len(self):
+            raise UsageError(f"sketch row {i!r} does not exist: this series has {len(self)} rows (0..{len(self) - 1})",
+                             code="bad_index")
+        i = int(i) % len(self)
         sp = self._sparse
         b = [int(c[i]) for c in sp.bands]
         nb = nbins(self.scale)
@@ -1024,6 +1028,10 @@ class History:
         if steps is None:
             asked = sorted(known_steps | set(rows) | {a for a, _, _ in spans})
         else:
+            if isinstance(steps, (str, bytes)) or not all(
+                    isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in steps):
+                raise UsageError(f"steps must be integers (a range, a list, an array), got {steps!r:.80}",
+                                 code="bad_steps")
             asked = [int(x) for x in steps]
         covered = _covering(spans, asked)
         out = {}
