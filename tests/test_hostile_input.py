@@ -511,3 +511,19 @@ def test_reader_arguments_are_checked_and_info_counts_distinct_steps(tmp_path, c
             assert ei.value.code == "bad_steps"
     assert cli.main(["info", str(p)]) == 0
     assert "steps     6 recorded (3 of them again in a later segment), 0..5" in capsys.readouterr().out
+
+
+def test_the_numbers_of_a_row_without_numbers_are_refused_not_zero(tmp_path):
+    """sum_exact(i) of a failed row returned Dyadic(0) and summary(i) a count of 0: missing is never zero."""
+    p = tmp_path / "f.thist"
+    with trainhist.HistoryWriter(p) as w:
+        s = w.site("x", "activation")
+        w.observe(s, 0, np.ones(2))
+        w.mark(s, 1, "failed")
+    with trainhist.open(p) as h:
+        sp = h.spine("x")
+        assert sp.sum_exact(0) == trainhist.summarize(np.ones(2)).sum
+        for call in (sp.sum_exact, sp.sumsq_exact, sp.summary):
+            with pytest.raises(TrainhistError) as ei:
+                call(1)
+            assert ei.value.code == "not_observed" and "failed" in str(ei.value)

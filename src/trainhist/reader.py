@@ -244,16 +244,25 @@ class SpineSeries:
         """Per row, the exact value stored beside the rounded f64 (None where the f64 is exact); all checked."""
         return {k: [x.get(i) for i in range(len(self))] for k, x in self._x.items()}
 
+    def _observed_row(self, i: int) -> None:
+        """Refuse the numbers of a row that carries none (spec 2.6: missing is never zero)."""
+        p = int(self.columns["presence"][i])
+        if p != Presence.OBSERVED:
+            raise UsageError(f"row {i} (step {int(self.columns['step'][i])}) is {Presence.name(p)}: it carries no "
+                             "numbers (spec 2.6); check presence_names or observed first", code="not_observed")
+
     def sum_exact(self, i: int) -> Dyadic:
-        """The exact stored sum of row ``i``."""
+        """The exact stored sum of row ``i`` (an observed row)."""
+        self._observed_row(i)
         return self._x["sum"].value(i)
 
     def sumsq_exact(self, i: int) -> Dyadic:
-        """The exact stored sum of squares of row ``i``."""
+        """The exact stored sum of squares of row ``i`` (an observed row)."""
+        self._observed_row(i)
         return self._x["sumsq"].value(i)
 
     def summary(self, i: int, sketch: Sketch | None = None) -> Summary:
-        """Row ``i`` as a :class:`Summary` (for merging and re-writing)."""
+        """Row ``i`` (an observed row) as a :class:`Summary` (for merging and re-writing)."""
         c = self.columns
         return Summary(
             count=int(c["count"][i]), nan=int(c["nan"][i]), pinf=int(c["pinf"][i]), ninf=int(c["ninf"][i]),
