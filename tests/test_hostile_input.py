@@ -527,3 +527,37 @@ def test_the_numbers_of_a_row_without_numbers_are_refused_not_zero(tmp_path):
             with pytest.raises(TrainhistError) as ei:
                 call(1)
             assert ei.value.code == "not_observed" and "failed" in str(ei.value)
+
+
+def test_presence_keeps_segments_apart_and_knows_the_steps_of_a_coarsened_window(tmp_path):
+    """A run resumed at step 3 recorded steps 3-5 again: presence() merged both segments (step 5 read 'failed'
+    from the first one). In a coarsened file, the steps inside a step-truth window read 'unknown' though the
+    window says they were recorded (and not due)."""
+    p = tmp_path / "r.thist"
+    with trainhist.HistoryWriter(p) as w:
+        s = w.site("x", "activation")
+        for st in range(6):
+            (w.mark(s, st, "failed") if st == 5 else w.observe(s, st, np.ones(2)))
+            w.step_truth(st, applied=True)
+        w.new_segment(3, "resume")
+        for st in range(3, 6):
+            w.observe(s, st, np.ones(2))
+            w.step_truth(st, applied=True)
+    with trainhist.open(p) as h:
+        with pytest.raises(TrainhistError) as ei:
+            h.presence("x")
+        assert ei.value.code == "segment_ambiguous"
+        assert h.presence("x", steps=[5], segment=0) == {5: "failed"}
+        assert h.presence("x", steps=[5], segment=1) == {5: "observed"}
+        assert h.presence("x", steps=[1], segment=1) == {1: "unknown"}
+    c = tmp_path / "c.thist"
+    q = tmp_path / "q.thist"
+    with trainhist.HistoryWriter(q) as w:
+        s = w.site("y", "activation", cadence_spine=8)
+        for st in range(16):
+            if st % 8 == 0:
+                w.observe(s, st, np.ones(2))
+            w.step_truth(st, applied=True)
+    trainhist.coarsen(q, c, steps=4)
+    with trainhist.open(c) as h:
+        assert h.presence("y", steps=range(4, 8)) == dict.fromkeys(range(4, 8), "not_scheduled")

@@ -1013,20 +1013,45 @@ class History:
         return out
 
     def presence(self, path: str, stream: str = "activation", facet: str | None = None, *,
-                 steps: np.ndarray | list[int] | None = None, phase: str | None = None) -> dict[int, str]:
+                 steps: np.ndarray | list[int] | None = None, phase: str | None = None,
+                 segment: int | None = None) -> dict[int, str]:
         """State of the site at each asked step (default: every step of the step table and the first step of each
         row; a row spanning several steps, made by coarsening, answers for all of them when they are asked for).
 
-        A row gives its own presence; with no row, a step the writer recorded whose site cadence says "not due"
-        is ``not_scheduled``, and anything else is ``unknown``. A gap is never turned into a number. The work
-        grows with the rows and the asked steps, never with a row's span.
+        A row gives its own presence; with no row, a step the writer recorded (a step-truth row, or a step inside
+        a coarsened step-truth window) whose site cadence says "not due" is ``not_scheduled``, and anything else
+        is ``unknown``. A gap is never turned into a number. The work grows with the rows and the asked steps,
+        never with a row's span. ``segment``: one segment's rows only; needed when a resumed run recorded some
+        steps again in a later segment (spec 2.4: two segments are never one history), else ``segment_ambiguous``.
         """
+        if steps is not None and (isinstance(steps, (str, bytes)) or not all(
+                isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in steps)):
+            raise UsageError(f"steps must be integers (a range, a list, an array), got {steps!r:.80}",
+                             code="bad_steps")
         s = self.spine(path, stream, facet, phase=phase)
         site = s.site
-        known_steps = set(self.steps["step"].tolist())
+        t = self.steps
+        seg_rows, seg_steps = s.segment, t["segment"]
+        if segment is None:
+            seen = {int(g) for g in np.unique(seg_rows)} | {int(g) for g in np.unique(seg_steps)}
+            if len(seen) > 1:
+                firsts = {}  # (a step recorded in two segments: ambiguous)
+                for st, g in zip(np.concatenate([s.step, t["step"]]).tolist(),
+                                 np.concatenate([seg_rows, seg_steps]).tolist()):
+                    if firsts.setdefault(st, g) != g:
+                        raise UsageError(f"{site.key}: step {st} was recorded in segments {firsts[st]} and {g} (a "
+                                         "resumed run recorded it again): pass segment= to choose one",
+                                         code="segment_ambiguous")
+            keep_rows, keep_steps = slice(None), slice(None)
+        else:
+            keep_rows, keep_steps = seg_rows == segment, seg_steps == segment
+        known_steps = set(t["step"][keep_steps].tolist())
+        windows = [(a, a + n, 0) for a, n in zip(t["step"][keep_steps].tolist(), t["span"][keep_steps].tolist())
+                   if n > 1]  # coarsened step-truth rows: every step of their window was recorded
         rows: dict[int, int] = {}  # one-step rows: step -> presence
         spans: list[tuple[int, int, int]] = []  # rows of several steps: (first step, end, presence)
-        for st, pr, span in zip(s.step.tolist(), s.presence.tolist(), s.span.tolist()):
+        for st, pr, span in zip(s.step[keep_rows].tolist(), s.presence[keep_rows].tolist(),
+                                s.span[keep_rows].tolist()):
             if span == 1:
                 prev = rows.get(st)
                 # several rows (micro-batches) at one step: the precedence of spec 2.6 and 11.4
@@ -1037,12 +1062,9 @@ class History:
         if steps is None:
             asked = sorted(known_steps | set(rows) | {a for a, _, _ in spans})
         else:
-            if isinstance(steps, (str, bytes)) or not all(
-                    isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in steps):
-                raise UsageError(f"steps must be integers (a range, a list, an array), got {steps!r:.80}",
-                                 code="bad_steps")
             asked = [int(x) for x in steps]
         covered = _covering(spans, asked)
+        in_window = _covering(windows, asked)
         out = {}
         for k in asked:
             pr, wide = rows.get(k), covered.get(k)
@@ -1050,7 +1072,7 @@ class History:
                 pr = wide
             if pr is not None:
                 out[k] = Presence.name(pr)
-            elif k in known_steps and (site.cadence_spine == 0 or k % site.cadence_spine != 0):
+            elif (k in known_steps or k in in_window) and (site.cadence_spine == 0 or k % site.cadence_spine != 0):
                 out[k] = "not_scheduled"
             else:
                 out[k] = "unknown"
