@@ -487,19 +487,24 @@ def test_a_step_truth_overflow_names_its_step(tmp_path):
     assert ei.value.code == "count_overflow" and "step 3: step-truth tokens overflows" in str(ei.value)
 
 
-def test_reader_arguments_are_checked_and_info_counts_distinct_steps(tmp_path, capsys):
-    """sketch(i) out of range raised numpy's IndexError; presence(steps="12") read the string as steps 1 and 2;
-    info counted a step that a resumed segment recorded again twice."""
-    p = tmp_path / "r.thist"
+def _resumed(p: Path, failed_at: int | None = None) -> Path:
+    """Steps 0-5 (one of them failed, if asked), then a resume at step 3 that records steps 3-5 again."""
     with trainhist.HistoryWriter(p) as w:
         s = w.site("x", "activation")
         for st in range(6):
-            w.observe(s, st, np.ones(2))
+            (w.mark(s, st, "failed") if st == failed_at else w.observe(s, st, np.ones(2)))
             w.step_truth(st, applied=True)
         w.new_segment(3, "resume")
         for st in range(3, 6):
             w.observe(s, st, np.ones(2))
             w.step_truth(st, applied=True)
+    return p
+
+
+def test_reader_arguments_are_checked_and_info_counts_distinct_steps(tmp_path, capsys):
+    """sketch(i) out of range raised numpy's IndexError; presence(steps="12") read the string as steps 1 and 2;
+    info counted a step that a resumed segment recorded again twice."""
+    p = _resumed(tmp_path / "r.thist")
     with trainhist.open(p) as h:
         sk = h.sketch("x")
         with pytest.raises(TrainhistError) as ei:
@@ -533,16 +538,7 @@ def test_presence_keeps_segments_apart_and_knows_the_steps_of_a_coarsened_window
     """A run resumed at step 3 recorded steps 3-5 again: presence() merged both segments (step 5 read 'failed'
     from the first one). In a coarsened file, the steps inside a step-truth window read 'unknown' though the
     window says they were recorded (and not due)."""
-    p = tmp_path / "r.thist"
-    with trainhist.HistoryWriter(p) as w:
-        s = w.site("x", "activation")
-        for st in range(6):
-            (w.mark(s, st, "failed") if st == 5 else w.observe(s, st, np.ones(2)))
-            w.step_truth(st, applied=True)
-        w.new_segment(3, "resume")
-        for st in range(3, 6):
-            w.observe(s, st, np.ones(2))
-            w.step_truth(st, applied=True)
+    p = _resumed(tmp_path / "r.thist", failed_at=5)
     with trainhist.open(p) as h:
         with pytest.raises(TrainhistError) as ei:
             h.presence("x")
