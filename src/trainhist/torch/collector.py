@@ -32,7 +32,7 @@ import sys
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -116,7 +116,6 @@ class _Step:
     bases: set[str | None] = field(default_factory=set)
     unscaled: bool = False
     opt_called: bool = False
-    opt_stepped: bool = False
     scaler_updated: bool = False
     pending: PendingTransfer | None = None
     decoded: dict[tuple, object] = field(default_factory=dict)
@@ -1005,29 +1004,28 @@ class Collector:
             self._warn_once("grad_norm", f"trainhist: the global gradient norm failed: {e!r}")
 
     def _clip(self, orig: object, parameters: object, max_norm: float, *args: object, **kwargs: object) -> object:
-        """``clip_grad_norm_`` on a torch without ``_clip_grads_with_norm_``: the gradients before and after it."""
-        st = self._state
-        if st is None:
-            return orig(parameters, max_norm, *args, **kwargs)  # type: ignore[operator]
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)  # type: ignore[arg-type]
-        self._capture_grads("pre_clip", params)
-        norm = orig(params, max_norm, *args, **kwargs)  # type: ignore[operator]
-        self._capture_grads("post_clip", params)
-        self._clipped(st, params, max_norm, norm)
-        return norm
+        """``clip_grad_norm_`` on a torch without ``_clip_grads_with_norm_``: the norm is what it returns."""
+        return self._around_clip(lambda ps: orig(ps, max_norm, *args, **kwargs), parameters, max_norm, None)
 
     def _clip_with_norm(self, orig: object, parameters: object, max_norm: float, total_norm: torch.Tensor,
                         *args: object, **kwargs: object) -> object:
-        """torch's ``_clip_grads_with_norm_`` (what ``clip_grad_norm_`` calls once it has the norm): the gradients
-        before and after it, however the loop reached it."""
+        """torch's ``_clip_grads_with_norm_`` (what ``clip_grad_norm_`` calls once it has the norm), however the
+        loop reached it."""
+        return self._around_clip(lambda ps: orig(ps, max_norm, total_norm, *args, **kwargs), parameters, max_norm,
+                                 total_norm)
+
+    def _around_clip(self, call: Callable[[object], object], parameters: object, max_norm: float,
+                     norm: torch.Tensor | None) -> object:
+        """``call`` (a clip of ``parameters``) with their gradients captured before and after it; ``norm``: the
+        total norm it clips with (None: the one it returns)."""
         st = self._state
         if st is None:
-            return orig(parameters, max_norm, total_norm, *args, **kwargs)  # type: ignore[operator]
+            return call(parameters)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)  # type: ignore[arg-type]
         self._capture_grads("pre_clip", params)
-        out = orig(params, max_norm, total_norm, *args, **kwargs)  # type: ignore[operator]
+        out = call(params)
         self._capture_grads("post_clip", params)
-        self._clipped(st, params, max_norm, total_norm)
+        self._clipped(st, params, max_norm, out if norm is None else norm)
         return out
 
     def _clipped(self, st: _Step, params: list[torch.Tensor], max_norm: float, norm: object) -> None:
@@ -1083,12 +1081,16 @@ class Collector:
                 skipped.update(n for n, p in self._params.items() if id(p) in ids)
         return applied, skipped
 
+    def _opt_index(self, opt: torch.optim.Optimizer) -> int | None:
+        """The position of ``opt`` among the attached optimizers (None: not attached)."""
+        return next((i for i, o in enumerate(self._optimizers) if o is opt), None)
+
     def _on_opt_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         st = self._state
         if st is None:
             return
         st.opt_called = True
-        oi = next((i for i, o in enumerate(self._optimizers) if o is opt), None)
+        oi = self._opt_index(opt)
         if oi is not None:
             st.opt_state[oi] = "called"
         if oi is not None and oi not in st.lrs:  # the rates this update uses (a tensor lr: its value now)
@@ -1102,9 +1104,7 @@ class Collector:
             return
         # a step given found_inf (a fused optimizer under a GradScaler) may have skipped inside its kernel
         maybe = kwargs.get("found_inf") is not None
-        if not maybe:
-            st.opt_stepped = True
-        oi = next((i for i, o in enumerate(self._optimizers) if o is opt), None)
+        oi = self._opt_index(opt)
         if oi is not None:
             st.opt_state[oi] = "maybe" if maybe else "stepped"
 
