@@ -806,20 +806,20 @@ class _Engine:
         r.densify()
         n = len(r)
         first = np.repeat(starts, sizes)
-        diff = np.zeros(n, bool)
         c = r.cols
-        for k in ("presence", "method", "count", "nan", "pinf", "ninf", "zero"):
-            diff |= c[k] != c[k][first]
-        for k in ("min", "max", "sum", "sumsq"):
-            b = c[k].view(np.uint64)
-            diff |= b != b[first]
-        diff |= (r.tally != r.tally[first]).any(axis=1)
-        diff |= r.has_sk != r.has_sk[first]
+        # per field, the rows that differ from their group's first row (the message names the fields)
+        fields = {k: c[k] != c[k][first] for k in ("presence", "method", "count", "nan", "pinf", "ninf", "zero")}
+        fields.update({k: c[k].view(np.uint64) != c[k].view(np.uint64)[first] for k in ("min", "max", "sum", "sumsq")})
+        fields["tally"] = (r.tally != r.tally[first]).any(axis=1)
+        sketch = r.has_sk != r.has_sk[first]
         if r.pos is not None:
-            diff |= (r.pos != r.pos[first]).any(axis=1) | (r.neg != r.neg[first]).any(axis=1)
-            diff |= (r.bands != r.bands[first]).any(axis=1)
-        for x in (r.sum_x, r.sumsq_x):
-            diff |= x.differs(first)
+            sketch |= (r.pos != r.pos[first]).any(axis=1) | (r.neg != r.neg[first]).any(axis=1)
+            sketch |= (r.bands != r.bands[first]).any(axis=1)
+        fields["sketch"] = sketch
+        fields["sum (exact)"], fields["sumsq (exact)"] = r.sum_x.differs(first), r.sumsq_x.differs(first)
+        diff = np.zeros(n, bool)
+        for d in fields.values():
+            diff |= d
         keep = starts.copy()
         if diff.any():
             bad_groups = np.unique(np.searchsorted(starts, np.flatnonzero(diff), side="right") - 1)
@@ -828,39 +828,22 @@ class _Engine:
                 j = s0 + int(np.flatnonzero(diff[s0:s0 + sz])[0])
                 a, b = self.paths[int(c["src"][s0])], self.paths[int(c["src"][j])]
                 step = int(c["step"][s0])
-                fields = self._differing(r, s0, j)
+                names = [k for k, d in fields.items() if d[j]]
                 row = (f"step {step}" + (f" (span {int(c['span'][s0])})" if c["span"][s0] != 1 else "")
                        + f", phase {Phase.name(int(c['phase'][s0]))}"
                        + ("" if c["micro"][s0] == MICRO_ALL else f", micro-batch {int(c['micro'][s0])}"))
                 if self.divergence == "error":
                     raise MergeError(
-                        f"{where}, {row}: replica site rows differ in {', '.join(fields)} between {a} and {b} (a "
+                        f"{where}, {row}: replica site rows differ in {', '.join(names)} between {a} and {b} (a "
                         "replicated tensor must be identical on every rank; pass replica_divergence='report' to "
                         "keep one and list the divergence)", code="replica_divergence", path=b,
                     )
                 if len(self.report.divergences) < MAX_DIVERGENCES:
                     self.report.divergences.append({"where": where, "step": step, "files": sorted({a, b}),
-                                                    "row": row, "fields": fields})
+                                                    "row": row, "fields": names})
                 keep[g] = min(range(s0, s0 + sz), key=lambda i: self._row_key(r, i))
         out = r.take(keep)
         return out
-
-    @staticmethod
-    def _differing(r: Rows, i: int, j: int) -> list[str]:
-        """The fields in which replica rows ``i`` and ``j`` differ, for the message."""
-        c = r.cols
-        out = [k for k in ("presence", "method", "count", "nan", "pinf", "ninf", "zero") if c[k][i] != c[k][j]]
-        out += [k for k in ("min", "max", "sum", "sumsq") if c[k][i:i + 1].view(np.uint64)[0] != c[k][j:j + 1].view(
-            np.uint64)[0]]
-        if (r.tally[i] != r.tally[j]).any():
-            out.append("tally")
-        if r.has_sk[i] != r.has_sk[j] or (r.pos is not None and (
-                (r.pos[i] != r.pos[j]).any() or (r.neg[i] != r.neg[j]).any() or (r.bands[i] != r.bands[j]).any())):
-            out.append("sketch")
-        for name, x in (("sum (exact)", r.sum_x), ("sumsq (exact)", r.sumsq_x)):
-            if _exact_key(x.get(i)) != _exact_key(x.get(j)):
-                out.append(name)
-        return out or ["their contents"]
 
     @staticmethod
     def _row_key(r: Rows, i: int) -> tuple:
