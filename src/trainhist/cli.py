@@ -41,9 +41,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
             print(f"segment   {g.id}: from step {g.first_step} ({g.reason}{prev})")
         steps = h.steps["step"]
         if steps.size:
-            span = h.steps["span"] if "span" in h.steps else None
-            last = int((steps + (span.astype(np.int64) - 1 if span is not None else 0)).max())
-            what = "recorded" if span is None or (span == 1).all() else "windows recorded (coarsened)"
+            span = h.steps["span"]  # (1 for every row of a file that was never coarsened)
+            last = int((steps + (span.astype(np.int64) - 1)).max())
+            what = "recorded" if (span == 1).all() else "windows recorded (coarsened)"
             distinct = int(np.unique(steps).size)
             again = f" ({steps.size - distinct} of them again in a later segment)" if distinct < steps.size else ""
             print(f"steps     {distinct} {what}{again}, {int(steps.min())}..{last}")

@@ -230,7 +230,7 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
         lo = index_min(sk.scale) / 2**sk.scale
         hi = (index_min(sk.scale) + nb) / 2**sk.scale
         step, seg = sk.columns["step"].astype(np.int64), sk.columns["segment"]
-        span = np.ones_like(step) if sk.columns.get("span") is None else sk.columns["span"].astype(np.int64)
+        span = sk.columns["span"].astype(np.int64)
         # a resumed segment replays steps: where a later segment has rows, an earlier one's rows from the later
         # one's first step on are not drawn (the image has one column per step; summing them would mix two runs)
         keep = np.ones(step.size, bool)
