@@ -1499,3 +1499,47 @@ def test_a_model_compiled_before_the_collector_is_said_not_silently_lost(tmp_pat
         if reset:
             assert presence(trainhist.open(path), "0", "activation", 0) == "observed"
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("published", [True, False])
+def test_ranks_agree_on_the_run_id_through_the_store(tmp_path, monkeypatch, published):
+    """A rank other than 0 records the run id rank 0 published in the process group's store (so merge sums the
+    ranks); where none comes within the wait, it records its own and says how to merge or fix it."""
+    import itertools
+
+    import trainhist.torch.collector as cm
+
+    store = torch.distributed.HashStore()
+    monkeypatch.setattr(cm, "_dist", lambda: (1, 2))
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", lambda: store)
+    monkeypatch.setattr(cm, "_run_keys", itertools.count())
+    monkeypatch.setattr(cm, "RUN_ID_WAIT_S", 0.05)
+    if published:
+        store.set("trainhist/run_id/0", "ab" * 16)
+    model = torch.nn.Linear(3, 2)
+    col = Collector(model, tmp_path / "r.thist", mode="w")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        col.attach()
+    col.close()
+    h = trainhist.open(tmp_path / "r.rank1.thist")
+    said = [str(w.message) for w in caught if "run id" in str(w.message)]
+    if published:
+        assert h.runs[0]["run_id"] == "ab" * 16 and not said
+    else:
+        assert h.runs[0]["run_id"] != "ab" * 16
+        assert len(said) == 1 and "could not agree" in said[0] and "run_id=" in said[0], said
+
+
+def test_rank_zero_publishes_its_run_id(tmp_path, monkeypatch):
+    import itertools
+
+    import trainhist.torch.collector as cm
+
+    store = torch.distributed.HashStore()
+    monkeypatch.setattr(cm, "_dist", lambda: (0, 2))
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", lambda: store)
+    monkeypatch.setattr(cm, "_run_keys", itertools.count())
+    col = Collector(torch.nn.Linear(3, 2), tmp_path / "r.thist", mode="w").attach()
+    col.close()
+    assert store.get("trainhist/run_id/0").decode() == trainhist.open(tmp_path / "r.rank0.thist").runs[0]["run_id"]

@@ -1,19 +1,18 @@
-"""Two CPU ranks (gloo) running DDP: each writes its own shard file; replicated parameters agree across ranks.
+"""Two CPU ranks (gloo) running DDP: each writes its own shard file; replicated parameters agree across ranks, and
+the merged shards are one run: replicas kept once, the ranks' activations summed.
 
 The ranks are plain subprocesses (env:// rendezvous on a free port), so nothing is pickled.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 
 import trainhist
+
+from torch_helpers import run_ranks
 
 WORKER = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
@@ -37,25 +36,9 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ddp_two_ranks_write_shard_files(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    procs = [
-        subprocess.Popen([sys.executable, str(script), str(tmp_path / "ddp.thist")],
-                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    outs = run_ranks(WORKER, tmp_path, str(tmp_path / "ddp.thist"))
+    assert not any("trainhist:" in o for o in outs), outs  # no warning (the run id was agreed)
     h = [trainhist.open(tmp_path / f"ddp.rank{r}.thist") for r in range(2)]
     for r in range(2):
         (w,) = h[r].writers
@@ -74,3 +57,23 @@ def test_ddp_two_ranks_write_shard_files(tmp_path):
             assert s.sharing == "shard"
     a, b = (x.spine("0", "activation") for x in h)
     assert not np.array_equal(a.columns["sum"], b.columns["sum"])  # different data per rank
+
+    # one run: rank 0 published its run id, the other rank recorded it, so merge sums the ranks
+    assert h[0].runs[0]["run_id"] == h[1].runs[0]["run_id"]
+    merged = tmp_path / "ddp.thist"
+    report = trainhist.merge([tmp_path / "ddp.rank1.thist", tmp_path / "ddp.rank0.thist"], merged)
+    m = trainhist.open(merged)
+    assert len(m.segments) == 1 and len(m.runs) == 1 and len(m.writers) == 2, report
+    for s in m.sites:
+        if s.stream == "scalar":
+            continue
+        mine = m.spine(s.path, s.stream, s.facet)
+        per_rank = [x.spine(s.path, s.stream, s.facet) for x in h]
+        np.testing.assert_array_equal(mine.step, per_rank[0].step)
+        if s.sharing == "replica":  # kept once, not summed
+            np.testing.assert_array_equal(mine.columns["count"], per_rank[0].columns["count"])
+            np.testing.assert_array_equal(mine.columns["sum"], per_rank[0].columns["sum"])
+        else:  # the ranks' batches together
+            np.testing.assert_array_equal(mine.columns["count"], sum(x.columns["count"] for x in per_rank))
+            np.testing.assert_array_equal(mine.min, np.minimum(*(x.min for x in per_rank)))
+            np.testing.assert_array_equal(mine.max, np.maximum(*(x.max for x in per_rank)))

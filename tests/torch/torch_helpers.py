@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
+import socket
+import subprocess
+import sys
 
 import numpy as np
 import torch
@@ -106,3 +110,26 @@ class Wrapper(torch.Tensor):
         unwrap = lambda x: x.inner if isinstance(x, Wrapper) else x  # noqa: E731
         tree_map = torch.utils._pytree.tree_map
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(worker: str, tmp_path, *args: str, world: int = 2) -> list[str]:
+    """Run the Python source ``worker`` as ``world`` CPU ranks (gloo, env:// rendezvous on a free port: plain
+    subprocesses, nothing pickled) with ``args``; assert every rank exits 0 and return their outputs."""
+    script = tmp_path / "worker.py"
+    script.write_text(worker)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    procs = [
+        subprocess.Popen([sys.executable, str(script), *args], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(world)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * world, outs
+    return outs

@@ -26,6 +26,7 @@ Design notes (also written into the file's settings):
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import sys
@@ -50,6 +51,7 @@ from .plan import (
     flatten_output,
     local_tensor,
     param_sharing,
+    replicated,
     sample_indices,
     select,
     unwrap,
@@ -70,6 +72,11 @@ DEFAULT_EVERY = 1
 DEFER_TENSORS = 64
 DEFER_BYTES = 256 << 20
 DEFAULT_SKETCH_EVERY = 10
+#: Under torch.distributed, how long a rank other than 0 waits (seconds) for rank 0's collector to publish the
+#: run id that every rank's shard records (so that merge sums the ranks). Past it, the rank records a run id of its
+#: own and warns: pass the same ``run_id=`` to every rank's Collector to skip the wait.
+RUN_ID_WAIT_S = 120.0
+_run_keys = itertools.count()  # the k-th collector of each rank agrees with the k-th of rank 0
 # id of the autograd graph task running on this thread, -1 outside backward (activation-checkpoint recompute
 # runs forwards inside backward)
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
@@ -217,6 +224,24 @@ def _dist() -> tuple[int, int]:
     return 0, 1
 
 
+def _agree_run_id(key: str, rank: int, own: str | None) -> str | None:
+    """The run id every rank records: rank 0 publishes ``own`` in the process group's store under ``key``, the
+    others wait for it (up to :data:`RUN_ID_WAIT_S`). None where it could not be agreed: no store, or rank 0 did
+    not publish in time. A key-value store, not a collective, so a rank without a collector delays the others by
+    the wait at most and never pairs with the loop's own collectives."""
+    from datetime import timedelta
+
+    try:
+        store = torch.distributed.distributed_c10d._get_default_store()
+        if rank == 0:
+            store.set(key, own)  # type: ignore[arg-type]
+            return own
+        store.wait([key], timedelta(seconds=RUN_ID_WAIT_S))
+        return store.get(key).decode()
+    except Exception:  # noqa: BLE001 -- no agreement: the caller records its own id and says so
+        return None
+
+
 def _rank_path(path: str | os.PathLike, rank: int, world_size: int) -> str:
     p = os.fspath(path)
     if "{rank}" in p:
@@ -260,7 +285,8 @@ class Collector:
     ``param_delta`` subvector. ``commit_every``: logged steps per commit — a crash loses at most the steps since
     the last commit (the writer also commits after ``commit_seconds``, default 30 s). Give ``path`` (``{rank}`` is
     substituted; under several ranks ``.rank<r>`` is inserted otherwise) or an open ``writer``; other keyword
-    arguments go to :class:`~trainhist.HistoryWriter`.
+    arguments go to :class:`~trainhist.HistoryWriter`. Under several ranks every shard records rank 0's run id
+    (see :data:`RUN_ID_WAIT_S`), so merge sums them.
 
     Cadence and cost (defaults ``every=1``, ``sketch_every=10``). The spine of every selected site and stream is
     recorded every step and the sketches every 10 steps, so the triage names the site, pass and step of the first
@@ -329,6 +355,10 @@ class Collector:
         first: dict[int, str] = {id(p): n for n, p in self._params.items()}  # shared parameters: recorded once,
         aliases = {clean_name(n): first[id(p)] for n, p in self.inner.named_parameters(remove_duplicate=False)
                    if clean_name(n) not in self._params and id(p) in first}  # under their first name
+        # gradients that are not whole on every rank (FSDP, DTensor shards, ranks without DDP): the norms this rank
+        # can compute without a collective are of its own part, recorded as grad_norm_local (and _post_clip_local)
+        self._norm_suffix = "_local" if self.world_size > 1 and any(
+            param_sharing(p, self._ddp) != "replica" for p in self._params.values() if p.requires_grad) else ""
         sel_modules, sel_params = select(list(self._modules), list(self._params), self._patterns, aliases)
         # in the model's order (reductions run in it, and 'first non-finite' means first in execution order)
         self._sel_modules = dict.fromkeys(n for n in self._modules if n in sel_modules)
@@ -514,7 +544,21 @@ class Collector:
         opts.setdefault("world_size", self.world_size)
         opts.setdefault("mode", "a")  # an existing history is resumed, never truncated unasked
         settings = {**self.settings(), **dict(opts.pop("settings", None) or {})}  # type: ignore[arg-type]
+        # every rank's shard records one run id (rank 0's), so that merge sums the ranks instead of keeping
+        # each apart as a run of its own
+        key = f"trainhist/run_id/{next(_run_keys)}" if self.world_size > 1 and "run_id" not in opts else None
+        agreed = _agree_run_id(key, self.rank, None) if key is not None and self.rank != 0 else None
+        if agreed is not None:
+            opts["run_id"] = agreed
         self._writer = HistoryWriter(self.path, settings=settings, **opts)  # type: ignore[arg-type]
+        if key is not None and self.rank == 0:
+            agreed = _agree_run_id(key, 0, self._writer.run_id)
+        if key is not None and agreed != self._writer.run_id:
+            self._warn_once("run_id", (
+                f"trainhist: rank {self.rank} could not agree on the run id with rank 0" if agreed is None else
+                f"trainhist: {self.path} resumes run {self._writer.run_id}, rank 0 records run {agreed}")
+                + f"; this shard records run {self._writer.run_id}, which merge keeps apart from the other ranks' "
+                "unless given --across-runs: pass the same run_id= to every rank's Collector")
         if self._writer.segment > 0:
             self._warn_once("resume", f"trainhist: {self.path} already holds a history: this run is appended to it as "
                             f"segment {self._writer.segment}; pass mode='w' to start the file over")
@@ -671,6 +715,7 @@ class Collector:
         self._pending.append(st)
 
     def _put_scalar(self, st: _Step, step: int, name: str, value: object) -> None:
+        value = self._plain_scalar(name, value)
         if value is None:
             return
         if isinstance(value, torch.Tensor):
@@ -688,9 +733,23 @@ class Collector:
         with _no_flush():  # (a subnormal value is neither zero nor flushed in a cast)
             self._scalars(step, values)
 
+    def _plain_scalar(self, name: str, value: object) -> object:
+        """``value``, or a DTensor's local tensor where that is its whole value; None (and a warning) for a sharded
+        or partial DTensor, whose value no rank holds without a collective."""
+        if type(value).__name__ != "DTensor":
+            return value
+        if replicated(value):  # type: ignore[arg-type]
+            return value.to_local()  # type: ignore[attr-defined]
+        self._warn_once(f"dtensor:{name}", f"trainhist: scalar {name!r} is a sharded or partial DTensor, whose "
+                        "value no rank holds: not recorded; pass value.full_tensor()")
+        return None
+
     def _scalars(self, step: int, values: dict[str, float | torch.Tensor]) -> None:
         st = self._state
         for name, v in values.items():
+            v = self._plain_scalar(name, v)  # type: ignore[assignment]
+            if v is None:
+                continue
             if isinstance(v, torch.Tensor):
                 if st is not None and st.step == step:
                     self._put_scalar(st, step, name, v)
@@ -956,9 +1015,9 @@ class Collector:
             return
         if phase == "default" and not st.norm_done:
             if st.clip_seen:  # some gradients were clipped, not all: the norm of what the optimizer gets
-                self._total_grad_norm(st, "grad_norm_post_clip")
+                self._total_grad_norm(st, "grad_norm_post_clip" + self._norm_suffix)
             elif not (st.due["param_grad"] and self._all_trainable_selected()):
-                self._total_grad_norm(st, "grad_norm")
+                self._total_grad_norm(st, "grad_norm" + self._norm_suffix)
         if not st.due["param_grad"]:
             return
         items = []
@@ -1022,11 +1081,20 @@ class Collector:
         if st is None:
             return call(parameters)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)  # type: ignore[arg-type]
-        self._capture_grads("pre_clip", params)
+        self._guarded(self._capture_grads, "pre_clip", params)
         out = call(params)
-        self._capture_grads("post_clip", params)
-        self._clipped(st, params, max_norm, out if norm is None else norm)
+        self._guarded(self._capture_grads, "post_clip", params)
+        self._guarded(self._clipped, st, params, max_norm, out if norm is None else norm)
         return out
+
+    def _guarded(self, fn: Callable[..., None], *args: object) -> None:
+        """``fn(*args)``, recording, inside a call of the loop's (a clip): an error is warned about once and never
+        propagates into training."""
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 -- recording must not break the loop's clip
+            self._warn_once(("guarded", fn.__name__), f"trainhist: recording around clip_grad_norm_ failed ({e!r}); "
+                            "training continues")
 
     def _clipped(self, st: _Step, params: list[torch.Tensor], max_norm: float, norm: object) -> None:
         """After a clip of ``params``: their rows are pre/post-clip ones; the global norms are the clip's own when
@@ -1038,15 +1106,24 @@ class Collector:
             st.clip_threshold = float(max_norm)
         if not isinstance(norm, torch.Tensor):
             return
-        coef = max_norm / (norm.detach() + 1e-6)  # clip_grad_norm_'s own coefficient, in its dtype
-        clipped = (coef < 1).to(torch.float64)
-        st.clipped_any = clipped if st.clipped_any is None else torch.maximum(st.clipped_any, clipped)
+        whole = not self._norm_suffix  # (a plain tensor's norm of sharded gradients is of this rank's part)
+        if type(norm).__name__ == "DTensor":  # (FSDP2: the whole gradients' norm when replicated, else a part's)
+            whole = replicated(norm)
+            norm = norm.to_local()
+        norm = norm.detach()
         every = all(id(p) in ids for p in self._params.values() if p.requires_grad)
-        if every and not st.norm_done:
-            n = norm.detach().to(torch.float64)
-            post = n * torch.clamp(coef, max=1.0).to(torch.float64)
-            for name, v in (("grad_norm", n), ("grad_norm_post_clip", post)):
-                self._put_scalar(st, st.step, name, v)
+        if whole:  # (of a rank's part of the gradients, the norm does not say whether clip scaled them)
+            coef = max_norm / (norm + 1e-6)  # clip_grad_norm_'s own coefficient, in its dtype
+            clipped = (coef < 1).to(torch.float64)
+            st.clipped_any = clipped if st.clipped_any is None else torch.maximum(st.clipped_any, clipped)
+            if every and not st.norm_done:
+                n = norm.to(torch.float64)
+                post = n * torch.clamp(coef, max=1.0).to(torch.float64)
+                for name, v in (("grad_norm", n), ("grad_norm_post_clip", post)):
+                    self._put_scalar(st, st.step, name, v)
+                st.norm_done = True
+        elif every and not st.norm_done:  # (the post-clip norm of this rank's part would need the global one)
+            self._put_scalar(st, st.step, "grad_norm_local", norm.to(torch.float64))
             st.norm_done = True
 
     def _applied(self, st: _Step, before: float | None, after: float | None) -> tuple[bool | None, set[str]]:
@@ -1316,7 +1393,7 @@ class Collector:
                     self.first_nonfinite = (st.step, key[1], key[0], key[2])
                     break
         if grad_sq is not None and grads and self._all_trainable_selected():
-            st.host_scalars.append((st.step, "grad_norm", math.sqrt(grad_sq)))
+            st.host_scalars.append((st.step, "grad_norm" + self._norm_suffix, math.sqrt(grad_sq)))
         tokens = t.tokens
         elapsed = next((v for s, n, v in st.host_scalars if n == "step_time" and s == st.step), None)
         if tokens is not None and elapsed:

@@ -124,10 +124,18 @@ def select(module_names: list[str], param_names: list[str], patterns: list[str] 
 
 
 def param_sharing(p: torch.Tensor, ddp: bool) -> str:
-    """``"shard"`` for FSDP flat or DTensor-sharded parameters, ``"replica"`` under DDP, else ``"shard"``."""
-    if type(p).__name__ in ("FlatParameter", "DTensor"):
+    """``"shard"`` for FSDP flat or DTensor-sharded parameters, ``"replica"`` under DDP or for a DTensor replicated
+    on every mesh dimension, else ``"shard"``."""
+    if type(p).__name__ == "DTensor":
+        return "replica" if replicated(p) else "shard"
+    if type(p).__name__ == "FlatParameter":
         return "shard"
     return "replica" if ddp else "shard"
+
+
+def replicated(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor whose local tensor is the whole value (replicated on every mesh dimension)."""
+    return type(t).__name__ == "DTensor" and all(pl.is_replicate() for pl in t.placements)  # type: ignore[attr-defined]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,106 @@
+"""Two CPU ranks (gloo) training under FSDP2 (``fully_shard``): each rank records its shards of the parameters and
+gradients; the merged shards give every parameter's and gradient's whole distribution, checked against the full
+tensors the ranks gathered; the norms say whether they are the whole model's or one rank's part.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+
+import numpy as np
+import pytest
+
+import trainhist
+
+from torch_helpers import run_ranks
+
+pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch.distributed")
+
+WORKER = textwrap.dedent("""
+    import json, sys, torch, torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from trainhist.torch import Collector
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(), torch.nn.Linear(12, 3))
+    for m in (model[0], model[2]):
+        fully_shard(m)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    col = Collector(model, sys.argv[1], every=1, sketch_every=1, mode="w")
+    col.attach(optimizer=opt)
+    g = torch.Generator().manual_seed(100 + rank)  # each rank sees its own data
+    ref = {"params": {}, "grads": {}, "clip_norm": {}, "norm": {}}
+    for step in range(3):
+        with col.step(step):
+            model(torch.randn(5, 6, generator=g)).square().mean().backward()
+            # the whole gradients (a collective: the test's reference only)
+            full = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            ref["grads"][step] = {n: [t.numel(), float(t.min()), float(t.max())] for n, t in full.items()}
+            ref["norm"][step] = float(torch.cat([t.reshape(-1) for t in full.values()]).double().norm())
+            if step < 2:  # clipped steps; step 2 is not clipped
+                n = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                ref["clip_norm"][step] = float(n.full_tensor())
+            opt.step()
+            opt.zero_grad()
+        full = {n: p.full_tensor() for n, p in model.named_parameters()}
+        ref["params"][step] = {n: [t.numel(), float(t.min()), float(t.max())] for n, t in full.items()}
+    col.close()
+    if rank == 0:
+        with open(sys.argv[2], "w") as f:
+            json.dump(ref, f)
+    dist.destroy_process_group()
+""")
+
+
+def test_fsdp2_shards_merge_into_whole_parameters(tmp_path):
+    outs = run_ranks(WORKER, tmp_path, str(tmp_path / "f.thist"), str(tmp_path / "ref.json"))
+    assert not any("trainhist:" in o for o in outs), outs  # no warning: nothing failed, the run id was agreed
+    ref = json.loads((tmp_path / "ref.json").read_text())
+    shards = [trainhist.open(tmp_path / f"f.rank{r}.thist") for r in range(2)]
+    assert shards[0].runs[0]["run_id"] == shards[1].runs[0]["run_id"]
+    trainhist.merge([tmp_path / "f.rank0.thist", tmp_path / "f.rank1.thist"], tmp_path / "f.thist")
+    h = trainhist.open(tmp_path / "f.thist")
+    assert len(h.segments) == 1
+    names = ("0.weight", "0.bias", "2.weight", "2.bias")
+    for name in names:
+        for stream in ("param", "param_grad", "param_delta"):
+            s = h.site(name, stream)
+            assert s.sharing == "shard", s  # each rank holds a part
+            assert s.shape == tuple(shards[0].site(name, stream).shape)
+    for step in range(3):
+        # the merged parameter rows are the whole parameters' (every element once; exact min and max)
+        for name in names:
+            numel, lo, hi = ref["params"][str(step)][name]
+            sp = h.spine(name, "param")
+            i = int(np.flatnonzero(sp.step == step)[0])
+            assert (int(sp.columns["count"][i]), float(sp.min[i]), float(sp.max[i])) == (numel, lo, hi), name
+            numel, lo, hi = ref["grads"][str(step)][name]
+            gp = h.spine(name, "param_grad", phase="pre_clip" if step < 2 else "default")
+            i = int(np.flatnonzero(gp.step == step)[0])
+            assert (int(gp.columns["count"][i]), float(gp.min[i]), float(gp.max[i])) == (numel, lo, hi), name
+        # the whole model's gradient norm from the merged rows' sums of squares
+        phase = "pre_clip" if step < 2 else "default"
+        sq = 0.0
+        for n in names:
+            gp = h.spine(n, "param_grad", phase=phase)
+            sq += float(gp.columns["sumsq"][gp.step == step][0])
+        assert math.isclose(math.sqrt(sq), ref["norm"][str(step)], rel_tol=1e-6)
+    # clipped steps: clip_grad_norm_'s norm is the whole model's (a replicated DTensor), recorded as grad_norm, and
+    # whether it clipped is known
+    gn = h.spine("grad_norm", "scalar")
+    for step in (0, 1):
+        i = int(np.flatnonzero(gn.step == step)[0])
+        assert float(gn.max[i]) == ref["clip_norm"][str(step)]
+    truth = {r["step"]: r for r in h.step_truth_rows()}
+    assert truth[0]["clipped"] == truth[1]["clipped"] == "clipped"
+    # the step without a clip: each rank knows only its part's norm, recorded as grad_norm_local; the ranks' squares
+    # add up to the whole norm's (the merged row's sum of squares)
+    assert 2 not in set(gn.step.tolist())
+    loc = h.spine("grad_norm_local", "scalar")
+    i = int(np.flatnonzero(loc.step == 2)[0])
+    assert int(loc.columns["count"][i]) == 2
+    assert math.isclose(math.sqrt(float(loc.columns["sumsq"][i])), ref["norm"]["2"], rel_tol=1e-6)
