@@ -447,6 +447,22 @@ HUGE_SUM_SUMMARY = {  # one value whose exact sum has the largest exponent the i
     "count": U(1), "nan": U(0), "pinf": U(0), "ninf": U(0), "zero": U(0),
     "min": F(1.0), "max": F(1.0), "sum": f"d:1p{2**31 - 1}", "sumsq": "d:1p0", "method": "exact",
 }
+def exact_summary(values: list[float]) -> dict:
+    """The spine of ``values`` (float64, finite, integers) with its exact sums (``method`` exact, no sketch)."""
+    ints = [int(v) for v in values]
+    total, squares = sum(ints), sum(v * v for v in ints)
+
+    def dyadic(n: int) -> str:
+        if n == 0:
+            return "d:0p0"
+        e = (n & -n).bit_length() - 1
+        return f"d:{n >> e}p{e}"
+
+    return {"count": U(len(ints)), "nan": U(0), "pinf": U(0), "ninf": U(0), "zero": U(ints.count(0)),
+            "min": F(float(min(values))), "max": F(float(max(values))), "sum": dyadic(total),
+            "sumsq": dyadic(squares), "method": "exact"}
+
+
 SCALE1_SUMMARY = {
     "count": U(5), "nan": U(0), "pinf": U(0), "ninf": U(0), "zero": U(0),
     "min": F(-4.0), "max": F(100000.0), "sum": "d:50001p1", "sumsq": "d:5000000017p1",
@@ -1180,6 +1196,17 @@ def gen_merge(s: Suite) -> None:
                                     "input-1.thist": write_ops(ops_doc(huge, writer_id=WRITER_ID_4, rank=1,
                                                                       world_size=2))},
                   {"inputs": two}, error="sum_overflow")
+    # sums beyond binary64's precision: step 0's total 2^60 + 1 needs the exact columns (sum_x, sumsq_x) in the
+    # output, step 1's inputs hold them and its total sum (1) is a binary64 again, so only sumsq_x remains
+    ex = [[site("acc", cadence={"spine": 1, "sketch": 0}),
+           {"op": "observe", "site": 0, "step": I(0), "summary": exact_summary(v0)},
+           {"op": "observe", "site": 0, "step": I(1), "summary": exact_summary(v1)}, COMMIT]
+          for v0, v1 in (([2.0**60], [-(2.0**60), 1.0]), ([1.0], [2.0**60]))]
+    _derived_case(s, m, "exact_sums", "sums add exactly: a total that is not a binary64 gains its exact column, "
+                  "one that is a binary64 again drops it", ["11.2", "5.3"],
+                  {"input-0.thist": write_ops(ops_doc(ex[0])),
+                   "input-1.thist": write_ops(ops_doc(ex[1], writer_id=WRITER_ID_4, rank=1, world_size=2))},
+                  {"inputs": two})
     recs = parse(r1)
     edit_chunk(first(recs, RecordType.STEPS), lambda m, cs: setattr(col(cs, "applied"), "block",
                                                                    b"\x07" + col(cs, "applied").block[1:]))
