@@ -831,6 +831,8 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
            with_manifest("site", manifest(dict(site_doc, stream="weights"))), error="bad_manifest")
     s.read(c, "bad_manifest_extra", "a site manifest with a member its schema does not allow", ["9"],
            with_manifest("site", manifest(dict(site_doc, colour="blue"))), error="bad_manifest")
+    s.read(c, "bad_site_order", "a site manifest whose `order` is negative", ["9", "2.2"],
+           with_manifest("site", manifest(dict(site_doc, order=-1))), error="bad_manifest")
     s.read(c, "unknown_manifest_kind", "a manifest of kind `plugin`", ["9"],
            with_manifest("run", manifest({"kind": "plugin"})), error="unknown_manifest_kind")
     s.read(c, "bad_site_id", "the first site is declared with id 1", ["9", "2.2"],
@@ -1122,8 +1124,9 @@ def rank_ops(rank: int, *, replica_scale: float = 1.0, fc_sharing: str = "shard"
     parameter (no sketch), steps 0..2, two commits."""
     r = float(rank + 1)
     ops = [
-        site("fc", shape=[3], dtype="float32", sharing=fc_sharing),
-        site("fc.weight", "param", sharing="replica", shape=[2], dtype="float32", cadence={"spine": 1, "sketch": 0}),
+        site("fc", shape=[3], dtype="float32", sharing=fc_sharing, order=0),
+        site("fc.weight", "param", sharing="replica", shape=[2], dtype="float32", cadence={"spine": 1, "sketch": 0},
+             order=0),
     ]
     for step in range(3):
         if rank == 1 and step == 2:
@@ -1206,6 +1209,13 @@ def gen_merge(s: Suite) -> None:
                   "one that is a binary64 again drops it", ["11.2", "5.3"],
                   {"input-0.thist": write_ops(ops_doc(ex[0])),
                    "input-1.thist": write_ops(ops_doc(ex[1], writer_id=WRITER_ID_4, rank=1, world_size=2))},
+                  {"inputs": two})
+    ordered = [[site("x", order=ox), site("y", order=3), obs(0, 0, [1.0]), obs(1, 0, [2.0]), COMMIT]
+               for ox in (1, 2)]
+    _derived_case(s, m, "order_disagrees", "a site whose inputs give different `order`s has none in the output; "
+                  "one they agree on keeps it", ["11.5", "2.2"],
+                  {"input-0.thist": write_ops(ops_doc(ordered[0])),
+                   "input-1.thist": write_ops(ops_doc(ordered[1], writer_id=WRITER_ID_4, rank=1, world_size=2))},
                   {"inputs": two})
     recs = parse(r1)
     edit_chunk(first(recs, RecordType.STEPS), lambda m, cs: setattr(col(cs, "applied"), "block",

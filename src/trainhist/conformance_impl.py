@@ -127,7 +127,7 @@ def run_ops(doc: dict, out: str) -> None:
                 declare(w.site(
                     op["path"], op["stream"], facet=op.get("facet"), shape=op.get("shape"), dtype=op.get("dtype"),
                     sharing=op.get("sharing", "shard"), cadence_spine=cad["spine"], cadence_sketch=cad["sketch"],
-                    sample=op.get("sample"),
+                    sample=op.get("sample"), order=op.get("order"),
                 ))
             elif kind == "observe":
                 site = sites[op["site"]]

@@ -92,7 +92,7 @@ def canonical(h: History) -> dict:
             "path": site.path, "stream": site.stream, "facet": site.facet,
             "shape": None if site.shape is None else list(site.shape), "dtype": site.dtype,
             "sharing": site.sharing, "cadence": {"spine": site.cadence_spine, "sketch": site.cadence_sketch},
-            "sample": site.sample, "rows": _rows(h, site),
+            "sample": site.sample, "order": site.order, "rows": _rows(h, site),
         })
     steps = []
     for r in h.step_truth_rows():

@@ -532,7 +532,7 @@ class _Engine:
                 "kind": "site", "id": new_id, "path": key[0], "stream": key[1], "facet": key[2], "shape": shape,
                 "dtype": _agree([d.get("dtype") for d in docs]), "sharing": docs[0]["sharing"],
                 "cadence": {"spine": _window_cadence(spine, self.N), "sketch": _window_cadence(sketch, self.N)},
-                "sample": docs[0].get("sample"),
+                "sample": docs[0].get("sample"), "order": _agree([d.get("order") for d in docs]),
             }
             self.site_docs.append(doc)
             self.site_sharing.append(doc["sharing"])

@@ -101,6 +101,7 @@ class Site:
     cadence_sketch: int
     sample: dict | None
     manifest: dict = field(compare=False, repr=False)
+    order: int | None = None  #: position in the order a step produces values (2.2); None when unknown
 
     @property
     def key(self) -> tuple[str, str, str | None]:
@@ -610,7 +611,8 @@ class History:
                            e.offset)
             site = Site(doc["id"], doc["path"], doc["stream"], doc["facet"],
                         None if doc.get("shape") is None else tuple(doc["shape"]), doc.get("dtype"), doc["sharing"],
-                        doc["cadence"]["spine"], doc["cadence"]["sketch"], doc.get("sample"), doc)
+                        doc["cadence"]["spine"], doc["cadence"]["sketch"], doc.get("sample"), doc,
+                        doc.get("order"))
             if site.key in self._site_by_key:
                 raise _bad(f"site {site.key} declared twice", "duplicate_site", self.path, e.offset)
             self.sites.append(site)

@@ -27,10 +27,19 @@ _PASS_NAME = {"activation": "forward", "activation_grad": "backward", "param_gra
 
 
 def site_orders(h: History) -> dict[int, int]:
-    """Site id -> its rank within its pass of a step. Backward visits modules in the reverse of the forward order: a
-    gradient site ranks by the id of its module's output site (writers declare those in forward order), reversed,
-    whatever order its own id came in (a writer that declares sites as it first sees them declares gradients in
-    backward order)."""
+    """Site id -> its rank within its pass of a step. Backward visits modules in the reverse of the forward order, so
+    a gradient site ranks by its module's forward position, reversed.
+
+    The positions are the sites' ``order`` (spec 2.2) where every site but the scalars has one: a merged file
+    numbers its sites by key, so only ``order`` keeps the forward order across a merge. Otherwise the ids stand in
+    (writers declare output sites in forward order) and a gradient site takes its output site's id, whatever
+    order its own id came in (a writer that declares sites as it first sees them declares gradients in backward
+    order)."""
+    pos = {x.id: x.order for x in h.sites if x.stream != "scalar"}
+    if pos and None not in pos.values():
+        top = max(pos.values())  # type: ignore[type-var]
+        return {x.id: x.id if x.stream == "scalar" else top - pos[x.id] if x.stream == "activation_grad"
+                else pos[x.id] for x in h.sites}  # type: ignore[operator]
     forward_id = {(x.path, x.facet): x.id for x in h.sites if x.stream == "activation"}
     n = len(h.sites)
     return {x.id: n - forward_id.get((x.path, x.facet), x.id) if x.stream == "activation_grad" else x.id

@@ -473,8 +473,10 @@ class HistoryWriter:
         cadence_spine: int = 1,
         cadence_sketch: int = 1,
         sample: dict | None = None,
+        order: int | None = None,
     ) -> SiteHandle:
-        """Declare (or look up) the site ``(path, stream, facet)``; its manifest is written once."""
+        """Declare (or look up) the site ``(path, stream, facet)``; its manifest is written once. ``order``: its
+        position in the order a step produces values (spec 2.2), kept by merge where ids are not."""
         self._check_open()
         key = (path, stream, facet)
         if key in self._sites:
@@ -489,6 +491,8 @@ class HistoryWriter:
             "shape": None if shape is None else [int(d) for d in shape], "dtype": dtype, "sharing": sharing,
             "cadence": {"spine": int(cadence_spine), "sketch": int(cadence_sketch)}, "sample": sample,
         }
+        if order is not None:
+            doc["order"] = int(order)
         self._manifest(doc)
         handle = SiteHandle(sid, path, stream, facet)
         self._sites[key] = handle

@@ -1543,3 +1543,39 @@ def test_rank_zero_publishes_its_run_id(tmp_path, monkeypatch):
     col = Collector(torch.nn.Linear(3, 2), tmp_path / "r.thist", mode="w").attach()
     col.close()
     assert store.get("trainhist/run_id/0").decode() == trainhist.open(tmp_path / "r.rank0.thist").runs[0]["run_id"]
+
+
+def test_triage_of_merged_shards_names_the_module_where_the_nan_was_born(tmp_path):
+    """A merge numbers sites by key, so '(root)' sorts first; the sites' ``order`` keeps the forward order, and the
+    merged file's triage names the module whose output first held the NaN, as the rank's own file does."""
+    paths = []
+    for rank in (0, 1):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2))
+        at = {"step": -1}
+
+        def inject(m, a, o, rank=rank, at=at):
+            if rank == 1 and at["step"] == 2:
+                o = o.clone()
+                o[0, 3] = float("nan")
+                return o
+
+        model[1].register_forward_hook(inject)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        paths.append(tmp_path / f"r{rank}.thist")
+        col = Collector(model, paths[-1], mode="w", rank=rank, world_size=2, run_id="ab" * 16)
+        col.discover(torch.randn(3, 6))
+        col.attach(optimizer=opt)
+        for step in range(4):
+            at["step"] = step
+            with col.step(step):
+                model(torch.randn(5, 6)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        col.close()
+    trainhist.merge(paths, tmp_path / "m.thist")
+    merged = trainhist.open(tmp_path / "m.thist")
+    assert {s.path: s.order for s in merged.sites if s.stream == "activation"} == {"0": 0, "1": 1, "2": 2, ROOT: 3}
+    for h in (trainhist.open(paths[1]), merged):
+        first = triage(h).first_nonfinite
+        assert (first.step, first.site) == (2, "1"), first.text

@@ -364,6 +364,10 @@ class Collector:
         self._sel_modules = dict.fromkeys(n for n in self._modules if n in sel_modules)
         self._sel_params = dict.fromkeys(n for n in self._params if n in sel_params)
         self._facets: dict[str, list[tuple[str | None, tuple[int, ...], str]]] | None = None
+        # the sites' order (spec 2.2), kept by merge where ids are not: modules in the order their outputs were
+        # first produced (discover(), or the steps), parameters in the model's order
+        self._produced: dict[str, int] = {}
+        self._param_order = {n: i for i, n in enumerate(self._params)}
         self._gradless: set[tuple[str, str | None]] = set()  # (path, facet) discover() saw without a gradient
         self._plan: Plan | None = None
         self._handles: dict[tuple, object] = {}
@@ -424,6 +428,8 @@ class Collector:
 
     def _on_discover(self, path: str, module: torch.nn.Module, args: tuple, output: object) -> None:
         if self._discovery is not None and path not in self._discovery:
+            if path not in self._produced:
+                self._produced[path] = len(self._produced)
             facets = list(flatten_output(output))
             self._discovery[path] = [(f, tuple(t.shape), _dtype_name(t)) for f, t in facets]
             self._gradless.update((path, f) for f, t in facets if not t.requires_grad)
@@ -585,6 +591,7 @@ class Collector:
                 self._writer.site, path, stream, facet=facet, shape=shape, dtype=self._dtypes.get(key) or s.dtype,
                 sharing=s.sharing,
                 cadence_spine=s.every, cadence_sketch=s.sketch_every, sample=s.sample,
+                order=(self._produced if stream.startswith("activation") else self._param_order).get(path),
             )
             if h is not None:
                 self._handles[key] = h
@@ -972,6 +979,8 @@ class Collector:
         if path == ROOT and not in_backward:
             st.micro += 1
         if path in self._sel_modules:
+            if path not in self._produced:
+                self._produced[path] = len(self._produced)
             act, grad = st.due["activation"], st.due["activation_grad"]
             for facet, t in flatten_output(output):
                 if act and not in_backward:
