@@ -30,11 +30,13 @@ WORKER = textwrap.dedent("""
         fully_shard(m)
     fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    col = Collector(model, sys.argv[1], every=1, sketch_every=1, mode="w")
+    # (updates measured on 5 seeded positions of each larger parameter, drawn over the whole parameter)
+    col = Collector(model, sys.argv[1], every=1, sketch_every=1, mode="w", delta_elements=5)
     col.attach(optimizer=opt)
     g = torch.Generator().manual_seed(100 + rank)  # each rank sees its own data
-    ref = {"params": {}, "grads": {}, "clip_norm": {}, "norm": {}}
+    ref = {"params": {}, "grads": {}, "clip_norm": {}, "norm": {}, "delta": {}}
     for step in range(3):
+        before = {n: p.full_tensor().reshape(-1) for n, p in model.named_parameters()}
         with col.step(step):
             model(torch.randn(5, 6, generator=g)).square().mean().backward()
             # the whole gradients (a collective: the test's reference only)
@@ -48,6 +50,7 @@ WORKER = textwrap.dedent("""
             opt.zero_grad()
         full = {n: p.full_tensor() for n, p in model.named_parameters()}
         ref["params"][step] = {n: [t.numel(), float(t.min()), float(t.max())] for n, t in full.items()}
+        ref["delta"][step] = {n: (full[n].reshape(-1) - before[n]).tolist() for n in full}
     col.close()
     if rank == 0:
         with open(sys.argv[2], "w") as f:
@@ -71,7 +74,22 @@ def test_fsdp2_shards_merge_into_whole_parameters(tmp_path):
             s = h.site(name, stream)
             assert s.sharing == "shard", s  # each rank holds a part
             assert s.shape == tuple(shards[0].site(name, stream).shape)
+    from trainhist.torch.plan import sample_indices
+
+    for name in names:  # one sample per parameter, the same on every rank: drawn over the whole parameter
+        size = int(np.prod(h.site(name, "param").shape))
+        want = None if size <= 5 else {"elements": 5, "of": size, "seed": 0}
+        assert h.site(name, "param_delta").sample == want, name
+    assert h.site("2.weight", "param_delta").sample is not None  # (3 rows on 2 ranks: an uneven split)
     for step in range(3):
+        for name in names:  # the ranks' update rows add up to the sampled positions of the whole parameter
+            delta = np.array(ref["delta"][str(step)][name], dtype=np.float32)
+            idx = sample_indices(name, delta.size, 5, 0)
+            sampled = delta if idx is None else delta[idx]
+            dp = h.spine(name, "param_delta")
+            i = int(np.flatnonzero(dp.step == step)[0])
+            assert int(dp.columns["count"][i]) == sampled.size, name
+            assert (float(dp.min[i]), float(dp.max[i])) == (float(sampled.min()), float(sampled.max())), name
         # the merged parameter rows are the whole parameters' (every element once; exact min and max)
         for name in names:
             numel, lo, hi = ref["params"][str(step)][name]

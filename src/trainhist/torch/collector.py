@@ -52,7 +52,7 @@ from .plan import (
     local_tensor,
     param_sharing,
     replicated,
-    sample_indices,
+    delta_sample,
     select,
     unwrap,
 )
@@ -479,10 +479,8 @@ class Collector:
                     continue
                 sample, el = None, n
                 if stream == "param_delta":
-                    k = min(n, self.delta_elements)
-                    el = k
-                    if k < n:
-                        sample = {"elements": k, "of": n, "seed": self.seed}
+                    idx, sample = delta_sample(name, p, self.delta_elements, self.seed)
+                    el = n if idx is None else len(idx)
                 plan.sites.append(PlannedSite(name, stream, None, shape, dtype, el, sharing, ev[stream],
                                               sk[stream], sample))
         return plan
@@ -500,7 +498,8 @@ class Collector:
                 "elements": self.delta_elements,
                 "seed": self.seed,
                 "indices": "sorted numpy.random.default_rng([seed, zlib.crc32(path)]).choice(numel, elements, "
-                "replace=False) over the flattened rank-local tensor; float32 difference exit - entry",
+                "replace=False) over the flattened parameter (a sharded DTensor: its whole flat positions, each rank "
+                "measuring those in its shard; otherwise the rank-local tensor); float32 difference exit - entry",
             },
             "micro_batches": "merged on device: one row per (site, phase) per step, micro=None",
             "param_timing": "param at step exit (after the update); param_grad before the optimizer step",
@@ -1236,7 +1235,7 @@ class Collector:
         n = local_tensor(p).numel()
         got = self._indices.get(name)
         if got is None or got[0] != n:
-            idx = sample_indices(name, n, self.delta_elements, self.seed)
+            idx, _ = delta_sample(name, p, self.delta_elements, self.seed)
             got = self._indices[name] = (n, idx, None if idx is None else torch.from_numpy(idx).to(p.device))
         return got
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import math
 import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ __all__ = [
     "param_sharing",
     "local_tensor",
     "sample_indices",
+    "delta_sample",
     "PlannedSite",
     "Plan",
 ]
@@ -153,6 +155,50 @@ def sample_indices(name: str, numel: int, k: int, seed: int) -> np.ndarray | Non
         return None
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
     return np.sort(rng.choice(numel, size=k, replace=False))
+
+
+def _block(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(whole shape, offset of this rank's part) of a sharded DTensor whose local tensor is one block of it (FSDP2's
+    dim-0 shards, even or not); None for anything else."""
+    if type(p).__name__ != "DTensor" or replicated(p):
+        return None
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if any(type(pl).__name__ == "_StridedShard" for pl in p.placements):  # type: ignore[attr-defined]
+            return None
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)  # type: ignore
+    except Exception:  # noqa: BLE001 -- not a layout we can map: the rank-local sample
+        return None
+    return (tuple(p.shape), tuple(offset)) if tuple(shape) == tuple(p.to_local().shape) else None  # type: ignore
+
+
+def delta_sample(name: str, p: torch.Tensor, k: int, seed: int) -> tuple[np.ndarray | None, dict | None]:
+    """The ``param_delta`` subvector of parameter ``name``: sorted flat indices into its rank-local tensor (None:
+    all of it), and its site's ``sample`` (None: the whole tensor).
+
+    For a sharded DTensor the positions are drawn over the whole parameter and each rank measures those in its
+    shard, so every rank's site states the same sample and the ranks' rows add up to it (spec 2.2); otherwise
+    over the rank-local tensor."""
+    n = local_tensor(p).numel()
+    block = _block(p)
+    if block is None:
+        idx = sample_indices(name, n, k, seed)
+        return idx, None if idx is None else {"elements": k, "of": n, "seed": seed}
+    shape, offset = block
+    whole = math.prod(shape)
+    chosen = sample_indices(name, whole, k, seed)
+    if chosen is None:
+        return None, None
+    at = np.unravel_index(chosen, shape)
+    local_shape = tuple(local_tensor(p).shape)
+    inside = np.ones(len(chosen), dtype=bool)
+    for a, o, m in zip(at, offset, local_shape):
+        inside &= (a >= o) & (a < o + m)
+    if not inside.any():
+        return np.empty(0, dtype=np.int64), {"elements": k, "of": whole, "seed": seed}
+    mine = np.ravel_multi_index(tuple(a[inside] - o for a, o in zip(at, offset)), local_shape)
+    return mine.astype(np.int64), {"elements": k, "of": whole, "seed": seed}  # (row-major: still sorted)
 
 
 @dataclass
