@@ -623,3 +623,42 @@ def test_dyadics_of_equals_from_float_on_every_kind_of_value():
     assert dyadics_of(np.zeros(0)) == []
     with pytest.raises(ValueError):
         dyadics_of(np.array([1.0, math.nan]))
+
+
+def test_step_truth_takes_the_names_it_reads_back(tmp_path) -> None:
+    """``applied`` and ``clipped`` accept a bool or the reader's names; a string was read as True (``applied=
+    "skipped"`` recorded an applied step), any other value is now refused."""
+    import pytest
+
+    from trainhist.errors import UsageError
+
+    p = tmp_path / "t.thist"
+    with trainhist.HistoryWriter(p) as w:
+        w.step_truth(0, applied="skipped", clipped="not_clipped")
+        w.step_truth(1, applied=True, clipped=False)
+        w.step_truth(2, applied="unknown")
+        for bad in ("yes", 1):
+            with pytest.raises(UsageError) as e:
+                w.step_truth(3, applied=bad)
+            assert e.value.code == "unknown_name"
+    rows = trainhist.open(p).step_truth_rows()
+    assert [(r["applied"], r["clipped"]) for r in rows] == [("skipped", "not_clipped"), ("applied", "not_clipped"),
+                                                            ("unknown", "unknown")]
+
+
+def test_a_second_writer_on_an_open_file_is_refused(tmp_path) -> None:
+    """Two writers on one file interleave their records (the second's salt splices the first's): the writer locks
+    its file, a second one is refused with ``file_in_use``, and the file opens again once the first closes."""
+    p = tmp_path / "t.thist"
+    first = trainhist.HistoryWriter(p)
+    first.observe(first.site("a", "activation"), 0, np.ones(3, np.float32))
+    for mode in ("w", "a"):
+        with pytest.raises(UsageError) as e:
+            trainhist.HistoryWriter(p, mode=mode)
+        assert e.value.code == "file_in_use"
+    first.close()
+    with trainhist.HistoryWriter(p, mode="a") as again:
+        again.observe(again.site("a", "activation"), 1, np.ones(3, np.float32))
+    h = trainhist.open(p)
+    h.verify()  # (raises on any damage)
+    assert h.spine("a", "activation").step.tolist() == [0, 1]

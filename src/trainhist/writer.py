@@ -42,6 +42,8 @@ from .model import (
     SHARING,
     STREAMS,
     U64_UNKNOWN,
+    Applied,
+    Clipped,
     GradBasis,
     Phase,
     Presence,
@@ -326,6 +328,39 @@ def encode_obs_chunks(chunks: list[tuple[list[tuple], int, int]], codec: int,
     return [(p, first, last) for p, (first, last) in zip(assemble_chunks(encoded), spans)]
 
 
+def _tristate(names: type, field_: str, value: bool | str | None) -> int:
+    """The code of a yes/no/unknown step-truth field given as a bool, None (unknown) or one of its names: any other
+    value is refused (a string is not read as true)."""
+    if value is None or isinstance(value, (bool, np.bool_)):
+        return 0 if value is None else (1 if value else 2)
+    if isinstance(value, str):
+        return names.code(value)  # type: ignore[attr-defined]
+    raise UsageError(f"{field_} must be True, False, None or one of {', '.join(names.NAMES)}, "  # type: ignore
+                     f"got {value!r}", code="unknown_name")
+
+
+def _open_locked(path: str):  # -> BinaryIO
+    """``path`` opened for reading and writing (created if missing, not truncated) and locked against a second
+    writer: two writers on one file would interleave their records into a file no reader can read. The lock is an
+    advisory ``flock``, released when the file is closed or the process dies; where the platform or file system has
+    none, the file is opened unlocked."""
+    f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o666), "r+b")
+    try:
+        import fcntl
+    except ImportError:  # (no flock on this platform)
+        return f
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise UsageError("another writer has this file open (it holds the file's lock): two writers would interleave "
+                         "their records; give each process its own file (under torch.distributed, the collector "
+                         "inserts .rank<r> once the process group exists)", code="file_in_use", path=path) from None
+    except OSError:  # (a file system without flock: unlocked)
+        pass
+    return f
+
+
 class HistoryWriter:
     """Write a trainhist file: sites, observations, step truth, segments, commits.
 
@@ -384,13 +419,19 @@ class HistoryWriter:
         self.writer_id = writer_id or uuid.uuid4().hex
         self._created = created
         self._segment_manifest: dict | None = None
-        resumed = mode == "a" and os.path.exists(self.path) and os.path.getsize(self.path) > 0
-        if resumed:
-            resumed = self._open_append()  # False: nothing was ever committed, so the file starts afresh
+        self._f = _open_locked(self.path)
+        try:
+            resumed = mode == "a" and os.fstat(self._f.fileno()).st_size > 0
+            if resumed:
+                resumed = self._open_append()  # False: nothing was ever committed, so the file starts afresh
+        except BaseException:
+            self._f.close()
+            raise
         if not resumed:
             self.run_id = run_id or uuid.uuid4().hex
             self._salt = int.from_bytes(os.urandom(8), "little") if salt is None else int(salt)
-            self._f = open(self.path, "wb")
+            self._f.truncate(0)
+            self._f.seek(0)
             self._seq = 0
             self._f.write(FileHeader(READ_VERSION, WRITE_VERSION, 0, 0, self._salt).pack())
             self._offset = FILE_HEADER_SIZE
@@ -436,7 +477,6 @@ class HistoryWriter:
         self._next_segment = max((g.id for g in h.segments), default=-1) + 1
         self._previous_segment = h.segments[-1].id if h.segments else None
         h.close()
-        self._f = open(self.path, "r+b")
         self._f.truncate(h.committed_bytes)  # drop a torn or uncommitted tail before appending
         self._f.seek(h.committed_bytes)
         self._offset = h.committed_bytes
@@ -634,23 +674,24 @@ class HistoryWriter:
         self,
         step: int,
         *,
-        applied: bool | None = None,
+        applied: bool | str | None = None,
         loss_scale: float | None = None,
         grad_basis: str | None = None,
-        clipped: bool | None = None,
+        clipped: bool | str | None = None,
         clip_threshold: float | None = None,
         micro_batches: int | None = None,
         tokens: int | None = None,
         samples: int | None = None,
     ) -> None:
-        """Record what the loop can attest about ``step``; every ``None`` is stored as unknown."""
+        """Record what the loop can attest about ``step``; every ``None`` is stored as unknown. ``applied`` and
+        ``clipped`` take a bool or the names the reader gives back (``"skipped"``, ``"not_clipped"``, ...)."""
         self._check_open()
         self._at_step(int(step))
         row = (
             int(step),
-            0 if applied is None else (1 if applied else 2),
+            _tristate(Applied, "applied", applied),
             GradBasis.code(grad_basis or "unknown"),
-            0 if clipped is None else (1 if clipped else 2),
+            _tristate(Clipped, "clipped", clipped),
             CANONICAL_NAN if loss_scale is None else float(loss_scale),
             CANONICAL_NAN if clip_threshold is None else float(clip_threshold),
             0 if micro_batches is None else int(micro_batches),
