@@ -183,3 +183,22 @@ def test_rows_without_numbers_are_reported_by_state(tmp_path) -> None:
     kinds = {f.kind: f for f in t.findings}
     assert "4 rows of 1 site/phase pairs did not run, first `moe.1` forward" in kinds["rows_absent"].text
     assert kinds["rows_skipped"].step == 2 and "no non-finite" not in t.format()
+
+
+def test_coarsened_rows_without_numbers_and_skipped_steps_are_named_by_their_window(tmp_path) -> None:
+    """Spec 2.3: a coarsened row is shown as its span. The findings on rows without numbers and on skipped steps
+    named a window by its first step."""
+    src, dst = tmp_path / "s.thist", tmp_path / "c.thist"
+    with trainhist.HistoryWriter(src) as w:
+        d = w.site("h.0.weight", "param_delta")
+        for step in range(4):
+            if step >= 2:
+                w.mark(d, step, "skipped")
+            else:
+                w.observe(d, step, np.ones(2, np.float32))
+            w.step_truth(step, applied="skipped" if step >= 2 else "applied")
+    trainhist.coarsen(src, dst, steps=2)
+    with trainhist.open(dst) as h:
+        kinds = {f.kind: f.text for f in triage(h).findings}
+    assert kinds["rows_skipped"].endswith("at steps 2–3"), kinds
+    assert kinds["skipped_step"].endswith("first at steps 2–3"), kinds

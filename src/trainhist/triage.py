@@ -173,7 +173,9 @@ def triage(h: History) -> Triage:
                                (Presence.UNKNOWN, "unknown")):
                 at = np.flatnonzero(s.presence == code)
                 if at.size:
-                    missing.setdefault(name, []).append((int(s.step[at].min()), int(at.size), _label(site, phase)))
+                    i = int(at[np.argmin(s.step[at])])
+                    missing.setdefault(name, []).append((int(s.step[i]), int(s.span[i]), int(at.size),
+                                                         _label(site, phase)))
     events.sort(key=lambda e: (e.segment, e.step, e.pass_rank, e.order))
     if events:
         e0 = events[0]
@@ -194,21 +196,23 @@ def triage(h: History) -> Triage:
                                        f"{_steps(*steps[0])}"))
     why = {"absent": "did not run", "skipped": "had nothing to observe (skipped)", "unknown": "are unknown"}
     for name, found in missing.items():  # rows without numbers, by state: one finding each, naming the earliest
-        step, n, label = min(found)
+        step, span, _, label = min(found)
         report.findings.append(Finding(f"rows_{name}", step, None,
-                                       f"{sum(f[1] for f in found)} rows of {len(found)} site/phase pairs "
-                                       f"{why[name]}, first {label} at step {step}"))
+                                       f"{sum(f[2] for f in found)} rows of {len(found)} site/phase pairs "
+                                       f"{why[name]}, first {label} at {_steps(step, span)}"))
     rows = h.step_truth_rows()
-    skipped = [r["step"] for r in rows if r["applied"] == "skipped"]
+    skipped = [(r["step"], r["span"]) for r in rows if r["applied"] == "skipped"]
     if skipped:
-        report.findings.append(Finding("skipped_step", skipped[0], None,
+        report.findings.append(Finding("skipped_step", skipped[0][0], None,
                                        f"{len(skipped)} step(s) applied no update (the optimizer step was skipped, "
-                                       f"e.g. for an overflow, or not called), first at step {skipped[0]}"))
+                                       f"e.g. for an overflow, or not called), first at {_steps(*min(skipped))}"))
     if any(x.path == "step_interrupted" and x.stream == "scalar" for x in h.sites):
-        at = h.spine("step_interrupted", "scalar").step.tolist()
+        sp = h.spine("step_interrupted", "scalar")
+        at = sp.step.tolist()
         report.findings.append(Finding("interrupted", at[0], None,
                                        f"{len(at)} step(s) were interrupted by an exception in the training loop, "
-                                       f"first at step {at[0]}: their rows hold what was recorded before it, the "
+                                       f"first at {_steps(at[0], int(sp.span[0]))}: their rows hold what was "
+                                       "recorded before it, the "
                                        "rest are unknown"))
     unknown = sum(r["applied"] == "unknown" for r in rows)
     if rows and unknown:
