@@ -1579,3 +1579,140 @@ def test_triage_of_merged_shards_names_the_module_where_the_nan_was_born(tmp_pat
     for h in (trainhist.open(paths[1]), merged):
         first = triage(h).first_nonfinite
         assert (first.step, first.site) == (2, "1"), first.text
+
+
+def test_a_forward_under_inference_mode_inside_a_step_breaks_nothing(tmp_path):
+    """A forward under torch.inference_mode() (an evaluation or a rollout inside the step) that allocates ledger
+    rows must not leave the ledger an inference tensor, which later steps could not write: every step records,
+    nothing fails, no warning."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+            self.head = torch.nn.Sequential(*[torch.nn.Tanh() for _ in range(64)])  # (runs only in eval mode)
+
+        def forward(self, x):
+            y = self.fc(x)
+            return y if self.training else self.head(y)
+
+    torch.manual_seed(0)
+    m = M()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    col = Collector(m, tmp_path / "r.thist", mode="w")
+    col.discover(torch.randn(2, 8))
+    col.attach(optimizer=opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            with col.step(step):
+                with torch.inference_mode():  # a rollout before the update
+                    m(torch.randn(2, 8))
+                m(torch.randn(2, 8)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                if step == 1:  # an evaluation that runs 64 modules more: the ledger grows inside inference mode
+                    m.eval()
+                    with torch.inference_mode():
+                        m(torch.randn(2, 8))
+                    m.train()
+    col.close()
+    assert not [str(w.message) for w in caught if "trainhist" in str(w.message)]
+    h = trainhist.open(tmp_path / "r.thist")
+    for stream in ("activation", "activation_grad", "param_grad"):
+        path = "fc" if stream.startswith("activation") else "fc.weight"
+        assert {presence(h, path, stream, step) for step in range(4)} == {"observed"}, stream
+    assert presence(h, "head.3", "activation", 1) == "observed"
+
+
+def test_a_parameter_returned_by_a_module_gets_one_gradient_hook_per_step(tmp_path):
+    """A module that returns a leaf tensor (a parameter through Dropout(0.0)): its gradient hook would stay on the
+    parameter for good, so every later step would add one more and count the gradient again; it is removed when
+    the step ends, and the row counts the parameter once."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.query = torch.nn.Parameter(torch.randn(4, 8))
+            self.drop = torch.nn.Dropout(0.0)
+            self.fc = torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.fc(x + self.drop(self.query)).mean()
+
+    torch.manual_seed(0)
+    m = M()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    col = Collector(m, tmp_path / "r.thist", mode="w")
+    col.discover(torch.randn(4, 8))
+    col.attach(optimizer=opt)
+    grads = []
+    for step in range(4):
+        with col.step(step):
+            m(torch.randn(4, 8)).backward()
+            grads.append(m.query.grad.clone())
+            opt.step()
+            opt.zero_grad()
+        assert not m.query._backward_hooks, step
+    col.close()
+    h = trainhist.open(tmp_path / "r.thist")
+    for step in range(4):
+        assert_row(h, "drop", "activation_grad", step, ref_summary([grads[step]]), sketch=step == 0)
+
+
+def test_a_closure_optimizer_records_the_gradients_its_closure_computed(tmp_path):
+    """optimizer.step(closure) (LBFGS) computes the gradients inside the step: read before it, they were the
+    previous step's (or absent at step 0); they are read after it, the closure's last evaluation."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    opt = torch.optim.LBFGS(net.parameters(), max_iter=3)
+    col = Collector(net, tmp_path / "r.thist", mode="w", sketch_every=1)
+    col.attach(optimizer=opt)
+    xs = [torch.randn(6, 4) for _ in range(3)]
+    last = []
+    for step in range(3):
+        with col.step(step):
+            def closure(x=xs[step]):
+                opt.zero_grad()
+                loss = net(x).square().mean()
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+            last.append(net[0].weight.grad.clone())
+    col.close()
+    h = trainhist.open(tmp_path / "r.thist")
+    for step in range(3):
+        assert_row(h, "0.weight", "param_grad", step, ref_summary([last[step]]))
+
+
+def test_a_compiled_model_runs_the_hooks_without_tracing_them(tmp_path, caplog):
+    """The hooks of a model compiled before it is recorded are called by the compiled code, not traced into it:
+    traced, they were recompiled at every step (their guards hold memory addresses) until torch's recompile limit
+    warned, naming trainhist's internals. The rows are the module's outputs."""
+    import logging
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    cm = torch.compile(m, backend="eager")
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    col = Collector(cm, tmp_path / "c.thist", mode="w", sketch_every=1)
+    col.discover(torch.randn(2, 16))
+    col.attach(optimizer=opt)
+    outs = []
+    with caplog.at_level(logging.WARNING):
+        for step in range(12):
+            x = torch.randn(2, 16)
+            with torch.no_grad():  # (module 0's output: its own operation, not a call of the hooked module)
+                outs.append(torch.nn.functional.linear(x, m[0].weight, m[0].bias))
+            with col.step(step):
+                cm(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+    col.close()
+    torch._dynamo.reset()
+    assert not [r.getMessage() for r in caplog.records if "recompile" in r.getMessage()]
+    h = trainhist.open(tmp_path / "c.thist")
+    for step in range(12):
+        assert_row(h, "0", "activation", step, ref_summary([outs[step]]))

@@ -77,3 +77,33 @@ def test_ddp_two_ranks_write_shard_files(tmp_path):
             np.testing.assert_array_equal(mine.columns["count"], sum(x.columns["count"] for x in per_rank))
             np.testing.assert_array_equal(mine.min, np.minimum(*(x.min for x in per_rank)))
             np.testing.assert_array_equal(mine.max, np.maximum(*(x.max for x in per_rank)))
+
+
+EARLY = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    from trainhist.torch import Collector
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    col = Collector(net, sys.argv[1], mode="w")  # before the process group exists
+    dist.init_process_group("gloo")
+    col.attach()
+    for step in range(2):
+        with col.step(step):
+            net(torch.randn(4, 3)).sum().backward()
+        col.commit()
+    col.close()
+    dist.destroy_process_group()
+""")
+
+
+def test_a_collector_made_before_the_process_group_writes_one_file_per_rank(tmp_path):
+    """The rank is read when the file is opened: made before init_process_group, every rank wrote one file as
+    rank 0 of 1, interleaving their records into a file no reader could read."""
+    run_ranks(EARLY, tmp_path, str(tmp_path / "e.thist"))
+    assert not (tmp_path / "e.thist").exists()
+    for r in range(2):
+        h = trainhist.open(tmp_path / f"e.rank{r}.thist")
+        h.verify()
+        (w,) = h.writers
+        assert (w["rank"], w["world_size"]) == (r, 2)
+        assert h.spine("(root)", "activation").step.tolist() == [0, 1]

@@ -95,3 +95,28 @@ def test_rank_paths():
     assert _rank_path("run.thist", 0, 1) == "run.thist"
     assert _rank_path("run.thist", 3, 4) == "run.rank3.thist"
     assert _rank_path("out/{rank}.thist", 2, 4) == "out/2.thist"
+
+
+def test_plan_counts_every_call_of_a_module_called_twice(tmp_path):
+    """A module applied twice in a forward (weight sharing: ALBERT's layers, a shared activation) reduces both
+    outputs every step: the plan's elements per step are both calls', as the rows' counts are."""
+    import trainhist
+    from trainhist.torch import Collector
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.body(self.body(x))
+
+    m = Twice()
+    col = Collector(m, tmp_path / "t.thist", mode="w", streams=("activation",))
+    col.discover(torch.randn(4, 8))
+    (site,) = [s for s in col.plan.sites if s.path == "body"]
+    assert site.elements == 2 * 4 * 8
+    with col.step(0):
+        m(torch.randn(4, 8))
+    col.close()
+    assert int(trainhist.open(tmp_path / "t.thist").spine("body", "activation").columns["count"][0]) == site.elements

@@ -131,6 +131,9 @@ class _Step:
     late_only: bool = False  # carries only tensor scalars of earlier steps (the transfer at close)
     reductions: dict[tuple, int] = field(default_factory=dict)  # key -> reductions into its row this step
     seen: dict[tuple, tuple] = field(default_factory=dict)  # tensor identity -> (weakref, version, key)
+    # gradient hooks on leaf tensors a module returned (a parameter through Identity or eval-mode dropout): a leaf
+    # keeps its hooks, so they are removed when the step ends; (key, id of the tensor) -> handle
+    leaf_hooks: dict[tuple, object] = field(default_factory=dict)
     fused: bool = False  # reductions go through the CPU kernel (a CPU ledger, reduce.CPU_METHOD == "fused")
     defer: bool = False  # outputs and gradients are reduced in batches (the GPU's batched kernel): _flush_deferred
     flush: bool = False  # the loop runs with torch.set_flush_denormal(True): reductions switch it off (_no_flush)
@@ -242,6 +245,11 @@ def _agree_run_id(key: str, rank: int, own: str | None) -> str | None:
         return None
 
 
+def _closure(args: tuple, kwargs: dict) -> bool:
+    """Whether an optimizer step was given a closure (which computes the loss and gradients inside the step)."""
+    return (args[0] if args else kwargs.get("closure")) is not None
+
+
 def _rank_path(path: str | os.PathLike, rank: int, world_size: int) -> str:
     p = os.fspath(path)
     if "{rank}" in p:
@@ -344,7 +352,8 @@ class Collector:
         self.sketch_every = _per_stream(sketch_every, "sketch_every")
         self.delta_elements = int(delta_elements)
         self.seed = int(seed)
-        self.rank, self.world_size = _dist()
+        self.rank, self.world_size = _dist()  # (again when the file is opened: the process group may come later)
+        self._path_arg = path
         self.path = None if path is None else _rank_path(path, self.rank, self.world_size)
         self._writer = writer
         self._writer_options = writer_options
@@ -355,10 +364,7 @@ class Collector:
         first: dict[int, str] = {id(p): n for n, p in self._params.items()}  # shared parameters: recorded once,
         aliases = {clean_name(n): first[id(p)] for n, p in self.inner.named_parameters(remove_duplicate=False)
                    if clean_name(n) not in self._params and id(p) in first}  # under their first name
-        # gradients that are not whole on every rank (FSDP, DTensor shards, ranks without DDP): the norms this rank
-        # can compute without a collective are of its own part, recorded as grad_norm_local (and _post_clip_local)
-        self._norm_suffix = "_local" if self.world_size > 1 and any(
-            param_sharing(p, self._ddp) != "replica" for p in self._params.values() if p.requires_grad) else ""
+        self._norm_suffix = ""  # see _open
         sel_modules, sel_params = select(list(self._modules), list(self._params), self._patterns, aliases)
         # in the model's order (reductions run in it, and 'first non-finite' means first in execution order)
         self._sel_modules = dict.fromkeys(n for n in self._modules if n in sel_modules)
@@ -367,6 +373,7 @@ class Collector:
         # the sites' order (spec 2.2), kept by merge where ids are not: modules in the order their outputs were
         # first produced (discover(), or the steps), parameters in the model's order
         self._produced: dict[str, int] = {}
+        self._calls: dict[str, int] = {}  # calls of each module in discover()'s forward
         self._param_order = {n: i for i, n in enumerate(self._params)}
         self._gradless: set[tuple[str, str | None]] = set()  # (path, facet) discover() saw without a gradient
         self._plan: Plan | None = None
@@ -406,6 +413,7 @@ class Collector:
     def discover(self, batch: object) -> object:
         """Run one real forward of ``batch`` to learn every module's output facets; returns the model output."""
         self._discovery = {}
+        self._calls = {}
         self._gradless = set()
         self._versions = []
         handles = [
@@ -427,6 +435,8 @@ class Collector:
         return out
 
     def _on_discover(self, path: str, module: torch.nn.Module, args: tuple, output: object) -> None:
+        if self._discovery is not None:  # (a module called n times a forward reduces n outputs a step)
+            self._calls[path] = self._calls.get(path, 0) + 1
         if self._discovery is not None and path not in self._discovery:
             if path not in self._produced:
                 self._produced[path] = len(self._produced)
@@ -466,7 +476,8 @@ class Collector:
                     # site, so no 'absent' rows at every step; one that has a gradient later gets it then)
                     if stream in self.streams and not (stream == "activation_grad" and (path, facet) in self._gradless):
                         plan.sites.append(PlannedSite(
-                            path, stream, facet, shape, dtype, math.prod(shape) if known else None, "shard",
+                            path, stream, facet, shape, dtype,
+                            math.prod(shape) * self._calls.get(path, 1) if known else None, "shard",
                             ev[stream], sk[stream], provisional=not known,
                         ))
         for name, p in self._params.items():
@@ -518,7 +529,10 @@ class Collector:
                 hooked.update(self._sel_modules)
             for path in hooked:
                 m = self._modules[path]
-                h = m.register_forward_hook(partial(self._on_forward, path))
+                hook = partial(self._on_forward, path)
+                if self._compiled:  # run by the compiled code as a call, not traced into (and recompiled each step)
+                    hook = torch.compiler.disable(hook)
+                h = m.register_forward_hook(hook)
                 self._hooks.append(h)
                 self._fwd_handles.append((m, h.id))
             if self._compiled:  # (to see a forward that the compiled code ran without the hooks above)
@@ -544,6 +558,15 @@ class Collector:
             return
         from ..writer import HistoryWriter
 
+        # the rank, world size and file name as of now: a collector made before init_process_group would
+        # otherwise have every rank write one file as rank 0 of 1
+        self.rank, self.world_size = _dist()
+        if self._path_arg is not None:
+            self.path = _rank_path(self._path_arg, self.rank, self.world_size)
+        # gradients that are not whole on every rank (FSDP, DTensor shards, ranks without DDP): the norms this rank
+        # can compute without a collective are of its own part, recorded as grad_norm_local (and _post_clip_local)
+        self._norm_suffix = "_local" if self.world_size > 1 and any(
+            param_sharing(p, self._ddp) != "replica" for p in self._params.values() if p.requires_grad) else ""
         opts = dict(self._writer_options)
         opts.setdefault("rank", self.rank)
         opts.setdefault("world_size", self.world_size)
@@ -675,6 +698,8 @@ class Collector:
                     self._state = None
 
     def _exit(self, st: _Step) -> None:
+        for h in st.leaf_hooks.values():
+            h.remove()  # type: ignore[attr-defined]
         self._flush_deferred()
         if (self._compiled and (st.micro or st.outer) and st.due["activation"] and len(self._sel_modules) > 1
                 and not any(k[0] == "activation" and k[1] != ROOT for k in st.counts)):
@@ -985,7 +1010,11 @@ class Collector:
                 if act and not in_backward:
                     self._reduce(("activation", path, facet, "default"), t, alias=True)
                 if grad and t.requires_grad:
-                    t.register_hook(partial(self._on_grad, ("activation_grad", path, facet, "default")))
+                    key = ("activation_grad", path, facet, "default")
+                    if not t.is_leaf:  # (its hooks go with the graph)
+                        t.register_hook(partial(self._on_grad, key))
+                    elif (key, id(t)) not in st.leaf_hooks:  # (a leaf's hook sees its whole gradient: once a step)
+                        st.leaf_hooks[(key, id(t))] = t.register_hook(partial(self._on_grad, key))
         if path == ROOT and self._deferred:  # the forward is over: reduce what it held
             self._flush_deferred()
 
@@ -1181,7 +1210,8 @@ class Collector:
         if oi is not None and oi not in st.lrs:  # the rates this update uses (a tensor lr: its value now)
             st.lrs[oi] = [lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
                           for lr in (g.get("lr") for g in opt.param_groups)]
-        self._capture_grads("default", [p for g in opt.param_groups for p in g["params"]])
+        if not _closure(args, kwargs):  # (a closure computes the gradients inside the step: read after it)
+            self._capture_grads("default", [p for g in opt.param_groups for p in g["params"]])
 
     def _on_opt_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         st = self._state
@@ -1192,6 +1222,8 @@ class Collector:
         oi = self._opt_index(opt)
         if oi is not None:
             st.opt_state[oi] = "maybe" if maybe else "stepped"
+        if _closure(args, kwargs):  # the gradients of the closure's last evaluation (LBFGS evaluates it repeatedly)
+            self._capture_grads("default", [p for g in opt.param_groups for p in g["params"]])
 
     def _scaler_unscale(self, optimizer: object) -> object:
         out = self._scaler_orig["unscale_"](optimizer)  # type: ignore[operator]

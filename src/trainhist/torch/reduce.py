@@ -134,7 +134,8 @@ def _scratch(device: torch.device, dtype: torch.dtype, n: int, slot: str) -> tor
     b = bufs.get(key)
     if b is None or b.numel() < n:
         size = n if b is None else min(max(n, 2 * b.numel()), CHUNK)
-        b = bufs[key] = torch.empty(size, dtype=dtype, device=device)
+        with torch.inference_mode(False):  # (reused outside inference mode too)
+            b = bufs[key] = torch.empty(size, dtype=dtype, device=device)
     return b[:n]
 
 
@@ -681,6 +682,12 @@ class Ledger:
         self.transfers = 0
 
     def _grow(self, extra: np.ndarray) -> int:
+        # (never an inference tensor, though a forward under torch.inference_mode() may allocate the row: one could
+        # not be written outside inference mode again, so every later step would fail)
+        with torch.inference_mode(False):
+            return self._grow_in(extra)
+
+    def _grow_in(self, extra: np.ndarray) -> int:
         off = self._used
         self._init = np.concatenate([self._init, extra])
         self._used = self._init.size
