@@ -390,10 +390,13 @@ class HistoryWriter:
         created: str | None = None,
         pid: int | None = None,
         software: dict[str, str] | None = None,
+        min_segment: int = 0,
     ) -> None:
         """``salt``, ``writer_id``, ``created`` (every manifest's timestamp), ``pid`` and ``software`` fix what is
         otherwise random or taken from the environment, for byte-reproducible files (conformance vectors);
-        ``salt`` applies only to a new file (an appended file keeps its own)."""
+        ``salt`` applies only to a new file (an appended file keeps its own). ``min_segment``: the least number of the
+        segment this writer starts, e.g. the segment the run's other writers are at, for a rank that starts its file
+        anew in a resumed run (spec 2.4: merge pairs the writers of a run by segment number)."""
         if codec not in Codec.BY_NAME:
             raise UsageError(f"codec must be one of {', '.join(Codec.BY_NAME)}, got {codec!r}")
         if fsync not in ("commit", "close", "never"):
@@ -448,6 +451,8 @@ class HistoryWriter:
         if settings:
             self._manifest({"kind": "settings", "writer_id": self.writer_id, "settings": settings})
         self.segment = -1
+        self.resumed = bool(resumed)  #: whether the file held a committed history, which this writer continues
+        self._next_segment = max(self._next_segment, int(min_segment))
         self.new_segment(None, reason="resume" if resumed else "start")
 
     def _now(self) -> str:

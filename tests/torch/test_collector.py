@@ -1514,18 +1514,21 @@ def test_ranks_agree_on_the_run_id_through_the_store(tmp_path, monkeypatch, publ
     monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", lambda: store)
     monkeypatch.setattr(cm, "_run_keys", itertools.count())
     monkeypatch.setattr(cm, "RUN_ID_WAIT_S", 0.05)
-    if published:
-        store.set("trainhist/run_id/0", "ab" * 16)
+    if published:  # (rank 0 resumed the run: it is at segment 3; this rank's file is new)
+        store.set("trainhist/run/0", f"{'ab' * 16} 3")
     model = torch.nn.Linear(3, 2)
     col = Collector(model, tmp_path / "r.thist", mode="w")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         col.attach()
+    with col.step(0):
+        model(torch.randn(2, 3))
     col.close()
     h = trainhist.open(tmp_path / "r.rank1.thist")
-    said = [str(w.message) for w in caught if "run id" in str(w.message)]
-    if published:
+    said = [str(w.message) for w in caught if "trainhist" in str(w.message)]
+    if published:  # its run and segment number, so that merge pairs it with rank 0's (spec 2.4)
         assert h.runs[0]["run_id"] == "ab" * 16 and not said
+        assert [(g.id, g.reason) for g in h.segments] == [(3, "start")]
     else:
         assert h.runs[0]["run_id"] != "ab" * 16
         assert len(said) == 1 and "could not agree" in said[0] and "run_id=" in said[0], said
@@ -1542,7 +1545,8 @@ def test_rank_zero_publishes_its_run_id(tmp_path, monkeypatch):
     monkeypatch.setattr(cm, "_run_keys", itertools.count())
     col = Collector(torch.nn.Linear(3, 2), tmp_path / "r.thist", mode="w").attach()
     col.close()
-    assert store.get("trainhist/run_id/0").decode() == trainhist.open(tmp_path / "r.rank0.thist").runs[0]["run_id"]
+    h = trainhist.open(tmp_path / "r.rank0.thist")
+    assert store.get("trainhist/run/0").decode() == f"{h.runs[0]['run_id']} 0"
 
 
 def test_triage_of_merged_shards_names_the_module_where_the_nan_was_born(tmp_path):

@@ -107,3 +107,42 @@ def test_a_collector_made_before_the_process_group_writes_one_file_per_rank(tmp_
         (w,) = h.writers
         assert (w["rank"], w["world_size"]) == (r, 2)
         assert h.spine("(root)", "activation").step.tolist() == [0, 1]
+
+
+RESUME = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from trainhist.torch import Collector
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    col = Collector(model, sys.argv[1], commit_every=1).attach(optimizer=opt)  # appends to an existing file
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for step in range(int(sys.argv[2]), int(sys.argv[3])):
+        with col.step(step):
+            model(torch.randn(4, 3, generator=g)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    col.close()
+    dist.destroy_process_group()
+""")
+
+
+def test_a_rank_that_lost_its_file_rejoins_the_resumed_run_at_its_segment(tmp_path):
+    """A resumed job where one rank's file is gone (a replaced node): that rank starts its file at the segment the
+    other ranks resume at (spec 2.4), so merge pairs the attempts as they ran; it paired the new attempt's rank 1
+    with the first attempt's rank 0 and reported a replica divergence that did not exist."""
+    path = str(tmp_path / "r.thist")
+    run_ranks(RESUME, tmp_path, path, "0", "4")
+    (tmp_path / "r.rank1.thist").unlink()
+    outs = run_ranks(RESUME, tmp_path, path, "2", "5")
+    assert "rank 0 at segment" not in "".join(outs)
+    shards = [trainhist.open(tmp_path / f"r.rank{r}.thist") for r in range(2)]
+    assert [[(g.id, g.reason) for g in h.segments] for h in shards] == [[(0, "start"), (1, "resume")], [(1, "start")]]
+    trainhist.merge([tmp_path / "r.rank0.thist", tmp_path / "r.rank1.thist"], tmp_path / "m.thist")
+    m = trainhist.open(tmp_path / "m.thist")
+    sp = m.spine("(root)", "activation")
+    rows = sorted(zip(sp.segment.tolist(), sp.step.tolist(), sp.columns["count"].tolist()))
+    # the first attempt: rank 0 alone (rank 1's file is gone); the second: both ranks, each step once
+    assert rows == [(0, s, 8) for s in range(4)] + [(1, s, 16) for s in range(2, 5)]

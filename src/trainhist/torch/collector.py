@@ -227,21 +227,22 @@ def _dist() -> tuple[int, int]:
     return 0, 1
 
 
-def _agree_run_id(key: str, rank: int, own: str | None) -> str | None:
-    """The run id every rank records: rank 0 publishes ``own`` in the process group's store under ``key``, the
-    others wait for it (up to :data:`RUN_ID_WAIT_S`). None where it could not be agreed: no store, or rank 0 did
-    not publish in time. A key-value store, not a collective, so a rank without a collector delays the others by
-    the wait at most and never pairs with the loop's own collectives."""
+def _agree_run(key: str, rank: int, own: tuple[str, int] | None) -> tuple[str, int] | None:
+    """The run id and segment number of rank 0, which every rank records: rank 0 publishes ``own`` in the process
+    group's store under ``key``, the others wait for it (up to :data:`RUN_ID_WAIT_S`). None where it could not be
+    agreed: no store, or rank 0 did not publish in time. A key-value store, not a collective, so a rank without a
+    collector delays the others by the wait at most and never pairs with the loop's own collectives."""
     from datetime import timedelta
 
     try:
         store = torch.distributed.distributed_c10d._get_default_store()
         if rank == 0:
-            store.set(key, own)  # type: ignore[arg-type]
+            store.set(key, f"{own[0]} {own[1]}")  # type: ignore[index]
             return own
         store.wait([key], timedelta(seconds=RUN_ID_WAIT_S))
-        return store.get(key).decode()
-    except Exception:  # noqa: BLE001 -- no agreement: the caller records its own id and says so
+        run_id, segment = store.get(key).decode().split()
+        return run_id, int(segment)
+    except Exception:  # noqa: BLE001 -- no agreement: the caller records its own and says so
         return None
 
 
@@ -269,8 +270,8 @@ def _call(model: torch.nn.Module, batch: object) -> object:
 
 
 _COMPILED_BLIND = ("trainhist: the compiled model ran without calling the module hooks trainhist added "
-                   "(torch.compile keeps code compiled before they existed): its module sites are not seen, and "
-                   "recorded as 'unknown' where planned. Create the Collector, discover() and attach() before the "
+                   "(torch.compile keeps code compiled before they existed): its module sites are not seen; those "
+                   "discover() found are recorded as 'unknown', the others not at all. Create the Collector, discover() and attach() before the "
                    "first compiled call, or call torch._dynamo.reset() after attach()")
 _SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
@@ -572,22 +573,28 @@ class Collector:
         opts.setdefault("world_size", self.world_size)
         opts.setdefault("mode", "a")  # an existing history is resumed, never truncated unasked
         settings = {**self.settings(), **dict(opts.pop("settings", None) or {})}  # type: ignore[arg-type]
-        # every rank's shard records one run id (rank 0's), so that merge sums the ranks instead of keeping
-        # each apart as a run of its own
-        key = f"trainhist/run_id/{next(_run_keys)}" if self.world_size > 1 and "run_id" not in opts else None
-        agreed = _agree_run_id(key, self.rank, None) if key is not None and self.rank != 0 else None
-        if agreed is not None:
-            opts["run_id"] = agreed
-        self._writer = HistoryWriter(self.path, settings=settings, **opts)  # type: ignore[arg-type]
+        # every rank's shard records rank 0's run id and segment number, so that merge sums the ranks segment by
+        # segment instead of keeping each rank apart as a run of its own (a rank that lost its file rejoins at
+        # rank 0's segment, spec 2.4)
+        key = f"trainhist/run/{next(_run_keys)}" if self.world_size > 1 and "run_id" not in opts else None
+        lead = _agree_run(key, self.rank, None) if key is not None and self.rank != 0 else None
+        if lead is not None:
+            opts["run_id"], opts["min_segment"] = lead
+        self._writer = w = HistoryWriter(self.path, settings=settings, **opts)  # type: ignore[arg-type]
         if key is not None and self.rank == 0:
-            agreed = _agree_run_id(key, 0, self._writer.run_id)
-        if key is not None and agreed != self._writer.run_id:
-            self._warn_once("run_id", (
-                f"trainhist: rank {self.rank} could not agree on the run id with rank 0" if agreed is None else
-                f"trainhist: {self.path} resumes run {self._writer.run_id}, rank 0 records run {agreed}")
-                + f"; this shard records run {self._writer.run_id}, which merge keeps apart from the other ranks' "
-                "unless given --across-runs: pass the same run_id= to every rank's Collector")
-        if self._writer.segment > 0:
+            lead = _agree_run(key, 0, (w.run_id, w.segment))
+        if key is not None and lead != (w.run_id, w.segment):
+            if lead is None or lead[0] != w.run_id:
+                self._warn_once("run_id", (
+                    f"trainhist: rank {self.rank} could not agree on the run id with rank 0" if lead is None else
+                    f"trainhist: {self.path} resumes run {w.run_id}, rank 0 records run {lead[0]}")
+                    + f"; this shard records run {w.run_id}, which merge keeps apart from the other ranks' unless "
+                    "given --across-runs: pass the same run_id= to every rank's Collector")
+            else:
+                self._warn_once("run_id", f"trainhist: {self.path} continues at segment {w.segment}, rank 0 at "
+                                f"segment {lead[1]} (its file lost segments): merge pairs the ranks' segments by "
+                                "number, so this attempt's do not line up; merge each attempt's files apart")
+        if w.resumed:
             self._warn_once("resume", f"trainhist: {self.path} already holds a history: this run is appended to it as "
                             f"segment {self._writer.segment}; pass mode='w' to start the file over")
 
