@@ -122,3 +122,39 @@ def test_fsdp2_shards_merge_into_whole_parameters(tmp_path):
     i = int(np.flatnonzero(loc.step == 2)[0])
     assert int(loc.columns["count"][i]) == 2
     assert math.isclose(math.sqrt(float(loc.columns["sumsq"][i])), ref["norm"]["2"], rel_tol=1e-6)
+
+
+TP = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from trainhist.torch import Collector
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 6), torch.nn.Linear(6, 2))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    # "2"'s output is all-reduced: every rank holds it, and "3" (plain) computes the same on every rank
+    col = Collector(model, sys.argv[1], mode="w", replicas=["2", "3"]).attach()
+    torch.manual_seed(1)  # the same batch on every rank, as tensor parallelism needs
+    for step in range(2):
+        with col.step(step):
+            model(torch.randn(4, 6)).sum().backward()
+    col.close()
+    dist.destroy_process_group()
+""")
+
+
+def test_tensor_parallel_replicas_are_kept_once(tmp_path):
+    """Under tensor parallelism a row-parallel layer's output, and what follows it, is the same on every rank: named
+    in ``replicas=``, those sites are replicas and the merged rows count them once; the column-parallel output and
+    the sharded parameters are the ranks' parts and add up."""
+    run_ranks(TP, tmp_path, str(tmp_path / "t.thist"))
+    trainhist.merge([tmp_path / "t.rank0.thist", tmp_path / "t.rank1.thist"], tmp_path / "t.thist")
+    h = trainhist.open(tmp_path / "t.thist")
+    want = {("0", "activation"): ("shard", 4 * 8), ("2", "activation"): ("replica", 4 * 6),
+            ("3", "activation"): ("replica", 4 * 2), ("3.weight", "param"): ("replica", 12),
+            ("0.weight", "param"): ("shard", 48), ("2.weight", "param"): ("shard", 48)}
+    for (path, stream), (sharing, count) in want.items():
+        assert h.site(path, stream).sharing == sharing, (path, stream)
+        assert h.spine(path, stream).columns["count"].tolist() == [count, count], (path, stream)

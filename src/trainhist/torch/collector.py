@@ -295,7 +295,11 @@ class Collector:
     the last commit (the writer also commits after ``commit_seconds``, default 30 s). Give ``path`` (``{rank}`` is
     substituted; under several ranks ``.rank<r>`` is inserted otherwise) or an open ``writer``; other keyword
     arguments go to :class:`~trainhist.HistoryWriter`. Under several ranks every shard records rank 0's run id
-    (see :data:`RUN_ID_WAIT_S`), so merge sums them.
+    (see :data:`RUN_ID_WAIT_S`), so merge sums them: module outputs are each rank's own (``shard``), parameters
+    replicas under DDP. ``replicas``: patterns (as ``sites=``) of modules and parameters that every rank holds in
+    full where the collector cannot tell (tensor parallelism's all-reduced outputs and plain parameters, a model
+    wrapped in DDP after the collector was made): their outputs and plain parameters are recorded as ``replica``,
+    kept once by merge (a DTensor parameter's sharing follows its placements).
 
     Cadence and cost (defaults ``every=1``, ``sketch_every=10``). The spine of every selected site and stream is
     recorded every step and the sketches every 10 steps, so the triage names the site, pass and step of the first
@@ -337,6 +341,7 @@ class Collector:
         writer: object | None = None,
         commit_every: int = 200,
         batch_outputs: bool = False,
+        replicas: str | Iterable[str] | None = None,
         **writer_options: object,
     ) -> None:
         self.streams = tuple(streams)
@@ -367,6 +372,11 @@ class Collector:
                    if clean_name(n) not in self._params and id(p) in first}  # under their first name
         self._norm_suffix = ""  # see _open
         sel_modules, sel_params = select(list(self._modules), list(self._params), self._patterns, aliases)
+        # modules and parameters every rank holds in full (tensor parallelism's replicated outputs and plain
+        # parameters): recorded as replicas, which merge keeps once
+        self._replicas = [replicas] if isinstance(replicas, str) else (None if replicas is None else list(replicas))
+        self._rep_modules, self._rep_params = (select(list(self._modules), list(self._params), self._replicas, aliases)
+                                               if self._replicas else (set(), set()))
         # in the model's order (reductions run in it, and 'first non-finite' means first in execution order)
         self._sel_modules = dict.fromkeys(n for n in self._modules if n in sel_modules)
         self._sel_params = dict.fromkeys(n for n in self._params if n in sel_params)
@@ -478,14 +488,15 @@ class Collector:
                     if stream in self.streams and not (stream == "activation_grad" and (path, facet) in self._gradless):
                         plan.sites.append(PlannedSite(
                             path, stream, facet, shape, dtype,
-                            math.prod(shape) * self._calls.get(path, 1) if known else None, "shard",
+                            math.prod(shape) * self._calls.get(path, 1) if known else None,
+                            "replica" if path in self._rep_modules else "shard",
                             ev[stream], sk[stream], provisional=not known,
                         ))
         for name, p in self._params.items():
             if name not in self._sel_params:
                 continue
             shape, dtype, n = tuple(p.shape), _dtype_name(p), local_tensor(p).numel()
-            sharing = param_sharing(p, self._ddp)
+            sharing = self._sharing(name, p)
             for stream in ("param", "param_grad", "param_delta"):
                 if stream not in self.streams or (stream != "param" and not p.requires_grad):
                     continue
@@ -504,6 +515,7 @@ class Collector:
             "torch": torch.__version__,
             "streams": list(self.streams),
             "sites": self._patterns,
+            "replicas": self._replicas,
             "every": self.every,
             "sketch_every": self.sketch_every,
             "param_delta": {
@@ -567,7 +579,7 @@ class Collector:
         # gradients that are not whole on every rank (FSDP, DTensor shards, ranks without DDP): the norms this rank
         # can compute without a collective are of its own part, recorded as grad_norm_local (and _post_clip_local)
         self._norm_suffix = "_local" if self.world_size > 1 and any(
-            param_sharing(p, self._ddp) != "replica" for p in self._params.values() if p.requires_grad) else ""
+            self._sharing(n, p) != "replica" for n, p in self._params.items() if p.requires_grad) else ""
         opts = dict(self._writer_options)
         opts.setdefault("rank", self.rank)
         opts.setdefault("world_size", self.world_size)
@@ -598,6 +610,12 @@ class Collector:
             self._warn_once("resume", f"trainhist: {self.path} already holds a history: this run is appended to it as "
                             f"segment {self._writer.segment}; pass mode='w' to start the file over")
 
+    def _sharing(self, name: str, p: torch.Tensor) -> str:
+        """A parameter's sharing: a DTensor's by its placements, a plain parameter's a replica when ``replicas=``
+        names it (or its module), else as its wrapper says."""
+        plain = type(p).__name__ not in ("DTensor", "FlatParameter")
+        return "replica" if plain and name in self._rep_params else param_sharing(p, self._ddp)
+
     def _register_sites(self) -> None:
         for s in self.plan.sites:
             if not s.provisional:
@@ -612,7 +630,8 @@ class Collector:
                 self.plan.sites = [
                     x for x in self.plan.sites if not (x.provisional and (x.path, x.stream) == (path, stream))
                 ]
-                s = PlannedSite(path, stream, facet, None, self._dtypes.get(key), None, "shard",
+                s = PlannedSite(path, stream, facet, None, self._dtypes.get(key), None,
+                                "replica" if path in self._rep_modules else "shard",
                                 self.every[stream], self.sketch_every[stream])
                 self.plan.sites.append(s)
             shape = s.shape if stream.startswith("param") else None
