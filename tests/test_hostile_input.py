@@ -557,3 +557,28 @@ def test_presence_keeps_segments_apart_and_knows_the_steps_of_a_coarsened_window
     trainhist.coarsen(q, c, steps=4)
     with trainhist.open(c) as h:
         assert h.presence("y", steps=range(4, 8)) == dict.fromkeys(range(4, 8), "not_scheduled")
+
+
+def test_ranks_recorded_with_different_settings_are_reported(tmp_path, capsys):
+    """Two ranks of one run whose collectors had different cadences: merge combines what each recorded, so a step
+    only one rank recorded holds its rows alone; the report and the command line name the settings that differ."""
+    paths = []
+    for rank, every in ((0, 1), (1, 2)):
+        p = tmp_path / f"r{rank}.thist"
+        with trainhist.HistoryWriter(p, run_id="ef" * 16, rank=rank, world_size=2,
+                                     settings={"every": every, "streams": ["activation"]}) as w:
+            s = w.site("x", "activation")
+            for step in range(0, 4, every):
+                w.observe(s, step, np.ones(2))
+        paths.append(str(p))
+    rep = trainhist.merge(paths, tmp_path / "m.thist")
+    assert [(m["segment"], m["keys"]) for m in rep.settings_mismatches] == [(0, ["every"])]
+    assert cli.main(["merge", *paths, "-o", str(tmp_path / "m2.thist")]) == 0
+    assert "recorded with different settings (every)" in capsys.readouterr().out
+    same = []
+    for rank in (0, 1):  # the same settings: nothing to report
+        p = tmp_path / f"s{rank}.thist"
+        with trainhist.HistoryWriter(p, run_id="ab" * 16, rank=rank, world_size=2, settings={"every": 1}) as w:
+            w.observe(w.site("x", "activation"), 0, np.ones(2))
+        same.append(str(p))
+    assert trainhist.merge(same, tmp_path / "m3.thist").settings_mismatches == []

@@ -97,6 +97,9 @@ class MergeReport:
     #: segments whose inputs disagree on their first step: ranks that numbered their segments differently (a resume
     #: that died before its first commit on one of them) have their steps split across two output segments
     segment_mismatches: list[dict] = field(default_factory=list)
+    #: output segments whose writers recorded with different settings (a rank with another cadence or site
+    #: selection): their rows combine what each writer recorded, e.g. one rank's rows alone where only it recorded
+    settings_mismatches: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -554,6 +557,7 @@ class _Engine:
         new_id = {k: i for i, k in enumerate(keys)}
         self.seg_map = {sk: new_id[k] for sk, k in local_key.items()}
         self.segment_docs = []
+        settings = {d["writer_id"]: d.get("settings") for s in self.sources for d in s.settings}
         for k in keys:
             members = groups[k]
             firsts = [g.first_step for _, g, _, _ in members if g.first_step is not None]
@@ -571,6 +575,10 @@ class _Engine:
                      for s, g, _, _ in members]
             runs = sorted({r for _, _, rs, _ in members for r in rs})
             writers = sorted({w for _, _, _, ws in members for w in ws})
+            own = [settings[w] for w in writers if isinstance(settings.get(w), dict)]
+            keys_ = sorted({key for d in own for key in d if any(e.get(key) != own[0].get(key) for e in own)})
+            if keys_:
+                self.report.settings_mismatches.append({"segment": new_id[k], "writers": writers, "keys": keys_})
             self.segment_docs.append({
                 "kind": "segment", "id": new_id[k], "first_step": first,
                 "reason": reasons[0] if all(r == reasons[0] for r in reasons) else "manual",
