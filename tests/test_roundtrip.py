@@ -9,6 +9,7 @@ built by hand with ``framing`` (file header and records with valid CRCs, and a v
 from __future__ import annotations
 
 import math
+import os
 import struct
 from pathlib import Path
 
@@ -626,8 +627,8 @@ def test_dyadics_of_equals_from_float_on_every_kind_of_value():
 
 
 def test_step_truth_takes_the_names_it_reads_back(tmp_path) -> None:
-    """``applied`` and ``clipped`` accept a bool or the reader's names; a string was read as True (``applied=
-    "skipped"`` recorded an applied step), any other value is now refused."""
+    """``applied`` and ``clipped`` accept a truth value or the reader's names; a string was read as True (``applied=
+    "skipped"`` recorded an applied step), a string that is not a name is now refused."""
     import pytest
 
     from trainhist.errors import UsageError
@@ -636,14 +637,14 @@ def test_step_truth_takes_the_names_it_reads_back(tmp_path) -> None:
     with trainhist.HistoryWriter(p) as w:
         w.step_truth(0, applied="skipped", clipped="not_clipped")
         w.step_truth(1, applied=True, clipped=False)
-        w.step_truth(2, applied="unknown")
-        for bad in ("yes", 1):
+        w.step_truth(2, applied="unknown", clipped=np.bool_(True))
+        for bad in ("yes", np.array([True, False])):
             with pytest.raises(UsageError) as e:
                 w.step_truth(3, applied=bad)
             assert e.value.code == "unknown_name"
     rows = trainhist.open(p).step_truth_rows()
     assert [(r["applied"], r["clipped"]) for r in rows] == [("skipped", "not_clipped"), ("applied", "not_clipped"),
-                                                            ("unknown", "unknown")]
+                                                            ("unknown", "clipped")]
 
 
 def test_a_second_writer_on_an_open_file_is_refused(tmp_path) -> None:
@@ -662,3 +663,44 @@ def test_a_second_writer_on_an_open_file_is_refused(tmp_path) -> None:
     h = trainhist.open(p)
     h.verify()  # (raises on any damage)
     assert h.spine("a", "activation").step.tolist() == [0, 1]
+
+
+def test_a_writer_that_fails_to_open_leaves_the_file_and_its_lock_as_they_were(tmp_path) -> None:
+    """A manifest the writer refuses (a config JSON cannot hold) is refused before the file is changed, and the
+    lock is released: the existing history is intact and the next writer opens it."""
+    p = tmp_path / "t.thist"
+    with trainhist.HistoryWriter(p) as w:
+        w.observe(w.site("a", "activation"), 0, np.ones(3, np.float32))
+    data = p.read_bytes()
+    for mode in ("w", "a"):
+        with pytest.raises(TypeError):
+            trainhist.HistoryWriter(p, mode=mode, config={"x": object()}, settings={"y": object()})
+        assert p.read_bytes() == data, mode
+    with trainhist.HistoryWriter(p, mode="a") as again:
+        again.observe(again.site("a", "activation"), 1, np.ones(3, np.float32))
+    assert trainhist.open(p).spine("a", "activation").step.tolist() == [0, 1]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_does_not_keep_the_lock_after_close(tmp_path) -> None:
+    """A child forked while the writer was open (a DataLoader worker) shares the file's lock: close() releases it,
+    so the file can be resumed while the child still runs."""
+    p = tmp_path / "t.thist"
+    w = trainhist.HistoryWriter(p)
+    w.observe(w.site("a", "activation"), 0, np.ones(3, np.float32))
+    r, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: wait until the parent is done, then leave without cleanup
+        os.close(wr)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    try:
+        w.close()
+        with trainhist.HistoryWriter(p, mode="a") as again:
+            again.observe(again.site("a", "activation"), 1, np.ones(3, np.float32))
+    finally:
+        os.write(wr, b"x")
+        os.close(wr)
+        os.waitpid(pid, 0)
+    assert trainhist.open(p).spine("a", "activation").step.tolist() == [0, 1]

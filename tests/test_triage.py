@@ -202,3 +202,33 @@ def test_coarsened_rows_without_numbers_and_skipped_steps_are_named_by_their_win
         kinds = {f.kind: f.text for f in triage(h).findings}
     assert kinds["rows_skipped"].endswith("at steps 2–3"), kinds
     assert kinds["skipped_step"].endswith("first at steps 2–3"), kinds
+
+
+def test_skipped_steps_and_segments_are_named_in_time_order(tmp_path) -> None:
+    """The first skipped step is the first in time (segment, then step) in both the finding's step and its text; a
+    segment whose ``previous`` is unknown (a merged segment of mixed reasons) is not said to follow 'segment
+    None'."""
+    p = tmp_path / "r.thist"
+    with trainhist.HistoryWriter(p) as w:
+        a = w.site("h.0", "activation")
+        for step in range(12):
+            w.observe(a, step, np.ones(1, np.float32))
+            w.step_truth(step, applied=step != 11)
+        w.new_segment(5, "resume")
+        for step in range(5, 8):
+            w.observe(a, step, np.ones(1, np.float32))
+            w.step_truth(step, applied=step != 6)
+    with trainhist.open(p) as h:
+        f = next(f for f in triage(h).findings if f.kind == "skipped_step")
+    assert f.step == 11 and f.text.endswith("first at step 11 (segment 0)"), f
+    for reason, previous, first in (("manual", None, None), ("resume", 0, 5)):
+        q = tmp_path / f"{reason}.thist"
+        with trainhist.HistoryWriter(q) as w:
+            a = w.site("h.0", "activation")
+            w.observe(a, 0, np.ones(1, np.float32))
+            w.new_segment(first, reason)
+            w._segment_manifest["previous"] = previous  # (as a merge of mixed inputs writes it)
+            w.observe(a, 5, np.ones(1, np.float32))
+        with trainhist.open(q) as h:
+            text = next(f.text for f in triage(h).findings if f.kind == "segment")
+        assert "None" not in text, text

@@ -201,11 +201,13 @@ def triage(h: History) -> Triage:
                                        f"{sum(f[2] for f in found)} rows of {len(found)} site/phase pairs "
                                        f"{why[name]}, first {label} at {_steps(step, span)}"))
     rows = h.step_truth_rows()
-    skipped = [(r["step"], r["span"]) for r in rows if r["applied"] == "skipped"]
-    if skipped:
-        report.findings.append(Finding("skipped_step", skipped[0][0], None,
+    skipped = [(r["step"], r["span"], r["segment"]) for r in rows if r["applied"] == "skipped"]
+    if skipped:  # (the first in time: segment, then step)
+        step, span, seg = min(skipped, key=lambda x: (x[2], x[0]))
+        where = _steps(step, span) + (f" (segment {seg})" if n_segments > 1 else "")
+        report.findings.append(Finding("skipped_step", step, None,
                                        f"{len(skipped)} step(s) applied no update (the optimizer step was skipped, "
-                                       f"e.g. for an overflow, or not called), first at {_steps(*min(skipped))}"))
+                                       f"e.g. for an overflow, or not called), first at {where}"))
     if any(x.path == "step_interrupted" and x.stream == "scalar" for x in h.sites):
         sp = h.spine("step_interrupted", "scalar")
         at = sp.step.tolist()
@@ -219,8 +221,10 @@ def triage(h: History) -> Triage:
         report.findings.append(Finding("unknown_applied", None, None,
                                        f"{unknown} of {len(rows)} steps do not say whether the update was applied"))
     for g in h.segments:
-        if g.reason != "start":
+        if g.reason != "start" or g.id > 0:  # (a segment after another, whatever its writers called it)
+            after = f"segment {g.previous}" if g.previous is not None else "an earlier segment"
+            at = f"step {g.first_step}" if g.first_step is not None else "an unknown step"
             report.findings.append(Finding("segment", g.first_step, None,
-                                           f"segment {g.id} ({g.reason}) starts at step {g.first_step}, after "
-                                           f"segment {g.previous}: the history is not continuous there"))
+                                           f"segment {g.id} ({g.reason}) starts at {at}, after {after}: the "
+                                           "history is not continuous there"))
     return report

@@ -328,15 +328,35 @@ def encode_obs_chunks(chunks: list[tuple[list[tuple], int, int]], codec: int,
     return [(p, first, last) for p, (first, last) in zip(assemble_chunks(encoded), spans)]
 
 
+def _encode_manifest(doc: dict) -> bytes:
+    """A manifest's payload (spec 9: sorted keys, no white space), after checking it against its schema."""
+    validate_manifest(doc)
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _unlock(f) -> None:  # (f: BinaryIO)
+    """Release the file's lock now: a process forked while it was open (a data loader's worker) shares the lock
+    and would otherwise hold it after this writer closed."""
+    try:
+        import fcntl
+
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    except (ImportError, OSError):
+        pass
+
+
 def _tristate(names: type, field_: str, value: bool | str | None) -> int:
-    """The code of a yes/no/unknown step-truth field given as a bool, None (unknown) or one of its names: any other
-    value is refused (a string is not read as true)."""
-    if value is None or isinstance(value, (bool, np.bool_)):
-        return 0 if value is None else (1 if value else 2)
+    """The code of a yes/no/unknown step-truth field given as None (unknown), one of its names, or anything with a
+    truth value (a bool, a 0-dim tensor): a string is a name, never read as true."""
+    if value is None:
+        return 0
     if isinstance(value, str):
         return names.code(value)  # type: ignore[attr-defined]
-    raise UsageError(f"{field_} must be True, False, None or one of {', '.join(names.NAMES)}, "  # type: ignore
-                     f"got {value!r}", code="unknown_name")
+    try:
+        return 1 if bool(value) else 2
+    except Exception as e:  # noqa: BLE001 -- e.g. an array of several values
+        raise UsageError(f"{field_} must be a bool, None or one of {', '.join(names.NAMES)}, "  # type: ignore
+                         f"got {value!r}", code="unknown_name") from e
 
 
 def _open_locked(path: str):  # -> BinaryIO
@@ -423,36 +443,51 @@ class HistoryWriter:
         self._created = created
         self._segment_manifest: dict | None = None
         self._f = _open_locked(self.path)
-        try:
-            resumed = mode == "a" and os.fstat(self._f.fileno()).st_size > 0
-            if resumed:
-                resumed = self._open_append()  # False: nothing was ever committed, so the file starts afresh
+        try:  # (any failure: the lock released, an existing file left as it was)
+            self._open(mode, run_name, run_id, config, rank, world_size, host, pid, software, settings, salt,
+                       int(min_segment))
         except BaseException:
             self._f.close()
             raise
+
+    def _open(self, mode: str, run_name: str | None, run_id: str | None, config: dict | None, rank: int,
+              world_size: int, host: str | None, pid: int | None, software: dict[str, str] | None,
+              settings: dict | None, salt: int | None, min_segment: int) -> None:
+        """Resume the locked file or start it over; every manifest is checked before the file is changed."""
+        resumed = mode == "a" and os.fstat(self._f.fileno()).st_size > 0
+        if resumed:
+            resumed = self._open_append()  # False: nothing was ever committed, so the file starts afresh
+        docs = []
         if not resumed:
             self.run_id = run_id or uuid.uuid4().hex
             self._salt = int.from_bytes(os.urandom(8), "little") if salt is None else int(salt)
-            self._f.truncate(0)
-            self._f.seek(0)
-            self._seq = 0
-            self._f.write(FileHeader(READ_VERSION, WRITE_VERSION, 0, 0, self._salt).pack())
-            self._offset = FILE_HEADER_SIZE
-            self._manifest({"kind": "run", "run_id": self.run_id, "name": run_name, "created": self._now(),
-                            "config": config or {}})
+            docs.append({"kind": "run", "run_id": self.run_id, "name": run_name, "created": self._now(),
+                         "config": config or {}})
             self._next_segment = 0
             self._previous_segment = None
-        self._manifest({
+        docs.append({
             "kind": "writer", "writer_id": self.writer_id, "run_id": self.run_id, "rank": rank,
             "world_size": world_size, "host": host if host is not None else socket.gethostname(),
             "pid": os.getpid() if pid is None else pid, "created": self._now(),
             "software": {"trainhist": __version__} if software is None else dict(software),
         })
         if settings:
-            self._manifest({"kind": "settings", "writer_id": self.writer_id, "settings": settings})
+            docs.append({"kind": "settings", "writer_id": self.writer_id, "settings": settings})
+        encoded = [_encode_manifest(d) for d in docs]  # (refused here, before the file is touched)
+        if resumed:  # drop a torn or uncommitted tail before appending
+            self._f.truncate(self._offset)
+            self._f.seek(self._offset)
+        else:
+            self._f.truncate(0)
+            self._f.seek(0)
+            self._seq = 0
+            self._f.write(FileHeader(READ_VERSION, WRITE_VERSION, 0, 0, self._salt).pack())
+            self._offset = FILE_HEADER_SIZE
+        for payload in encoded:
+            self._record(RecordType.MANIFEST, payload)
         self.segment = -1
         self.resumed = bool(resumed)  #: whether the file held a committed history, which this writer continues
-        self._next_segment = max(self._next_segment, int(min_segment))
+        self._next_segment = max(self._next_segment, min_segment)
         self.new_segment(None, reason="resume" if resumed else "start")
 
     def _now(self) -> str:
@@ -482,9 +517,7 @@ class HistoryWriter:
         self._next_segment = max((g.id for g in h.segments), default=-1) + 1
         self._previous_segment = h.segments[-1].id if h.segments else None
         h.close()
-        self._f.truncate(h.committed_bytes)  # drop a torn or uncommitted tail before appending
-        self._f.seek(h.committed_bytes)
-        self._offset = h.committed_bytes
+        self._offset = h.committed_bytes  # (the torn or uncommitted tail beyond it is dropped by _open)
         return True
 
     # -- records -----------------------------------------------------------------------------------------
@@ -498,8 +531,7 @@ class HistoryWriter:
         self._seq += 1
 
     def _manifest(self, doc: dict) -> None:
-        validate_manifest(doc)
-        self._record(RecordType.MANIFEST, json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
+        self._record(RecordType.MANIFEST, _encode_manifest(doc))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -811,6 +843,7 @@ class HistoryWriter:
                 os.fsync(self._f.fileno())
         finally:
             self._closed = True
+            _unlock(self._f)
             self._f.close()
 
     def __enter__(self) -> "HistoryWriter":

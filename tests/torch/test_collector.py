@@ -1720,3 +1720,52 @@ def test_a_compiled_model_runs_the_hooks_without_tracing_them(tmp_path, caplog):
     h = trainhist.open(tmp_path / "c.thist")
     for step in range(12):
         assert_row(h, "0", "activation", step, ref_summary([outs[step]]))
+
+
+def test_gradients_are_read_before_an_optimizer_that_changes_them_in_place(tmp_path):
+    """An optimizer step without a closure has its gradients read before it runs: SGD with Nesterov momentum (the
+    foreach implementation) adds the momentum into ``p.grad`` in place, so a read after the step records a
+    different tensor. (The closure check once took the optimizer itself, which torch passes to step hooks, for a
+    closure, and read every optimizer's gradients after its step.)"""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True, foreach=True)
+    col = Collector(net, tmp_path / "r.thist", mode="w", sketch_every=1)
+    col.attach(optimizer=opt)
+    before = []
+    for step in range(3):
+        with col.step(step):
+            net(torch.randn(5, 4)).square().mean().backward()
+            before.append(net.weight.grad.clone())
+            opt.step()
+            opt.zero_grad()
+    col.close()
+    h = trainhist.open(tmp_path / "r.thist")
+    for step in range(3):
+        assert_row(h, "weight", "param_grad", step, ref_summary([before[step]]))
+
+
+def test_step_truth_takes_a_tensor_or_a_name_for_applied(tmp_path):
+    """StepTruth(applied=found_inf == 0) (a 0-dim bool tensor) and StepTruth(applied="skipped") both say what the
+    loop attests: a skipped step records its update as skipped, never as an observed update, and the step truth
+    row is written (a refused value used to lose every step-truth row behind one write warning)."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    col = Collector(net, tmp_path / "r.thist", mode="w")
+    col.attach(optimizer=opt)
+    truths = [StepTruth(applied=torch.tensor(0.0) == 0), StepTruth(applied="skipped"),
+              StepTruth(applied=torch.tensor(1.0) == 0)]
+    for step, truth in enumerate(truths):
+        with col.step(step, truth=truth):
+            net(torch.randn(4, 3)).sum().backward()
+            if truth.applied:
+                opt.step()
+            opt.zero_grad()
+    col.close()
+    assert col.writer_errors == 0
+    h = trainhist.open(tmp_path / "r.thist")
+    assert [r["applied"] for r in h.step_truth_rows()] == ["applied", "skipped", "skipped"]
+    assert [presence(h, "weight", "param_delta", s) for s in range(3)] == ["observed", "skipped", "skipped"]
+    with pytest.raises(trainhist.errors.UsageError):
+        StepTruth(applied="yes")

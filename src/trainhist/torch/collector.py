@@ -98,6 +98,16 @@ class StepTruth:
     def __post_init__(self) -> None:
         if self.grad_basis not in (None, *_GRAD_BASES):
             raise UsageError(f"grad_basis must be 'scaled', 'unscaled' or None, got {self.grad_basis!r}")
+        # applied / clipped: a bool, None, anything with a truth value (a 0-dim tensor such as found_inf == 0), or
+        # the names the reader gives back; held as bool or None
+        for name, yes, no in (("applied", "applied", "skipped"), ("clipped", "clipped", "not_clipped")):
+            v = getattr(self, name)
+            if isinstance(v, str):
+                if v not in (yes, no, "unknown"):
+                    raise UsageError(f"{name} must be a bool, None or one of {yes!r}, {no!r}, 'unknown'; got {v!r}")
+                object.__setattr__(self, name, None if v == "unknown" else v == yes)
+            elif v is not None and not isinstance(v, bool):
+                object.__setattr__(self, name, bool(v))
 
 
 @dataclass
@@ -247,8 +257,9 @@ def _agree_run(key: str, rank: int, own: tuple[str, int] | None) -> tuple[str, i
 
 
 def _closure(args: tuple, kwargs: dict) -> bool:
-    """Whether an optimizer step was given a closure (which computes the loss and gradients inside the step)."""
-    return (args[0] if args else kwargs.get("closure")) is not None
+    """Whether an optimizer step was given a closure (which computes the loss and gradients inside the step);
+    ``args`` as torch passes them to step hooks: the optimizer, then step's own arguments."""
+    return (args[1] if len(args) > 1 else kwargs.get("closure")) is not None
 
 
 def _rank_path(path: str | os.PathLike, rank: int, world_size: int) -> str:
