@@ -411,12 +411,14 @@ class HistoryWriter:
         pid: int | None = None,
         software: dict[str, str] | None = None,
         min_segment: int = 0,
+        run_created: str | None = None,
     ) -> None:
         """``salt``, ``writer_id``, ``created`` (every manifest's timestamp), ``pid`` and ``software`` fix what is
         otherwise random or taken from the environment, for byte-reproducible files (conformance vectors);
         ``salt`` applies only to a new file (an appended file keeps its own). ``min_segment``: the least number of the
         segment this writer starts, e.g. the segment the run's other writers are at, for a rank that starts its file
-        anew in a resumed run (spec 2.4: merge pairs the writers of a run by segment number)."""
+        anew in a resumed run (spec 2.4: merge pairs the writers of a run by segment number). ``run_created``: the
+        run manifest's time (a new file), so that every rank of a run writes the same run manifest."""
         if codec not in Codec.BY_NAME:
             raise UsageError(f"codec must be one of {', '.join(Codec.BY_NAME)}, got {codec!r}")
         if fsync not in ("commit", "close", "never"):
@@ -445,14 +447,14 @@ class HistoryWriter:
         self._f = _open_locked(self.path)
         try:  # (any failure: the lock released, an existing file left as it was)
             self._open(mode, run_name, run_id, config, rank, world_size, host, pid, software, settings, salt,
-                       int(min_segment))
+                       int(min_segment), run_created)
         except BaseException:
             self._f.close()
             raise
 
     def _open(self, mode: str, run_name: str | None, run_id: str | None, config: dict | None, rank: int,
               world_size: int, host: str | None, pid: int | None, software: dict[str, str] | None,
-              settings: dict | None, salt: int | None, min_segment: int) -> None:
+              settings: dict | None, salt: int | None, min_segment: int, run_created: str | None) -> None:
         """Resume the locked file or start it over; every manifest is checked before the file is changed."""
         resumed = mode == "a" and os.fstat(self._f.fileno()).st_size > 0
         if resumed:
@@ -461,7 +463,8 @@ class HistoryWriter:
         if not resumed:
             self.run_id = run_id or uuid.uuid4().hex
             self._salt = int.from_bytes(os.urandom(8), "little") if salt is None else int(salt)
-            docs.append({"kind": "run", "run_id": self.run_id, "name": run_name, "created": self._now(),
+            self.run_created = run_created or self._now()
+            docs.append({"kind": "run", "run_id": self.run_id, "name": run_name, "created": self.run_created,
                          "config": config or {}})
             self._next_segment = 0
             self._previous_segment = None
@@ -507,6 +510,7 @@ class HistoryWriter:
                 f"{WRITE_VERSION} and may only read it", path=self.path,
             )
         self.run_id = h.runs[0]["run_id"]
+        self.run_created = h.runs[0].get("created")
         self._salt = h.header.salt
         self._seq = h.committed_records
         for s in h.sites:

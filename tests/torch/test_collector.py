@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 
@@ -1505,19 +1506,17 @@ def test_a_model_compiled_before_the_collector_is_said_not_silently_lost(tmp_pat
 def test_ranks_agree_on_the_run_id_through_the_store(tmp_path, monkeypatch, published):
     """A rank other than 0 records the run id rank 0 published in the process group's store (so merge sums the
     ranks); where none comes within the wait, it records its own and says how to merge or fix it."""
-    import itertools
-
     import trainhist.torch.collector as cm
 
     store = torch.distributed.HashStore()
     monkeypatch.setattr(cm, "_dist", lambda: (1, 2))
     monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", lambda: store)
-    monkeypatch.setattr(cm, "_run_keys", itertools.count())
+    monkeypatch.setattr(cm, "_run_keys", {})
     monkeypatch.setattr(cm, "RUN_ID_WAIT_S", 0.05)
-    if published:  # (rank 0 resumed the run: it is at segment 3; this rank's file is new)
-        store.set("trainhist/run/0", f"{'ab' * 16} 3")
     model = torch.nn.Linear(3, 2)
     col = Collector(model, tmp_path / "r.thist", mode="w")
+    if published:  # (rank 0 resumed the run: it is at segment 3; this rank's file is new)
+        store.set(f"trainhist/run/{col._recording()}/0", json.dumps(["ab" * 16, 3, "2026-01-01T00:00:00+00:00"]))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         col.attach()
@@ -1527,7 +1526,7 @@ def test_ranks_agree_on_the_run_id_through_the_store(tmp_path, monkeypatch, publ
     h = trainhist.open(tmp_path / "r.rank1.thist")
     said = [str(w.message) for w in caught if "trainhist" in str(w.message)]
     if published:  # its run and segment number, so that merge pairs it with rank 0's (spec 2.4)
-        assert h.runs[0]["run_id"] == "ab" * 16 and not said
+        assert h.runs[0]["run_id"] == "ab" * 16 and h.runs[0]["created"] == "2026-01-01T00:00:00+00:00" and not said
         assert [(g.id, g.reason) for g in h.segments] == [(3, "start")]
     else:
         assert h.runs[0]["run_id"] != "ab" * 16
@@ -1535,18 +1534,21 @@ def test_ranks_agree_on_the_run_id_through_the_store(tmp_path, monkeypatch, publ
 
 
 def test_rank_zero_publishes_its_run_id(tmp_path, monkeypatch):
-    import itertools
-
     import trainhist.torch.collector as cm
 
     store = torch.distributed.HashStore()
     monkeypatch.setattr(cm, "_dist", lambda: (0, 2))
     monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", lambda: store)
-    monkeypatch.setattr(cm, "_run_keys", itertools.count())
-    col = Collector(torch.nn.Linear(3, 2), tmp_path / "r.thist", mode="w").attach()
+    monkeypatch.setattr(cm, "_run_keys", {})
+    net = torch.nn.Linear(3, 2)
+    # an evaluation's collector (another recording) made on rank 0 alone does not shift the training's pairing
+    evaluation = Collector(net, tmp_path / "e.thist", mode="w", streams=("activation",)).attach()
+    col = Collector(net, tmp_path / "r.thist", mode="w").attach()
     col.close()
+    evaluation.close()
     h = trainhist.open(tmp_path / "r.rank0.thist")
-    assert store.get("trainhist/run/0").decode() == f"{h.runs[0]['run_id']} 0"
+    assert json.loads(store.get(f"trainhist/run/{col._recording()}/0")) == [h.runs[0]["run_id"], 0,
+                                                                             h.runs[0]["created"]]
 
 
 def test_triage_of_merged_shards_names_the_module_where_the_nan_was_born(tmp_path):
@@ -1690,20 +1692,26 @@ def test_a_closure_optimizer_records_the_gradients_its_closure_computed(tmp_path
         assert_row(h, "0.weight", "param_grad", step, ref_summary([last[step]]))
 
 
-def test_a_compiled_model_runs_the_hooks_without_tracing_them(tmp_path, caplog):
-    """The hooks of a model compiled before it is recorded are called by the compiled code, not traced into it:
-    traced, they were recompiled at every step (their guards hold memory addresses) until torch's recompile limit
-    warned, naming trainhist's internals. The rows are the module's outputs."""
+@pytest.mark.parametrize("when", ["before", "after", "in_place"])
+def test_a_compiled_model_runs_the_hooks_without_tracing_them(tmp_path, caplog, when):
+    """The hooks of a compiled model are called by the compiled code, not traced into it, whether the model was
+    compiled before the collector was made or after it attached (torch.compile(m), m.compile()): traced, they were
+    recompiled at every step (their guards hold memory addresses) until torch's recompile limit warned, naming
+    trainhist's internals. The rows are the module's outputs."""
     import logging
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
-    cm = torch.compile(m, backend="eager")
+    cm = torch.compile(m, backend="eager") if when == "before" else m
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     col = Collector(cm, tmp_path / "c.thist", mode="w", sketch_every=1)
     col.discover(torch.randn(2, 16))
     col.attach(optimizer=opt)
+    if when == "after":
+        cm = torch.compile(m, backend="eager")
+    elif when == "in_place":
+        m.compile(backend="eager")
     outs = []
     with caplog.at_level(logging.WARNING):
         for step in range(12):

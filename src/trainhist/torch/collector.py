@@ -26,13 +26,14 @@ Design notes (also written into the file's settings):
 from __future__ import annotations
 
 import contextlib
-import itertools
+import json
 import math
 import os
 import sys
 import time
 import warnings
 import weakref
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -76,7 +77,9 @@ DEFAULT_SKETCH_EVERY = 10
 #: run id that every rank's shard records (so that merge sums the ranks). Past it, the rank records a run id of its
 #: own and warns: pass the same ``run_id=`` to every rank's Collector to skip the wait.
 RUN_ID_WAIT_S = 120.0
-_run_keys = itertools.count()  # the k-th collector of each rank agrees with the k-th of rank 0
+#: collectors made so far in this process, per recording (see Collector._open): the k-th collector of a recording on
+#: each rank agrees with the k-th of the same recording on rank 0
+_run_keys: dict[str, int] = {}
 # id of the autograd graph task running on this thread, -1 outside backward (activation-checkpoint recompute
 # runs forwards inside backward)
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
@@ -237,8 +240,9 @@ def _dist() -> tuple[int, int]:
     return 0, 1
 
 
-def _agree_run(key: str, rank: int, own: tuple[str, int] | None) -> tuple[str, int] | None:
-    """The run id and segment number of rank 0, which every rank records: rank 0 publishes ``own`` in the process
+def _agree_run(key: str, rank: int, own: tuple[str, int, str] | None) -> tuple[str, int, str] | None:
+    """The run id, segment number and run time of rank 0, which every rank records (merge then sums the ranks,
+    segment by segment, under one run manifest): rank 0 publishes ``own`` in the process
     group's store under ``key``, the others wait for it (up to :data:`RUN_ID_WAIT_S`). None where it could not be
     agreed: no store, or rank 0 did not publish in time. A key-value store, not a collective, so a rank without a
     collector delays the others by the wait at most and never pairs with the loop's own collectives."""
@@ -247,11 +251,11 @@ def _agree_run(key: str, rank: int, own: tuple[str, int] | None) -> tuple[str, i
     try:
         store = torch.distributed.distributed_c10d._get_default_store()
         if rank == 0:
-            store.set(key, f"{own[0]} {own[1]}")  # type: ignore[index]
+            store.set(key, json.dumps(own))
             return own
         store.wait([key], timedelta(seconds=RUN_ID_WAIT_S))
-        run_id, segment = store.get(key).decode().split()
-        return run_id, int(segment)
+        run_id, segment, created = json.loads(store.get(key).decode())
+        return str(run_id), int(segment), created
     except Exception:  # noqa: BLE001 -- no agreement: the caller records its own and says so
         return None
 
@@ -553,10 +557,9 @@ class Collector:
                 hooked.update(self._sel_modules)
             for path in hooked:
                 m = self._modules[path]
-                hook = partial(self._on_forward, path)
-                if self._compiled:  # run by the compiled code as a call, not traced into (and recompiled each step)
-                    hook = torch.compiler.disable(hook)
-                h = m.register_forward_hook(hook)
+                # called by compiled code, not traced into it (and recompiled at every step), however and whenever
+                # the model is compiled (about 0.3 us a call in eager mode)
+                h = m.register_forward_hook(torch.compiler.disable(partial(self._on_forward, path)))
                 self._hooks.append(h)
                 self._fwd_handles.append((m, h.id))
             if self._compiled:  # (to see a forward that the compiled code ran without the hooks above)
@@ -599,14 +602,18 @@ class Collector:
         # every rank's shard records rank 0's run id and segment number, so that merge sums the ranks segment by
         # segment instead of keeping each rank apart as a run of its own (a rank that lost its file rejoins at
         # rank 0's segment, spec 2.4)
-        key = f"trainhist/run/{next(_run_keys)}" if self.world_size > 1 and "run_id" not in opts else None
+        key = None
+        if self.world_size > 1 and "run_id" not in opts:
+            what = self._recording()
+            n = _run_keys[what] = _run_keys.get(what, -1) + 1
+            key = f"trainhist/run/{what}/{n}"
         lead = _agree_run(key, self.rank, None) if key is not None and self.rank != 0 else None
         if lead is not None:
-            opts["run_id"], opts["min_segment"] = lead
+            opts["run_id"], opts["min_segment"], opts["run_created"] = lead
         self._writer = w = HistoryWriter(self.path, settings=settings, **opts)  # type: ignore[arg-type]
         if key is not None and self.rank == 0:
-            lead = _agree_run(key, 0, (w.run_id, w.segment))
-        if key is not None and lead != (w.run_id, w.segment):
+            lead = _agree_run(key, 0, (w.run_id, w.segment, w.run_created))
+        if key is not None and (lead is None or lead[:2] != (w.run_id, w.segment)):
             if lead is None or lead[0] != w.run_id:
                 self._warn_once("run_id", (
                     f"trainhist: rank {self.rank} could not agree on the run id with rank 0" if lead is None else
@@ -620,6 +627,14 @@ class Collector:
         if w.resumed:
             self._warn_once("resume", f"trainhist: {self.path} already holds a history: this run is appended to it as "
                             f"segment {self._writer.segment}; pass mode='w' to start the file over")
+
+    def _recording(self) -> str:
+        """What this collector records (modules, parameters, streams, cadences), as a short hash: ranks pair their
+        collectors by it and its count (not by path, which a loop may name per rank), so that a collector that only
+        some ranks make (an evaluation's) does not shift the pairing of the others."""
+        what = json.dumps([sorted(self._sel_modules), sorted(self._sel_params), list(self.streams), self.every,
+                           self.sketch_every], sort_keys=True)
+        return f"{zlib.crc32(what.encode()):08x}"
 
     def _sharing(self, name: str, p: torch.Tensor) -> str:
         """A parameter's sharing: a DTensor's by its placements, a plain parameter's a replica when ``replicas=``
