@@ -232,3 +232,16 @@ def test_skipped_steps_and_segments_are_named_in_time_order(tmp_path) -> None:
         with trainhist.open(q) as h:
             text = next(f.text for f in triage(h).findings if f.kind == "segment")
         assert "None" not in text, text
+
+
+def test_a_site_without_a_position_ranks_after_those_with_one(tmp_path) -> None:
+    """Ranks that saw an expert first at different steps give it different ``order``s, so the merged site has none:
+    the other sites keep their positions (the forward's first NaN is named), the one without ranks after them."""
+    p = tmp_path / "m.thist"
+    with trainhist.HistoryWriter(p) as w:
+        sites = {name: w.site(name, "activation", order=order) for name, order in
+                 (("embed", 0), ("moe.expert3", None), ("h.0", 1024), ("lm_head", 2048))}
+        for name, site in sites.items():
+            w.observe(site, 4, np.array([1.0 if name == "embed" else np.nan], np.float32))
+    with trainhist.open(p) as h:
+        assert triage(h).first_nonfinite.site == "h.0"

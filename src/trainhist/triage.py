@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .model import Presence
-from .reader import History
+from .reader import History, Site
 
 __all__ = ["Finding", "Triage", "triage", "PASS_ORDER"]
 
@@ -30,17 +30,26 @@ def site_orders(h: History) -> dict[int, int]:
     """Site id -> its rank within its pass of a step. Backward visits modules in the reverse of the forward order, so
     a gradient site ranks by its module's forward position, reversed.
 
-    The positions are the sites' ``order`` (spec 2.2) where every site but the scalars has one: a merged file
-    numbers its sites by key, so only ``order`` keeps the forward order across a merge. Otherwise the ids stand in
-    (writers declare output sites in forward order) and a gradient site takes its output site's id, whatever
-    order its own id came in (a writer that declares sites as it first sees them declares gradients in backward
-    order)."""
-    pos = {x.id: x.order for x in h.sites if x.stream != "scalar"}
-    if pos and None not in pos.values():
-        top = max(pos.values())  # type: ignore[type-var]
-        return {x.id: x.id if x.stream == "scalar" else top - pos[x.id] if x.stream == "activation_grad"
-                else pos[x.id] for x in h.sites}  # type: ignore[operator]
-    forward_id = {(x.path, x.facet): x.id for x in h.sites if x.stream == "activation"}
+    The positions are the sites' ``order`` (spec 2.2; a gradient site without one takes its output site's), since
+    a merged file numbers its sites by key; a site whose position is unknown (its inputs disagreed, say) ranks
+    after those with one. In a file without any ``order`` the ids stand in (writers declare output sites in forward
+    order) and a gradient site takes its output site's id, whatever order its own id came in (a writer that
+    declares sites as it first sees them declares gradients in backward order)."""
+    forward = {(x.path, x.facet): x for x in h.sites if x.stream == "activation"}
+
+    def position(x: Site) -> int | None:
+        if x.order is None and x.stream == "activation_grad" and (x.path, x.facet) in forward:
+            return forward[(x.path, x.facet)].order
+        return x.order
+
+    pos = {x.id: position(x) for x in h.sites if x.stream != "scalar"}
+    known = [v for v in pos.values() if v is not None]
+    if known:
+        top = max(known)
+        return {x.id: x.id if x.stream == "scalar" else top + 1 + x.id if pos[x.id] is None
+                else top - pos[x.id] if x.stream == "activation_grad" else pos[x.id]  # type: ignore[operator]
+                for x in h.sites}
+    forward_id = {key: x.id for key, x in forward.items()}
     n = len(h.sites)
     return {x.id: n - forward_id.get((x.path, x.facet), x.id) if x.stream == "activation_grad" else x.id
             for x in h.sites}

@@ -1581,7 +1581,8 @@ def test_triage_of_merged_shards_names_the_module_where_the_nan_was_born(tmp_pat
         col.close()
     trainhist.merge(paths, tmp_path / "m.thist")
     merged = trainhist.open(tmp_path / "m.thist")
-    assert {s.path: s.order for s in merged.sites if s.stream == "activation"} == {"0": 0, "1": 1, "2": 2, ROOT: 3}
+    assert {s.path: s.order for s in merged.sites if s.stream == "activation"} == {"0": 0, "1": 1024, "2": 2048,
+                                                                                    ROOT: 3072}
     for h in (trainhist.open(paths[1]), merged):
         first = triage(h).first_nonfinite
         assert (first.step, first.site) == (2, "1"), first.text
@@ -1777,3 +1778,37 @@ def test_step_truth_takes_a_tensor_or_a_name_for_applied(tmp_path):
     assert [presence(h, "weight", "param_delta", s) for s in range(3)] == ["observed", "skipped", "skipped"]
     with pytest.raises(trainhist.errors.UsageError):
         StepTruth(applied="yes")
+
+
+def test_a_module_first_run_after_discover_keeps_its_place_in_the_forward(tmp_path):
+    """An expert first routed to at step 2 runs between modules 'a' and 'b': its ``order`` falls between theirs
+    (it came after '(root)'), so a NaN born in it is named, not the modules downstream of it."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.expert, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+            self.route = False
+
+        def forward(self, x):
+            x = self.a(x)
+            if self.route:
+                x = self.expert(x)
+            return self.b(x)
+
+    torch.manual_seed(0)
+    m = M()
+    col = Collector(m, tmp_path / "r.thist", mode="w")
+    col.discover(torch.randn(2, 4))
+    col.attach()
+    m.expert.register_forward_hook(lambda mod, a, o: o.masked_fill(o > 0, float("nan")) if step == 3 else None)
+    for step in range(5):
+        m.route = step >= 2
+        with col.step(step):
+            m(torch.randn(2, 4)).sum().backward()
+    col.close()
+    h = trainhist.open(tmp_path / "r.thist")
+    order = {s.path: s.order for s in h.sites if s.stream == "activation"}
+    assert order["a"] < order["expert"] < order["b"] < order[ROOT], order
+    first = triage(h).first_nonfinite
+    assert (first.step, first.site) == (3, "expert"), first.text

@@ -288,6 +288,7 @@ _COMPILED_BLIND = ("trainhist: the compiled model ran without calling the module
                    "(torch.compile keeps code compiled before they existed): its module sites are not seen; those "
                    "discover() found are recorded as 'unknown', the others not at all. Create the Collector, discover() and attach() before the "
                    "first compiled call, or call torch._dynamo.reset() after attach()")
+_ORDER_GAP = 1024  #: room between the forward positions of modules seen together, for modules seen later
 _SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 
@@ -399,6 +400,8 @@ class Collector:
         # the sites' order (spec 2.2), kept by merge where ids are not: modules in the order their outputs were
         # first produced (discover(), or the steps), parameters in the model's order
         self._produced: dict[str, int] = {}
+        self._last_done: str | None = None  # the module that completed last in the current forward
+        self._discovering = True  # the current forward has completed no module known before it
         self._calls: dict[str, int] = {}  # calls of each module in discover()'s forward
         self._param_order = {n: i for i, n in enumerate(self._params)}
         self._gradless: set[tuple[str, str | None]] = set()  # (path, facet) discover() saw without a gradient
@@ -440,6 +443,7 @@ class Collector:
         """Run one real forward of ``batch`` to learn every module's output facets; returns the model output."""
         self._discovery = {}
         self._calls = {}
+        self._last_done, self._discovering = None, True
         self._gradless = set()
         self._versions = []
         handles = [
@@ -464,8 +468,7 @@ class Collector:
         if self._discovery is not None:  # (a module called n times a forward reduces n outputs a step)
             self._calls[path] = self._calls.get(path, 0) + 1
         if self._discovery is not None and path not in self._discovery:
-            if path not in self._produced:
-                self._produced[path] = len(self._produced)
+            self._note_produced(path)
             facets = list(flatten_output(output))
             self._discovery[path] = [(f, tuple(t.shape), _dtype_name(t)) for f, t in facets]
             self._gradless.update((path, f) for f, t in facets if not t.requires_grad)
@@ -627,6 +630,25 @@ class Collector:
         if w.resumed:
             self._warn_once("resume", f"trainhist: {self.path} already holds a history: this run is appended to it as "
                             f"segment {self._writer.segment}; pass mode='w' to start the file over")
+
+    def _note_produced(self, path: str) -> None:
+        """Give a module its position in the forward (the sites' ``order``, spec 2.2) when it first completes:
+        modules of a forward that knows none of them are spaced by :data:`_ORDER_GAP` in the order they complete; a
+        module first seen later (an expert routed to from some step on) takes the next free position after the
+        module that completed just before it, so that it keeps its place in the forward."""
+        last, self._last_done = self._last_done, path
+        pos = self._produced.get(path)
+        if pos is not None:
+            self._discovering = False
+            return
+        if last is None:
+            pos = max(self._produced.values(), default=-_ORDER_GAP) + _ORDER_GAP
+        else:
+            pos = self._produced[last] + (_ORDER_GAP if self._discovering else 1)
+        taken = set(self._produced.values())
+        while pos in taken:
+            pos += 1
+        self._produced[path] = pos
 
     def _recording(self) -> str:
         """What this collector records (modules, parameters, streams, cadences), as a short hash: ranks pair their
@@ -1054,9 +1076,11 @@ class Collector:
         in_backward = _graph_task_id() != -1
         if path == ROOT and not in_backward:
             st.micro += 1
+        if path in self._sel_modules and not in_backward:
+            self._note_produced(path)
+        if path == ROOT and not in_backward:  # (the forward is over)
+            self._last_done, self._discovering = None, True
         if path in self._sel_modules:
-            if path not in self._produced:
-                self._produced[path] = len(self._produced)
             act, grad = st.due["activation"], st.due["activation_grad"]
             for facet, t in flatten_output(output):
                 if act and not in_backward:
