@@ -286,8 +286,9 @@ def _call(model: torch.nn.Module, batch: object) -> object:
 
 _COMPILED_BLIND = ("trainhist: the compiled model ran without calling the module hooks trainhist added "
                    "(torch.compile keeps code compiled before they existed): its module sites are not seen; those "
-                   "discover() found are recorded as 'unknown', the others not at all. Create the Collector, discover() and attach() before the "
-                   "first compiled call, or call torch._dynamo.reset() after attach()")
+                   "discover() found are recorded as 'unknown', the others not at all. Create the Collector, "
+                   "discover() and attach() before the first compiled call, or call torch._dynamo.reset() after "
+                   "attach()")
 _ORDER_GAP = 1024  #: room between the forward positions of modules seen together, for modules seen later
 _SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
