@@ -1812,3 +1812,20 @@ def test_a_module_first_run_after_discover_keeps_its_place_in_the_forward(tmp_pa
     assert order["a"] < order["expert"] < order["b"] < order[ROOT], order
     first = triage(h).first_nonfinite
     assert (first.step, first.site) == (3, "expert"), first.text
+
+
+def test_parameters_replaced_after_the_collector_was_made_are_said(tmp_path):
+    """A model whose parameters are replaced after the collector was made (here by load_state_dict(assign=True), as
+    fully_shard does) would have its parameter sites record the old tensors, unchanged at every step: a warning
+    says so and what to do."""
+    net = torch.nn.Linear(3, 2)
+    col = Collector(net, tmp_path / "r.thist", mode="w")
+    net.load_state_dict({k: v.clone() for k, v in net.state_dict().items()}, assign=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        col.attach()
+        with col.step(0):
+            net(torch.randn(2, 3)).sum().backward()
+    col.close()
+    said = [str(w.message) for w in caught if "parameters were replaced" in str(w.message)]
+    assert len(said) == 1 and "make the Collector after" in said[0]

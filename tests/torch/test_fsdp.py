@@ -134,8 +134,9 @@ TP = textwrap.dedent("""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 6), torch.nn.Linear(6, 2))
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    # "2"'s output is all-reduced: every rank holds it, and "3" (plain) computes the same on every rank
-    col = Collector(model, sys.argv[1], mode="w", replicas=["2", "3"]).attach()
+    # "2"'s output is all-reduced: every rank holds it, and "3" (plain) computes the same on every rank, as does
+    # the model's own output
+    col = Collector(model, sys.argv[1], mode="w", replicas=["2", "3", "(root)"]).attach()
     torch.manual_seed(1)  # the same batch on every rank, as tensor parallelism needs
     for step in range(2):
         with col.step(step):
@@ -154,7 +155,55 @@ def test_tensor_parallel_replicas_are_kept_once(tmp_path):
     h = trainhist.open(tmp_path / "t.thist")
     want = {("0", "activation"): ("shard", 4 * 8), ("2", "activation"): ("replica", 4 * 6),
             ("3", "activation"): ("replica", 4 * 2), ("3.weight", "param"): ("replica", 12),
+            ("(root)", "activation"): ("replica", 4 * 2), ("(root)", "activation_grad"): ("replica", 4 * 2),
             ("0.weight", "param"): ("shard", 48), ("2.weight", "param"): ("shard", 48)}
     for (path, stream), (sharing, count) in want.items():
         assert h.site(path, stream).sharing == sharing, (path, stream)
         assert h.spine(path, stream).columns["count"].tolist() == [count, count], (path, stream)
+
+
+HSDP = textwrap.dedent("""
+    import json, sys, torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from trainhist.torch import Collector
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))  # HSDP
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    col = Collector(model, sys.argv[1], mode="w", delta_elements=5).attach(optimizer=opt)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    norms = []
+    for step in range(2):
+        with col.step(step):
+            model(torch.randn(3, 4, generator=g)).square().mean().backward()
+            full = [p.grad.full_tensor().reshape(-1) for p in model.parameters()]
+            norms.append(float(torch.cat(full).double().norm()))
+            opt.step()
+            opt.zero_grad()
+    col.close()
+    if dist.get_rank() == 0:
+        open(sys.argv[2], "w").write(json.dumps(norms))
+    dist.destroy_process_group()
+""")
+
+
+def test_hsdp_copies_of_a_shard_are_counted_once(tmp_path):
+    """HSDP (FSDP2 on a 2-D mesh, replicated x sharded): two ranks hold each shard. Only the first copy records the
+    parameter sites, so the merged rows count every element once (they counted it twice), and the ranks' own
+    gradient norms add up to the whole model's."""
+    run_ranks(HSDP, tmp_path, str(tmp_path / "h.thist"), str(tmp_path / "norms.json"), world=4)
+    files = [tmp_path / f"h.rank{r}.thist" for r in range(4)]
+    assert len({trainhist.open(f).runs[0]["run_id"] for f in files}) == 1
+    trainhist.merge(files, tmp_path / "m.thist")
+    h = trainhist.open(tmp_path / "m.thist")
+    for name, size in (("0.weight", 32), ("0.bias", 8), ("1.weight", 16), ("1.bias", 2)):
+        assert h.spine(name, "param").columns["count"].tolist() == [size, size], name
+        assert h.spine(name, "param_grad").columns["count"].tolist() == [size, size], name
+        assert h.spine(name, "param_delta").columns["count"].tolist() == [min(size, 5)] * 2, name
+    norms = json.loads((tmp_path / "norms.json").read_text())
+    local = h.spine("grad_norm_local", "scalar")
+    for step in range(2):
+        assert math.isclose(math.sqrt(float(local.columns["sumsq"][step])), norms[step], rel_tol=1e-6)

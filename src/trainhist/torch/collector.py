@@ -260,6 +260,21 @@ def _agree_run(key: str, rank: int, own: tuple[str, int, str] | None) -> tuple[s
         return None
 
 
+def _first_copy(p: torch.Tensor) -> bool:
+    """Whether this rank holds the first copy of its part of ``p``: always, except for a DTensor both sharded and
+    replicated (HSDP) on a rank whose coordinate is not 0 on some replicated mesh dimension."""
+    if type(p).__name__ != "DTensor":
+        return True
+    try:
+        placements = p.placements  # type: ignore[attr-defined]
+        if all(pl.is_replicate() for pl in placements):
+            return True  # (a replica: every rank records it, merge keeps one)
+        coordinate = p.device_mesh.get_coordinate()  # type: ignore[attr-defined]
+        return coordinate is None or all(c == 0 for c, pl in zip(coordinate, placements) if pl.is_replicate())
+    except Exception:  # noqa: BLE001 -- a layout we cannot read: record it
+        return True
+
+
 def _closure(args: tuple, kwargs: dict) -> bool:
     """Whether an optimizer step was given a closure (which computes the loss and gradients inside the step);
     ``args`` as torch passes them to step hooks: the optimizer, then step's own arguments."""
@@ -388,19 +403,25 @@ class Collector:
         aliases = {clean_name(n): first[id(p)] for n, p in self.inner.named_parameters(remove_duplicate=False)
                    if clean_name(n) not in self._params and id(p) in first}  # under their first name
         self._norm_suffix = ""  # see _open
+        self._norm_params: set[str] = set(self._params)  # see _open
         sel_modules, sel_params = select(list(self._modules), list(self._params), self._patterns, aliases)
         # modules and parameters every rank holds in full (tensor parallelism's replicated outputs and plain
         # parameters): recorded as replicas, which merge keeps once
         self._replicas = [replicas] if isinstance(replicas, str) else (None if replicas is None else list(replicas))
         self._rep_modules, self._rep_params = (select(list(self._modules), list(self._params), self._replicas, aliases)
                                                if self._replicas else (set(), set()))
+        # a sharded DTensor also replicated over some mesh dimension (HSDP) is held whole-shard by several ranks:
+        # only the first of them (coordinate 0 on those dimensions) records it, so that merge counts it once
+        self._copies = {n for n, p in self._params.items() if not _first_copy(p)}
         # in the model's order (reductions run in it, and 'first non-finite' means first in execution order)
         self._sel_modules = dict.fromkeys(n for n in self._modules if n in sel_modules)
-        self._sel_params = dict.fromkeys(n for n in self._params if n in sel_params)
+        self._sel_params = dict.fromkeys(n for n in self._params if n in sel_params and n not in self._copies)
+        self._selected = sorted(sel_modules | sel_params)  # (the same on every rank: see _recording)
         self._facets: dict[str, list[tuple[str | None, tuple[int, ...], str]]] | None = None
         # the sites' order (spec 2.2), kept by merge where ids are not: modules in the order their outputs were
         # first produced (discover(), or the steps), parameters in the model's order
         self._produced: dict[str, int] = {}
+        self._steps_entered = False
         self._last_done: str | None = None  # the module that completed last in the current forward
         self._discovering = True  # the current forward has completed no module known before it
         self._calls: dict[str, int] = {}  # calls of each module in discover()'s forward
@@ -582,7 +603,18 @@ class Collector:
             scaler.unscale_ = self._scaler_unscale
             scaler.step = self._scaler_step
             scaler.update = self._scaler_update
+        self._check_params()
         return self
+
+    def _check_params(self) -> None:
+        """Warn (once) when the model's parameters are no longer the tensors the collector was made with: a wrapper
+        applied after it (FSDP2's fully_shard), to_empty() or load_state_dict(assign=True) replace them, and the
+        parameter sites would record the old tensors, unchanged at every step."""
+        now = {clean_name(n): p for n, p in self.inner.named_parameters()}
+        if any(now.get(n) is not p for n, p in self._params.items()):
+            self._warn_once("params", "trainhist: the model's parameters were replaced after the Collector was made "
+                            "(fully_shard, to_empty(), load_state_dict(assign=True)): its parameter sites would record "
+                            "the old tensors; make the Collector after the model is wrapped and loaded")
 
     def _open(self) -> None:
         if self._writer is not None:
@@ -598,6 +630,10 @@ class Collector:
         # can compute without a collective are of its own part, recorded as grad_norm_local (and _post_clip_local)
         self._norm_suffix = "_local" if self.world_size > 1 and any(
             self._sharing(n, p) != "replica" for n, p in self._params.items() if p.requires_grad) else ""
+        # the parameters in this rank's norms: all of them for a whole norm; for a rank's part, each part once over
+        # the ranks (a replica on rank 0 alone), so that the ranks' squares add up to the whole norm's
+        self._norm_params = {n for n, p in self._params.items() if not self._norm_suffix or (
+            n not in self._copies and (self._sharing(n, p) != "replica" or self.rank == 0))}
         opts = dict(self._writer_options)
         opts.setdefault("rank", self.rank)
         opts.setdefault("world_size", self.world_size)
@@ -655,8 +691,7 @@ class Collector:
         """What this collector records (modules, parameters, streams, cadences), as a short hash: ranks pair their
         collectors by it and its count (not by path, which a loop may name per rank), so that a collector that only
         some ranks make (an evaluation's) does not shift the pairing of the others."""
-        what = json.dumps([sorted(self._sel_modules), sorted(self._sel_params), list(self.streams), self.every,
-                           self.sketch_every], sort_keys=True)
+        what = json.dumps([self._selected, list(self.streams), self.every, self.sketch_every], sort_keys=True)
         return f"{zlib.crc32(what.encode()):08x}"
 
     def _sharing(self, name: str, p: torch.Tensor) -> str:
@@ -744,6 +779,9 @@ class Collector:
             if m._forward_hooks and next(reversed(m._forward_hooks)) != hid:
                 m._forward_hooks.move_to_end(hid)
         self._state = st
+        if not self._steps_entered:
+            self._steps_entered = True
+            self._check_params()
         if st.due["param_delta"]:
             with _no_flush():  # (float64 parameters are cast to float32: a flush would change subnormals)
                 self._snapshot(st)
@@ -1166,7 +1204,8 @@ class Collector:
         norm ``clip_grad_norm_`` computes), read at the step's single transfer: a cheap whole-model check that
         shows a non-finite gradient at the step it happens, whatever the per-site cadence.
         """
-        grads = [local_tensor(p.grad) for p in self._params.values() if p.requires_grad and p.grad is not None]
+        grads = [local_tensor(p.grad) for n, p in self._params.items()
+                 if p.requires_grad and p.grad is not None and n in self._norm_params]
         if not grads:
             return
         st.norm_done = True
@@ -1472,7 +1511,7 @@ class Collector:
         for s, phase, key, h in self._emit_plan(st):
             i = spine_rows.get(key)
             if i is not None and (s.stream != "param_delta" or s.path not in skipped_params):
-                if grad_sq is not None and s.stream == "param_grad":
+                if grad_sq is not None and s.stream == "param_grad" and s.path in self._norm_params:
                     if cols is None:
                         cols = (d.count.tolist(), d.nan.tolist(), (d.pinf + d.ninf).tolist(),  # type: ignore[union-attr]
                                 d.sums[:, 1].tolist())  # type: ignore[union-attr]
@@ -1484,7 +1523,7 @@ class Collector:
                     batch.append((h, phase, i))
                 continue
             summ = self._summary(st, data, key)
-            if s.stream == "param_grad" and grad_sq is not None:
+            if s.stream == "param_grad" and grad_sq is not None and s.path in self._norm_params:
                 if key in st.failed:
                     grad_sq = None
                 elif summ is not None:
@@ -1546,7 +1585,7 @@ class Collector:
         return entries
 
     def _all_trainable_selected(self) -> bool:
-        return all(n in self._sel_params for n, p in self._params.items() if p.requires_grad)
+        return all(n in self._sel_params or n in self._copies for n, p in self._params.items() if p.requires_grad)
 
     def _phases(self, s: PlannedSite, st: _Step) -> tuple[str, ...]:
         if s.stream == "param_grad":
