@@ -21,6 +21,7 @@ from hypothesis.extra import numpy as hnp
 
 from trainhist import grid
 from trainhist.dyadic import Dyadic, exact_sums
+from trainhist.errors import UsageError
 from trainhist.summary import summarize
 
 SIDE = grid.KEY_OVER + 1
@@ -276,7 +277,7 @@ def test_every_bfloat16_bit_pattern() -> None:
     assert (s.count, s.nan, s.pinf, s.ninf, s.zero) == (65536, 2 * 127, 1, 1, 2)
     fin = wide[np.isfinite(wide)].astype(np.float64)
     assert s.sum == sum_fraction_dyadic(fin) and s.sumsq == sum_fraction_dyadic(fin, squares=True)
-    with pytest.raises(TypeError):
+    with pytest.raises(UsageError):  # (a typed error with a code: bad_values)
         summarize(u.astype(np.int32), dtype="bfloat16")
 
 

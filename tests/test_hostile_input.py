@@ -582,3 +582,14 @@ def test_ranks_recorded_with_different_settings_are_reported(tmp_path, capsys):
             w.observe(w.site("x", "activation"), 0, np.ones(2))
         same.append(str(p))
     assert trainhist.merge(same, tmp_path / "m3.thist").settings_mismatches == []
+
+
+def test_open_refuses_what_is_not_a_path() -> None:
+    import pytest
+
+    from trainhist.errors import UsageError
+
+    for bad in (None, 3, ["a.thist"]):
+        with pytest.raises(UsageError) as e:
+            trainhist.open(bad)
+        assert e.value.code == "bad_path"

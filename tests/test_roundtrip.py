@@ -704,3 +704,31 @@ def test_a_forked_child_does_not_keep_the_lock_after_close(tmp_path) -> None:
         os.close(wr)
         os.waitpid(pid, 0)
     assert trainhist.open(p).spine("a", "activation").step.tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("call", [
+    lambda w, s: w.step_truth(5, tokens=-1), lambda w, s: w.step_truth(5, tokens=2**64),
+    lambda w, s: w.step_truth(5, samples=-3), lambda w, s: w.step_truth(5, micro_batches=-1),
+    lambda w, s: w.step_truth(5, loss_scale="x"), lambda w, s: w.step_truth(2**63),
+    lambda w, s: w.observe(s, 5, np.ones(2), micro=-1), lambda w, s: w.observe(s, 5, np.ones(2), micro=2**40),
+    lambda w, s: w.observe(s, 2**63, np.ones(2)), lambda w, s: w.observe(s, 12.7, np.ones(2)),
+    lambda w, s: w.observe(s, 5, np.array([1 + 2j])), lambda w, s: w.observe(s, 5, np.array([2**60])),
+    lambda w, s: w.scalar("loss", 5, "abc"), lambda w, s: w.scalar("loss", 5, None),
+    lambda w, s: w.site("b", "activation", shape=("x",)),
+])
+def test_a_value_the_file_cannot_hold_is_refused_when_given(tmp_path, call) -> None:
+    """A value out of its column's range (a negative token count, a step beyond i64, a fractional step) was taken,
+    then failed the next commit, losing every row since the last one: it is refused at once, as a UsageError, and
+    the history is intact."""
+    p = tmp_path / "t.thist"
+    w = trainhist.HistoryWriter(p)
+    s = w.site("a", "activation")
+    for step in range(5):
+        w.observe(s, step, np.ones(3))
+        w.step_truth(step, applied=True)
+    with pytest.raises(UsageError):
+        call(w, s)
+    w.close()
+    h = trainhist.open(p)
+    assert h.spine("a", "activation").step.tolist() == list(range(5))
+    assert len(h.step_truth_rows()) == 5

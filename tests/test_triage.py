@@ -245,3 +245,21 @@ def test_a_site_without_a_position_ranks_after_those_with_one(tmp_path) -> None:
             w.observe(site, 4, np.array([1.0 if name == "embed" else np.nan], np.float32))
     with trainhist.open(p) as h:
         assert triage(h).first_nonfinite.site == "h.0"
+
+
+def test_cli_limit_refuses_a_negative_count(tmp_path, capsys) -> None:
+    """--limit -1 printed one finding and '3 more' of two; it is refused, and 0 prints them all."""
+    import pytest
+
+    p = tmp_path / "n.thist"
+    with trainhist.HistoryWriter(p) as w:
+        a, b = w.site("a", "activation"), w.site("b", "activation")
+        w.observe(a, 0, np.array([np.nan], np.float32))
+        w.mark(b, 0, "failed")
+    with pytest.raises(SystemExit) as e:
+        main(["triage", str(p), "--limit", "-1"])
+    assert e.value.code == 2
+    capsys.readouterr()
+    assert main(["triage", str(p), "--limit", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "more findings" not in out and out.count("  - ") == len(triage(trainhist.open(p)).findings)

@@ -21,6 +21,17 @@ __all__ = ["main", "EXIT_OK", "EXIT_INVALID", "EXIT_USAGE", "EXIT_TORN"]
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_TORN = 0, 1, 2, 3
 
 
+
+def _count(text: str) -> int:
+    """A whole number >= 0 (argparse type)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return n
+
 def _status(h: History) -> int:
     return EXIT_TORN if h.recovery.status == "torn" else EXIT_OK
 
@@ -189,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_coarsen)
     c = sub.add_parser("triage", help="where and when the history first went wrong (non-finite, failed, skipped)")
     c.add_argument("file")
-    c.add_argument("--limit", type=int, default=12, help="most findings to print")
+    c.add_argument("--limit", type=_count, default=12, help="most findings to print (0: all)")
     c.set_defaults(func=_cmd_triage)
     c = sub.add_parser("demo", help="train a small built-in model and write, triage and plot its history",
                        add_help=False)

@@ -11,6 +11,8 @@ import math
 
 import numpy as np
 
+from .errors import UsageError
+
 __all__ = [
     "NATIVE_SCALE",
     "WINDOW_LOG2_LO",
@@ -86,7 +88,7 @@ def as_float_bits(values: np.ndarray, dtype: str | None = None) -> np.ndarray:
     a = np.asarray(values)
     if dtype == "bfloat16":
         if a.dtype != np.uint16:
-            raise TypeError("bfloat16 input must be given as a uint16 array of bit patterns")
+            raise UsageError("bfloat16 input must be given as a uint16 array of bit patterns", code="bad_values")
         return (a.reshape(-1).astype(np.uint32) << 16).view(np.float32)
     if a.dtype == np.float16:
         return a.reshape(-1).astype(np.float32)
@@ -95,9 +97,11 @@ def as_float_bits(values: np.ndarray, dtype: str | None = None) -> np.ndarray:
     if a.dtype.kind in "iub":
         flat = a.reshape(-1)
         if a.dtype.itemsize == 8 and flat.size and (int(flat.max()) > 2**53 or int(flat.min()) < -(2**53)):
-            raise ValueError("integer values beyond 2**53 have no exact float64 value: convert them explicitly")
+            raise UsageError("integer values beyond 2**53 have no exact float64 value: convert them explicitly",
+                             code="bad_values")
         return flat.astype(np.float64)
-    raise TypeError(f"unsupported dtype {a.dtype}: expected a float16/bfloat16/float32/float64 array")
+    raise UsageError(f"unsupported dtype {a.dtype}: expected a float16/bfloat16/float32/float64 array (or integers "
+                     "up to 2**53)", code="bad_values")
 
 
 def bin_keys(x: np.ndarray) -> np.ndarray:

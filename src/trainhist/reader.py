@@ -1152,4 +1152,6 @@ def _covering(spans: list[tuple[int, int, int]], asked: list[int]) -> dict[int, 
 
 def open_history(path: str | os.PathLike) -> History:
     """Open a history file for reading; see :class:`History`."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise UsageError(f"open() takes a path (str or os.PathLike), not {type(path).__name__}", code="bad_path")
     return History(path)

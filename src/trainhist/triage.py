@@ -78,9 +78,10 @@ class Triage:
         return next((f for f in self.findings if f.kind == "first_nonfinite"), None)
 
     def format(self, limit: int = 12) -> str:
-        """A short report for a terminal."""
+        """A short report for a terminal: the first ``limit`` findings (0: all of them)."""
         if not self.findings:
             return f"{self.path}: no non-finite values, failures, skipped steps or gaps found"
+        limit = len(self.findings) if limit <= 0 else limit
         lines = [f"triage of {self.path}:"]
         for f in self.findings[:limit]:
             lines.append(f"  - {f.text}")

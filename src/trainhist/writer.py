@@ -345,6 +345,31 @@ def _unlock(f) -> None:  # (f: BinaryIO)
         pass
 
 
+_I64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _whole(name: str, value: object, lo: int, hi: int) -> int:
+    """``value`` as an int in ``[lo, hi]``, or a :class:`UsageError` now: a value the file cannot hold would
+    otherwise fail the next commit, and with it every row buffered since the last one."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        if isinstance(value, (float, np.floating)) and float(value).is_integer():
+            value = int(value)
+        else:
+            raise UsageError(f"{name} must be a whole number, got {value!r}", code="bad_value")
+    v = int(value)  # type: ignore[arg-type]
+    if not lo <= v <= hi:
+        raise UsageError(f"{name} must be in [{lo}, {hi}], got {v}", code="bad_value")
+    return v
+
+
+def _real(name: str, value: object) -> float:
+    """``value`` as a float, or a :class:`UsageError`."""
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"{name} must be a number, got {value!r}", code="bad_value") from e
+
+
 def _tristate(names: type, field_: str, value: bool | str | None) -> int:
     """The code of a yes/no/unknown step-truth field given as None (unknown), one of its names, or anything with a
     truth value (a bool, a 0-dim tensor): a string is a name, never read as true."""
@@ -569,7 +594,8 @@ class HistoryWriter:
         sid = len(self._site_meta)
         doc = {
             "kind": "site", "id": sid, "path": path, "stream": stream, "facet": facet,
-            "shape": None if shape is None else [int(d) for d in shape], "dtype": dtype, "sharing": sharing,
+            "shape": None if shape is None else [_whole("shape", d, 0, (1 << 63) - 1) for d in shape], "dtype": dtype,
+            "sharing": sharing,
             "cadence": {"spine": int(cadence_spine), "sketch": int(cadence_sketch)}, "sample": sample,
         }
         if order is not None:
@@ -599,7 +625,8 @@ class HistoryWriter:
 
     def _row_step(self, step: int) -> int:
         """``step`` as an int, once the rows of an earlier step are done with (an automatic commit may follow)."""
-        step = int(step)
+        if type(step) is not int or step != self._last_step:
+            step = _whole("step", step, *_I64)
         if step != self._last_step:
             self._at_step(step)
         if self._segment_manifest is not None and self._segment_manifest["first_step"] is None:
@@ -614,8 +641,8 @@ class HistoryWriter:
         self._check_site(site)
         step = self._row_step(step)
         code = _PHASE_CODES.get(phase) if type(phase) is str else None
-        row = (step, 1, MICRO_ALL if micro is None else int(micro), Phase.code(phase) if code is None else code,
-               presence, summary)
+        row = (step, 1, MICRO_ALL if micro is None else _whole("micro", micro, 0, MICRO_ALL - 1),
+               Phase.code(phase) if code is None else code, presence, summary)
         key = (site.id, self.segment)
         buf = self._buffers.get(key)
         if buf is None:
@@ -702,8 +729,8 @@ class HistoryWriter:
 
     def scalar(self, name: str, step: int, value: float) -> None:
         """Record a run-level number (loss, lr, grad norm, ...) as a one-element observation of a scalar site."""
+        v = _real(f"scalar {name!r}", value)
         s = self.site(name, "scalar", cadence_sketch=0)
-        v = float(value)
         if math.isfinite(v):
             d = Dyadic.from_float(v)
             summ = Summary(count=1, zero=int(v == 0), min=v, max=v, sum=d, sumsq=Dyadic.make(d.m * d.m, 2 * d.e))
@@ -727,18 +754,19 @@ class HistoryWriter:
         """Record what the loop can attest about ``step``; every ``None`` is stored as unknown. ``applied`` and
         ``clipped`` take a bool or the names the reader gives back (``"skipped"``, ``"not_clipped"``, ...)."""
         self._check_open()
-        self._at_step(int(step))
-        row = (
-            int(step),
+        step = _whole("step", step, *_I64)
+        row = (  # (every value checked before the step counts: a refused call records nothing)
+            step,
             _tristate(Applied, "applied", applied),
             GradBasis.code(grad_basis or "unknown"),
             _tristate(Clipped, "clipped", clipped),
-            CANONICAL_NAN if loss_scale is None else float(loss_scale),
-            CANONICAL_NAN if clip_threshold is None else float(clip_threshold),
-            0 if micro_batches is None else int(micro_batches),
-            U64_UNKNOWN if tokens is None else int(tokens),
-            U64_UNKNOWN if samples is None else int(samples),
+            CANONICAL_NAN if loss_scale is None else _real("loss_scale", loss_scale),
+            CANONICAL_NAN if clip_threshold is None else _real("clip_threshold", clip_threshold),
+            0 if micro_batches is None else _whole("micro_batches", micro_batches, 0, (1 << 32) - 1),  # (0: unknown)
+            U64_UNKNOWN if tokens is None else _whole("tokens", tokens, 0, U64_UNKNOWN - 1),
+            U64_UNKNOWN if samples is None else _whole("samples", samples, 0, U64_UNKNOWN - 1),
         )
+        self._at_step(step)
         self._steps.setdefault(self.segment, []).append(row)
 
     def new_segment(self, first_step: int | None, reason: str = "manual") -> int:
