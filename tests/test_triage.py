@@ -263,3 +263,22 @@ def test_cli_limit_refuses_a_negative_count(tmp_path, capsys) -> None:
     assert main(["triage", str(p), "--limit", "0"]) == 0
     out = capsys.readouterr().out
     assert "more findings" not in out and out.count("  - ") == len(triage(trainhist.open(p)).findings)
+
+
+def test_a_coarsened_window_does_not_claim_an_order_inside_it(tmp_path) -> None:
+    """The backward pass went non-finite at step 5, the forward at step 6: coarsened by 10, both are in window 0–9,
+    where the order of steps is not recorded. Triage named the forward site as the first (pass order applied across
+    the window); it now lists both and says the order inside the window is unknown."""
+    src, dst = tmp_path / "s.thist", tmp_path / "c.thist"
+    with trainhist.HistoryWriter(src) as w:
+        a, g = w.site("fc", "activation"), w.site("fc", "activation_grad")
+        for step in range(10):
+            w.observe(a, step, np.array([np.nan if step >= 6 else 1.0], np.float32))
+            w.observe(g, step, np.array([np.nan if step >= 5 else 1.0], np.float32))
+    with trainhist.open(src) as h:
+        assert triage(h).first_nonfinite.text.startswith("the first non-finite value was in `fc` backward")
+    trainhist.coarsen(src, dst, steps=10)
+    with trainhist.open(dst) as h:
+        first = triage(h).first_nonfinite
+    assert first.site is None and "within steps 0–9" in first.text and "not recorded" in first.text
+    assert "`fc` forward" in first.text and "`fc` backward" in first.text

@@ -189,9 +189,21 @@ def triage(h: History) -> Triage:
     events.sort(key=lambda e: (e.segment, e.step, e.pass_rank, e.order))
     if events:
         e0 = events[0]
-        report.findings.append(Finding("first_nonfinite", e0.step, e0.site.path,
-                                       f"the first non-finite value was in {_label(e0.site, e0.phase)} at "
-                                       f"{_at(e0, n_segments)} ({_what(e0.nan, e0.inf)})"))
+        end = e0.step + e0.span
+        # a coarsened row covers a window: the order of sites and passes inside it is not recorded, so every site
+        # non-finite in a window overlapping the first one may hold the first value
+        window = [e for e in events if e.segment == e0.segment and e.step < end and e0.step < e.step + e.span]
+        if e0.span > 1 and len(window) > 1:
+            named = ", ".join(f"{_label(e.site, e.phase)} ({_what(e.nan, e.inf)})" for e in window[:4])
+            more = f" and {len(window) - 4} more" if len(window) > 4 else ""
+            report.findings.append(Finding("first_nonfinite", e0.step, None,
+                                           f"the first non-finite values were within {_at(e0, n_segments)}, a "
+                                           "coarsened window (which site and pass came first inside it is not "
+                                           f"recorded), in {named}{more}"))
+        else:
+            report.findings.append(Finding("first_nonfinite", e0.step, e0.site.path,
+                                           f"the first non-finite value was in {_label(e0.site, e0.phase)} at "
+                                           f"{_at(e0, n_segments)} ({_what(e0.nan, e0.inf)})"))
         first_site = next((e for e in events if e.site.stream != "scalar"), None)
         if first_site is not None and (e0.site.stream == "scalar" or _gap(first_site)):
             report.findings.append(_site_finding(first_site, n_segments))
