@@ -515,7 +515,22 @@ def test_reader_arguments_are_checked_and_info_counts_distinct_steps(tmp_path, c
                 h.presence("x", steps=bad)
             assert ei.value.code == "bad_steps"
     assert cli.main(["info", str(p)]) == 0
-    assert "steps     6 recorded (3 of them again in a later segment), 0..5" in capsys.readouterr().out
+    assert "steps     6 with step truth (3 of them again in a later segment), 0..5" in capsys.readouterr().out
+
+
+def test_info_shows_the_steps_of_the_rows_as_well_as_the_step_truth(tmp_path, capsys):
+    """A file with one step-truth row and 100 observed steps said 'steps 1 recorded, 0..0'; one with scalars alone
+    said nothing of its steps. The rows' steps come from the commit entries (nothing decoded)."""
+    p = tmp_path / "i.thist"
+    with trainhist.HistoryWriter(p) as w:
+        w.step_truth(0, applied=True)
+        s = w.site("a", "activation")
+        for st in range(100):
+            w.observe(s, st, np.ones(4))
+            w.scalar("loss", st, 1.0)
+    assert cli.main(["info", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "steps     1 with step truth, 0..0" in out and "rows      200 at steps 0..99" in out
 
 
 def test_the_numbers_of_a_row_without_numbers_are_refused_not_zero(tmp_path):

@@ -54,10 +54,14 @@ def _cmd_info(args: argparse.Namespace) -> int:
         if steps.size:
             span = h.steps["span"]  # (1 for every row of a file that was never coarsened)
             last = int((steps + (span.astype(np.int64) - 1)).max())
-            what = "recorded" if (span == 1).all() else "windows recorded (coarsened)"
+            what = "with step truth" if (span == 1).all() else "windows with step truth (coarsened)"
             distinct = int(np.unique(steps).size)
             again = f" ({steps.size - distinct} of them again in a later segment)" if distinct < steps.size else ""
             print(f"steps     {distinct} {what}{again}, {int(steps.min())}..{last}")
+        chunks = [e for es in h._obs.values() for e in es]  # (from the commit entries: nothing decoded)
+        if chunks:
+            print(f"rows      {sum(e.rows for e in chunks)} at steps {min(e.step_min for e in chunks)}.."
+                  f"{max(e.step_max for e in chunks)} (the sites' rows: observations and marks)")
         print(f"sites     {len(h.sites)}")
         by_stream: dict[str, int] = {}
         for s in h.sites:
