@@ -608,3 +608,23 @@ def test_open_refuses_what_is_not_a_path() -> None:
         with pytest.raises(UsageError) as e:
             trainhist.open(bad)
         assert e.value.code == "bad_path"
+
+
+def test_junk_appended_after_the_last_commit_names_the_intact_prefix(tmp_path):
+    """Bytes appended to a closed file fail the record header check (spec 8: corruption, not a torn tail); the
+    error names the committed size that reads correctly and how to recover it, and truncating does."""
+    import pytest
+
+    from trainhist.errors import CorruptError
+
+    p = tmp_path / "j.thist"
+    with trainhist.HistoryWriter(p) as w:
+        w.observe(w.site("a", "activation"), 0, np.ones(4))
+    good = p.read_bytes()
+    p.write_bytes(good + bytes(range(1, 81)))
+    with pytest.raises(CorruptError) as e:
+        trainhist.open(p)
+    assert e.value.code == "bad_record_header" and f"truncating the file to {len(good)} bytes" in str(e.value)
+    with open(p, "r+b") as f:
+        f.truncate(len(good))
+    assert trainhist.open(p).spine("a", "activation").step.tolist() == [0]
