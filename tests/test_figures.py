@@ -149,7 +149,11 @@ def test_figures_keep_a_resumed_segment_apart_and_mark_its_boundary(tmp_path):
         for f in (fig, site_figure(h, "a")):
             assert any(line.get_xdata()[0] == 20 and line.get_linestyle() == "--" for line in f.axes[0].lines)
         lines = [ln for ln in site_figure(h, "a").axes[0].lines if ln.get_linestyle() == ":"]
-        assert all(np.all(np.diff(ln.get_xdata()) > 0) for ln in lines) and len(lines) == 4  # min, max per segment
+        assert len(lines) == 2  # min, max: each broken (NaN) between the segments, every piece going forward
+        for ln in lines:
+            pieces = _pieces(ln)
+            assert [(x[0, 0], x[-1, 0]) for x in pieces] == [(0, 30), (20, 40)]
+            assert all((np.diff(x[:, 0]) >= 0).all() for x in pieces)
         page = contact_sheet(h, tmp_path / "sheet")[0]
         assert page.stat().st_size > 1000
 
@@ -174,3 +178,203 @@ def test_quantile_edges_bands_and_partly_sketched_windows(tmp_path):
     with trainhist.open(tmp_path / "c.thist") as h:
         med = [ln for ln in site_figure(h, "a").axes[0].lines if "median" in str(ln.get_label())]
         assert med and abs(med[0].get_ydata()[0] - 3.0) < 0.6 and "zeros estimated" in med[0].get_label()
+
+
+def _pieces(line) -> list[np.ndarray]:
+    """The (x, y) points of each unbroken piece of a line (NaN breaks it)."""
+    xy = np.asarray(line.get_xydata(), float)
+    pieces = [p[~np.isnan(p).any(axis=1)] for p in np.split(xy, np.flatnonzero(np.isnan(xy).any(axis=1)))]
+    return [p for p in pieces if p.size]
+
+
+def _ramp(tmp_path, sketch: bool):
+    """Steps 0..29 of values +-(step + 1), coarsened into the windows [0, 10), [10, 20), [20, 30)."""
+    p, c = tmp_path / f"ramp{sketch}.thist", tmp_path / f"ramp{sketch}_c.thist"
+    with trainhist.HistoryWriter(p) as w:
+        a = w.site("fc", "activation")
+        for st in range(30):
+            w.observe(a, st, np.array([st + 1.0, -(st + 1.0)]), sketch=sketch)
+    trainhist.coarsen(p, c, steps=10)
+    return c
+
+
+def test_coarsened_rows_are_drawn_over_their_windows(tmp_path, monkeypatch):
+    """Spec 2.3: a coarsened row is shown as its span. The site figure drew each window as a point at its first
+    step (the x axis ended at 20; the window [20, 30) was a point), and so did the contact sheet."""
+    with trainhist.open(_ramp(tmp_path, sketch=False)) as h:
+        ax = site_figure(h, "fc").axes[0]
+    lines = {str(ln.get_label()): ln for ln in ax.lines}
+    mx = [ln for ln in ax.lines if ln.get_linestyle() == ":"]
+    for ln, top in ((mx[0], [-10.0, -20, -30]), (mx[1], [10.0, 20, 30]), (lines["mean (from exact sums)"], [0.0] * 3)):
+        (piece,) = _pieces(ln)  # one unbroken line: the windows follow each other
+        assert piece[:, 0].tolist() == [0, 10, 10, 20, 20, 30] and piece[::2, 1].tolist() == top
+        assert piece[1::2, 1].tolist() == top  # flat over each window
+    assert ax.get_xlim()[1] >= 30 and "coarsened windows of up to 10 steps" in ax.get_title()
+    with trainhist.open(_ramp(tmp_path, sketch=True)) as h:
+        ax = site_figure(h, "fc").axes[0]
+    (med,) = [ln for ln in ax.lines if "median" in str(ln.get_label())]
+    assert _pieces(med)[0][:, 0].tolist() == [0, 10, 10, 20, 20, 30]
+    fans = [c for c in ax.collections if "p5" in str(c.get_label()) or "p25" in str(c.get_label())]
+    assert len(fans) == 2 and all(max(p.vertices[:, 0].max() for p in c.get_paths()) == 30 for c in fans)
+    from matplotlib.figure import Figure
+
+    drawn = []  # (the sheet's figures, as they are saved)
+    real = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (drawn.append(self), real(self, *a, **k)))
+    with trainhist.open(_ramp(tmp_path, sketch=False)) as h:
+        contact_sheet(h, tmp_path / "sheet")
+    (rms,) = drawn[0].axes[0].lines
+    assert _pieces(rms)[0][:, 0].tolist() == [0, 10, 10, 20, 20, 30]
+
+
+def test_rows_without_numbers_are_marked_apart_from_the_values(tmp_path):
+    """failed, absent and skipped rows were points at value 0 (read as zeros: missing is never zero), unknown and
+    not_scheduled rows were not marked, and the lines ran straight across all of them and across steps the
+    cadence called for that have no row. Now each state has a line of a strip below the values and a legend entry,
+    and no line crosses a row without numbers or a due step without a row."""
+    p = tmp_path / "gaps.thist"
+    marks = {7: "failed", 12: "absent", 20: "skipped", 25: "unknown", 27: "not_scheduled"}
+    with trainhist.HistoryWriter(p) as w:
+        a = w.site("a", "activation")
+        b = w.site("b", "activation", cadence_spine=10)
+        for st in range(41):
+            if st in marks:
+                w.mark(a, st, marks[st])
+            elif st not in (30, 31, 32, 40):  # due steps without a row: unknown
+                w.observe(a, st, np.array([1.0, 2.0 + st]))
+            if st % 10 == 0 and st != 30:
+                w.observe(b, st, np.array([1.0, 2.0 + st]))
+        w.mark(b, 5, "failed")  # (recorded after later steps: drawn where its step is)
+    with trainhist.open(p) as h:
+        fig = site_figure(h, "a")
+        fig_b = site_figure(h, "b")
+    ax, strip = fig.axes[:2]
+    assert not [c for c in ax.collections if type(c).__name__ == "PathCollection"]  # (no scatter on the values)
+    legend = [" ".join(t.get_text().split()) for t in ax.get_legend().get_texts()]  # (labels are wrapped)
+    for name in ("failed", "absent", "skipped", "unknown", "not_scheduled"):
+        assert any(t.startswith(name) for t in legend), name
+    assert any("3 due steps without a row" in t for t in legend)
+    assert [t.get_text() for t in strip.get_yticklabels()] == ["failed", "unknown", "skipped", "absent",
+                                                               "not_scheduled"]
+    at = {str(ln.get_label()).split(":")[0]: ln.get_xdata().tolist() for ln in strip.lines}
+    assert at["failed"] == [7.5] and at["absent"] == [12.5] and at["unknown"] == [25.5, 31.5]
+    breaks = [(7, 8), (12, 13), (20, 21), (25, 26), (30, 33)]  # (not_scheduled: the cadence did not call for it)
+    for ln in ax.lines:
+        for piece in _pieces(ln):
+            x0, x1 = piece[:, 0].min(), piece[:, 0].max()
+            assert not any(x0 < e and x1 > s for s, e in breaks) or piece.shape[0] == 1, (ln.get_label(), x0, x1)
+    mn = next(ln for ln in ax.lines if ln.get_linestyle() == ":")
+    assert [(p[0, 0], p[-1, 0]) for p in _pieces(mn)] == [(0, 7), (8, 12), (13, 20), (21, 25), (26, 30), (33, 40)]
+    # cadence 10: rows at 10 and 20 are joined (nothing was due between them); step 30 was due and has no row
+    ax_b, strip_b = fig_b.axes[:2]
+    mn = next(ln for ln in ax_b.lines if ln.get_linestyle() == ":")
+    assert [(p[0, 0], p[-1, 0]) for p in _pieces(mn)] == [(0, 1), (10, 21), (40, 41)]
+    assert [ln.get_xdata().tolist() for ln in strip_b.lines] == [[5.5], [30.5]]
+
+
+def _resumed(tmp_path, name: str = "a", nan: bool = False):
+    """Steps 0..29, resumed at 20..39 (values of another magnitude); NaN everywhere when ``nan``."""
+    p = tmp_path / "res.thist"
+    with trainhist.HistoryWriter(p) as w:
+        s = w.site(name, "activation")
+        for st in range(30):
+            w.observe(s, st, np.full(8, np.nan if nan else 1.0))
+            if st == 5:
+                w.observe(s, st, np.full(8, np.nan if nan else 1.0), micro=1)  # (rows of one step summed: a note)
+    with trainhist.HistoryWriter(p, mode="a") as w:
+        s = w.site(name, "activation")
+        for st in range(20, 40):
+            w.observe(s, st, np.full(8, np.nan if nan else 1000.0))
+    return p
+
+
+def test_waterfall_marks_are_visible_on_any_background(tmp_path):
+    """The band-count text was white on the white axes, the segment boundary a white line without a legend entry,
+    and an all-NaN site a blank plot: the steps that held non-finite values are now marked from the spine."""
+    from matplotlib.colors import to_rgba
+
+    with trainhist.open(_resumed(tmp_path)) as h:
+        ax = waterfall(h, "a").axes[0]
+    (note,) = [t for t in ax.texts if "outside the window" in t.get_text()]
+    box = note.get_bbox_patch()
+    assert sum(to_rgba(note.get_color())[:3]) < 1.0 and box is not None
+    assert to_rgba(box.get_facecolor())[:3] == (1.0, 1.0, 1.0) and box.get_alpha() >= 0.5
+    (line,) = [ln for ln in ax.lines if ln.get_linestyle() == "--"]
+    assert to_rgba(line.get_color())[:3] != (1.0, 1.0, 1.0) and line.get_path_effects()
+    assert "segment boundary (resume)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    with trainhist.open(_resumed(tmp_path, "n", nan=True)) as h:
+        ax = waterfall(h, "n").axes[0]
+    (marks,) = [ln for ln in ax.lines if ln.get_marker() == "v"]
+    assert marks.get_xdata().tolist() == list(range(40))  # (steps 20..29 of the replaced segment, step 5: once)
+    assert any(t.get_text().startswith("non-finite values at 41 rows (NaN 328") for t in ax.get_legend().get_texts())
+    assert any("no finite value" in t.get_text() for t in ax.texts)
+
+
+def test_waterfall_title_fits_in_the_figure(tmp_path):
+    """A title with the notes (rows summed, a resume's replayed rows) ran past both edges of the figure."""
+    name = "transformer.h.11.mlp.c_fc.a_rather_long_module_name"
+    with trainhist.open(_resumed(tmp_path, name)) as h:
+        fig = waterfall(h, name)
+    fig.canvas.draw()
+    title = fig.axes[0].title
+    box = title.get_window_extent(fig.canvas.get_renderer())
+    assert "replayed" in title.get_text() and "summed" in title.get_text()
+    assert 0 <= box.x0 and box.x1 <= fig.bbox.width and box.y1 <= fig.bbox.height
+
+
+def test_long_waterfall_adds_rows_into_few_columns_and_hatches_missing_steps(tmp_path, monkeypatch):
+    """An image of one column per step took 39 s and 6.6 GB for 100k rows, and sketches every 10 steps made
+    false stripes. Now consecutive rows of a segment add their counts (exactly) into at most about _MAX_COLUMNS
+    columns, the figure says how many steps a column adds, and a column without a sketch is hatched, not zero."""
+    from trainhist import figures
+
+    monkeypatch.setattr(figures, "_MAX_COLUMNS", 20)
+    p = tmp_path / "long.thist"
+    with trainhist.HistoryWriter(p) as w:
+        s = w.site("a", "activation", cadence_sketch=5)
+        for st in range(250):
+            w.observe(s, st, np.full(8, 2.0), sketch=st % 5 == 0 and not 100 <= st < 160)
+    with trainhist.HistoryWriter(p, mode="a") as w:  # a resume inside a column: the column is split there
+        s = w.site("a", "activation", cadence_sketch=5)
+        for st in range(250, 400):
+            w.observe(s, st, np.full(8, 2.0), sketch=st % 5 == 0)
+    with trainhist.open(p) as h:
+        fig = waterfall(h, "a")
+    ax = fig.axes[0]
+    assert "each column adds the sketches of 20 steps" in ax.get_title()
+    cols = _mesh_columns(fig)
+    edges = [a for a, _, _ in cols] + [cols[-1][1]]
+    assert len(cols) <= 22 and 249.5 in edges and edges[0] == -0.5 and edges[-1] == 399.5
+    mesh = ax.collections[0]
+    counts = 10 ** np.ma.filled(mesh.get_array().astype(float), np.nan).reshape(-1, len(cols))
+    total = np.nansum(counts, axis=0)
+    sketched = [sum(1 for st in range(round(a + 0.5), round(b + 0.5)) if st % 5 == 0 and not 100 <= st < 160)
+                for a, b, _ in cols]
+    assert np.allclose(total, [8 * n if n else 0 for n in sketched])  # every sketch's 8 values, added
+    blank = [(a, b) for (a, b, occ), n in zip(cols, sketched) if not n]
+    assert blank == [(99.5, 159.5)] and all(not occ for (_, _, occ), n in zip(cols, sketched) if not n)
+    (hatch,) = [c for c in ax.collections if "no sketch" in str(c.get_label())]
+    assert hatch.get_hatch() and [p.vertices[:, 0].min() for p in hatch.get_paths()] == [99.5]
+
+
+def test_rows_recorded_out_of_step_order_are_drawn_in_step_order(tmp_path, monkeypatch):
+    """A writer may record a step after a later one: the lines follow the steps, not the file order (the series
+    reordered keeps its exact sums, which the reader may derive a row's mean and rms from)."""
+    from matplotlib.figure import Figure
+
+    p = tmp_path / "o.thist"
+    with trainhist.HistoryWriter(p) as w:
+        s = w.site("a", "activation", cadence_spine=5)
+        for st in (0, 10, 15, 5):
+            w.observe(s, st, np.array([1.0, 3.0 + st]), sketch=False)
+    drawn = []
+    real = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (drawn.append(self), real(self, *a, **k)))
+    with trainhist.open(p) as h:
+        ax = site_figure(h, "a").axes[0]
+        contact_sheet(h, tmp_path / "sheet")
+    (mean,) = [ln for ln in ax.lines if "mean" in str(ln.get_label())]
+    (rms,) = drawn[0].axes[0].lines
+    for ln, y in ((mean, [2.0, 4.5, 7.0, 9.5]), (rms, [np.sqrt((1 + (3 + st) ** 2) / 2) for st in (0, 5, 10, 15)])):
+        (piece,) = _pieces(ln)
+        assert piece[:, 0].tolist() == [0, 1, 5, 6, 10, 11, 15, 16] and np.allclose(piece[::2, 1], y)

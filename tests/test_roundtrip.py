@@ -732,3 +732,22 @@ def test_a_value_the_file_cannot_hold_is_refused_when_given(tmp_path, call) -> N
     h = trainhist.open(p)
     assert h.spine("a", "activation").step.tolist() == list(range(5))
     assert len(h.step_truth_rows()) == 5
+
+
+def test_mean_and_rms_of_extreme_values_come_from_the_exact_sums(tmp_path) -> None:
+    """A sum of squares beyond the float range (1e300) or below it (5e-324) is stored exactly beside its rounded
+    float (inf, 0): the derived rms was inf and 0; it comes from the exact value."""
+    from fractions import Fraction
+
+    p = tmp_path / "x.thist"
+    with trainhist.HistoryWriter(p) as w:
+        w.scalar("big", 0, 1e300)
+        w.scalar("tiny", 0, 5e-324)
+        w.observe(w.site("x", "activation"), 0, np.array([1e308, 1e308, -1e307]))
+    h = trainhist.open(p)
+    assert (h.spine("big", "scalar").rms[0], h.spine("big", "scalar").mean[0]) == (1e300, 1e300)
+    assert (h.spine("tiny", "scalar").rms[0], h.spine("tiny", "scalar").mean[0]) == (5e-324, 5e-324)
+    x = h.spine("x", "activation")
+    values = [Fraction(v) for v in (1e308, 1e308, -1e307)]
+    assert math.isclose(x.mean[0], float(sum(values) / 3), rel_tol=1e-15)
+    assert math.isclose(x.rms[0], math.sqrt(float(sum(v * v for v in values) / 3 / 10**600)) * 1e300, rel_tol=1e-15)

@@ -1,9 +1,15 @@
 """Figures of a history (needs the ``viz`` extra: matplotlib). Every approximation is labelled on the figure.
 
+Every row is drawn over the steps it covers, ``[step, step + span)`` (a coarsened row over its whole window, spec
+2.3), and no line joins two rows across a row without numbers, a step the cadence called for that has no row, or
+a segment boundary.
+
 - :func:`site_figure`: one site over steps — quantile fan DERIVED from the sketch (its bin-width bound in the
-  legend), the EXACT min/max envelope from the spine, non-finite events, failed/absent rows, skipped optimizer
-  steps, segment boundaries and coarsened spans marked.
-- :func:`waterfall`: steps × signed-log2 bins, the sketch counts as they are stored (never rebinned).
+  legend), the EXACT min/max envelope from the spine, non-finite events, skipped optimizer steps and segment
+  boundaries marked; rows without numbers (every presence but ``observed``) in a strip of their own below the
+  values, never on the value axis.
+- :func:`waterfall`: steps × signed-log2 bins, the sketch counts as they are stored (never rebinned); a long
+  history's rows are added into at most about one column a pixel (labelled), steps without a sketch hatched.
 - :func:`contact_sheet`: every site as a small tile, non-finite sites first then by drift, paginated with an
   "N of M — page k of P" footer; nothing is silently left out.
 """
@@ -11,13 +17,14 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 import numpy as np
 
 from .grid import index_min, nbins
-from .model import Presence
-from .reader import History, Site
+from .model import Applied, Presence
+from .reader import History, Site, SketchSeries, SpineSeries
 
 __all__ = ["quantiles_from_sketch", "site_figure", "waterfall", "contact_sheet"]
 
@@ -86,13 +93,94 @@ def _site_title(site: Site, phase: str | None) -> str:
     return f"{site.path}{facet} · {site.stream}{ph}"
 
 
-def _segment_runs(segment: np.ndarray) -> list[np.ndarray]:
-    """Positions of each segment's rows (a series is ordered by segment, then step): drawn as separate lines, so
-    that no line joins the end of one segment to the start of the next (a resumed run replays steps)."""
-    if segment.size == 0:
-        return []
-    cuts = np.flatnonzero(segment[1:] != segment[:-1]) + 1
-    return np.split(np.arange(segment.size), cuts)
+def _set_title(ax, text: str, fontsize: float = 10) -> None:
+    """Set ``text`` as the title, wrapped (at its " · " separators first) to the width of the axes, over which it is
+    centered, then lay the figure out again: a title with the notes of a waterfall ran past the figure's edges and
+    was cut off. Call it once the figure is laid out."""
+    width = ax.get_position().width * ax.figure.get_figwidth() * 72  # (points)
+    per_line = max(20, int(width / (0.62 * fontsize)))  # (0.62 em: a wide average glyph)
+    lines: list[str] = []
+    for part in text.split(" · "):
+        if lines and len(lines[-1]) + 3 + len(part) <= per_line:
+            lines[-1] += " · " + part
+        else:
+            lines += textwrap.wrap(part, per_line) or [""]
+    ax.set_title("\n".join(lines), fontsize=fontsize)
+    ax.figure.tight_layout()
+
+
+def _by_step(s: SpineSeries) -> SpineSeries:
+    """The rows of ``s`` in the order of their segment, then step (file order, else: a writer may record a step
+    after a later one), so that lines and gaps follow the steps."""
+    o = np.lexsort((s.step, s.segment))
+    if (np.diff(o) > 0).all():
+        return s
+    columns = {k: v[o] for k, v in s.columns.items()}
+    return SpineSeries(s.site, columns, {k: x.take(o, columns[k]) for k, x in s._x.items()})  # (exact sums too)
+
+
+def _extent(s: SpineSeries) -> tuple[np.ndarray, np.ndarray]:
+    """First and end (exclusive) step of each row: a row covers ``[step, step + span)`` (spec 2.3)."""
+    start = s.step.astype(np.int64)
+    return start, start + s.span.astype(np.int64)
+
+
+def _due_gaps(s: SpineSeries) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Steps the site's spine cadence called for that have no row, between two rows of one segment (a reader
+    reports them ``unknown``, spec 2.6): whether each pair of consecutive rows has such steps between them, and the
+    first and last + 1 of those steps per such pair. Steps the cadence did not call for are no gap."""
+    start, end = _extent(s)
+    c = s.site.cadence_spine
+    a, b = end[:-1], start[1:]
+    due = (b - 1) // c - (a - 1) // c if c > 0 else np.zeros(a.size, np.int64)  # (multiples of c in [a, b))
+    hole = (due > 0) & (s.segment[1:] == s.segment[:-1])
+    return hole, -(-a[hole] // max(c, 1)) * c, (b[hole] - 1) // max(c, 1) * c + 1
+
+
+def _joins(s: SpineSeries, rows: np.ndarray, hole: np.ndarray) -> np.ndarray:
+    """Whether each of ``rows`` (increasing positions in ``s``) is joined to the next by a line: not across a row
+    without numbers (``not_scheduled`` aside: the cadence did not call for it) or without a finite value, across a
+    step the cadence called for that has no row (``hole``, :func:`_due_gaps`), nor across a segment boundary."""
+    no_numbers = (s.presence != Presence.OBSERVED) & (s.presence != Presence.NOT_SCHEDULED)
+    breaking = no_numbers | (s.observed & (s.finite == 0))
+    nb = np.r_[0, np.cumsum(breaking)]
+    nh = np.r_[0, np.cumsum(hole | (s.segment[1:] != s.segment[:-1]))]
+    a, b = rows[:-1], rows[1:]
+    return (nb[b] == nb[a + 1]) & (nh[b] == nh[a])
+
+
+def _stairs(start: np.ndarray, end: np.ndarray, y: np.ndarray, joined: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x and y of a line that draws each row flat over its steps ``[start, end)``, goes on to the next row where
+    ``joined`` and is broken by a NaN elsewhere."""
+    n = start.size
+    x = np.stack([start, end, np.full(n, np.nan)], axis=1)
+    yy = np.stack([y, y, np.full(n, np.nan)], axis=1)
+    keep = np.ones((n, 3), bool)
+    keep[:, 2] = np.r_[~joined, False]
+    return x[keep], yy[keep]
+
+
+def _plot_rows(ax, start: np.ndarray, end: np.ndarray, y: np.ndarray, joined: np.ndarray, **style: object) -> None:
+    """One line over the rows (:func:`_stairs`); a row joined to neither neighbour gets a dot too, since a line one
+    step long draws nothing visible on a long axis."""
+    if not start.size:
+        return
+    (line,) = ax.plot(*_stairs(start, end, y, joined), **style)
+    alone = ~np.r_[False, joined] & ~np.r_[joined, False] & np.isfinite(y)
+    if alone.any():
+        ax.plot((start[alone] + end[alone]) / 2, y[alone], ls="none", marker=".", ms=3, color=line.get_color())
+
+
+def _vmarks(ax, start: np.ndarray, end: np.ndarray, label: str, **style: object) -> None:
+    """Rows ``[start, end)`` marked over the whole height: a line at the middle of each (visible at any zoom, one
+    collection however many) and a faint band over each row of several steps."""
+    if not start.size:
+        return
+    ax.vlines((start + end) / 2, 0, 1, transform=ax.get_xaxis_transform(), label=label, **style)
+    wide = end - start > 1
+    if wide.any():
+        ax.broken_barh(list(zip(start[wide].tolist(), (end - start)[wide].tolist())), (0, 1),
+                       transform=ax.get_xaxis_transform(), color=style.get("color"), alpha=0.12, lw=0)
 
 
 def _boundaries(ax, h: History, step: np.ndarray, segment: np.ndarray, **style: object) -> None:
@@ -113,74 +201,118 @@ def _boundaries(ax, h: History, step: np.ndarray, segment: np.ndarray, **style: 
         k += 1
 
 
-def _marks(ax, h: History, s) -> None:
-    """Presence gaps, non-finite events, skipped steps and segment boundaries as visible marks."""
-    steps = s.step
-    for code, color, label in ((Presence.FAILED, "red", "failed"), (Presence.ABSENT, "0.6", "absent"),
-                               (Presence.SKIPPED, "orange", "skipped")):
-        sel = s.presence == code
-        if sel.any():
-            ax.scatter(steps[sel], np.zeros(sel.sum()), marker="x", color=color, label=f"{label} (no data)", zorder=5)
+def _marks(ax, h: History, s: SpineSeries) -> None:
+    """Non-finite events, skipped optimizer steps and segment boundaries as marks over the whole height."""
+    start, end = _extent(s)
     nf = s.observed & ((s.nan > 0) | (s.pinf > 0) | (s.ninf > 0))
-    for k, x in enumerate(steps[nf].tolist()):
-        ax.axvline(x, color="red", alpha=0.35, lw=1, label="non-finite values" if k == 0 else None)
-    truth = h.step_truth_rows()
-    skipped = [r["step"] for r in truth if r["applied"] == "skipped"]
-    for k, x in enumerate(skipped):
-        ax.axvline(x, color="orange", ls=":", lw=1, label="optimizer step skipped" if k == 0 else None)
+    _vmarks(ax, start[nf], end[nf], "non-finite values", color="red", alpha=0.35, lw=1)
+    t = h.steps
+    skipped = t["applied"] == Applied.code("skipped")
+    first = t["step"][skipped].astype(np.int64)
+    _vmarks(ax, first, first + t["span"][skipped].astype(np.int64), "optimizer step skipped", color="orange",
+            ls=":", lw=1)
     _boundaries(ax, h, s.step, s.segment)
-    spans = s.span > 1
-    if spans.any():
-        ax.text(0.01, 0.02, f"{int(spans.sum())} rows are coarsened spans of up to {int(s.span.max())} steps",
-                transform=ax.transAxes, fontsize=7)
+
+
+#: every presence but ``observed`` (spec 2.6), in the order of precedence (11.4): its marker and color in the strip
+_NO_DATA = ((Presence.FAILED, "X", "red"), (Presence.UNKNOWN, "d", "purple"), (Presence.SKIPPED, "s", "orange"),
+            (Presence.ABSENT, "o", "0.4"), (Presence.NOT_SCHEDULED, "|", "0.6"))
+
+
+def _presence_strip(ax, s: SpineSeries, gaps: tuple[np.ndarray, np.ndarray]) -> None:
+    """The rows without numbers, one line of the strip ``ax`` per state that occurs: a marker at the middle of
+    each row's steps and a bar over them, never a value on the value axis (missing is never zero, spec 2.6).
+    ``gaps``: first and last + 1 of runs of steps the cadence called for that have no row, shown as ``unknown``."""
+    start, end = _extent(s)
+    names = []
+    for code, marker, color in _NO_DATA:
+        sel = s.presence == code
+        a, b = start[sel], end[sel]
+        label = f"{Presence.name(code)}: {int(sel.sum())} row{'' if sel.sum() == 1 else 's'} without numbers"
+        if code == Presence.UNKNOWN and gaps[0].size:
+            due = int(((gaps[1] - 1 - gaps[0]) // max(s.site.cadence_spine, 1) + 1).sum())
+            a, b = np.r_[a, gaps[0]], np.r_[b, gaps[1]]
+            label += f", {due} due step{'' if due == 1 else 's'} without a row"
+        if not a.size:
+            continue
+        y = np.full(a.size, len(names))
+        ax.hlines(y, a, b, color=color, lw=3)
+        ax.plot((a + b) / 2, y, ls="none", marker=marker, color=color, label=label)
+        names.append(Presence.name(code))
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    ax.set_ylim(-0.7, len(names) - 0.3)
+    ax.invert_yaxis()
+    ax.set_ylabel("no data", fontsize=7)
 
 
 def site_figure(h: History, path: str, stream: str = "activation", facet: str | None = None, *,
                 phase: str | None = None, out: str | Path | None = None):
-    """Quantile fan (derived) with the exact min/max envelope; returns the matplotlib figure."""
+    """Quantile fan (derived) with the exact min/max envelope, rows without numbers in a strip below; returns the
+    matplotlib figure."""
     plt = _mpl()
-    s = h.spine(path, stream, facet, phase=phase)
+    s = _by_step(h.spine(path, stream, facet, phase=phase))
     sk = h.sketch(path, stream, facet, phase=phase)
-    fig, ax = plt.subplots(figsize=(8, 4))
+    start, end = _extent(s)
+    hole, gap_from, gap_to = _due_gaps(s)
+    if (~s.observed).any() or hole.any():
+        fig, (ax, strip) = plt.subplots(2, 1, sharex=True, figsize=(10, 4.8), height_ratios=(5, 1))
+    else:
+        fig, ax = plt.subplots(figsize=(10, 4))
+        strip = None
     obs = s.observed & (s.finite > 0)
-    for k, run in enumerate(_segment_runs(s.segment)):  # (one line per segment: none joins a resume's replay)
-        r = run[obs[run]]
-        mark = "." if r.size == 1 else None  # (a line of one point draws nothing)
-        ax.plot(s.step[r], s.min[r], ":", color="k", lw=1, marker=mark,
-                label="min / max (exact, spine)" if k == 0 else None)
-        ax.plot(s.step[r], s.max[r], ":", color="k", lw=1, marker=mark)
-        if not len(sk):
-            ax.plot(s.step[r], s.mean[r], color="C0", lw=1.5, label="mean (from exact sums)" if k == 0 else None)
-    if len(sk):
+    r = np.flatnonzero(obs)
+    joined = _joins(s, r, hole)
+    _plot_rows(ax, start[r], end[r], s.min[r], joined, ls=":", color="k", lw=1, label="min / max (exact, spine)")
+    _plot_rows(ax, start[r], end[r], s.max[r], joined, ls=":", color="k", lw=1)
+    if not len(sk):
+        _plot_rows(ax, start[r], end[r], s.mean[r], joined, color="C0", lw=1.5, label="mean (from exact sums)")
+    else:
         rows = s.sk_row >= 0
-        zero = s.zero[rows].astype(np.float64)
+        at = np.empty(len(sk), np.int64)  # the spine row of each sketch row
+        at[s.sk_row[rows]] = np.flatnonzero(rows)
+        zero = s.zero[at].astype(np.float64)
         # a sketch may cover part of its row (a coarsened window with sketches at a sparser cadence, spec 11.2):
         # its own total counts; the zeros among its values are estimated in the same proportion
-        nonzero = (s.finite[rows] - s.zero[rows]).astype(np.float64)
+        nonzero = (s.finite[at] - s.zero[at]).astype(np.float64)
         covered = (sk.pos.sum(axis=1) + sk.neg.sum(axis=1) + sk.bands.sum(axis=1)).astype(np.float64)
         partial = covered < nonzero
         zero = np.where(partial, zero * covered / np.maximum(nonzero, 1), zero)
-        q = quantiles_from_sketch(sk.pos, sk.neg, sk.bands, zero, sk.scale, (0.05, 0.25, 0.5, 0.75, 0.95))
-        x = sk.columns["step"]
+        q = np.full((len(s), 5), np.nan)  # (per spine row)
+        q[at] = quantiles_from_sketch(sk.pos, sk.neg, sk.bands, zero, sk.scale, (0.05, 0.25, 0.5, 0.75, 0.95))
+        f = np.flatnonzero(obs & rows)
+        joined = _joins(s, f, hole)
+        x = _stairs(start[f], end[f], q[f, 0], joined)[0]
+        for (a, b), alpha, label in (((0, 4), 0.2, "p5–p95 (derived from sketch)"),
+                                     ((1, 3), 0.35, "p25–p75 (derived)")):
+            lo, hi = (_stairs(start[f], end[f], q[f, j], joined)[1] for j in (a, b))
+            ax.fill_between(x, lo, hi, where=np.isfinite(lo) & np.isfinite(hi), alpha=alpha, color="C0", lw=0,
+                            label=label)
         width = 2 ** (1 / 2**sk.scale) - 1
-        for k, r in enumerate(_segment_runs(sk.columns["segment"])):
-            first = k == 0
-            ax.fill_between(x[r], q[r, 0], q[r, 4], alpha=0.2, color="C0",
-                            label="p5–p95 (derived from sketch)" if first else None)
-            ax.fill_between(x[r], q[r, 1], q[r, 3], alpha=0.35, color="C0",
-                            label="p25–p75 (derived)" if first else None)
-            ax.plot(x[r], q[r, 2], color="C0", lw=1.5,
-                    label=f"median (derived; ±{width:.0%} relative, {2**sk.scale} bins/octave"
-                    + ("; partly sketched windows: zeros estimated" if partial.any() else "") + ")" if first else None)
+        _plot_rows(ax, start[f], end[f], q[f, 2], joined, color="C0", lw=1.5,
+                   label=f"median (derived; ±{width:.0%} relative, {2**sk.scale} bins/octave"
+                   + ("; partly sketched windows: zeros estimated" if partial.any() else "") + ")")
     _marks(ax, h, s)
-    lin = max(1e-12, float(np.nanmax(np.abs(np.r_[s.min[obs], s.max[obs], 1e-12]))) * 1e-3)
-    ax.set_yscale("symlog", linthresh=lin)
-    _fit_y(ax, np.r_[s.min[obs], s.max[obs], 0.0], log=False)
-    ax.set_xlabel("step")
+    if obs.any():
+        lin = max(1e-12, float(np.nanmax(np.abs(np.r_[s.min[obs], s.max[obs], 1e-12]))) * 1e-3)
+        ax.set_yscale("symlog", linthresh=lin)
+        _fit_y(ax, np.r_[s.min[obs], s.max[obs], 0.0], log=False)
+    else:  # (no value axis to draw: an empty one would suggest a scale)
+        ax.set_yticks([])
+        ax.text(0.5, 0.5, "no row holds a finite value", ha="center", transform=ax.transAxes)
+    handles, labels = ax.get_legend_handles_labels()
+    if strip is not None:
+        _presence_strip(strip, s, (gap_from, gap_to))
+        more = strip.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    (ax if strip is None else strip).set_xlabel("step")
     ax.set_ylabel("value (symlog)")
-    ax.set_title(_site_title(s.site, phase))
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(handles, [textwrap.fill(t, 48) for t in labels], fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1),
+              borderaxespad=0)  # (beside the values, which it would hide)
     fig.tight_layout()
+    spans = s.span > 1
+    _set_title(ax, _site_title(s.site, phase) + (f" · {int(spans.sum())} rows are coarsened windows of up to "
+                                                 f"{int(s.span.max())} steps, each drawn over its window"
+                                                 if spans.any() else ""), 12)
     if out is not None:
         fig.savefig(out, dpi=120)
         plt.close(fig)
@@ -218,47 +350,147 @@ def _step_columns(steps: np.ndarray, spans: np.ndarray | None,
     return np.array(edges), np.stack(out, axis=1), len(keys) < len(steps), overlapped
 
 
+#: a waterfall image has at most about this many columns: one a pixel of its axes when saved at 120 dpi, so that no
+#: column falls between pixels (a history sketched every 10 steps drew false stripes) and memory stays bounded
+_MAX_COLUMNS = 700
+_BLOCK = 4096  #: sketch rows made dense at a time when their counts are added into columns
+
+
+def _not_replayed(step: np.ndarray, span: np.ndarray, segment: np.ndarray) -> np.ndarray:
+    """Rows to draw where a resumed segment replays steps: where a later segment has rows, an earlier one's rows
+    from the later one's first step on are not drawn (summing them into a column would mix two runs)."""
+    keep = np.ones(step.size, bool)
+    for g in np.unique(segment).tolist():
+        later = segment > g
+        if later.any():
+            keep &= ~((segment == g) & (step + span > step[later].min()))
+    return keep
+
+
+def _add_sketches(sk: SketchSeries, rows: np.ndarray, col: np.ndarray, n: int) -> np.ndarray:
+    """(n, 2 * bins) u64: the counts of sketch ``rows`` added into their column ``col`` (negative bins from the
+    largest magnitude down, then positive), exactly; rows are made dense a block at a time, so memory grows with
+    the columns, never with the rows (a dense copy of every row of a long history took gigabytes)."""
+    nb = nbins(sk.scale)
+    out = np.zeros((n, 2 * nb), np.uint64)
+    order = np.argsort(col, kind="stable")
+    rows, col = rows[order], col[order]
+    for k in range(0, rows.size, _BLOCK):
+        part = sk._sparse.take(rows[k : k + _BLOCK])  # (the stored ranges; the package's own reader)
+        block = np.concatenate([part.dense(1)[:, ::-1], part.dense(0)], axis=1)
+        cols, first = np.unique(col[k : k + _BLOCK], return_index=True)
+        out[cols] += np.add.reduceat(block, first, axis=0)
+    return out
+
+
+def _column_bins(step: np.ndarray, span: np.ndarray, segment: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Columns for a history too long for a column per row: each adds the rows of one segment whose first step
+    falls in one aligned window of ``width`` steps, a round multiple of the longest span (a coarsened window is
+    never split) chosen so that there are at most about :data:`_MAX_COLUMNS`; a window where no row begins is a
+    blank column. Returns (x edges, the column of each row, the number of columns, width)."""
+    longest = int(span.max())
+    need = (int((step + span).max()) - int(step.min())) / _MAX_COLUMNS
+    width, k = longest, 0
+    while width < need:  # (1, 2, 5 × 10^k times the longest span: a width a reader can count with)
+        k += 1
+        width = longest * (1, 2, 5)[k % 3] * 10 ** (k // 3)
+    keys, inv = np.unique(np.stack([step // width, segment.astype(np.int64)], axis=1), axis=0, return_inverse=True)
+    first = np.full(len(keys), np.iinfo(np.int64).max)
+    np.minimum.at(first, inv.reshape(-1), step)
+    left = keys[:, 0] * width
+    right = left + width
+    shared = np.flatnonzero(keys[1:, 0] == keys[:-1, 0])  # (a resume inside a window: split where it begins)
+    left[shared + 1] = right[shared] = first[shared + 1]
+    edges, at = [float(left[0])], []
+    for a, b in zip(left.tolist(), right.tolist()):
+        if a > edges[-1]:  # no row begins in these steps: a blank column
+            edges.append(float(a))
+        at.append(len(edges) - 1)
+        edges.append(float(b))
+    return np.array(edges) - 0.5, np.array(at)[inv.reshape(-1)], len(edges) - 1, width
+
+
 def waterfall(h: History, path: str, stream: str = "activation", facet: str | None = None, *,
               phase: str | None = None, out: str | Path | None = None):
-    """Steps × signed-log2 bins heat map of the stored sketch counts (log color), bands shown apart."""
+    """Steps × signed-log2 bins heat map of the stored sketch counts (log color), bands shown apart; a long
+    history's rows are added into at most about :data:`_MAX_COLUMNS` columns, and the figure says so."""
     plt = _mpl()
+    from matplotlib import patheffects
+
     sk = h.sketch(path, stream, facet, phase=phase)
+    s = h.spine(path, stream, facet, phase=phase)
     fig, ax = plt.subplots(figsize=(8, 4))
+    title = _site_title(s.site, phase)
+    width = 1
     if len(sk):
-        grid = np.concatenate([sk.neg[:, ::-1], sk.pos], axis=1).astype(np.float64)
         nb = nbins(sk.scale)
         lo = index_min(sk.scale) / 2**sk.scale
         hi = (index_min(sk.scale) + nb) / 2**sk.scale
         step, seg = sk.columns["step"].astype(np.int64), sk.columns["segment"]
         span = sk.columns["span"].astype(np.int64)
-        # a resumed segment replays steps: where a later segment has rows, an earlier one's rows from the later
-        # one's first step on are not drawn (the image has one column per step; summing them would mix two runs)
-        keep = np.ones(step.size, bool)
-        for g in np.unique(seg).tolist():
-            later = seg > g
-            if later.any():
-                keep &= ~((seg == g) & (step + span > step[later].min()))
+        keep = _not_replayed(step, span, seg)
         replaced = int(step.size - keep.sum())
-        x, img, summed, overlapped = _step_columns(step[keep], span[keep], grid[keep])
-        ax.pcolormesh(x, np.linspace(-nb, nb, 2 * nb + 1), np.ma.masked_invalid(img), cmap="viridis",
-                      shading="flat")
+        rows = np.flatnonzero(keep)
+        step, span, seg = step[rows], span[rows], seg[rows]
+        if int((step + span).max()) - int(step.min()) <= _MAX_COLUMNS * int(span.min()):  # a column per row
+            keys, inv = np.unique(np.stack([step, span], axis=1), axis=0, return_inverse=True)
+            grid = _add_sketches(sk, rows, inv.reshape(-1), len(keys)).astype(np.float64)
+            x, img, _, overlapped = _step_columns(keys[:, 0], keys[:, 1], grid)
+            summed, past = len(keys) < rows.size, 0
+        else:
+            x, col, ncols, width = _column_bins(step, span, seg)
+            with np.errstate(divide="ignore"):
+                img = np.log10(_add_sketches(sk, rows, col, ncols).T.astype(np.float64))
+            img[:, np.setdiff1d(np.arange(ncols), col)] = np.nan
+            summed, overlapped = False, 0
+            past = int((step + span - 0.5 > x[col + 1]).sum())  # (rows whose span does not divide the width)
+        mesh = ax.pcolormesh(x, np.linspace(-nb, nb, 2 * nb + 1), np.ma.masked_invalid(img), cmap="viridis",
+                             shading="flat")
+        if np.isfinite(img).any():
+            fig.colorbar(mesh, ax=ax, pad=0.01,
+                         label="log10 count" + (f", added over {width} steps" if width > 1 else ""))
+        else:
+            ax.text(0.5, 0.5, "the sketches hold no finite value", ha="center", transform=ax.transAxes,
+                    bbox={"facecolor": "w", "alpha": 0.8, "edgecolor": "none"})
+        blank = np.isnan(img).all(axis=0)
+        if blank.any():
+            ax.broken_barh(list(zip(x[:-1][blank].tolist(), np.diff(x)[blank].tolist())), (-nb, 2 * nb),
+                           facecolor="0.93", edgecolor="0.55", hatch="///", lw=0,
+                           label="no sketch at these steps (missing, not zero)")
         ticks = np.linspace(-nb, nb, 9)
         ax.set_yticks(ticks)
         ax.set_yticklabels([f"{'-' if t < 0 else ''}2^{lo + abs(t) / nb * (hi - lo):.0f}" if t else "0"
                             for t in ticks])
         outside = int(sk.bands.sum())
-        ax.set_title(_site_title(sk.site, phase) + f" · sketch, {2**sk.scale} bins/octave (never rebinned)"
-                     + (" · rows of one step summed" if summed else "")
-                     + (f" · {overlapped} rows overlapping later ones cut or left out" if overlapped else "")
-                     + (f" · {replaced} rows of a segment a resume replayed not drawn" if replaced else ""))
-        _boundaries(ax, h, step, seg, color="w")
+        title += (f" · sketch, {2**sk.scale} bins/octave (never rebinned)"
+                  + (f" · each column adds the sketches of {width} steps" if width > 1 else "")
+                  + (" · rows of one step summed" if summed else "")
+                  + (f" · {overlapped} rows overlapping later ones cut or left out" if overlapped else "")
+                  + (f" · {past} rows reaching past their column's steps added where they begin" if past else "")
+                  + (f" · {replaced} rows of a segment a resume replayed not drawn" if replaced else ""))
+        _boundaries(ax, h, sk.columns["step"], sk.columns["segment"], lw=1.5,
+                    path_effects=[patheffects.withStroke(linewidth=3.5, foreground="w")])
         ax.text(0.01, 0.01, f"outside the window (2^-48, 2^16]: {outside} values in the under/overflow bands",
-                transform=ax.transAxes, fontsize=7, color="w")
+                transform=ax.transAxes, fontsize=7, color="k",
+                bbox={"boxstyle": "round,pad=0.2", "facecolor": "w", "alpha": 0.8, "edgecolor": "none"})
     else:
         ax.text(0.5, 0.5, "no sketches recorded for this site", ha="center", transform=ax.transAxes)
+    first, end = _extent(s)
+    nf = _not_replayed(first, end - first, s.segment) & s.observed & ((s.nan + s.pinf + s.ninf) > 0)
+    if nf.any():  # (not in the sketch, which holds finite values only: from the spine's counts)
+        # one mark a column: the middle of each row's steps, or of the columns that hold any of them
+        at = (np.unique((first + end)[nf]) / 2 - 0.5 if width == 1
+              else np.unique(first[nf] // width) * width + width / 2 - 0.5)
+        ax.plot(at, np.full(at.size, 0.97), ls="none", marker="v", color="red", markeredgecolor="w",
+                transform=ax.get_xaxis_transform(), label=f"non-finite values at {int(nf.sum())} rows (NaN "
+                f"{int(s.nan[nf].sum())}, +inf {int(s.pinf[nf].sum())}, -inf {int(s.ninf[nf].sum())}; not in "
+                "the sketch)")
     ax.set_xlabel("step")
     ax.set_ylabel("signed magnitude bin")
+    if ax.get_legend_handles_labels()[0]:  # (below the image, which it would hide)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=2)
     fig.tight_layout()
+    _set_title(ax, title)
     if out is not None:
         fig.savefig(out, dpi=120)
         plt.close(fig)
@@ -296,7 +528,7 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
     Returns the PNG pages written; each carries the footer "sites a–b of M — page k of P".
     """
     plt = _mpl()
-    from matplotlib.ticker import LogLocator, MaxNLocator
+    from matplotlib.ticker import FixedLocator, LogLocator, MaxNLocator
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -315,16 +547,16 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
         for ax, site in zip(axes.flat, tiles):
             ax.axis("on")
             phase = _first_phase(h, site)
-            s = h.spine(site.path, site.stream, site.facet, phase=phase)
+            s = _by_step(h.spine(site.path, site.stream, site.facet, phase=phase))
             obs = s.observed & (s.finite > 0)
-            for run in _segment_runs(s.segment):
-                r = run[obs[run]]
-                ax.plot(s.step[r], s.rms[r], lw=1, color="C0")
+            start, end = _extent(s)
+            r = np.flatnonzero(obs)
+            _plot_rows(ax, start[r], end[r], s.rms[r], _joins(s, r, _due_gaps(s)[0]), lw=1, color="C0")
             _boundaries(ax, h, s.step, s.segment, lw=0.8)
             nf = s.observed & ((s.nan + s.pinf + s.ninf) > 0)
             if nf.any():
                 ax.set_facecolor("#fde0e0")
-                ax.vlines(s.step[nf], 0, 1, transform=ax.get_xaxis_transform(), color="red", lw=0.5)
+                ax.vlines((start + end)[nf] / 2, 0, 1, transform=ax.get_xaxis_transform(), color="red", lw=0.5)
             if obs.any() and (s.rms[obs] > 0).all():
                 ax.set_yscale("log")
                 _fit_y(ax, s.rms[obs], log=True)
@@ -334,14 +566,20 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
             if ax.get_yscale() == "linear":
                 ax.yaxis.set_major_locator(MaxNLocator(3))
             else:
-                lo, hi = ax.get_ylim()  # (three ticks over hundreds of decades overflow in matplotlib)
-                ax.yaxis.set_major_locator(LogLocator(numticks=3) if math.log10(hi / lo) < 100 else LogLocator())
+                # three decades within the limits, placed here: matplotlib's LogLocator puts ticks beyond them,
+                # past 1e308 for data near the ends of the float range, where its formatter overflows
+                lo, hi = (math.log10(v) for v in ax.get_ylim())
+                decades = np.unique(np.round(np.linspace(math.ceil(lo), math.floor(hi), 3)))
+                ax.yaxis.set_major_locator(FixedLocator(10.0**decades) if math.ceil(lo) <= hi
+                                           else LogLocator(numticks=3))
             ax.set_title(_site_title(site, phase), fontsize=6)
             ax.tick_params(labelsize=5)
         a, b = k * per_page + 1, k * per_page + len(tiles)
-        fig.text(0.5, 0.005, f"sites {a}–{b} of {len(ranked)} — page {k + 1} of {pages} · rms per step "
-                 "(from exact sums); ranked nonfinite_first_then_drift", ha="center", fontsize=7)
-        fig.subplots_adjust(left=0.05, right=0.98, top=0.95, bottom=0.08, hspace=0.6, wspace=0.35)
+        fig.text(0.5, 0.005, f"sites {a}–{b} of {len(ranked)} — page {k + 1} of {pages} · rms of each row (from "
+                 "exact sums) over its steps, a coarsened row over its window; ranked nonfinite_first_then_drift",
+                 ha="center", fontsize=7)
+        tall = fig.get_figheight()  # (margins in inches: on a page of one row the footer hid the tick labels)
+        fig.subplots_adjust(left=0.05, right=0.98, top=1 - 0.25 / tall, bottom=0.5 / tall, hspace=0.6, wspace=0.35)
         p = out_dir / f"contact_sheet_p{k + 1}.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)

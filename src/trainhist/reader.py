@@ -155,6 +155,25 @@ class _Entry(NamedTuple):
     payload_crc: int
 
 
+def _ratio(d: Dyadic, n: int, root: bool) -> float:
+    """``d / n``, or its square root, as a float, by integer arithmetic: no overflow or underflow on the way (the
+    result itself may still be beyond the float range: inf, or 0)."""
+    if d.m == 0:
+        return 0.0
+    m = abs(d.m)
+    shift = 64 - (m.bit_length() - n.bit_length())  # (a quotient of about 64 significant bits)
+    if root and (d.e - shift) % 2:
+        shift += 1
+    q = (m << shift) // n if shift >= 0 else m // (n << -shift)
+    exp = d.e - shift
+    try:
+        if root:
+            return math.ldexp(float(math.isqrt(q << 64)), exp // 2 - 32)
+        return math.copysign(math.ldexp(float(q), exp), d.m)
+    except OverflowError:
+        return math.copysign(math.inf, d.m)
+
+
 class _Exact:
     """The exact-sum column of a series (spec 5.3), decoded and checked only when a row's exact value is asked for."""
 
@@ -232,13 +251,21 @@ class SpineSeries:
     def mean(self) -> np.ndarray:
         """Mean of the finite values (NaN where nothing finite was observed); a derived float."""
         with np.errstate(all="ignore"):
-            return self._derived(self.columns["sum"] / self.finite)
+            return self._from_exact(self._derived(self.columns["sum"] / self.finite), "sum", False)
 
     @property
     def rms(self) -> np.ndarray:
         """Root mean square of the finite values; a derived float."""
         with np.errstate(all="ignore"):
-            return self._derived(np.sqrt(self.columns["sumsq"] / self.finite))
+            return self._from_exact(self._derived(np.sqrt(self.columns["sumsq"] / self.finite)), "sumsq", True)
+
+    def _from_exact(self, out: np.ndarray, name: str, root: bool) -> np.ndarray:
+        """``out`` with the rows whose sum is not a binary64 (it overflowed, or a sum of squares of tiny values
+        underflowed) taken from the exact sum: 1e300 has an rms of 1e300, not inf; 5e-324 one of 5e-324, not 0."""
+        x = self._x[name]
+        for i in np.flatnonzero((x.n > 0) & self.observed & (self.finite > 0)).tolist():
+            out[i] = _ratio(x.get(i), int(self.finite[i]), root)  # type: ignore[arg-type]
+        return out
 
     @property
     def exact(self) -> dict[str, list[Dyadic | None]]:
@@ -501,11 +528,14 @@ class History:
                 if not np.any(np.frombuffer(self._buf, np.uint8, size - pos, pos)):
                     stop = (pos, "zero-filled tail (space the file system allocated but never wrote)")
                     break
+                hint = (f"; the history committed before it ({committed_end} bytes) reads correctly: if the bytes "
+                        f"from here on are not records of this file (appended to it), truncating the file to "
+                        f"{committed_end} bytes recovers it (e.g. truncate -s {committed_end} FILE on a copy)")
                 if rsalt == salt or crc32c(buf[pos : pos + 28]) != hcrc:
-                    raise _bad("record header CRC32C mismatch (the length cannot be trusted)", "bad_record_header",
-                               path, pos)
-                raise _bad(f"record salt {rsalt:016x} differs from the file's {salt:016x} (stale or spliced bytes)",
-                           "salt_mismatch", path, pos)
+                    raise _bad("record header CRC32C mismatch (the length cannot be trusted)" + hint,
+                               "bad_record_header", path, pos)
+                raise _bad(f"record salt {rsalt:016x} differs from the file's {salt:016x} (stale or spliced bytes)"
+                           + hint, "salt_mismatch", path, pos)
             RecordHeader(rtype, flags, length, rseq, rsalt, pcrc).check_limits(pos, path)
             if rseq != seq:
                 raise _bad(f"record sequence number {rseq}, expected {seq} (stale or spliced bytes)",
@@ -612,7 +642,7 @@ class History:
             site = Site(doc["id"], doc["path"], doc["stream"], doc["facet"],
                         None if doc.get("shape") is None else tuple(doc["shape"]), doc.get("dtype"), doc["sharing"],
                         doc["cadence"]["spine"], doc["cadence"]["sketch"], doc.get("sample"), doc,
-                        doc.get("order"))
+                        None if doc.get("order") is None else int(doc["order"]))  # (1.0 is the integer 1)
             if site.key in self._site_by_key:
                 raise _bad(f"site {site.key} declared twice", "duplicate_site", self.path, e.offset)
             self.sites.append(site)
