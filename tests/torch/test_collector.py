@@ -1588,6 +1588,17 @@ def test_triage_of_merged_shards_names_the_module_where_the_nan_was_born(tmp_pat
         assert (first.step, first.site) == (2, "1"), first.text
 
 
+def _sgd_recorded(make: type, path, example: torch.Tensor) -> tuple:
+    """A seeded model, its SGD optimizer and a collector that discovered it on ``example`` and attached."""
+    torch.manual_seed(0)
+    m = make()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    col = Collector(m, path, mode="w")
+    col.discover(example)
+    col.attach(optimizer=opt)
+    return m, opt, col
+
+
 def test_a_forward_under_inference_mode_inside_a_step_breaks_nothing(tmp_path):
     """A forward under torch.inference_mode() (an evaluation or a rollout inside the step) that allocates ledger
     rows must not leave the ledger an inference tensor, which later steps could not write: every step records,
@@ -1603,12 +1614,7 @@ def test_a_forward_under_inference_mode_inside_a_step_breaks_nothing(tmp_path):
             y = self.fc(x)
             return y if self.training else self.head(y)
 
-    torch.manual_seed(0)
-    m = M()
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    col = Collector(m, tmp_path / "r.thist", mode="w")
-    col.discover(torch.randn(2, 8))
-    col.attach(optimizer=opt)
+    m, opt, col = _sgd_recorded(M, tmp_path / "r.thist", torch.randn(2, 8))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(4):
@@ -1647,12 +1653,7 @@ def test_a_parameter_returned_by_a_module_gets_one_gradient_hook_per_step(tmp_pa
         def forward(self, x):
             return self.fc(x + self.drop(self.query)).mean()
 
-    torch.manual_seed(0)
-    m = M()
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    col = Collector(m, tmp_path / "r.thist", mode="w")
-    col.discover(torch.randn(4, 8))
-    col.attach(optimizer=opt)
+    m, opt, col = _sgd_recorded(M, tmp_path / "r.thist", torch.randn(4, 8))
     grads = []
     for step in range(4):
         with col.step(step):
