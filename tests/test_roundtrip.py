@@ -751,3 +751,20 @@ def test_mean_and_rms_of_extreme_values_come_from_the_exact_sums(tmp_path) -> No
     values = [Fraction(v) for v in (1e308, 1e308, -1e307)]
     assert math.isclose(x.mean[0], float(sum(values) / 3), rel_tol=1e-15)
     assert math.isclose(x.rms[0], math.sqrt(float(sum(v * v for v in values) / 3 / 10**600)) * 1e300, rel_tol=1e-15)
+
+
+def test_whole_numbers_come_as_tensors_and_arrays_too(tmp_path) -> None:
+    """A 0-dim integer array (or tensor) is a whole number: refusing it lost every step-truth row the collector
+    wrote with StepTruth(tokens=torch.tensor(32)); a string is not, and a refused micro index records nothing."""
+    p = tmp_path / "t.thist"
+    with trainhist.HistoryWriter(p) as w:
+        s = w.site("a", "activation")
+        w.step_truth(np.int64(0), tokens=np.array(4096), micro_batches=np.array(2.0))
+        with pytest.raises(UsageError):
+            w.step_truth(1, tokens="12")
+        with pytest.raises(UsageError):
+            w.observe(s, 1000, np.ones(2), micro=-1)
+        w.observe(s, 0, np.ones(2))
+    h = trainhist.open(p)
+    assert [(r["tokens"], r["micro_batches"]) for r in h.step_truth_rows()] == [(4096, 2)]
+    assert h.segments[0].first_step == 0

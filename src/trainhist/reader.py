@@ -263,7 +263,10 @@ class SpineSeries:
         """``out`` with the rows whose sum is not a binary64 (it overflowed, or a sum of squares of tiny values
         underflowed) taken from the exact sum: 1e300 has an rms of 1e300, not inf; 5e-324 one of 5e-324, not 0."""
         x = self._x[name]
-        for i in np.flatnonzero((x.n > 0) & self.observed & (self.finite > 0)).tolist():
+        # (only where the rounded quotient left the normal float range: almost every sum of squares of float32
+        # data has an exact column, and the rounded one is then within an ulp)
+        off = ~np.isfinite(out) | (np.abs(out) < np.finfo(np.float64).tiny)
+        for i in np.flatnonzero((x.n > 0) & self.observed & (self.finite > 0) & off).tolist():
             out[i] = _ratio(x.get(i), int(self.finite[i]), root)  # type: ignore[arg-type]
         return out
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+import operator
 import os
 import socket
 import time
@@ -351,19 +352,27 @@ _I64 = (-(1 << 63), (1 << 63) - 1)
 def _whole(name: str, value: object, lo: int, hi: int) -> int:
     """``value`` as an int in ``[lo, hi]``, or a :class:`UsageError` now: a value the file cannot hold would
     otherwise fail the next commit, and with it every row buffered since the last one."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        if isinstance(value, (float, np.floating)) and float(value).is_integer():
-            value = int(value)
-        else:
-            raise UsageError(f"{name} must be a whole number, got {value!r}", code="bad_value")
-    v = int(value)  # type: ignore[arg-type]
+    if isinstance(value, (bool, str, bytes)):
+        raise UsageError(f"{name} must be a whole number, got {value!r}", code="bad_value")
+    try:
+        v = operator.index(value)  # (ints, numpy integers, 0-dim integer arrays and tensors)
+    except TypeError:
+        try:
+            f = float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            f = math.nan
+        if not f.is_integer():
+            raise UsageError(f"{name} must be a whole number, got {value!r}", code="bad_value") from None
+        v = int(f)
     if not lo <= v <= hi:
         raise UsageError(f"{name} must be in [{lo}, {hi}], got {v}", code="bad_value")
     return v
 
 
 def _real(name: str, value: object) -> float:
-    """``value`` as a float, or a :class:`UsageError`."""
+    """``value`` as a float, or a :class:`UsageError` (a string is not a number here)."""
+    if isinstance(value, (str, bytes)):
+        raise UsageError(f"{name} must be a number, got {value!r}", code="bad_value")
     try:
         return float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError) as e:
@@ -489,8 +498,9 @@ class HistoryWriter:
             self.run_id = run_id or uuid.uuid4().hex
             self._salt = int.from_bytes(os.urandom(8), "little") if salt is None else int(salt)
             self.run_created = run_created or self._now()
-            docs.append({"kind": "run", "run_id": self.run_id, "name": run_name, "created": self.run_created,
-                         "config": config or {}})
+            self.run_manifest = {"kind": "run", "run_id": self.run_id, "name": run_name,
+                                 "created": self.run_created, "config": config or {}}
+            docs.append(self.run_manifest)
             self._next_segment = 0
             self._previous_segment = None
         docs.append({
@@ -516,7 +526,7 @@ class HistoryWriter:
         self.segment = -1
         self.resumed = bool(resumed)  #: whether the file held a committed history, which this writer continues
         self._next_segment = max(self._next_segment, min_segment)
-        self.new_segment(None, reason="resume" if resumed else "start")
+        self.new_segment(None, reason="resume" if resumed and self._previous_segment is not None else "start")
 
     def _now(self) -> str:
         return self._created if self._created is not None else _now()
@@ -536,6 +546,7 @@ class HistoryWriter:
             )
         self.run_id = h.runs[0]["run_id"]
         self.run_created = h.runs[0].get("created")
+        self.run_manifest = dict(h.runs[0])  #: the run manifest this file holds
         self._salt = h.header.salt
         self._seq = h.committed_records
         for s in h.sites:
@@ -639,10 +650,12 @@ class HistoryWriter:
         if self._closed:
             self._check_open()
         self._check_site(site)
-        step = self._row_step(step)
+        micro = MICRO_ALL if micro is None else _whole("micro", micro, 0, MICRO_ALL - 1)
         code = _PHASE_CODES.get(phase) if type(phase) is str else None
-        row = (step, 1, MICRO_ALL if micro is None else _whole("micro", micro, 0, MICRO_ALL - 1),
-               Phase.code(phase) if code is None else code, presence, summary)
+        if code is None:
+            code = Phase.code(phase)
+        step = self._row_step(step)  # (last: a refused call records nothing, not even its step)
+        row = (step, 1, micro, code, presence, summary)
         key = (site.id, self.segment)
         buf = self._buffers.get(key)
         if buf is None:

@@ -1516,7 +1516,8 @@ def test_ranks_agree_on_the_run_id_through_the_store(tmp_path, monkeypatch, publ
     model = torch.nn.Linear(3, 2)
     col = Collector(model, tmp_path / "r.thist", mode="w")
     if published:  # (rank 0 resumed the run: it is at segment 3; this rank's file is new)
-        store.set(f"trainhist/run/{col._recording()}/0", json.dumps(["ab" * 16, 3, "2026-01-01T00:00:00+00:00"]))
+        store.set(f"trainhist/run/{col._pairing()}/0", json.dumps({
+            "run_id": "ab" * 16, "segment": 3, "created": "2026-01-01T00:00:00+00:00", "name": "exp", "config": {"a": 1}}))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         col.attach()
@@ -1526,7 +1527,8 @@ def test_ranks_agree_on_the_run_id_through_the_store(tmp_path, monkeypatch, publ
     h = trainhist.open(tmp_path / "r.rank1.thist")
     said = [str(w.message) for w in caught if "trainhist" in str(w.message)]
     if published:  # its run and segment number, so that merge pairs it with rank 0's (spec 2.4)
-        assert h.runs[0]["run_id"] == "ab" * 16 and h.runs[0]["created"] == "2026-01-01T00:00:00+00:00" and not said
+        assert h.runs[0] == {"kind": "run", "run_id": "ab" * 16, "created": "2026-01-01T00:00:00+00:00", "name": "exp",
+                             "config": {"a": 1}} and not said
         assert [(g.id, g.reason) for g in h.segments] == [(3, "start")]
     else:
         assert h.runs[0]["run_id"] != "ab" * 16
@@ -1541,14 +1543,36 @@ def test_rank_zero_publishes_its_run_id(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", lambda: store)
     monkeypatch.setattr(cm, "_run_keys", {})
     net = torch.nn.Linear(3, 2)
-    # an evaluation's collector (another recording) made on rank 0 alone does not shift the training's pairing
-    evaluation = Collector(net, tmp_path / "e.thist", mode="w", streams=("activation",)).attach()
-    col = Collector(net, tmp_path / "r.thist", mode="w").attach()
+    # an evaluation's collector (to another file, the same recording) made on rank 0 alone does not shift the
+    # training's pairing
+    evaluation = Collector(net, tmp_path / "e.thist", mode="w").attach()
+    col = Collector(net, tmp_path / "r.thist", mode="w", run_name="exp").attach()
     col.close()
     evaluation.close()
     h = trainhist.open(tmp_path / "r.rank0.thist")
-    assert json.loads(store.get(f"trainhist/run/{col._recording()}/0")) == [h.runs[0]["run_id"], 0,
-                                                                             h.runs[0]["created"]]
+    run = h.runs[0]
+    assert json.loads(store.get(f"trainhist/run/{col._pairing()}/0")) == {
+        "run_id": run["run_id"], "segment": 0, "created": run["created"], "name": "exp", "config": {}}
+
+
+def test_ranks_pair_by_file_whatever_the_rank_in_its_name(tmp_path, monkeypatch):
+    """A loop that names each rank's file itself (run_0.thist, run_1.thist) pairs as one that lets the collector
+    insert the rank; the settings do not take part (a rank with another cadence still pairs, and merge reports the
+    difference)."""
+    import trainhist.torch.collector as cm
+
+    groups = [("run_{r}.thist", {}), ("exp10/run_{r}.thist", {"every": 1}), ("{{rank}}/run.thist", {}),
+              ("run.thist", {})]
+    keys = []
+    for name, kw in groups:
+        per_rank = set()
+        for rank in (0, 1):
+            monkeypatch.setattr(cm, "_dist", lambda rank=rank: (rank, 2))
+            k = dict(kw, every=kw["every"] + rank) if kw else kw
+            per_rank.add(Collector(torch.nn.Linear(3, 2), tmp_path / name.format(r=rank), **k)._pairing())
+        assert len(per_rank) == 1, name
+        keys.append(per_rank.pop())
+    assert len(set(keys)) == len(keys)
 
 
 def test_triage_of_merged_shards_names_the_module_where_the_nan_was_born(tmp_path):
@@ -1581,8 +1605,8 @@ def test_triage_of_merged_shards_names_the_module_where_the_nan_was_born(tmp_pat
         col.close()
     trainhist.merge(paths, tmp_path / "m.thist")
     merged = trainhist.open(tmp_path / "m.thist")
-    assert {s.path: s.order for s in merged.sites if s.stream == "activation"} == {"0": 0, "1": 1024, "2": 2048,
-                                                                                    ROOT: 3072}
+    order = {s.path: s.order for s in merged.sites if s.stream == "activation"}
+    assert sorted(order, key=order.get) == ["0", "1", "2", ROOT], order
     for h in (trainhist.open(paths[1]), merged):
         first = triage(h).first_nonfinite
         assert (first.step, first.site) == (2, "1"), first.text
@@ -1764,7 +1788,7 @@ def test_step_truth_takes_a_tensor_or_a_name_for_applied(tmp_path):
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     col = Collector(net, tmp_path / "r.thist", mode="w")
     col.attach(optimizer=opt)
-    truths = [StepTruth(applied=torch.tensor(0.0) == 0), StepTruth(applied="skipped"),
+    truths = [StepTruth(applied=torch.tensor(0.0) == 0, tokens=torch.tensor(32)), StepTruth(applied="skipped"),
               StepTruth(applied=torch.tensor(1.0) == 0)]
     for step, truth in enumerate(truths):
         with col.step(step, truth=truth):
@@ -1776,6 +1800,7 @@ def test_step_truth_takes_a_tensor_or_a_name_for_applied(tmp_path):
     assert col.writer_errors == 0
     h = trainhist.open(tmp_path / "r.thist")
     assert [r["applied"] for r in h.step_truth_rows()] == ["applied", "skipped", "skipped"]
+    assert h.step_truth_rows()[0]["tokens"] == 32
     assert [presence(h, "weight", "param_delta", s) for s in range(3)] == ["observed", "skipped", "skipped"]
     with pytest.raises(trainhist.errors.UsageError):
         StepTruth(applied="yes")
@@ -1830,3 +1855,37 @@ def test_parameters_replaced_after_the_collector_was_made_are_said(tmp_path):
     col.close()
     said = [str(w.message) for w in caught if "parameters were replaced" in str(w.message)]
     assert len(said) == 1 and "make the Collector after" in said[0]
+
+
+def test_late_modules_take_their_place_before_the_first_module_and_between_two(tmp_path):
+    """A module first seen in a later step that completes first in its forward goes before every known module (it
+    went after '(root)'), and 1100 modules first seen between two known ones all fall between them."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(2)])
+            self.experts = torch.nn.ModuleList([torch.nn.Identity() for _ in range(1100)])
+            self.b = torch.nn.Linear(2, 1)
+            self.late = False
+
+        def forward(self, x):
+            x = self.first[1 if self.late else 0](x)
+            if self.late:
+                for e in self.experts:
+                    x = e(x)
+            return self.b(x)
+
+    m = M()
+    col = Collector(m, tmp_path / "r.thist", mode="w", streams=("activation",))
+    col.discover(torch.randn(2, 2))
+    col.attach()
+    for step in range(2):
+        m.late = step == 1
+        with col.step(step):
+            m(torch.randn(2, 2))
+    col.close()
+    order = {s.path: s.order for s in trainhist.open(tmp_path / "r.thist").sites if s.stream == "activation"}
+    assert order["first.1"] < order["first.0"] < order["b"] < order[ROOT]
+    assert all(order["first.0"] < order[f"experts.{i}"] < order["b"] for i in range(1100))
+    assert [order[f"experts.{i}"] for i in range(1100)] == sorted(order[f"experts.{i}"] for i in range(1100))

@@ -29,6 +29,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 import time
 import warnings
@@ -240,8 +241,8 @@ def _dist() -> tuple[int, int]:
     return 0, 1
 
 
-def _agree_run(key: str, rank: int, own: tuple[str, int, str] | None) -> tuple[str, int, str] | None:
-    """The run id, segment number and run time of rank 0, which every rank records (merge then sums the ranks,
+def _agree_run(key: str, rank: int, own: dict | None) -> dict | None:
+    """Rank 0's run (id, segment number, time, name, config), which every rank records (merge then sums the ranks,
     segment by segment, under one run manifest): rank 0 publishes ``own`` in the process
     group's store under ``key``, the others wait for it (up to :data:`RUN_ID_WAIT_S`). None where it could not be
     agreed: no store, or rank 0 did not publish in time. A key-value store, not a collective, so a rank without a
@@ -254,8 +255,8 @@ def _agree_run(key: str, rank: int, own: tuple[str, int, str] | None) -> tuple[s
             store.set(key, json.dumps(own))
             return own
         store.wait([key], timedelta(seconds=RUN_ID_WAIT_S))
-        run_id, segment, created = json.loads(store.get(key).decode())
-        return str(run_id), int(segment), created
+        lead = json.loads(store.get(key).decode())
+        return lead if isinstance(lead, dict) and isinstance(lead.get("segment"), int) else None
     except Exception:  # noqa: BLE001 -- no agreement: the caller records its own and says so
         return None
 
@@ -304,7 +305,9 @@ _COMPILED_BLIND = ("trainhist: the compiled model ran without calling the module
                    "discover() found are recorded as 'unknown', the others not at all. Create the Collector, "
                    "discover() and attach() before the first compiled call, or call torch._dynamo.reset() after "
                    "attach()")
-_ORDER_GAP = 1024  #: room between the forward positions of modules seen together, for modules seen later
+#: room between the forward positions of the modules of the first forward, for modules first seen later (an
+#: expert routed to from some step on: up to this many between two modules)
+_ORDER_GAP = 1 << 16
 _SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 
@@ -416,14 +419,13 @@ class Collector:
         # in the model's order (reductions run in it, and 'first non-finite' means first in execution order)
         self._sel_modules = dict.fromkeys(n for n in self._modules if n in sel_modules)
         self._sel_params = dict.fromkeys(n for n in self._params if n in sel_params and n not in self._copies)
-        self._selected = sorted(sel_modules | sel_params)  # (the same on every rank: see _recording)
         self._facets: dict[str, list[tuple[str | None, tuple[int, ...], str]]] | None = None
         # the sites' order (spec 2.2), kept by merge where ids are not: modules in the order their outputs were
         # first produced (discover(), or the steps), parameters in the model's order
         self._produced: dict[str, int] = {}
         self._steps_entered = False
         self._last_done: str | None = None  # the module that completed last in the current forward
-        self._discovering = True  # the current forward has completed no module known before it
+        self._discovering = True  # the current forward is the first: its modules are spaced
         self._calls: dict[str, int] = {}  # calls of each module in discover()'s forward
         self._param_order = {n: i for i, n in enumerate(self._params)}
         self._gradless: set[tuple[str, str | None]] = set()  # (path, facet) discover() saw without a gradient
@@ -465,7 +467,7 @@ class Collector:
         """Run one real forward of ``batch`` to learn every module's output facets; returns the model output."""
         self._discovery = {}
         self._calls = {}
-        self._last_done, self._discovering = None, True
+        self._last_done, self._discovering = None, not self._produced
         self._gradless = set()
         self._versions = []
         handles = [
@@ -643,26 +645,29 @@ class Collector:
         # segment instead of keeping each rank apart as a run of its own (a rank that lost its file rejoins at
         # rank 0's segment, spec 2.4)
         key = None
-        if self.world_size > 1 and "run_id" not in opts:
-            what = self._recording()
+        if self.world_size > 1 and "run_id" not in opts and self._path_arg is not None:
+            what = self._pairing()
             n = _run_keys[what] = _run_keys.get(what, -1) + 1
             key = f"trainhist/run/{what}/{n}"
         lead = _agree_run(key, self.rank, None) if key is not None and self.rank != 0 else None
         if lead is not None:
-            opts["run_id"], opts["min_segment"], opts["run_created"] = lead
+            opts.update(run_id=lead["run_id"], min_segment=lead["segment"], run_created=lead["created"])
+            opts.setdefault("run_name", lead.get("name"))  # (the run's, where this rank gives none of its own)
+            opts.setdefault("config", lead.get("config"))
         self._writer = w = HistoryWriter(self.path, settings=settings, **opts)  # type: ignore[arg-type]
         if key is not None and self.rank == 0:
-            lead = _agree_run(key, 0, (w.run_id, w.segment, w.run_created))
-        if key is not None and (lead is None or lead[:2] != (w.run_id, w.segment)):
-            if lead is None or lead[0] != w.run_id:
+            lead = _agree_run(key, 0, {"run_id": w.run_id, "segment": w.segment, "created": w.run_created,
+                                       "name": w.run_manifest.get("name"), "config": w.run_manifest.get("config")})
+        if key is not None and (lead is None or (lead["run_id"], lead["segment"]) != (w.run_id, w.segment)):
+            if lead is None or lead["run_id"] != w.run_id:
                 self._warn_once("run_id", (
                     f"trainhist: rank {self.rank} could not agree on the run id with rank 0" if lead is None else
-                    f"trainhist: {self.path} resumes run {w.run_id}, rank 0 records run {lead[0]}")
+                    f"trainhist: {self.path} resumes run {w.run_id}, rank 0 records run {lead['run_id']}")
                     + f"; this shard records run {w.run_id}, which merge keeps apart from the other ranks' unless "
                     "given --across-runs: pass the same run_id= to every rank's Collector")
             else:
                 self._warn_once("run_id", f"trainhist: {self.path} continues at segment {w.segment}, rank 0 at "
-                                f"segment {lead[1]} (its file lost segments): merge pairs the ranks' segments by "
+                                f"segment {lead['segment']} (its file lost segments): merge pairs the ranks' segments by "
                                 "number, so this attempt's do not line up; merge each attempt's files apart")
         if w.resumed:
             self._warn_once("resume", f"trainhist: {self.path} already holds a history: this run is appended to it as "
@@ -674,25 +679,30 @@ class Collector:
         module first seen later (an expert routed to from some step on) takes the next free position after the
         module that completed just before it, so that it keeps its place in the forward."""
         last, self._last_done = self._last_done, path
-        pos = self._produced.get(path)
-        if pos is not None:
-            self._discovering = False
+        if path in self._produced:
             return
-        if last is None:
-            pos = max(self._produced.values(), default=-_ORDER_GAP) + _ORDER_GAP
+        taken = set(self._produced.values())
+        if last is None:  # the first module of its forward: before every module known
+            pos = min(taken, default=2 * _ORDER_GAP) - 1 if not self._discovering else _ORDER_GAP
+            while pos in taken and pos > 0:
+                pos -= 1
         else:
             pos = self._produced[last] + (_ORDER_GAP if self._discovering else 1)
-        taken = set(self._produced.values())
         while pos in taken:
             pos += 1
         self._produced[path] = pos
 
-    def _recording(self) -> str:
-        """What this collector records (modules, parameters, streams, cadences), as a short hash: ranks pair their
-        collectors by it and its count (not by path, which a loop may name per rank), so that a collector that only
-        some ranks make (an evaluation's) does not shift the pairing of the others."""
-        what = json.dumps([self._selected, list(self.streams), self.every, self.sketch_every], sort_keys=True)
-        return f"{zlib.crc32(what.encode()):08x}"
+    def _pairing(self) -> str:
+        """The file this collector writes, the same on every rank, as a short hash: ranks pair their collectors by
+        it (and its count), so a collector only some ranks make (an evaluation's, to another file) does not shift
+        the others' pairing, and ranks with other settings still pair. The path as given, with ``{rank}`` kept and
+        this rank's number, where it stands alone in the file name (``run_{rank}.thist`` written out per rank),
+        read as ``{rank}``."""
+        path = os.fspath(self._path_arg)  # type: ignore[arg-type]
+        if "{rank}" not in path:  # (in the file's name only: a folder may hold a number of its own)
+            head, name = os.path.split(path)
+            path = os.path.join(head, re.sub(rf"(?<![0-9]){self.rank}(?![0-9])", "{rank}", name))
+        return f"{zlib.crc32(path.encode()):08x}"
 
     def _sharing(self, name: str, p: torch.Tensor) -> str:
         """A parameter's sharing: a DTensor's by its placements, a plain parameter's a replica when ``replicas=``
@@ -779,6 +789,7 @@ class Collector:
             if m._forward_hooks and next(reversed(m._forward_hooks)) != hid:
                 m._forward_hooks.move_to_end(hid)
         self._state = st
+        self._last_done, self._discovering = None, not self._produced
         if not self._steps_entered:
             self._steps_entered = True
             self._check_params()
@@ -1118,7 +1129,7 @@ class Collector:
         if path in self._sel_modules and not in_backward:
             self._note_produced(path)
         if path == ROOT and not in_backward:  # (the forward is over)
-            self._last_done, self._discovering = None, True
+            self._last_done, self._discovering = None, not self._produced
         if path in self._sel_modules:
             act, grad = st.due["activation"], st.due["activation_grad"]
             for facet, t in flatten_output(output):
