@@ -1517,7 +1517,8 @@ def test_ranks_agree_on_the_run_id_through_the_store(tmp_path, monkeypatch, publ
     col = Collector(model, tmp_path / "r.thist", mode="w")
     if published:  # (rank 0 resumed the run: it is at segment 3; this rank's file is new)
         store.set(f"trainhist/run/{col._pairing()}/0", json.dumps({
-            "run_id": "ab" * 16, "segment": 3, "created": "2026-01-01T00:00:00+00:00", "name": "exp", "config": {"a": 1}}))
+            "run_id": "ab" * 16, "segment": 3, "created": "2026-01-01T00:00:00+00:00", "name": "exp",
+            "config": {"a": 1}}))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         col.attach()

@@ -667,8 +667,8 @@ class Collector:
                     "given --across-runs: pass the same run_id= to every rank's Collector")
             else:
                 self._warn_once("run_id", f"trainhist: {self.path} continues at segment {w.segment}, rank 0 at "
-                                f"segment {lead['segment']} (its file lost segments): merge pairs the ranks' segments by "
-                                "number, so this attempt's do not line up; merge each attempt's files apart")
+                                f"segment {lead['segment']} (its file lost segments): merge pairs the ranks' segments "
+                                "by number, so this attempt's do not line up; merge each attempt's files apart")
         if w.resumed:
             self._warn_once("resume", f"trainhist: {self.path} already holds a history: this run is appended to it as "
                             f"segment {self._writer.segment}; pass mode='w' to start the file over")
