@@ -301,7 +301,7 @@ def test_waterfall_marks_are_visible_on_any_background(tmp_path):
     assert to_rgba(box.get_facecolor())[:3] == (1.0, 1.0, 1.0) and box.get_alpha() >= 0.5
     (line,) = [ln for ln in ax.lines if ln.get_linestyle() == "--"]
     assert to_rgba(line.get_color())[:3] != (1.0, 1.0, 1.0) and line.get_path_effects()
-    assert "segment boundary (resume)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "segment boundary" in [t.get_text() for t in ax.get_legend().get_texts()]
     with trainhist.open(_resumed(tmp_path, "n", nan=True)) as h:
         ax = waterfall(h, "n").axes[0]
     (marks,) = [ln for ln in ax.lines if ln.get_marker() == "v"]
@@ -378,3 +378,35 @@ def test_rows_recorded_out_of_step_order_are_drawn_in_step_order(tmp_path, monke
     for ln, y in ((mean, [2.0, 4.5, 7.0, 9.5]), (rms, [np.sqrt((1 + (3 + st) ** 2) / 2) for st in (0, 5, 10, 15)])):
         (piece,) = _pieces(ln)
         assert piece[:, 0].tolist() == [0, 1, 5, 6, 10, 11, 15, 16] and np.allclose(piece[::2, 1], y)
+
+
+def test_steps_no_float_axis_can_hold_are_refused_and_every_later_segment_is_a_boundary(tmp_path):
+    """Rows at steps near 2^63 were drawn across the whole axis or at negative steps (the ends overflowed): a figure
+    refuses steps beyond 2^52 with a typed error. A merged file of two runs kept apart has two segments that both
+    'start': the second is drawn as a boundary too (only resumed segments were)."""
+    from trainhist.errors import UsageError
+
+    p = tmp_path / "big.thist"
+    with trainhist.HistoryWriter(p) as w:
+        a = w.site("a", "activation")
+        for st in (0, 2**62, 2**63 - 1):
+            w.observe(a, st, np.ones(3))
+    with trainhist.open(p) as h:
+        for draw in (lambda: site_figure(h, "a"), lambda: waterfall(h, "a")):
+            with pytest.raises(UsageError) as e:
+                draw()
+            assert e.value.code == "undrawable_steps"
+    runs = []
+    for i, rid in enumerate(("ab" * 16, "cd" * 16)):
+        q = tmp_path / f"r{i}.thist"
+        with trainhist.HistoryWriter(q, run_id=rid) as w:
+            a = w.site("a", "activation")
+            for st in range(10 * i, 10 * i + 10):
+                w.observe(a, st, np.ones(3))
+        runs.append(q)
+    trainhist.merge(runs, tmp_path / "m.thist")
+    with trainhist.open(tmp_path / "m.thist") as h:
+        assert [g.reason for g in h.segments] == ["start", "start"]
+        fig = site_figure(h, "a")
+        labels = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+        assert "segment boundary" in labels

@@ -530,7 +530,7 @@ def test_info_shows_the_steps_of_the_rows_as_well_as_the_step_truth(tmp_path, ca
             w.scalar("loss", st, 1.0)
     assert cli.main(["info", str(p)]) == 0
     out = capsys.readouterr().out
-    assert "steps     1 with step truth, 0..0" in out and "rows      200 at steps 0..99" in out
+    assert "steps     1 with step truth, 0..0" in out and "rows      200 starting at steps 0..99" in out
 
 
 def test_the_numbers_of_a_row_without_numbers_are_refused_not_zero(tmp_path):

@@ -60,7 +60,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
             print(f"steps     {distinct} {what}{again}, {int(steps.min())}..{last}")
         chunks = [e for es in h._obs.values() for e in es]  # (from the commit entries: nothing decoded)
         if chunks:
-            print(f"rows      {sum(e.rows for e in chunks)} at steps {min(e.step_min for e in chunks)}.."
+            print(f"rows      {sum(e.rows for e in chunks)} starting at steps {min(e.step_min for e in chunks)}.."
                   f"{max(e.step_max for e in chunks)} (the sites' rows: observations and marks)")
         print(f"sites     {len(h.sites)}")
         by_stream: dict[str, int] = {}

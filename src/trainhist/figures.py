@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import UsageError
 from .grid import index_min, nbins
 from .model import Applied, Presence
 from .reader import History, Site, SketchSeries, SpineSeries
@@ -120,9 +121,16 @@ def _by_step(s: SpineSeries) -> SpineSeries:
 
 
 def _extent(s: SpineSeries) -> tuple[np.ndarray, np.ndarray]:
-    """First and end (exclusive) step of each row: a row covers ``[step, step + span)`` (spec 2.3)."""
+    """First and end (exclusive) step of each row: a row covers ``[step, step + span)`` (spec 2.3). Steps beyond
+    2^52 have no place on a float axis a step apart (nor room for the arithmetic of drawing): refused."""
     start = s.step.astype(np.int64)
+    if len(start) and (int(start.max()) > _DRAWABLE or int(start.min()) < -_DRAWABLE):
+        raise UsageError(f"{s.site.path}: steps up to {int(start.max())} and down to {int(start.min())} cannot be "
+                         f"drawn a step apart (figures take steps within +-2^52)", code="undrawable_steps")
     return start, start + s.span.astype(np.int64)
+
+
+_DRAWABLE = 1 << 52  #: the largest step magnitude a figure draws
 
 
 def _due_gaps(s: SpineSeries) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -187,8 +195,9 @@ def _boundaries(ax, h: History, step: np.ndarray, segment: np.ndarray, **style: 
     """A dashed vertical line at the first step of every segment after the first: its manifest's ``first_step``,
     or, where the writer did not know it, the first step of its rows in this series (``step``, ``segment``)."""
     k = 0
+    first = min((g.id for g in h.segments), default=None)
     for g in h.segments:
-        if g.reason == "start":
+        if g.id == first:  # (every other segment follows one, whatever its reason: two runs kept apart too)
             continue
         at = g.first_step
         if at is None:
@@ -197,7 +206,7 @@ def _boundaries(ax, h: History, step: np.ndarray, segment: np.ndarray, **style: 
                 continue
             at = int(mine.min())
         ax.axvline(at, **{"color": "k", "ls": "--", "lw": 1.2, **style},
-                   label="segment boundary (resume)" if k == 0 else None)
+                   label="segment boundary" if k == 0 else None)
         k += 1
 
 

@@ -1890,3 +1890,9 @@ def test_late_modules_take_their_place_before_the_first_module_and_between_two(t
     assert order["first.1"] < order["first.0"] < order["b"] < order[ROOT]
     assert all(order["first.0"] < order[f"experts.{i}"] < order["b"] for i in range(1100))
     assert [order[f"experts.{i}"] for i in range(1100)] == sorted(order[f"experts.{i}"] for i in range(1100))
+
+
+def test_a_run_id_that_is_not_32_hex_digits_is_refused_when_the_collector_is_made():
+    """run_id='r' * 32 passed the Collector and raised a SchemaError at attach(), inside the training loop."""
+    with pytest.raises(trainhist.errors.UsageError):
+        Collector(torch.nn.Linear(2, 2), "unused.thist", run_id="r" * 32)

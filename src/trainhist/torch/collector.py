@@ -385,6 +385,9 @@ class Collector:
             raise UsageError(f"unknown stream(s) {bad}; streams are {', '.join(STREAMS)}")
         if (path is None) == (writer is None):
             raise UsageError("Collector needs exactly one of path= or writer=")
+        rid = writer_options.get("run_id")
+        if rid is not None and not (isinstance(rid, str) and re.fullmatch("[0-9a-f]{32}", rid)):
+            raise UsageError(f"run_id must be 32 lowercase hex digits (spec 2.1), e.g. uuid.uuid4().hex; got {rid!r}")
         self.model = model
         self.inner, self._ddp = unwrap(model)
         self._compiled = any(hasattr(x, "_orig_mod") for x in (model, getattr(model, "module", None)) if x is not None)
