@@ -276,6 +276,11 @@ def _first_copy(p: torch.Tensor) -> bool:
         return True
 
 
+def _u32(order: int | None) -> int | None:
+    """A site's ``order`` as the manifest holds it (spec 2.2: a u32), or None (unknown) beyond it."""
+    return order if order is not None and 0 <= order <= 0xFFFFFFFF else None
+
+
 def _closure(args: tuple, kwargs: dict) -> bool:
     """Whether an optimizer step was given a closure (which computes the loss and gradients inside the step);
     ``args`` as torch passes them to step hooks: the optimizer, then step's own arguments."""
@@ -306,8 +311,9 @@ _COMPILED_BLIND = ("trainhist: the compiled model ran without calling the module
                    "discover() and attach() before the first compiled call, or call torch._dynamo.reset() after "
                    "attach()")
 #: room between the forward positions of the modules of the first forward, for modules first seen later (an
-#: expert routed to from some step on: up to this many between two modules)
-_ORDER_GAP = 1 << 16
+#: expert routed to from some step on: up to this many between two modules); a million modules fit the u32 of
+#: spec 2.2
+_ORDER_GAP = 1 << 12
 _SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 
@@ -736,7 +742,7 @@ class Collector:
                 self._writer.site, path, stream, facet=facet, shape=shape, dtype=self._dtypes.get(key) or s.dtype,
                 sharing=s.sharing,
                 cadence_spine=s.every, cadence_sketch=s.sketch_every, sample=s.sample,
-                order=(self._produced if stream.startswith("activation") else self._param_order).get(path),
+                order=_u32((self._produced if stream.startswith("activation") else self._param_order).get(path)),
             )
             if h is not None:
                 self._handles[key] = h
