@@ -744,9 +744,11 @@ def test_mean_and_rms_of_extreme_values_come_from_the_exact_sums(tmp_path) -> No
         w.scalar("big", 0, 1e300)
         w.scalar("tiny", 0, 5e-324)
         w.observe(w.site("x", "activation"), 0, np.array([1e308, 1e308, -1e307]))
+        w.observe(w.site("small", "activation"), 0, np.full(4, 3e-162))
     h = trainhist.open(p)
     assert (h.spine("big", "scalar").rms[0], h.spine("big", "scalar").mean[0]) == (1e300, 1e300)
     assert (h.spine("tiny", "scalar").rms[0], h.spine("tiny", "scalar").mean[0]) == (5e-324, 5e-324)
+    assert math.isclose(h.spine("small", "activation").rms[0], 3e-162, rel_tol=1e-15)  # (a subnormal mean square)
     x = h.spine("x", "activation")
     values = [Fraction(v) for v in (1e308, 1e308, -1e307)]
     assert math.isclose(x.mean[0], float(sum(values) / 3), rel_tol=1e-15)

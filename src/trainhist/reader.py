@@ -251,21 +251,23 @@ class SpineSeries:
     def mean(self) -> np.ndarray:
         """Mean of the finite values (NaN where nothing finite was observed); a derived float."""
         with np.errstate(all="ignore"):
-            return self._from_exact(self._derived(self.columns["sum"] / self.finite), "sum", False)
+            q = self.columns["sum"] / self.finite
+            return self._from_exact(self._derived(q), q, "sum", False)
 
     @property
     def rms(self) -> np.ndarray:
         """Root mean square of the finite values; a derived float."""
         with np.errstate(all="ignore"):
-            return self._from_exact(self._derived(np.sqrt(self.columns["sumsq"] / self.finite)), "sumsq", True)
+            q = self.columns["sumsq"] / self.finite
+            return self._from_exact(self._derived(np.sqrt(q)), q, "sumsq", True)
 
-    def _from_exact(self, out: np.ndarray, name: str, root: bool) -> np.ndarray:
+    def _from_exact(self, out: np.ndarray, q: np.ndarray, name: str, root: bool) -> np.ndarray:
         """``out`` with the rows whose sum is not a binary64 (it overflowed, or a sum of squares of tiny values
         underflowed) taken from the exact sum: 1e300 has an rms of 1e300, not inf; 5e-324 one of 5e-324, not 0."""
         x = self._x[name]
         # (only where the rounded quotient left the normal float range: almost every sum of squares of float32
         # data has an exact column, and the rounded one is then within an ulp)
-        off = ~np.isfinite(out) | (np.abs(out) < np.finfo(np.float64).tiny)
+        off = ~np.isfinite(q) | (np.abs(q) < np.finfo(np.float64).tiny)  # (``q``: the quotient, before any root)
         for i in np.flatnonzero((x.n > 0) & self.observed & (self.finite > 0) & off).tolist():
             out[i] = _ratio(x.get(i), int(self.finite[i]), root)  # type: ignore[arg-type]
         return out

@@ -352,7 +352,8 @@ _I64 = (-(1 << 63), (1 << 63) - 1)
 def _whole(name: str, value: object, lo: int, hi: int) -> int:
     """``value`` as an int in ``[lo, hi]``, or a :class:`UsageError` now: a value the file cannot hold would
     otherwise fail the next commit, and with it every row buffered since the last one."""
-    if isinstance(value, (bool, str, bytes)):
+    dtype = getattr(value, "dtype", None)  # (a 0-dim array or tensor: not of booleans or text)
+    if isinstance(value, (bool, str, bytes)) or getattr(dtype, "kind", "i") in "bUSO" or str(dtype) == "torch.bool":
         raise UsageError(f"{name} must be a whole number, got {value!r}", code="bad_value")
     try:
         v = operator.index(value)  # (ints, numpy integers, 0-dim integer arrays and tensors)

@@ -1556,24 +1556,23 @@ def test_rank_zero_publishes_its_run_id(tmp_path, monkeypatch):
         "run_id": run["run_id"], "segment": 0, "created": run["created"], "name": "exp", "config": {}}
 
 
-def test_ranks_pair_by_file_whatever_the_rank_in_its_name(tmp_path, monkeypatch):
-    """A loop that names each rank's file itself (run_0.thist, run_1.thist) pairs as one that lets the collector
-    insert the rank; the settings do not take part (a rank with another cadence still pairs, and merge reports the
-    difference)."""
+def test_ranks_pair_by_the_path_they_are_given(tmp_path, monkeypatch):
+    """Ranks pair their collectors by the path as given: the same name on every rank (whatever digits it holds:
+    reading a rank into 'gpt2.thist' split rank 2 off) or a {rank} template, with other settings too; a name each
+    rank spells out itself pairs with no one (a wait and a warning), never with a wrong collector."""
     import trainhist.torch.collector as cm
 
-    groups = [("run_{r}.thist", {}), ("exp10/run_{r}.thist", {"every": 1}), ("{{rank}}/run.thist", {}),
-              ("run.thist", {})]
-    keys = []
-    for name, kw in groups:
-        per_rank = set()
-        for rank in (0, 1):
-            monkeypatch.setattr(cm, "_dist", lambda rank=rank: (rank, 2))
-            k = dict(kw, every=kw["every"] + rank) if kw else kw
-            per_rank.add(Collector(torch.nn.Linear(3, 2), tmp_path / name.format(r=rank), **k)._pairing())
-        assert len(per_rank) == 1, name
-        keys.append(per_rank.pop())
-    assert len(set(keys)) == len(keys)
+    def keys(name: str, **kw) -> set:
+        out = set()
+        for rank in (0, 1, 2):
+            monkeypatch.setattr(cm, "_dist", lambda rank=rank: (rank, 3))
+            k = {key: v + rank for key, v in kw.items()}
+            out.add(Collector(torch.nn.Linear(3, 2), tmp_path / name.format(r=rank), **k)._pairing())
+        return out
+
+    same = [keys("gpt2.thist"), keys("exp1.thist", every=1), keys("{{rank}}/run.thist"), keys("run.thist")]
+    assert all(len(k) == 1 for k in same) and len({k.pop() for k in same}) == len(same)
+    assert len(keys("run_{r}.thist")) == 3
 
 
 def test_triage_of_merged_shards_names_the_module_where_the_nan_was_born(tmp_path):
@@ -1859,8 +1858,8 @@ def test_parameters_replaced_after_the_collector_was_made_are_said(tmp_path):
 
 
 def test_late_modules_take_their_place_before_the_first_module_and_between_two(tmp_path):
-    """A module first seen in a later step that completes first in its forward goes before every known module (it
-    went after '(root)'), and 1100 modules first seen between two known ones all fall between them."""
+    """A module first seen in a later step that completes first in its forward goes before the known ones (it went
+    after '(root)'), and 1100 modules first seen between two all fall between them, in the order they ran."""
 
     class M(torch.nn.Module):
         def __init__(self):
@@ -1887,8 +1886,9 @@ def test_late_modules_take_their_place_before_the_first_module_and_between_two(t
             m(torch.randn(2, 2))
     col.close()
     order = {s.path: s.order for s in trainhist.open(tmp_path / "r.thist").sites if s.stream == "activation"}
-    assert order["first.1"] < order["first.0"] < order["b"] < order[ROOT]
-    assert all(order["first.0"] < order[f"experts.{i}"] < order["b"] for i in range(1100))
+    assert order["first.1"] < order["b"] < order[ROOT] and order["first.0"] < order["b"]
+    assert order["first.1"] < order["first.0"]  # (in its forward it came first of all)
+    assert all(order["first.1"] < order[f"experts.{i}"] < order["b"] for i in range(1100))
     assert [order[f"experts.{i}"] for i in range(1100)] == sorted(order[f"experts.{i}"] for i in range(1100))
 
 
@@ -1896,3 +1896,31 @@ def test_a_run_id_that_is_not_32_hex_digits_is_refused_when_the_collector_is_mad
     """run_id='r' * 32 passed the Collector and raised a SchemaError at attach(), inside the training loop."""
     with pytest.raises(trainhist.errors.UsageError):
         Collector(torch.nn.Linear(2, 2), "unused.thist", run_id="r" * 32)
+
+
+def test_several_late_modules_keep_the_order_they_ran_in(tmp_path):
+    """Forwards 'a b', 'x y a b', 'a x2 b', 'a z x2 b': modules first seen later are placed between the modules
+    that ran around them, in the order they ran (y was put after a, z after x2)."""
+    seqs = [["a", "b"], ["x", "y", "a", "b"], ["a", "x2", "b"], ["a", "z", "x2", "b"]]
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mods = torch.nn.ModuleDict({n: torch.nn.Identity() for n in ("a", "b", "x", "y", "x2", "z")})
+            self.seq = seqs[0]
+
+        def forward(self, t):
+            for n in self.seq:
+                t = self.mods[n](t)
+            return t
+
+    m = M()
+    col = Collector(m, tmp_path / "r.thist", mode="w", streams=("activation",))
+    col.attach()
+    for step, seq in enumerate(seqs):
+        m.seq = seq
+        with col.step(step):
+            m(torch.randn(2))
+    col.close()
+    order = {s.path: s.order for s in trainhist.open(tmp_path / "r.thist").sites if s.stream == "activation"}
+    assert order["mods.x"] < order["mods.y"] < order["mods.a"] < order["mods.z"] < order["mods.x2"] < order["mods.b"]

@@ -433,8 +433,7 @@ class Collector:
         # first produced (discover(), or the steps), parameters in the model's order
         self._produced: dict[str, int] = {}
         self._steps_entered = False
-        self._last_done: str | None = None  # the module that completed last in the current forward
-        self._discovering = True  # the current forward is the first: its modules are spaced
+        self._completed: dict[str, None] = {}  # modules of the current forward, in the order they completed
         self._calls: dict[str, int] = {}  # calls of each module in discover()'s forward
         self._param_order = {n: i for i, n in enumerate(self._params)}
         self._gradless: set[tuple[str, str | None]] = set()  # (path, facet) discover() saw without a gradient
@@ -476,7 +475,7 @@ class Collector:
         """Run one real forward of ``batch`` to learn every module's output facets; returns the model output."""
         self._discovery = {}
         self._calls = {}
-        self._last_done, self._discovering = None, not self._produced
+        self._completed = {}
         self._gradless = set()
         self._versions = []
         handles = [
@@ -485,6 +484,7 @@ class Collector:
         ]
         try:
             out = _call(self.model, batch)
+            self._place_completed()
             # an output a later operation of the forward changes in place (a ReLU(inplace=True) after it, say)
             # must be reduced as soon as it is produced, never held for a batch
             self._eager.update(("activation", p, f) for p, f, t, v in self._versions if t._version != v)
@@ -501,7 +501,7 @@ class Collector:
         if self._discovery is not None:  # (a module called n times a forward reduces n outputs a step)
             self._calls[path] = self._calls.get(path, 0) + 1
         if self._discovery is not None and path not in self._discovery:
-            self._note_produced(path)
+            self._completed.setdefault(path)
             facets = list(flatten_output(output))
             self._discovery[path] = [(f, tuple(t.shape), _dtype_name(t)) for f, t in facets]
             self._gradless.update((path, f) for f, t in facets if not t.requires_grad)
@@ -654,6 +654,9 @@ class Collector:
         # segment instead of keeping each rank apart as a run of its own (a rank that lost its file rejoins at
         # rank 0's segment, spec 2.4)
         key = None
+        for name in ("run_id", "run_name", "config"):  # (None given: as if not given)
+            if opts.get(name) is None:
+                opts.pop(name, None)
         if self.world_size > 1 and "run_id" not in opts and self._path_arg is not None:
             what = self._pairing()
             n = _run_keys[what] = _run_keys.get(what, -1) + 1
@@ -673,7 +676,8 @@ class Collector:
                     f"trainhist: rank {self.rank} could not agree on the run id with rank 0" if lead is None else
                     f"trainhist: {self.path} resumes run {w.run_id}, rank 0 records run {lead['run_id']}")
                     + f"; this shard records run {w.run_id}, which merge keeps apart from the other ranks' unless "
-                    "given --across-runs: pass the same run_id= to every rank's Collector")
+                    "given --across-runs. Give every rank the same path (the collector inserts .rank<r>) or a "
+                    "'{rank}' template, or pass the same run_id= to every rank's Collector")
             else:
                 self._warn_once("run_id", f"trainhist: {self.path} continues at segment {w.segment}, rank 0 at "
                                 f"segment {lead['segment']} (its file lost segments): merge pairs the ranks' segments "
@@ -682,36 +686,45 @@ class Collector:
             self._warn_once("resume", f"trainhist: {self.path} already holds a history: this run is appended to it as "
                             f"segment {self._writer.segment}; pass mode='w' to start the file over")
 
-    def _note_produced(self, path: str) -> None:
-        """Give a module its position in the forward (the sites' ``order``, spec 2.2) when it first completes:
-        modules of a forward that knows none of them are spaced by :data:`_ORDER_GAP` in the order they complete; a
-        module first seen later (an expert routed to from some step on) takes the next free position after the
-        module that completed just before it, so that it keeps its place in the forward."""
-        last, self._last_done = self._last_done, path
-        if path in self._produced:
+    def _place_completed(self) -> None:
+        """Give the modules the forward just completed a position (the sites' ``order``, spec 2.2) where they have
+        none: those of the first forward spaced by :data:`_ORDER_GAP` in the order they completed; each run of
+        modules first seen later (experts routed to from some step on) spread evenly between the positions of the
+        modules that completed just before and just after them (or 0, or the next position above), so they keep
+        their place."""
+        seq, self._completed = list(self._completed), {}
+        placed = self._produced
+        if not placed:
+            placed.update((path, _ORDER_GAP * (k + 1)) for k, path in enumerate(seq))
             return
-        taken = set(self._produced.values())
-        if last is None:  # the first module of its forward: before every module known
-            pos = min(taken, default=2 * _ORDER_GAP) - 1 if not self._discovering else _ORDER_GAP
-            while pos in taken and pos > 0:
-                pos -= 1
-        else:
-            pos = self._produced[last] + (_ORDER_GAP if self._discovering else 1)
-        while pos in taken:
-            pos += 1
-        self._produced[path] = pos
+        i = 0
+        while i < len(seq):
+            if seq[i] in placed:
+                i += 1
+                continue
+            j = i
+            while j < len(seq) and seq[j] not in placed:
+                j += 1
+            lo = placed[seq[i - 1]] if i else 0
+            hi = placed[seq[j]] if j < len(seq) else 0  # (the module that completed after them)
+            if hi <= lo:
+                hi = min((v for v in placed.values() if v > lo), default=lo + _ORDER_GAP * (j - i + 1))
+            taken = set(placed.values())
+            for k, path in enumerate(seq[i:j]):
+                pos = lo + (hi - lo) * (k + 1) // (j - i + 1)
+                while pos in taken:  # (no room left between two positions: after them)
+                    pos += 1
+                placed[path] = pos
+                taken.add(pos)
+            i = j
 
     def _pairing(self) -> str:
-        """The file this collector writes, the same on every rank, as a short hash: ranks pair their collectors by
-        it (and its count), so a collector only some ranks make (an evaluation's, to another file) does not shift
-        the others' pairing, and ranks with other settings still pair. The path as given, with ``{rank}`` kept and
-        this rank's number, where it stands alone in the file name (``run_{rank}.thist`` written out per rank),
-        read as ``{rank}``."""
-        path = os.fspath(self._path_arg)  # type: ignore[arg-type]
-        if "{rank}" not in path:  # (in the file's name only: a folder may hold a number of its own)
-            head, name = os.path.split(path)
-            path = os.path.join(head, re.sub(rf"(?<![0-9]){self.rank}(?![0-9])", "{rank}", name))
-        return f"{zlib.crc32(path.encode()):08x}"
+        """The path this collector was given (the same on every rank: one name, the collector inserting the rank,
+        or a ``{rank}`` template), as a short hash: ranks pair their collectors by it and its count, so a collector
+        only some ranks make (an evaluation's, to another file) does not shift the others' pairing, and ranks with
+        other settings still pair. A name each rank spells out itself pairs with no one (a wait, then a warning):
+        reading a rank into a name guesses wrong on names that hold its digits anyway (``gpt2.thist``)."""
+        return f"{zlib.crc32(os.fspath(self._path_arg).encode()):08x}"  # type: ignore[arg-type]
 
     def _sharing(self, name: str, p: torch.Tensor) -> str:
         """A parameter's sharing: a DTensor's by its placements, a plain parameter's a replica when ``replicas=``
@@ -738,6 +751,8 @@ class Collector:
                                 self.every[stream], self.sketch_every[stream])
                 self.plan.sites.append(s)
             shape = s.shape if stream.startswith("param") else None
+            if path in self._completed:  # (declared inside a forward that has not ended)
+                self._place_completed()
             h = self._safe(
                 self._writer.site, path, stream, facet=facet, shape=shape, dtype=self._dtypes.get(key) or s.dtype,
                 sharing=s.sharing,
@@ -798,7 +813,7 @@ class Collector:
             if m._forward_hooks and next(reversed(m._forward_hooks)) != hid:
                 m._forward_hooks.move_to_end(hid)
         self._state = st
-        self._last_done, self._discovering = None, not self._produced
+        self._place_completed()  # (a forward cut short in the previous step)
         if not self._steps_entered:
             self._steps_entered = True
             self._check_params()
@@ -1136,9 +1151,9 @@ class Collector:
         if path == ROOT and not in_backward:
             st.micro += 1
         if path in self._sel_modules and not in_backward:
-            self._note_produced(path)
+            self._completed.setdefault(path)
         if path == ROOT and not in_backward:  # (the forward is over)
-            self._last_done, self._discovering = None, not self._produced
+            self._place_completed()
         if path in self._sel_modules:
             act, grad = st.due["activation"], st.due["activation_grad"]
             for facet, t in flatten_output(output):
