@@ -392,10 +392,19 @@ def test_steps_no_float_axis_can_hold_are_refused_and_every_later_segment_is_a_b
         for st in (0, 2**62, 2**63 - 1):
             w.observe(a, st, np.ones(3))
     with trainhist.open(p) as h:
+        import matplotlib.pyplot as plt
+
+        before = plt.get_fignums()
         for draw in (lambda: site_figure(h, "a"), lambda: waterfall(h, "a")):
             with pytest.raises(UsageError) as e:
                 draw()
             assert e.value.code == "undrawable_steps"
+        assert plt.get_fignums() == before  # (refused before a figure was made)
+    with trainhist.HistoryWriter(p, mode="a") as w:  # another site, drawable: the contact sheet draws it
+        w.observe(w.site("b", "activation"), 1, np.ones(3))
+    with trainhist.open(p) as h:
+        (page,) = contact_sheet(h, tmp_path / "sheet")
+        assert page.stat().st_size > 1000
     runs = []
     for i, rid in enumerate(("ab" * 16, "cd" * 16)):
         q = tmp_path / f"r{i}.thist"
