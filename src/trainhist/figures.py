@@ -428,7 +428,7 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
 
     sk = h.sketch(path, stream, facet, phase=phase)
     s = h.spine(path, stream, facet, phase=phase)
-    _extent(s)  # (steps no figure can draw are refused before one is made)
+    first, end = _extent(s)  # (steps no figure can draw are refused before one is made)
     fig, ax = plt.subplots(figsize=(8, 4))
     title = _site_title(s.site, phase)
     width = 1
@@ -485,7 +485,6 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
                 bbox={"boxstyle": "round,pad=0.2", "facecolor": "w", "alpha": 0.8, "edgecolor": "none"})
     else:
         ax.text(0.5, 0.5, "no sketches recorded for this site", ha="center", transform=ax.transAxes)
-    first, end = _extent(s)
     nf = _not_replayed(first, end - first, s.segment) & s.observed & ((s.nan + s.pinf + s.ninf) > 0)
     if nf.any():  # (not in the sketch, which holds finite values only: from the spine's counts)
         # one mark a column: the middle of each row's steps, or of the columns that hold any of them

@@ -498,9 +498,8 @@ class HistoryWriter:
         if not resumed:
             self.run_id = run_id or uuid.uuid4().hex
             self._salt = int.from_bytes(os.urandom(8), "little") if salt is None else int(salt)
-            self.run_created = run_created or self._now()
             self.run_manifest = {"kind": "run", "run_id": self.run_id, "name": run_name,
-                                 "created": self.run_created, "config": config or {}}
+                                 "created": run_created or self._now(), "config": config or {}}
             docs.append(self.run_manifest)
             self._next_segment = 0
             self._previous_segment = None
@@ -546,7 +545,6 @@ class HistoryWriter:
                 f"{WRITE_VERSION} and may only read it", path=self.path,
             )
         self.run_id = h.runs[0]["run_id"]
-        self.run_created = h.runs[0].get("created")
         self.run_manifest = dict(h.runs[0])  #: the run manifest this file holds
         self._salt = h.header.salt
         self._seq = h.committed_records

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
+from ..model import Applied, Clipped
 from ..summary import SumMethod
 from .plan import (
     ROOT,
@@ -104,12 +105,11 @@ class StepTruth:
             raise UsageError(f"grad_basis must be 'scaled', 'unscaled' or None, got {self.grad_basis!r}")
         # applied / clipped: a bool, None, anything with a truth value (a 0-dim tensor such as found_inf == 0), or
         # the names the reader gives back; held as bool or None
-        for name, yes, no in (("applied", "applied", "skipped"), ("clipped", "clipped", "not_clipped")):
+        for name, names in (("applied", Applied), ("clipped", Clipped)):
             v = getattr(self, name)
-            if isinstance(v, str):
-                if v not in (yes, no, "unknown"):
-                    raise UsageError(f"{name} must be a bool, None or one of {yes!r}, {no!r}, 'unknown'; got {v!r}")
-                object.__setattr__(self, name, None if v == "unknown" else v == yes)
+            if isinstance(v, str):  # (code 0 is unknown, 1 yes, 2 no; an unknown name is refused)
+                code = names.code(v)
+                object.__setattr__(self, name, None if code == 0 else code == 1)
             elif v is not None and not isinstance(v, bool):
                 object.__setattr__(self, name, bool(v))
 
@@ -498,9 +498,10 @@ class Collector:
         return out
 
     def _on_discover(self, path: str, module: torch.nn.Module, args: tuple, output: object) -> None:
-        if self._discovery is not None:  # (a module called n times a forward reduces n outputs a step)
-            self._calls[path] = self._calls.get(path, 0) + 1
-        if self._discovery is not None and path not in self._discovery:
+        if self._discovery is None:
+            return
+        self._calls[path] = self._calls.get(path, 0) + 1  # (a module called n times a forward: n outputs a step)
+        if path not in self._discovery:
             self._completed.setdefault(path)
             facets = list(flatten_output(output))
             self._discovery[path] = [(f, tuple(t.shape), _dtype_name(t)) for f, t in facets]
@@ -639,12 +640,13 @@ class Collector:
             self.path = _rank_path(self._path_arg, self.rank, self.world_size)
         # gradients that are not whole on every rank (FSDP, DTensor shards, ranks without DDP): the norms this rank
         # can compute without a collective are of its own part, recorded as grad_norm_local (and _post_clip_local)
+        replica = {n for n, p in self._params.items() if self._sharing(n, p) == "replica"}
         self._norm_suffix = "_local" if self.world_size > 1 and any(
-            self._sharing(n, p) != "replica" for n, p in self._params.items() if p.requires_grad) else ""
+            n not in replica for n, p in self._params.items() if p.requires_grad) else ""
         # the parameters in this rank's norms: all of them for a whole norm; for a rank's part, each part once over
         # the ranks (a replica on rank 0 alone), so that the ranks' squares add up to the whole norm's
-        self._norm_params = {n for n, p in self._params.items() if not self._norm_suffix or (
-            n not in self._copies and (self._sharing(n, p) != "replica" or self.rank == 0))}
+        self._norm_params = {n for n in self._params if not self._norm_suffix or (
+            n not in self._copies and (n not in replica or self.rank == 0))}
         opts = dict(self._writer_options)
         opts.setdefault("rank", self.rank)
         opts.setdefault("world_size", self.world_size)
@@ -668,8 +670,9 @@ class Collector:
             opts.setdefault("config", lead.get("config"))
         self._writer = w = HistoryWriter(self.path, settings=settings, **opts)  # type: ignore[arg-type]
         if key is not None and self.rank == 0:
-            lead = _agree_run(key, 0, {"run_id": w.run_id, "segment": w.segment, "created": w.run_created,
-                                       "name": w.run_manifest.get("name"), "config": w.run_manifest.get("config")})
+            run = w.run_manifest
+            lead = _agree_run(key, 0, {"run_id": w.run_id, "segment": w.segment, "created": run.get("created"),
+                                       "name": run.get("name"), "config": run.get("config")})
         if key is not None and (lead is None or (lead["run_id"], lead["segment"]) != (w.run_id, w.segment)):
             if lead is None or lead["run_id"] != w.run_id:
                 self._warn_once("run_id", (
@@ -1148,12 +1151,12 @@ class Collector:
         if st is None:
             return
         in_backward = _graph_task_id() != -1
-        if path == ROOT and not in_backward:
-            st.micro += 1
-        if path in self._sel_modules and not in_backward:
-            self._completed.setdefault(path)
-        if path == ROOT and not in_backward:  # (the forward is over)
-            self._place_completed()
+        if not in_backward:
+            if path in self._sel_modules:
+                self._completed.setdefault(path)
+            if path == ROOT:  # (the forward is over)
+                st.micro += 1
+                self._place_completed()
         if path in self._sel_modules:
             act, grad = st.due["activation"], st.due["activation_grad"]
             for facet, t in flatten_output(output):
