@@ -3,10 +3,11 @@
 The torch-op reduction of :mod:`trainhist.torch.reduce` makes a dozen passes over every tensor (each a separate
 kernel with its own output); on a CPU that costs more than many layers' own forward (``tools/bench_reduce.py``
 measures both). These
-kernels, compiled by numba, make the same row in one pass over blocks of :data:`BLOCK` elements: one loop of vector
-lanes takes the float64 sums, the zero counts and the extreme bit patterns (from which min and max follow), and a
-block that turns out to hold NaN or infinity (rare) is redone element by element; sketches add the grid key of
-every element (integer arithmetic on the bits, in vector lanes) and a histogram of the keys.
+kernels, compiled by numba, make the same row in one pass over memory, in blocks of :data:`BLOCK` elements: a loop
+of vector lanes takes the float64 sums (asking for the memory ahead of it), another over the now L1-resident block
+the zero counts and the extreme bit patterns (from which min and max follow), and a block that turns out to hold
+NaN or infinity (rare) is redone element by element; sketches add the grid key of every element (integer arithmetic
+on the bits, in vector lanes) and a histogram of the keys.
 
 They write exactly what :func:`trainhist.torch.reduce.reduce_into` writes: the same counts, bins and min/max bits;
 the float64 sums accumulate in another order (``SumMethod.F64`` bounds any order). Nothing here is used off the CPU.
@@ -20,6 +21,7 @@ from typing import Callable
 
 import numpy as np
 from numba import carray, njit, types
+from llvmlite import ir
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -30,6 +32,10 @@ BLOCK = 4096  #: elements per block: the loops of one block share its L1-residen
 #: overlaps one group's counting with the next group's arithmetic, which one loop over the block would serialise (a
 #: multiple of 8: the counting loop takes two words of four keys per turn)
 GROUP = 32
+#: the float loop of a block asks for the memory this far ahead of it (8 KiB: measured best, ad hoc, among 2 to 64 KiB
+#: on this project's 2-CPU benchmark machine; the spine configuration's kernels took 15-16 ms a step instead of 20)
+AHEAD_BYTES = 8192
+CHUNK_BYTES = 1024  #: ... one chunk (16 cache lines) at a time, between chunks of its arithmetic
 #: lets LLVM split the float64 sums into vector lanes and fuse the square into its sum (exact for float32, whose
 #: square fits a float64; within the f64_accumulate bound for float64); no NaN/inf assumptions
 _FASTMATH = {"reassoc", "nsz", "contract"}
@@ -52,19 +58,41 @@ def _pointer(typingctx, address):  # noqa: ARG001 -- numba's intrinsic signature
 # constant.
 
 
+@intrinsic
+def _prefetch(typingctx, address):  # noqa: ARG001 -- numba's intrinsic signature
+    """A hint to fetch the cache line at the integer ``address`` (LLVM's ``llvm.prefetch``: no effect on the
+    program's behaviour, and no fault at any address)."""
+
+    def codegen(context, builder, signature, args):  # noqa: ARG001
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32]), "llvm.prefetch.p0")
+        # read, keep in every cache level, data cache
+        builder.call(fn, [builder.inttoptr(args[0], cgutils.voidptr_t), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.none(address), codegen
+
+
 @njit(inline="always")
 def _block(x, u, v, acc, cnt, ext, smax_, zeros, c, T):
     """Accumulate one block (``x``, ``u``, ``v``: its elements as floats, unsigned and signed integers): the float64
-    sums, the least and greatest bit patterns read as unsigned integers and the greatest read as signed, all in one
-    loop of vector lanes. Those three give the min and max with no per-element transform: a set sign bit makes a
-    pattern the largest unsigned, a negative signed one. A block holding NaN or infinity (its sum of squares is then
-    not finite; for float64 also a square beyond the range) is redone by :func:`_masked`. (The block is passed as
-    views starting at index 0, so the loop needs no negative-index handling and stays a plain vector loop.)
+    sums in one loop, then the least and greatest bit patterns read as unsigned integers and the greatest read as
+    signed in another, over the now L1-resident block. Two loops, because one loop takes the vector width of its
+    float64 sums for the integers too (half the lanes). The three patterns give the min and max with no per-element
+    transform: a set sign bit makes a pattern the largest unsigned, a negative signed one. A block holding NaN or
+    infinity (its sum of squares is then not finite; for float64 also a square beyond the range) is redone by
+    :func:`_masked`. (The block is passed as views starting at index 0, so the loops need no negative-index handling
+    and stay plain vector loops.)
 
-    The zeros are counted in the same loop when the previous block held some (``zeros``; ReLU outputs have them in
-    every block); otherwise the loop also takes the least signed pattern (+0 is the least unsigned one, -0 the
-    least signed one), and a block holding either is counted again in a second loop over its (L1-resident)
-    elements. Returns whether the block held a zero.
+    The float loop goes in chunks of :data:`CHUNK_BYTES`, each first asking for the memory :data:`AHEAD_BYTES`
+    further on (past the block's end, into the next block): a tensor the training step wrote a while ago comes
+    from memory, and the hardware's own prefetcher does not run that far ahead of the loop, nor across pages.
+
+    The zeros are counted in the integer loop when the previous block held some (``zeros``; ReLU outputs have them
+    in every block); otherwise that loop also takes the least signed pattern (+0 is the least unsigned one, -0 the
+    least signed one), and a block holding either is counted again in a third loop. Returns whether the block held
+    a zero.
 
     ``acc`` = [min, max, sum, sum of squares] (float64) of the masked blocks' elements and of all blocks; ``cnt`` =
     [NaN, +inf, -inf, zeros, negative zeros, NaN with the sign bit set]; ``ext`` (least, greatest unsigned pattern),
@@ -72,69 +100,42 @@ def _block(x, u, v, acc, cnt, ext, smax_, zeros, c, T):
     :func:`_finish`).
     """
     sign, allones = c[1], c[5]
+    size = x.itemsize
+    chunk = CHUNK_BYTES // size
+    base = x.ctypes.data + AHEAD_BYTES
     s = 0.0
     q = 0.0
+    for j in range(0, x.size, chunk):
+        for line in range(j * size, (j + chunk) * size, 64):
+            _prefetch(base + line)
+        xs = x[j:j + chunk]
+        for i in range(xs.size):
+            d = np.float64(xs[i])
+            s += d
+            q += d * d
     pz = T(0)
     nz = T(0)
     umin = allones
     umax = T(0)
     smax = smax_[0]
     if zeros:
-        for i in range(x.size):
+        for i in range(u.size):
             b = u[i]
-            d = np.float64(x[i])
-            s += d
-            q += d * d
             pz = T(pz + T(b == T(0)))
             nz = T(nz + T(b == sign))
             umin = min(umin, b)
             umax = max(umax, b)
             smax = max(smax, v[i])
     else:
-        # two halves side by side: the loop then takes eight elements a turn in two independent chains of float64
-        # sums (one half alone left LLVM at four elements a turn, waiting on the latency of one chain)
         smin = v[0]
-        h = x.size // 2
-        s2 = 0.0
-        q2 = 0.0
-        umin2 = allones
-        umax2 = T(0)
-        smax2 = smax
-        smin2 = smin
-        for i in range(h):
+        for i in range(u.size):
             b = u[i]
-            d = np.float64(x[i])
-            s += d
-            q += d * d
             umin = min(umin, b)
             umax = max(umax, b)
             smax = max(smax, v[i])
             smin = min(smin, v[i])
-            b2 = u[i + h]
-            d2 = np.float64(x[i + h])
-            s2 += d2
-            q2 += d2 * d2
-            umin2 = min(umin2, b2)
-            umax2 = max(umax2, b2)
-            smax2 = max(smax2, v[i + h])
-            smin2 = min(smin2, v[i + h])
-        if x.size % 2:
-            i = x.size - 1
-            d = np.float64(x[i])
-            s += d
-            q += d * d
-            umin = min(umin, u[i])
-            umax = max(umax, u[i])
-            smax = max(smax, v[i])
-            smin = min(smin, v[i])
-        s += s2
-        q += q2
-        umin = min(umin, umin2)
-        umax = max(umax, umax2)
-        smax = max(smax, smax2)
-        smin = min(smin, smin2)
         if umin == 0 or T(smin) == sign:  # +0 is the least unsigned pattern, -0 the least signed one
-            for i in range(x.size):
+            for i in range(u.size):
                 b = u[i]
                 pz = T(pz + T(b == T(0)))
                 nz = T(nz + T(b == sign))
