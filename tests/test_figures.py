@@ -380,6 +380,33 @@ def test_rows_recorded_out_of_step_order_are_drawn_in_step_order(tmp_path, monke
         assert piece[:, 0].tolist() == [0, 1, 5, 6, 10, 11, 15, 16] and np.allclose(piece[::2, 1], y)
 
 
+def test_skipped_steps_and_boundaries_beyond_a_float_axis_are_left_out_and_said(tmp_path):
+    """A skipped optimizer step or a segment's first step beyond 2^52 (the site's own rows drawable) stretched the
+    step axis to 2^60, squashing every row into one pixel: such marks are left out, and the figure says how many."""
+    p = tmp_path / "far.thist"
+    with trainhist.HistoryWriter(p) as w:
+        a = w.site("a", "activation")
+        for st in range(5):
+            w.observe(a, st, np.arange(1.0, 4.0) + st)
+        w.step_truth(3, applied="skipped")
+        w.step_truth(2**60, applied="skipped")
+        w.new_segment(2**60, reason="resume")
+        w.new_segment(-(2**62), reason="resume")
+        w.observe(a, 6, np.ones(3))
+    with trainhist.open(p) as h:
+        fig = site_figure(h, "a")
+        ax = fig.axes[0]
+        lo, hi = ax.get_xlim()
+        assert -10 < lo and hi < 20  # (the drawn rows and marks only)
+        labels = [t.get_text().replace("\n", " ") for t in ax.get_legend().get_texts()]
+        assert "1 skipped optimizer steps and 1 segment boundaries beyond +-2^52 not drawn" in labels
+        assert "optimizer step skipped" in labels  # (step 3 is drawn)
+        wf = waterfall(h, "a")
+        assert "1 segment boundaries beyond +-2^52 not drawn" in wf.axes[0].get_title().replace("\n", " ")
+        lo, hi = wf.axes[0].get_xlim()
+        assert -10 < lo and hi < 20
+
+
 def test_steps_no_float_axis_can_hold_are_refused_and_every_later_segment_is_a_boundary(tmp_path):
     """Rows at steps near 2^63 were drawn across the whole axis or at negative steps (the ends overflowed): a figure
     refuses steps beyond 2^52 with a typed error. A merged file of two runs kept apart has two segments that both

@@ -191,10 +191,11 @@ def _vmarks(ax, start: np.ndarray, end: np.ndarray, label: str, **style: object)
                        transform=ax.get_xaxis_transform(), color=style.get("color"), alpha=0.12, lw=0)
 
 
-def _boundaries(ax, h: History, step: np.ndarray, segment: np.ndarray, **style: object) -> None:
+def _boundaries(ax, h: History, step: np.ndarray, segment: np.ndarray, **style: object) -> int:
     """A dashed vertical line at the first step of every segment after the first: its manifest's ``first_step``,
-    or, where the writer did not know it, the first step of its rows in this series (``step``, ``segment``)."""
-    k = 0
+    or, where the writer did not know it, the first step of its rows in this series (``step``, ``segment``).
+    Returns how many boundaries lie beyond +-2^52, where no float axis holds them: those are not drawn."""
+    k = beyond = 0
     first = min((g.id for g in h.segments), default=None)
     for g in h.segments:
         if g.id == first:  # (every other segment follows one, whatever its reason: two runs kept apart too)
@@ -205,22 +206,32 @@ def _boundaries(ax, h: History, step: np.ndarray, segment: np.ndarray, **style: 
             if not mine.size:
                 continue
             at = int(mine.min())
+        if abs(at) > _DRAWABLE:
+            beyond += 1
+            continue
         ax.axvline(at, **{"color": "k", "ls": "--", "lw": 1.2, **style},
                    label="segment boundary" if k == 0 else None)
         k += 1
+    return beyond
 
 
 def _marks(ax, h: History, s: SpineSeries) -> None:
-    """Non-finite events, skipped optimizer steps and segment boundaries as marks over the whole height."""
+    """Non-finite events, skipped optimizer steps and segment boundaries as marks over the whole height; skipped
+    steps and boundaries beyond +-2^52 (the site's own rows are within: :func:`_extent`) are not drawn, and the
+    legend says how many."""
     start, end = _extent(s)
     nf = s.observed & ((s.nan > 0) | (s.pinf > 0) | (s.ninf > 0))
     _vmarks(ax, start[nf], end[nf], "non-finite values", color="red", alpha=0.35, lw=1)
     t = h.steps
     skipped = t["applied"] == Applied.code("skipped")
-    first = t["step"][skipped].astype(np.int64)
-    _vmarks(ax, first, first + t["span"][skipped].astype(np.int64), "optimizer step skipped", color="orange",
-            ls=":", lw=1)
-    _boundaries(ax, h, s.step, s.segment)
+    first, span = t["step"][skipped].astype(np.int64), t["span"][skipped].astype(np.int64)
+    fits = (np.abs(first) <= _DRAWABLE) & (span <= _DRAWABLE)  # (and so no overflow in first + span)
+    _vmarks(ax, first[fits], first[fits] + span[fits], "optimizer step skipped", color="orange", ls=":", lw=1)
+    beyond = {"skipped optimizer steps": int((~fits).sum()),
+              "segment boundaries": _boundaries(ax, h, s.step, s.segment)}
+    if any(beyond.values()):  # (a legend entry with no mark: the figure says what it left out)
+        ax.plot([], [], ls="none", label=" and ".join(f"{n} {what}" for what, n in beyond.items() if n)
+                + " beyond +-2^52 not drawn")
 
 
 #: every presence but ``observed`` (spec 2.6), in the order of precedence (11.4): its marker and color in the strip
@@ -478,8 +489,9 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
                   + (f" · {overlapped} rows overlapping later ones cut or left out" if overlapped else "")
                   + (f" · {past} rows reaching past their column's steps added where they begin" if past else "")
                   + (f" · {replaced} rows of a segment a resume replayed not drawn" if replaced else ""))
-        _boundaries(ax, h, sk.columns["step"], sk.columns["segment"], lw=1.5,
-                    path_effects=[patheffects.withStroke(linewidth=3.5, foreground="w")])
+        beyond = _boundaries(ax, h, sk.columns["step"], sk.columns["segment"], lw=1.5,
+                             path_effects=[patheffects.withStroke(linewidth=3.5, foreground="w")])
+        title += f" · {beyond} segment boundaries beyond +-2^52 not drawn" if beyond else ""
         ax.text(0.01, 0.01, f"outside the window (2^-48, 2^16]: {outside} values in the under/overflow bands",
                 transform=ax.transAxes, fontsize=7, color="k",
                 bbox={"boxstyle": "round,pad=0.2", "facecolor": "w", "alpha": 0.8, "edgecolor": "none"})
@@ -567,7 +579,7 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
                 continue
             r = np.flatnonzero(obs)
             _plot_rows(ax, start[r], end[r], s.rms[r], _joins(s, r, _due_gaps(s)[0]), lw=1, color="C0")
-            _boundaries(ax, h, s.step, s.segment, lw=0.8)
+            _boundaries(ax, h, s.step, s.segment, lw=0.8)  # (a tile leaves out, unsaid, those beyond +-2^52)
             nf = s.observed & ((s.nan + s.pinf + s.ninf) > 0)
             if nf.any():
                 ax.set_facecolor("#fde0e0")
