@@ -1,6 +1,7 @@
 """Two CPU ranks (gloo) training under FSDP2 (``fully_shard``): each rank records its shards of the parameters and
 gradients; the merged shards give every parameter's and gradient's whole distribution, checked against the full
-tensors the ranks gathered; the norms say whether they are the whole model's or one rank's part.
+tensors the ranks gathered; the norms say whether they are the whole model's or one rank's part. FSDP1
+(``FullyShardedDataParallel``, on CPU with ``device_id=cpu``) likewise, with and without ``use_orig_params``.
 """
 
 from __future__ import annotations
@@ -207,3 +208,178 @@ def test_hsdp_copies_of_a_shard_are_counted_once(tmp_path):
     local = h.spine("grad_norm_local", "scalar")
     for step in range(2):
         assert math.isclose(math.sqrt(float(local.columns["sumsq"][step])), norms[step], rel_tol=1e-6)
+
+
+FSDP1 = textwrap.dedent("""
+    import json, sys, torch, torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from trainhist.torch import Collector
+    dist.init_process_group("gloo")
+    from torch.distributed.fsdp import ShardingStrategy
+    rank, orig = dist.get_rank(), sys.argv[3] in ("orig", "noshard")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(), torch.nn.Linear(12, 3))
+    # (without device_id FSDP1 asks for an accelerator; on CPU it runs with device_id=cpu)
+    cpu = dict(device_id=torch.device("cpu"), use_orig_params=orig)
+    if sys.argv[3] == "noshard":
+        cpu["sharding_strategy"] = ShardingStrategy.NO_SHARD
+    model[0], model[2] = FSDP(model[0], **cpu), FSDP(model[2], **cpu)
+    model = FSDP(model, **cpu)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    col = Collector(model, sys.argv[1], every=1, sketch_every=1, mode="w", delta_elements=5).attach(optimizer=opt)
+    name = lambda n: ".".join(x for x in n.split(".") if x != "_fsdp_wrapped_module")  # noqa: E731
+
+    def whole(grads=False):  # the unsharded flat values (collectives: the test's reference only)
+        if orig:  # the user's parameters, gathered by FSDP
+            with FSDP.summon_full_params(model, with_grads=grads):
+                return {name(n): (p.grad if grads else p).detach().reshape(-1).tolist()
+                        for n, p in model.named_parameters()}
+        out = {}  # the units' flat parameters: the ranks' equal runs of the padded concatenation, in rank order
+        for n, p in model.named_parameters():
+            t = (p.grad if grads else p).detach()
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, t)
+            out[name(n)] = torch.cat(parts).tolist()
+        return out
+
+    g = torch.Generator().manual_seed(100 + rank)  # each rank sees its own data
+    ref = {"params": [], "grads": [], "before": [], "out": []}
+    for step in range(3):
+        ref["before"].append(whole())
+        with col.step(step):
+            out = model(torch.randn(5, 6, generator=g))
+            out.square().mean().backward()
+            ref["grads"].append(whole(grads=True))
+            opt.step()
+            opt.zero_grad()
+        ref["params"].append(whole())
+        ref["out"].append(out.detach().reshape(-1).tolist())
+    col.close()
+    with open(f"{sys.argv[2]}.{rank}", "w") as f:
+        json.dump(ref, f)
+    dist.destroy_process_group()
+""")
+
+
+def _fsdp1_run(tmp_path, mode):
+    """Run the FSDP1 worker (``mode``: ``orig`` for use_orig_params=True, ``flat`` for False, ``noshard`` for
+    use_orig_params=True with ShardingStrategy.NO_SHARD); return the ranks' outputs, their shard files, the merged
+    history and the ranks' references."""
+    outs = run_ranks(FSDP1, tmp_path, str(tmp_path / "f.thist"), str(tmp_path / "ref"), mode)
+    files = [tmp_path / f"f.rank{r}.thist" for r in range(2)]
+    shards = [trainhist.open(f) for f in files]
+    assert shards[0].runs[0]["run_id"] == shards[1].runs[0]["run_id"]
+    trainhist.merge(files, tmp_path / "f.thist")
+    refs = [json.loads((tmp_path / f"ref.{r}").read_text()) for r in range(2)]
+    return outs, shards, trainhist.open(tmp_path / "f.thist"), refs
+
+
+def _check_fsdp1_whole(h, refs, names, shards=None):
+    """The merged param, param_grad and param_delta rows of ``names`` are the whole (unsharded) tensors': counts,
+    zeros, min and max of a float64 numpy reference, the update sampled at the same positions of the whole; and
+    the root's output rows are both ranks' outputs together. The gradient norm: the merged ranks' parts
+    (``grad_norm_local``), or where the gradients are whole on every rank each rank's ``grad_norm`` (``shards``:
+    the ranks' files)."""
+    from trainhist.torch.plan import sample_indices
+
+    ref = refs[0]  # (the gathered tensors are the same on both ranks)
+    assert refs[1]["params"] == ref["params"] and refs[1]["grads"] == ref["grads"]
+    for step in range(3):
+        for n in names:
+            for stream, values in (("param", ref["params"][step][n]), ("param_grad", ref["grads"][step][n])):
+                v = np.array(values, dtype=np.float64)
+                sp = h.spine(n, stream)
+                (i,) = np.flatnonzero(sp.step == step)
+                got = (int(sp.columns["count"][i]), int(sp.columns["zero"][i]), float(sp.min[i]), float(sp.max[i]))
+                assert got == (v.size, int((v == 0).sum()), v.min(), v.max()), (n, stream, step)
+            # the update at the seeded positions of the whole parameter, every position measured by one rank
+            delta = np.float32(ref["params"][step][n]) - np.float32(ref["before"][step][n])
+            idx = sample_indices(n, delta.size, 5, 0)
+            sampled = delta if idx is None else delta[idx]
+            assert h.site(n, "param_delta").sample == (None if idx is None else {"elements": 5, "of": delta.size,
+                                                                              "seed": 0}), n
+            dp = h.spine(n, "param_delta")
+            (i,) = np.flatnonzero(dp.step == step)
+            assert (int(dp.columns["count"][i]), float(dp.min[i]), float(dp.max[i])) == (
+                sampled.size, float(sampled.min()), float(sampled.max())), (n, step)
+        # the whole model's gradient norm from the merged rows' sums of squares, and from the ranks' own norms
+        norm = math.sqrt(sum(float(np.square(np.array(ref["grads"][step][n], dtype=np.float64)).sum())
+                             for n in names))
+        sq = sum(float(h.spine(n, "param_grad").columns["sumsq"][step]) for n in names)
+        assert math.isclose(math.sqrt(sq), norm, rel_tol=1e-6)
+        if shards is None:
+            loc = h.spine("grad_norm_local", "scalar")
+            (i,) = np.flatnonzero(loc.step == step)
+            assert math.isclose(math.sqrt(float(loc.columns["sumsq"][i])), norm, rel_tol=1e-6)
+        else:  # (whole gradients on every rank: each rank's own norm is the whole norm)
+            for x in shards:
+                g = x.spine("grad_norm", "scalar")
+                (i,) = np.flatnonzero(g.step == step)
+                assert math.isclose(float(g.columns["sum"][i]), norm, rel_tol=1e-6)
+        # the model's output on each rank's own batch: the merged row holds both
+        out = np.array(refs[0]["out"][step] + refs[1]["out"][step], dtype=np.float64)
+        sp = h.spine("(root)", "activation")
+        (i,) = np.flatnonzero(sp.step == step)
+        assert (int(sp.columns["count"][i]), float(sp.min[i]), float(sp.max[i])) == (out.size, out.min(), out.max())
+
+
+def test_fsdp1_use_orig_params_records_the_users_parameters_as_shards(tmp_path):
+    """FSDP1 (``FullyShardedDataParallel``, nested units, ``use_orig_params=True``) on CPU: each rank holds a flat
+    run of every parameter (maybe none of it); its sites carry the user's names, are shards of the whole shape,
+    and the merged rows are the whole parameters' and gradients'. The update's positions are drawn over the whole
+    parameter: drawn over each rank's run, the ranks' sites stated different samples and merge refused them."""
+    outs, shards, h, refs = _fsdp1_run(tmp_path, "orig")
+    assert not any("trainhist:" in o for o in outs), outs  # no warning
+    shapes = {"0.weight": (12, 6), "0.bias": (12,), "2.weight": (3, 12), "2.bias": (3,)}
+    for x in shards:
+        assert not any("_fsdp" in s.path or "_flat_param" in s.path for s in x.sites), x.sites
+        assert {s.path for s in x.sites if s.stream == "param"} == set(shapes)
+        assert {s.path for s in x.sites if s.stream == "activation"} == {"0", "1", "2", "(root)"}
+    # really sharded: "0.weight" is split between the ranks, whose rows add up to it
+    split = [int(x.spine("0.weight", "param").columns["count"][0]) for x in shards]
+    assert 0 < split[0] < 72 and sum(split) == 72, split
+    for name, shape in shapes.items():
+        for stream in ("param", "param_grad", "param_delta"):
+            s = h.site(name, stream)
+            assert (s.sharing, s.shape) == ("shard", shape), s
+    for path, per_rank in (("0", 5 * 12), ("1", 5 * 12), ("2", 5 * 3)):
+        for stream in ("activation", "activation_grad"):
+            assert h.spine(path, stream).columns["count"].tolist() == [2 * per_rank] * 3, (path, stream)
+    _check_fsdp1_whole(h, refs, list(shapes))
+
+
+def test_fsdp1_flat_params_are_recorded_as_the_units_flat_parameters(tmp_path):
+    """FSDP1 with ``use_orig_params=False``: the model's parameters are the units' flat parameters, so those are
+    what the collector records, as ``<unit>._flat_param`` shards of the padded whole (a warning says that the
+    per-parameter sites need use_orig_params=True); the modules' outputs keep the user's names. The merged rows
+    are the whole flat parameters' (padding included), and the update's sample is drawn over the whole: it was
+    drawn over each rank's run, so the ranks measured twice as many positions as the sample they stated."""
+    outs, shards, h, refs = _fsdp1_run(tmp_path, "flat")
+    assert all("use_orig_params=False" in o and "'<unit>._flat_param'" in o for o in outs), outs
+    sizes = {"0._flat_param": 6 * 12 + 12, "2._flat_param": 12 * 3 + 3 + 1}  # (39 padded to 40 for 2 ranks)
+    for x in shards:
+        assert {s.path for s in x.sites if s.stream == "param"} == set(sizes)
+        assert {s.path for s in x.sites if s.stream == "activation"} == {"0", "1", "2", "(root)"}
+        assert [int(x.spine(n, "param").columns["count"][0]) for n in sizes] == [n // 2 for n in sizes.values()]
+    for name, size in sizes.items():
+        assert len(refs[0]["params"][0][name]) == size
+        for stream in ("param", "param_grad", "param_delta"):
+            s = h.site(name, stream)
+            assert (s.sharing, s.shape) == ("shard", (size,)), s
+    assert int(h.spine("2._flat_param", "param").columns["zero"][0]) >= 1  # (the padding)
+    _check_fsdp1_whole(h, refs, list(sizes))
+
+
+def test_fsdp1_no_shard_parameters_are_replicas_counted_once(tmp_path):
+    """FSDP1 with ``ShardingStrategy.NO_SHARD``: every rank holds every parameter whole, as under DDP, so they are
+    replicas and the merge keeps one copy: recorded as shards, the merged rows counted every element twice."""
+    outs, shards, h, refs = _fsdp1_run(tmp_path, "noshard")
+    assert not any("trainhist:" in o for o in outs), outs
+    shapes = {"0.weight": (12, 6), "0.bias": (12,), "2.weight": (3, 12), "2.bias": (3,)}
+    for x in shards:
+        assert [int(x.spine("0.weight", "param").columns["count"][0])] == [72]  # whole on each rank
+    for name, shape in shapes.items():
+        for stream in ("param", "param_grad", "param_delta"):
+            s = h.site(name, stream)
+            assert (s.sharing, s.shape) == ("replica", shape), s
+    _check_fsdp1_whole(h, refs, list(shapes), shards)

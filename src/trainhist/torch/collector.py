@@ -56,6 +56,8 @@ from .plan import (
     param_sharing,
     replicated,
     delta_sample,
+    fsdp_flat_layouts,
+    fsdp_unsharded,
     select,
     unwrap,
 )
@@ -411,6 +413,9 @@ class Collector:
         self.batch_outputs = bool(batch_outputs)
         self._modules = {clean_name(n): m for n, m in self.inner.named_modules()}
         self._params = {clean_name(n): p for n, p in self.inner.named_parameters()}
+        # FSDP1 parameters that are this rank's run of a larger flat tensor: their whole shape and the run's start
+        self._flat = fsdp_flat_layouts(model)
+        self._unsharded = fsdp_unsharded(model)  # (FSDP1 NO_SHARD: whole on every rank)
         first: dict[int, str] = {id(p): n for n, p in self._params.items()}  # shared parameters: recorded once,
         aliases = {clean_name(n): first[id(p)] for n, p in self.inner.named_parameters(remove_duplicate=False)
                    if clean_name(n) not in self._params and id(p) in first}  # under their first name
@@ -469,6 +474,11 @@ class Collector:
         self._closed = False
         self.writer_errors = 0
         self.first_nonfinite: tuple[int, str, str, str | None] | None = None
+        if any(getattr(p, "_is_flat_param", False) for p in self._params.values()):
+            self._warn_once("flat_param", "trainhist: FSDP with use_orig_params=False: the model's parameters are "
+                            "its units' flat parameters, recorded as '<unit>._flat_param' (this rank's run of the "
+                            "unit's parameters concatenated, padding included), not parameter by parameter; wrap "
+                            "with use_orig_params=True for the parameters' own sites")
 
     # -- planning ------------------------------------------------------------------------------------------
     def discover(self, batch: object) -> object:
@@ -548,13 +558,15 @@ class Collector:
             if name not in self._sel_params:
                 continue
             shape, dtype, n = tuple(p.shape), _dtype_name(p), local_tensor(p).numel()
+            flat = self._flat.get(id(p))
+            shape = shape if flat is None else flat[0]  # (an FSDP1 parameter: the whole one's, as a DTensor's)
             sharing = self._sharing(name, p)
             for stream in ("param", "param_grad", "param_delta"):
                 if stream not in self.streams or (stream != "param" and not p.requires_grad):
                     continue
                 sample, el = None, n
                 if stream == "param_delta":
-                    idx, sample = delta_sample(name, p, self.delta_elements, self.seed)
+                    idx, sample = delta_sample(name, p, self.delta_elements, self.seed, flat)
                     el = n if idx is None else len(idx)
                 plan.sites.append(PlannedSite(name, stream, None, shape, dtype, el, sharing, ev[stream],
                                               sk[stream], sample))
@@ -574,8 +586,9 @@ class Collector:
                 "elements": self.delta_elements,
                 "seed": self.seed,
                 "indices": "sorted numpy.random.default_rng([seed, zlib.crc32(path)]).choice(numel, elements, "
-                "replace=False) over the flattened parameter (a sharded DTensor: its whole flat positions, each rank "
-                "measuring those in its shard; otherwise the rank-local tensor); float32 difference exit - entry",
+                "replace=False) over the flattened parameter (a sharded DTensor or FSDP1 shard: its whole flat "
+                "positions, each rank measuring those in its shard; otherwise the rank-local tensor); float32 "
+                "difference exit - entry",
             },
             "micro_batches": "merged on device: one row per (site, phase) per step, micro=None",
             "param_timing": "param at step exit (after the update); param_grad before the optimizer step",
@@ -730,9 +743,11 @@ class Collector:
         return f"{zlib.crc32(os.fspath(self._path_arg).encode()):08x}"  # type: ignore[arg-type]
 
     def _sharing(self, name: str, p: torch.Tensor) -> str:
-        """A parameter's sharing: a DTensor's by its placements, a plain parameter's a replica when ``replicas=``
-        names it (or its module), else as its wrapper says."""
-        plain = type(p).__name__ not in ("DTensor", "FlatParameter")
+        """A parameter's sharing: a DTensor's by its placements, an FSDP1 NO_SHARD unit's a replica, a plain
+        parameter's a replica when ``replicas=`` names it (or its module), else as its wrapper says."""
+        if id(p) in self._unsharded:
+            return "replica"
+        plain = type(p).__name__ != "DTensor" and not getattr(p, "_is_flat_param", False)
         return "replica" if plain and name in self._rep_params else param_sharing(p, self._ddp)
 
     def _register_sites(self) -> None:
@@ -1421,7 +1436,7 @@ class Collector:
         n = local_tensor(p).numel()
         got = self._indices.get(name)
         if got is None or got[0] != n:
-            idx, _ = delta_sample(name, p, self.delta_elements, self.seed)
+            idx, _ = delta_sample(name, p, self.delta_elements, self.seed, self._flat.get(id(p)))
             got = self._indices[name] = (n, idx, None if idx is None else torch.from_numpy(idx).to(p.device))
         return got
 

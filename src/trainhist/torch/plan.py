@@ -26,6 +26,8 @@ __all__ = [
     "local_tensor",
     "sample_indices",
     "delta_sample",
+    "fsdp_flat_layouts",
+    "fsdp_unsharded",
     "PlannedSite",
     "Plan",
 ]
@@ -130,7 +132,7 @@ def param_sharing(p: torch.Tensor, ddp: bool) -> str:
     on every mesh dimension, else ``"shard"``."""
     if type(p).__name__ == "DTensor":
         return "replica" if replicated(p) else "shard"
-    if type(p).__name__ == "FlatParameter":
+    if getattr(p, "_is_flat_param", False):  # (FSDP1's flat parameter: its type is Parameter)
         return "shard"
     return "replica" if ddp else "shard"
 
@@ -173,14 +175,62 @@ def _block(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     return (tuple(p.shape), tuple(offset)) if tuple(shape) == tuple(p.to_local().shape) else None  # type: ignore
 
 
-def delta_sample(name: str, p: torch.Tensor, k: int, seed: int) -> tuple[np.ndarray | None, dict | None]:
+def fsdp_flat_layouts(model: torch.nn.Module) -> dict[int, tuple[tuple[int, ...], int]]:
+    """The parameters of FSDP1 (``FullyShardedDataParallel``) units that hold this rank's run of a larger flat
+    tensor: ``id(parameter)`` -> (the whole tensor's shape, where this rank's run starts in its flattened elements).
+
+    With ``use_orig_params=True`` each of the user's parameters is, outside forward and backward, a 1-D view of the
+    run of its flattened elements this rank's shard holds (maybe none); with ``use_orig_params=False`` the
+    parameters are the units' flat parameters, each rank holding an equal run of the padded concatenation. Read
+    from FSDP's internals; a unit whose layout cannot be read is left out (its parameters sampled rank-locally)."""
+    out: dict[int, tuple[tuple[int, ...], int]] = {}
+    for m in model.modules():
+        if type(m).__name__ != "FullyShardedDataParallel":
+            continue
+        try:
+            h = getattr(m, "_handle", None)
+            if h is None:
+                continue
+            fp = h.flat_param
+            parts = h.world_size if h.uses_sharded_strategy else 1
+            out[id(fp)] = ((fp.numel() * parts,), (h.rank if parts > 1 else 0) * fp.numel())
+            for q, info, shape in zip(fp._params or (), fp._shard_param_infos, fp._shapes):
+                if q.numel() == (info.numel_in_shard if info.in_shard else 0):
+                    out[id(q)] = (tuple(shape), info.intra_param_start_idx if info.in_shard else 0)
+        except Exception:  # noqa: BLE001 -- another torch's internals: the rank-local sample
+            continue
+    return out
+
+
+def fsdp_unsharded(model: torch.nn.Module) -> set[int]:
+    """``id`` of every parameter (flat and, with ``use_orig_params=True``, the user's) of the FSDP1 units that
+    shard nothing (``ShardingStrategy.NO_SHARD``): every rank holds them whole, as under DDP."""
+    out: set[int] = set()
+    for m in model.modules():
+        h = getattr(m, "_handle", None) if type(m).__name__ == "FullyShardedDataParallel" else None
+        if h is not None and not getattr(h, "uses_sharded_strategy", True):
+            out.add(id(h.flat_param))
+            out.update(id(q) for q in getattr(h.flat_param, "_params", None) or ())
+    return out
+
+
+def delta_sample(name: str, p: torch.Tensor, k: int, seed: int,
+                 flat: tuple[tuple[int, ...], int] | None = None) -> tuple[np.ndarray | None, dict | None]:
     """The ``param_delta`` subvector of parameter ``name``: sorted flat indices into its rank-local tensor (None:
     all of it), and its site's ``sample`` (None: the whole tensor).
 
-    For a sharded DTensor the positions are drawn over the whole parameter and each rank measures those in its
-    shard, so every rank's site states the same sample and the ranks' rows add up to it (spec 2.2); otherwise
-    over the rank-local tensor."""
+    For a sharded DTensor, or an FSDP1 parameter that is this rank's run of a larger flat tensor (``flat``: the
+    whole shape and the run's start, :func:`fsdp_flat_layouts`), the positions are drawn over the whole parameter
+    and each rank measures those in its shard, so every rank's site states the same sample and the ranks' rows add
+    up to it (spec 2.2); otherwise over the rank-local tensor."""
     n = local_tensor(p).numel()
+    if flat is not None:
+        whole = math.prod(flat[0])
+        chosen = sample_indices(name, whole, k, seed)
+        if chosen is None:
+            return None, None
+        mine = chosen[(chosen >= flat[1]) & (chosen < flat[1] + n)] - flat[1]
+        return mine.astype(np.int64), {"elements": k, "of": whole, "seed": seed}
     block = _block(p)
     if block is None:
         idx = sample_indices(name, n, k, seed)
