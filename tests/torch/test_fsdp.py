@@ -216,7 +216,7 @@ FSDP1 = textwrap.dedent("""
     from trainhist.torch import Collector
     dist.init_process_group("gloo")
     from torch.distributed.fsdp import ShardingStrategy
-    rank, orig = dist.get_rank(), sys.argv[3] in ("orig", "noshard")
+    rank, orig = dist.get_rank(), sys.argv[3] in ("orig", "noshard", "clip")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(), torch.nn.Linear(12, 3))
     # (without device_id FSDP1 asks for an accelerator; on CPU it runs with device_id=cpu)
@@ -243,13 +243,15 @@ FSDP1 = textwrap.dedent("""
         return out
 
     g = torch.Generator().manual_seed(100 + rank)  # each rank sees its own data
-    ref = {"params": [], "grads": [], "before": [], "out": []}
+    ref = {"params": [], "grads": [], "before": [], "out": [], "clip_norm": []}
     for step in range(3):
         ref["before"].append(whole())
         with col.step(step):
             out = model(torch.randn(5, 6, generator=g))
             out.square().mean().backward()
             ref["grads"].append(whole(grads=True))
+            if sys.argv[3] == "clip" and step < 2:  # (FSDP1's own clip: it always clips at this threshold)
+                ref["clip_norm"].append(float(model.clip_grad_norm_(0.01)))
             opt.step()
             opt.zero_grad()
         ref["params"].append(whole())
@@ -383,3 +385,31 @@ def test_fsdp1_no_shard_parameters_are_replicas_counted_once(tmp_path):
             s = h.site(name, stream)
             assert (s.sharing, s.shape) == ("replica", shape), s
     _check_fsdp1_whole(h, refs, list(shapes), shards)
+
+
+def test_fsdp1_own_clip_grad_norm_is_seen(tmp_path):
+    """FSDP1's ``model.clip_grad_norm_`` (its own, not torch's): the collector did not see it, so the gradients it
+    scaled were recorded with no phase and ``clipped`` read unknown. Now the clipped steps record pre- and
+    post-clip gradients, the whole model's norm the clip returned as ``grad_norm``, and that the step clipped."""
+    outs, shards, h, refs = _fsdp1_run(tmp_path, "clip")
+    assert not any("trainhist:" in o for o in outs), outs
+    ref = refs[0]
+    names = ["0.weight", "0.bias", "2.weight", "2.bias"]
+    gn = h.spine("grad_norm", "scalar")
+    for step in (0, 1):
+        i = int(np.flatnonzero(gn.step == step)[0])
+        assert float(gn.max[i]) == ref["clip_norm"][step] == refs[1]["clip_norm"][step]
+        for n in names:
+            v = np.array(ref["grads"][step][n], dtype=np.float64)  # (taken before the clip)
+            gp = h.spine(n, "param_grad", phase="pre_clip")
+            (j,) = np.flatnonzero(gp.step == step)
+            assert (int(gp.columns["count"][j]), float(gp.min[j]), float(gp.max[j])) == (v.size, v.min(), v.max())
+            post = h.spine(n, "param_grad", phase="post_clip")
+            (j,) = np.flatnonzero(post.step == step)
+            big = max(abs(float(post.min[j])), abs(float(post.max[j])))  # scaled by the clip's own coefficient
+            assert int(post.columns["count"][j]) == v.size
+            assert math.isclose(big, np.abs(v).max() * 0.01 / (ref["clip_norm"][step] + 1e-6), rel_tol=1e-5)
+    truth = {r["step"]: r for r in h.step_truth_rows()}
+    assert truth[0]["clipped"] == truth[1]["clipped"] == "clipped"
+    assert 2 not in set(gn.step.tolist())  # (no clip: each rank knows its part's norm only)
+    assert int(h.spine("grad_norm_local", "scalar").columns["count"][-1]) == 2

@@ -416,6 +416,8 @@ class Collector:
         # FSDP1 parameters that are this rank's run of a larger flat tensor: their whole shape and the run's start
         self._flat = fsdp_flat_layouts(model)
         self._unsharded = fsdp_unsharded(model)  # (FSDP1 NO_SHARD: whole on every rank)
+        # FSDP1 units: their own clip_grad_norm_ (which torch's does not run) is seen through the instance
+        self._fsdp1 = [m for m in model.modules() if type(m).__name__ == "FullyShardedDataParallel"]
         first: dict[int, str] = {id(p): n for n, p in self._params.items()}  # shared parameters: recorded once,
         aliases = {clean_name(n): first[id(p)] for n, p in self.inner.named_parameters(remove_duplicate=False)
                    if clean_name(n) not in self._params and id(p) in first}  # under their first name
@@ -847,6 +849,8 @@ class Collector:
             clip_mod._clip_grads_with_norm_ = partial(self._clip_with_norm, inner)
         else:  # (an older torch: the public name only)
             torch.nn.utils.clip_grad_norm_ = clip_mod.clip_grad_norm_ = partial(self._clip, orig_clip[0])
+        for m in self._fsdp1:  # (an instance attribute, removed at exit: the class's method again)
+            m.__dict__["clip_grad_norm_"] = partial(self._clip_fsdp1, m, m.clip_grad_norm_)
         try:
             yield self
         except BaseException:
@@ -856,6 +860,8 @@ class Collector:
             if inner is not None:
                 clip_mod._clip_grads_with_norm_ = inner
             torch.nn.utils.clip_grad_norm_, clip_mod.clip_grad_norm_ = orig_clip
+            for m in self._fsdp1:
+                m.__dict__.pop("clip_grad_norm_", None)
             if self._state is st:  # (close() inside the step has finished it already)
                 try:
                     with _no_flush():  # (the step's own reductions, decoding and writing: see _no_flush)
@@ -1279,10 +1285,18 @@ class Collector:
         return self._around_clip(lambda ps: orig(ps, max_norm, total_norm, *args, **kwargs), parameters, max_norm,
                                  total_norm)
 
+    def _clip_fsdp1(self, unit: torch.nn.Module, orig: Callable[..., torch.Tensor], max_norm: float,
+                    norm_type: float = 2.0) -> torch.Tensor:
+        """FSDP1's ``FullyShardedDataParallel.clip_grad_norm_``: the norm it returns is the whole model's (it
+        all-reduces the ranks' parts)."""
+        return self._around_clip(lambda ps: orig(max_norm, norm_type), list(unit.parameters()), max_norm, None,
+                                 whole=True)
+
     def _around_clip(self, call: Callable[[object], object], parameters: object, max_norm: float,
-                     norm: torch.Tensor | None) -> object:
+                     norm: torch.Tensor | None, whole: bool | None = None) -> object:
         """``call`` (a clip of ``parameters``) with their gradients captured before and after it; ``norm``: the
-        total norm it clips with (None: the one it returns)."""
+        total norm it clips with (None: the one it returns); ``whole``: whether that is the whole model's norm
+        (None: as :meth:`_clipped` tells)."""
         st = self._state
         if st is None:
             return call(parameters)
@@ -1290,7 +1304,7 @@ class Collector:
         self._guarded(self._capture_grads, "pre_clip", params)
         out = call(params)
         self._guarded(self._capture_grads, "post_clip", params)
-        self._guarded(self._clipped, st, params, max_norm, out if norm is None else norm)
+        self._guarded(self._clipped, st, params, max_norm, out if norm is None else norm, whole)
         return out
 
     def _guarded(self, fn: Callable[..., None], *args: object) -> None:
@@ -1302,9 +1316,11 @@ class Collector:
             self._warn_once(("guarded", fn.__name__), f"trainhist: recording around clip_grad_norm_ failed ({e!r}); "
                             "training continues")
 
-    def _clipped(self, st: _Step, params: list[torch.Tensor], max_norm: float, norm: object) -> None:
+    def _clipped(self, st: _Step, params: list[torch.Tensor], max_norm: float, norm: object,
+                 whole: bool | None = None) -> None:
         """After a clip of ``params``: their rows are pre/post-clip ones; the global norms are the clip's own when
-        it took every trainable parameter (a clip of some of them leaves the others' gradients as they are)."""
+        it took every trainable parameter (a clip of some of them leaves the others' gradients as they are).
+        ``whole``: whether a plain tensor ``norm`` is the whole model's (None: unless the gradients are sharded)."""
         st.clip_seen = True
         ids = {id(p) for p in params}
         st.clipped_names.update(n for n, p in self._params.items() if id(p) in ids)
@@ -1312,7 +1328,8 @@ class Collector:
             st.clip_threshold = float(max_norm)
         if not isinstance(norm, torch.Tensor):
             return
-        whole = not self._norm_suffix  # (a plain tensor's norm of sharded gradients is of this rank's part)
+        if whole is None:  # (a plain tensor's norm of sharded gradients is of this rank's part)
+            whole = not self._norm_suffix
         if type(norm).__name__ == "DTensor":  # (FSDP2: the whole gradients' norm when replicated, else a part's)
             whole = replicated(norm)
             norm = norm.to_local()
