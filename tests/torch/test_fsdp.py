@@ -216,13 +216,16 @@ FSDP1 = textwrap.dedent("""
     from trainhist.torch import Collector
     dist.init_process_group("gloo")
     from torch.distributed.fsdp import ShardingStrategy
-    rank, orig = dist.get_rank(), sys.argv[3] in ("orig", "noshard", "clip")
+    rank, orig = dist.get_rank(), sys.argv[3] in ("orig", "noshard", "clip", "hybrid")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(), torch.nn.Linear(12, 3))
     # (without device_id FSDP1 asks for an accelerator; on CPU it runs with device_id=cpu)
     cpu = dict(device_id=torch.device("cpu"), use_orig_params=orig)
     if sys.argv[3] == "noshard":
         cpu["sharding_strategy"] = ShardingStrategy.NO_SHARD
+    if sys.argv[3] == "hybrid":  # (4 ranks: 2 groups replicating each other, sharding within each)
+        from torch.distributed.device_mesh import init_device_mesh
+        cpu.update(sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=init_device_mesh("cpu", (2, 2)))
     model[0], model[2] = FSDP(model[0], **cpu), FSDP(model[2], **cpu)
     model = FSDP(model, **cpu)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -263,16 +266,16 @@ FSDP1 = textwrap.dedent("""
 """)
 
 
-def _fsdp1_run(tmp_path, mode):
+def _fsdp1_run(tmp_path, mode, world=2):
     """Run the FSDP1 worker (``mode``: ``orig`` for use_orig_params=True, ``flat`` for False, ``noshard`` for
     use_orig_params=True with ShardingStrategy.NO_SHARD); return the ranks' outputs, their shard files, the merged
     history and the ranks' references."""
-    outs = run_ranks(FSDP1, tmp_path, str(tmp_path / "f.thist"), str(tmp_path / "ref"), mode)
-    files = [tmp_path / f"f.rank{r}.thist" for r in range(2)]
+    outs = run_ranks(FSDP1, tmp_path, str(tmp_path / "f.thist"), str(tmp_path / "ref"), mode, world=world)
+    files = [tmp_path / f"f.rank{r}.thist" for r in range(world)]
     shards = [trainhist.open(f) for f in files]
-    assert shards[0].runs[0]["run_id"] == shards[1].runs[0]["run_id"]
+    assert len({x.runs[0]["run_id"] for x in shards}) == 1
     trainhist.merge(files, tmp_path / "f.thist")
-    refs = [json.loads((tmp_path / f"ref.{r}").read_text()) for r in range(2)]
+    refs = [json.loads((tmp_path / f"ref.{r}").read_text()) for r in range(world)]
     return outs, shards, trainhist.open(tmp_path / "f.thist"), refs
 
 
@@ -285,7 +288,7 @@ def _check_fsdp1_whole(h, refs, names, shards=None):
     from trainhist.torch.plan import sample_indices
 
     ref = refs[0]  # (the gathered tensors are the same on both ranks)
-    assert refs[1]["params"] == ref["params"] and refs[1]["grads"] == ref["grads"]
+    assert all(r["params"] == ref["params"] and r["grads"] == ref["grads"] for r in refs[1:])
     for step in range(3):
         for n in names:
             for stream, values in (("param", ref["params"][step][n]), ("param_grad", ref["grads"][step][n])):
@@ -319,7 +322,7 @@ def _check_fsdp1_whole(h, refs, names, shards=None):
                 (i,) = np.flatnonzero(g.step == step)
                 assert math.isclose(float(g.columns["sum"][i]), norm, rel_tol=1e-6)
         # the model's output on each rank's own batch: the merged row holds both
-        out = np.array(refs[0]["out"][step] + refs[1]["out"][step], dtype=np.float64)
+        out = np.array(sum((r["out"][step] for r in refs), []), dtype=np.float64)
         sp = h.spine("(root)", "activation")
         (i,) = np.flatnonzero(sp.step == step)
         assert (int(sp.columns["count"][i]), float(sp.min[i]), float(sp.max[i])) == (out.size, out.min(), out.max())
@@ -413,3 +416,17 @@ def test_fsdp1_own_clip_grad_norm_is_seen(tmp_path):
     assert truth[0]["clipped"] == truth[1]["clipped"] == "clipped"
     assert 2 not in set(gn.step.tolist())  # (no clip: each rank knows its part's norm only)
     assert int(h.spine("grad_norm_local", "scalar").columns["count"][-1]) == 2
+
+
+def test_fsdp1_hybrid_shard_copies_are_counted_once(tmp_path):
+    """FSDP1 ``HYBRID_SHARD`` on 4 ranks (2 groups replicating each other, each sharding the parameters over its 2
+    ranks): only the first group records the parameter sites, so the merged rows are the whole parameters', each
+    element counted once (they counted it twice), and the first group's norms add up to the whole model's."""
+    outs, shards, h, refs = _fsdp1_run(tmp_path, "hybrid", world=4)
+    assert not any("trainhist:" in o for o in outs), outs
+    params = [{s.path for s in x.sites if s.stream == "param"} for x in shards]
+    shapes = {"0.weight": (12, 6), "0.bias": (12,), "2.weight": (3, 12), "2.bias": (3,)}
+    assert params[0] == params[1] == set(shapes) and params[2] == params[3] == set()  # (the second group: none)
+    for name, shape in shapes.items():
+        assert (h.site(name, "param").sharing, h.site(name, "param").shape) == ("shard", shape)
+    _check_fsdp1_whole(h, refs, list(shapes))

@@ -58,6 +58,7 @@ from .plan import (
     delta_sample,
     fsdp_flat_layouts,
     fsdp_unsharded,
+    fsdp_later_copies,
     select,
     unwrap,
 )
@@ -431,7 +432,8 @@ class Collector:
                                                if self._replicas else (set(), set()))
         # a sharded DTensor also replicated over some mesh dimension (HSDP) is held whole-shard by several ranks:
         # only the first of them (coordinate 0 on those dimensions) records it, so that merge counts it once
-        self._copies = {n for n, p in self._params.items() if not _first_copy(p)}
+        later = fsdp_later_copies(model)  # (FSDP1 HYBRID_SHARD: another group's rank holds the first copy)
+        self._copies = {n for n, p in self._params.items() if not _first_copy(p) or id(p) in later}
         # in the model's order (reductions run in it, and 'first non-finite' means first in execution order)
         self._sel_modules = dict.fromkeys(n for n in self._modules if n in sel_modules)
         self._sel_params = dict.fromkeys(n for n in self._params if n in sel_params and n not in self._copies)

@@ -28,6 +28,7 @@ __all__ = [
     "delta_sample",
     "fsdp_flat_layouts",
     "fsdp_unsharded",
+    "fsdp_later_copies",
     "PlannedSite",
     "Plan",
 ]
@@ -211,6 +212,28 @@ def fsdp_unsharded(model: torch.nn.Module) -> set[int]:
         if h is not None and not getattr(h, "uses_sharded_strategy", True):
             out.add(id(h.flat_param))
             out.update(id(q) for q in getattr(h.flat_param, "_params", None) or ())
+    return out
+
+
+def fsdp_later_copies(model: torch.nn.Module) -> set[int]:
+    """``id`` of every parameter (flat and the user's) of the FSDP1 units that shard within a group of ranks and
+    replicate across groups (``HYBRID_SHARD``), on a rank whose group is not the first: another rank holds the
+    same shard, and only the first copy is recorded (as under HSDP)."""
+    import torch.distributed as dist
+
+    out: set[int] = set()
+    for m in model.modules():
+        h = getattr(m, "_handle", None) if type(m).__name__ == "FullyShardedDataParallel" else None
+        group = getattr(m, "_inter_node_pg", None)
+        if h is None or group is None or "HYBRID" not in str(getattr(h, "_sharding_strategy", "")):
+            continue
+        try:
+            if dist.get_rank(group) == 0:
+                continue
+        except Exception:  # noqa: BLE001 -- a group we cannot read: record it
+            continue
+        out.add(id(h.flat_param))
+        out.update(id(q) for q in getattr(h.flat_param, "_params", None) or ())
     return out
 
 
