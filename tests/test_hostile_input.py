@@ -628,3 +628,46 @@ def test_junk_appended_after_the_last_commit_names_the_intact_prefix(tmp_path):
     with open(p, "r+b") as f:
         f.truncate(len(good))
     assert trainhist.open(p).spine("a", "activation").step.tolist() == [0]
+
+
+def test_a_steps_chunk_whose_steps_disagree_with_its_commit_entry_is_a_bad_chunk(tmp_path):
+    """Spec 7.2: the step range of a commit entry is checked against the chunk, steps chunks included (merge
+    already checked it; the reader did not)."""
+    def edit(payload: bytearray, cols: dict) -> None:
+        _set(payload, cols, "step", 0, 99)
+
+    p = _mutant(tmp_path, "steps_range", edit, steps=True)
+    got = _surfaces(p, tmp_path)
+    assert got == {k: "bad_chunk" for k in got}, got
+
+
+def test_a_raw_length_that_is_not_a_multiple_of_the_item_size_is_a_bad_chunk():
+    """Spec 7.4: `raw` not a multiple of the item size is bad_chunk (column_too_large is the 512 MiB limit only),
+    for a variable-length column as for a fixed-width one."""
+    from trainhist.chunk import decode_chunk
+
+    def chunk(name: str, dt: str, raw: int, rows: int) -> memoryview:
+        entry = [name, dt, 0, 0, raw, raw]
+        for _ in range(3):
+            d = msgpack.packb({"rows": rows, "cols": [entry]})
+            entry[3] = 4 + len(d) + (-(4 + len(d)) % 8)
+        d = msgpack.packb({"rows": rows, "cols": [entry]})
+        head = struct.pack("<I", len(d)) + d
+        head += b"\0" * (-len(head) % 8)
+        return memoryview(head + b"\0" * raw + b"\0" * (-raw % 8))
+
+    for name, dt, variable in (("count", "u8", frozenset()), ("sk_counts", "u8", frozenset({"sk_counts"}))):
+        with pytest.raises(TrainhistError) as e:
+            decode_chunk(chunk(name, dt, 11, 1), 0, None, {name: dt}, variable)
+        assert e.value.code == "bad_chunk", e.value
+
+
+def test_the_dump_puts_a_null_facet_before_an_empty_one(tmp_path):
+    """Spec 10: sites sorted by (path, stream, facet) with a null facet first, even before "" declared earlier."""
+    import json
+
+    p = tmp_path / "f.thist"
+    with trainhist.HistoryWriter(p, fsync="never") as w:
+        w.observe(w.site("a", "activation", facet=""), 0, np.ones(2))
+        w.observe(w.site("a", "activation"), 0, np.ones(3))
+    assert [s["facet"] for s in json.loads(dumps(trainhist.open(p)))["sites"]] == [None, ""]

@@ -673,9 +673,11 @@ def test_a_writer_that_fails_to_open_leaves_the_file_and_its_lock_as_they_were(t
         w.observe(w.site("a", "activation"), 0, np.ones(3, np.float32))
     data = p.read_bytes()
     for mode in ("w", "a"):
-        with pytest.raises(TypeError):
-            trainhist.HistoryWriter(p, mode=mode, config={"x": object()}, settings={"y": object()})
-        assert p.read_bytes() == data, mode
+        for bad in (object(), float("nan"), float("-inf")):  # (no JSON form: refused with a typed error)
+            with pytest.raises(UsageError) as e:
+                trainhist.HistoryWriter(p, mode=mode, config={"x": bad}, settings={"y": bad})
+            assert e.value.code == "bad_manifest_value"
+            assert p.read_bytes() == data, mode
     with trainhist.HistoryWriter(p, mode="a") as again:
         again.observe(again.site("a", "activation"), 1, np.ones(3, np.float32))
     assert trainhist.open(p).spine("a", "activation").step.tolist() == [0, 1]

@@ -276,15 +276,18 @@ def parse_chunk(payload: bytes) -> tuple[dict, list[Col]]:
 
 
 def pack_chunk(meta: dict, cols: list[Col], *, override: dict[str, dict[int, Any]] | None = None,
-               col_pad: bytes = b"", trailing: bytes = b"") -> bytes:
+               col_pad: bytes = b"", trailing: bytes = b"", dir_extra: bytes = b"",
+               pack: Callable[[dict], bytes] | None = None) -> bytes:
     """A chunk payload laid out as spec 7.1; ``override`` replaces entry fields (by position) in the directory
-    only; ``col_pad`` replaces the first padding bytes after the first column whose block needs padding."""
+    only; ``col_pad`` replaces the first padding bytes after the first column whose block needs padding;
+    ``dir_extra`` is counted in the directory length after the map; ``pack`` replaces the MessagePack packer."""
     override = override or {}
+    pk = pack or (lambda d: msgpack.packb(d, use_bin_type=True))
     entries = [[c.name, c.dt, c.codec, 0, len(c.block), c.raw] for c in cols]
     packed = b""
     for _ in range(4):
         d = dict(meta, cols=entries)
-        packed = msgpack.packb(d, use_bin_type=True)
+        packed = pk(d) + dir_extra
         pos = 4 + len(packed) + pad8(4 + len(packed))
         for e, c in zip(entries, cols):
             e[3] = pos
@@ -293,7 +296,7 @@ def pack_chunk(meta: dict, cols: list[Col], *, override: dict[str, dict[int, Any
     for e in shown:
         for k, v in override.get(e[0], {}).items():
             e[k] = v(e[k]) if callable(v) else v
-    packed = msgpack.packb(dict(meta, cols=shown), use_bin_type=True)
+    packed = pk(dict(meta, cols=shown)) + dir_extra
     out = bytearray(struct.pack("<I", len(packed)) + packed)
     out += b"\0" * pad8(len(out))
     padded = False
@@ -305,6 +308,22 @@ def pack_chunk(meta: dict, cols: list[Col], *, override: dict[str, dict[int, Any
             padded = True
         out += pad
     return bytes(out + trailing)
+
+
+def pack_long_ints(obj: Any) -> bytes:
+    """MessagePack of a directory with every integer as a 9-byte int64 (0xd3): valid, but not the shortest form."""
+    if isinstance(obj, dict):
+        assert len(obj) < 16
+        return bytes([0x80 | len(obj)]) + b"".join(pack_long_ints(k) + pack_long_ints(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        head = bytes([0x90 | len(obj)]) if len(obj) < 16 else b"\xdc" + struct.pack(">H", len(obj))
+        return head + b"".join(pack_long_ints(v) for v in obj)
+    if isinstance(obj, str):
+        b = obj.encode()
+        assert len(b) < 32
+        return bytes([0xA0 | len(b)]) + b
+    assert isinstance(obj, int)
+    return b"\xd3" + struct.pack(">q", obj)
 
 
 def edit_chunk(rec: Rec, fn: Callable[[dict, list[Col]], tuple[dict, list[Col]] | None], **kw: Any) -> None:
@@ -729,7 +748,93 @@ def gen_valid(s: Suite) -> dict[str, bytes]:
     recs = parse(base["basic"])
     recs.append(commit())
     s.read(v, "empty_commit", "a commit with zero entries after the last one", ["4.3"], build(recs)[0])
+    gen_valid_edges(s, base)
     return base
+
+
+def gen_valid_edges(s: Suite, base: dict[str, bytes]) -> None:
+    """Files at the edges of what a reader accepts (spec 5.5, 7.2, 7.3, 9, 10)."""
+    v = "valid"
+    recs = parse(base["basic"])
+    for r in recs:
+        if r.type in (RecordType.OBS, RecordType.STEPS):
+            edit_chunk(r, lambda m, c: None, pack=pack_long_ints)
+    data = build(recs)[0]
+    s.read(v, "directory_long_ints", "chunk directories with every integer as a 9-byte int64: not the shortest "
+           "MessagePack form writers use, read all the same", ["7.2"], data)
+    assert same_content(data, base["basic"])
+    recs = parse(base["exact"])
+    for r in recs:
+        if r.type in (RecordType.OBS, RecordType.STEPS):
+            edit_chunk(r, lambda m, c: recode(c, 2))
+    s.read(v, "codec_shuffle_bytes", "the exact-sum file with every column shuffle-deflated: the `bytes` columns "
+           "sum_x and sumsq_x have item size 1", ["7.3", "7.5"], build(recs)[0])
+
+    def one_row(name: str, desc: str, spec: list[str], fn: Callable[[dict, list[Col]], Any], src: str = "nosketch",
+                rtype: int = RecordType.OBS, entry: Callable[[Rec], None] | None = None) -> None:
+        recs = parse(base[src])
+        r = first(recs, rtype)
+        edit_chunk(r, fn)
+        if entry is not None:
+            entry(r)
+        s.read(v, name, desc, spec, build(recs)[0])
+
+    nan = struct.pack("<Q", 0x7FF8000000000000)
+
+    def loose(m: dict, cs: list[Col]) -> None:
+        for name in ("count", "nan", "pinf", "ninf", "zero", "sumsq"):
+            col(cs, name).block = b"\0" * 8
+        col(cs, "sum").block = struct.pack("<d", -0.0)
+        col(cs, "min").block = struct.pack("<Q", 0xFFF0000000000001)
+        col(cs, "max").block = nan
+        col(cs, "presence").block = b"\x02"
+        col(cs, "method").block = b"\x07"
+
+    one_row("row_not_observed_loose", "an absent row with method 7, a negative signalling NaN as min and -0.0 as "
+            "sum: the rules of 5.5 refuse none of them", ["5.5", "2.6"], loose)
+
+    def no_finite(m: dict, cs: list[Col]) -> None:
+        col(cs, "nan").block = col(cs, "count").block
+        col(cs, "zero").block = b"\0" * 8
+        col(cs, "min").block = col(cs, "max").block = nan
+
+    one_row("row_no_finite_with_sums", "an observed row whose every element is NaN but whose sums are not zero: "
+            "accepted, sums shown as stored", ["5.5"], no_finite)
+    one_row("sketch_total_exceeds", "a sketch whose bands hold 1000 values, more than the row's finite - zero",
+            ["5.5", "7.5"], lambda m, cs: setattr(col(cs, "sk_up"), "block", struct.pack("<Q", 1000)), src="basic")
+    top = 2**63 - 1
+
+    def last_step(m: dict, cs: list[Col]) -> None:
+        col(cs, "step").block = struct.pack("<q", top)
+        col(cs, "span").block = struct.pack("<I", 5)
+
+    one_row("step_span_past_i64", "a row at the largest i64 step with span 5: its end passes the i64 range",
+            ["2.3", "5.5"], last_step, entry=lambda r: setattr(r, "lo", top) or setattr(r, "hi", top))
+    one_row("steps_loss_scale_nan", "a step-truth loss_scale holding a signalling NaN: unknown (null), as the "
+            "canonical NaN", ["2.7", "10"], lambda m, cs: setattr(col(cs, "loss_scale"), "block",
+                                                                  struct.pack("<Q", 0x7FF0000000000001)),
+            src="basic", rtype=RecordType.STEPS)
+
+    def with_manifest(kind: str, edit: Callable[[bytes], bytes]) -> bytes:
+        recs = parse(base["nosketch"])
+        r = first(recs, RecordType.MANIFEST, kind)
+        r.payload = edit(r.payload)
+        return build(recs)[0]
+
+    s.read(v, "manifest_duplicate_member", "a run manifest with `name` twice: the last value counts", ["9"],
+           with_manifest("run", lambda b: b.replace(b'"name":"vector"', b'"name":"first","name":"vector2"')))
+    s.read(v, "manifest_integral_float", "integers written as 1.0 and 1e0 (cadence, first_step): integers in "
+           "JSON Schema 2020-12, dumped as Python writes the numbers", ["9", "10"],
+           with_manifest("site", lambda b: b.replace(b'"spine":1', b'"spine":1.0').replace(b'"sketch":0',
+                                                                                            b'"sketch":0e0')))
+    s.read(v, "site_optional_absent", "a site manifest without shape, dtype and sample: null in the dump",
+           ["9", "10"], with_manifest("site", lambda b: manifest({k: x for k, x in json.loads(b).items()
+                                                                   if k not in ("shape", "dtype", "sample")})))
+    s.read(v, "facet_null_and_empty", "two sites of one path and stream, facet \"\" declared before facet null: "
+           "the dump puts null first", ["10", "2.2"],
+           write_ops(ops_doc([site("a", facet="", cadence={"spine": 1, "sketch": 0}),
+                              site("a", cadence={"spine": 1, "sketch": 0}), obs(0, 0, [1.0], sketch=False),
+                              obs(1, 0, [2.0], sketch=False), COMMIT])))
 
 
 def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
@@ -826,6 +931,17 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
            with_manifest("site", b'{"kind":"site",'), error="bad_manifest_json")
     s.read(c, "bad_manifest_utf8", "a committed manifest that is not UTF-8", ["9"],
            with_manifest("run", b'{"kind":"run","name":"\xff\xfe"}'), error="bad_manifest_json")
+    run_doc = json.loads(first(parse(basic), RecordType.MANIFEST, "run").payload)
+    s.read(c, "manifest_bom", "a run manifest that starts with a UTF-8 byte order mark", ["9"],
+           with_manifest("run", b"\xef\xbb\xbf" + manifest(run_doc)), error="bad_manifest_json")
+    s.read(c, "manifest_nan", "a run manifest whose config holds the bare word NaN (not JSON)", ["9"],
+           with_manifest("run", manifest(dict(run_doc, config={"lr": 0.5})).replace(b'"lr":0.5', b'"lr":NaN')),
+           error="bad_manifest_json")
+    s.read(c, "manifest_not_object", "a committed manifest that is the JSON array [1]", ["9"],
+           with_manifest("run", b"[1]"), error="unknown_manifest_kind")
+    s.read(c, "manifest_no_kind", "a manifest object without `kind`", ["9"],
+           with_manifest("run", manifest({k: v for k, v in run_doc.items() if k != "kind"})),
+           error="unknown_manifest_kind")
     site_doc = json.loads(first(parse(basic), RecordType.MANIFEST, "site").payload)
     s.read(c, "bad_manifest_schema", "a site manifest whose stream is not in the registry", ["9", "2.2"],
            with_manifest("site", manifest(dict(site_doc, stream="weights"))), error="bad_manifest")
@@ -935,8 +1051,16 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
                record=True)
     chunk_case("too_many_columns", "a chunk declaring 65 columns", ["12"], "too_many_columns",
                lambda m, cs: (m, cs + [Col(f"x-{k}", "u1", 0, b"\0", 1) for k in range(65 - len(cs))]))
-    chunk_case("unknown_dtype", "a column of dtype f4 (not in the registry)", ["7.2", "7.4"], "unknown_dtype",
+    chunk_case("unknown_dtype", "an ignorable `x-` column (`x-f`) of dtype f4 (not in the registry): dtype and "
+               "codec are checked whatever the name", ["7.2", "7.4"], "unknown_dtype",
                add_col("x-f", "f4", b"\0\0\0\0"))
+    chunk_case("x_column_unknown_codec", "an ignorable `x-` column with codec 9: refused like any column",
+               ["7.3", "7.4"], "unknown_codec", lambda m, cs: cs.append(Col("x-c", "u1", 9, b"\x01", 1)))
+    chunk_case("x_column_codec_mismatch", "an ignorable `x-` f8 column stored by frame of reference (integer "
+               "dtypes only)", ["7.3", "7.4"], "bad_column_data",
+               lambda m, cs: cs.append(Col("x-c", "f8", 3, struct.pack("<Q", 0), 8)))
+    chunk_case("negative_codec", "a column with codec -1", ["7.3"], "unknown_codec",
+               lambda m, cs: setattr(col(cs, "count"), "codec", -1))
     chunk_case("unknown_codec", "a column with codec 6", ["7.3", "7.4"], "unknown_codec",
                lambda m, cs: setattr(col(cs, "count"), "codec", 6))
 
@@ -1046,6 +1170,60 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
 
     chunk_case("chunk_steps_disagree", "the chunk's step is 1; its commit entry says 0..0", ["4.3", "7.5"],
                "bad_chunk", step_off)
+    chunk_case("steps_chunk_steps_disagree", "a steps chunk whose step is 0; its commit entry says 3..3",
+               ["4.3", "7.2"], "bad_chunk", lambda r: setattr(r, "lo", 3) or setattr(r, "hi", 3),
+               rtype=RecordType.STEPS, record=True)
+    chunk_case("steps_entry_empty", "a steps commit entry with 0 rows (its chunk has 1): checked against the "
+               "chunk, not by the commit", ["4.3", "7.2"], "bad_chunk", lambda r: setattr(r, "rows", 0),
+               rtype=RecordType.STEPS, record=True)
+
+    def no_rows(r: Rec) -> None:
+        r.rows = 0
+        edit_chunk(r, lambda m, cs: (dict(m, rows=0), [replace(x, block=b"", raw=0) for x in cs]))
+
+    chunk_case("steps_rows_zero", "a steps chunk declaring 0 rows (its commit entry agrees, its columns are empty)",
+               ["7.2", "12"], "too_many_rows", no_rows, rtype=RecordType.STEPS, record=True)
+    chunk_case("steps_site_key", "a steps chunk directory with a `site` key", ["7.2", "7.6"], "bad_chunk",
+               lambda m, cs: (dict(m, site=0), cs), rtype=RecordType.STEPS)
+    chunk_case("missing_scale", "an obs chunk with sketch columns but no `scale` in its directory", ["7.2", "7.5"],
+               "bad_scale", lambda m, cs: ({k: v for k, v in m.items() if k != "scale"}, cs))
+
+    def dir_tail(r: Rec) -> None:  # the directory length L counts one byte (nil) after the map
+        meta, cols = parse_chunk(r.payload)
+        r.payload = pack_chunk(meta, cols, dir_extra=b"\xc0")
+
+    chunk_case("directory_trailing_bytes", "the directory length counts one byte after the MessagePack map",
+               ["7.2"], "bad_chunk", dir_tail, record=True)
+
+    def not_itemsize(m: dict, cs: list[Col]) -> None:
+        x = col(cs, "count")
+        x.block += b"\0\0\0"
+        x.raw += 3
+
+    chunk_case("column_raw_not_itemsize", "the u8 `count` column declares 11 raw bytes (not a multiple of 8)",
+               ["7.4"], "bad_chunk", not_itemsize)
+
+    def short_exact(m: dict, cs: list[Col]) -> None:
+        n, b = col(cs, "sum_xn"), col(cs, "sum_x")
+        lens = np.frombuffer(n.block, "<u4").copy()
+        b.block = b.block[:3] + b.block[int(lens[0]) :]
+        b.raw = len(b.block)
+        lens[0] = 3
+        n.block = lens.tobytes()
+
+    chunk_case("exact_too_short", "an exact sum entry of 3 bytes (shorter than the 4-byte exponent and one byte)",
+               ["5.3", "7.5"], "bad_exact_value", short_exact, src="exact")
+
+    def tally_zero(m: dict, cs: list[Col]) -> None:
+        cs.extend(Col(f"n_{p}", "u8", 0, b"\0" * 8, 8)
+                  for p in ("unknown", "observed", "absent", "not_scheduled", "failed", "skipped"))
+
+    chunk_case("tally_all_zero", "a row whose six tally columns are all 0 (no state for its presence)",
+               ["11.4", "5.5"], "bad_tally", tally_zero)
+    recs = parse(basic)
+    recs.insert(next(k for k, r in enumerate(recs) if r.type == RecordType.OBS), Rec(0, b"type zero", flags=0))
+    s.read(c, "record_type_zero", "a committed record of type 0 (reserved) without the ignorable flag", ["4.2"],
+           build(recs)[0], error="unknown_record_type")
 
 
 def gen_truncated(s: Suite, base: dict[str, bytes]) -> None:
@@ -1100,6 +1278,17 @@ def gen_forward(s: Suite, base: dict[str, bytes]) -> None:
     s.read(fc, "unknown_x_columns", "an obs chunk with an extra column `x-future` in the middle and a steps chunk "
            "with an extra last column `x-note`: ignored, same canonical JSON as valid/basic", ["7.4"], data)
     assert same_content(data, basic)
+    recs = parse(basic)
+    edit_chunk(first(recs, RecordType.OBS), lambda m, cs: (dict(m, **{"x-future": [1, 2]}), cs))
+    edit_chunk(first(recs, RecordType.STEPS), lambda m, cs: (dict(m, note="newer"), cs))
+    data = build(recs)[0]
+    s.read(fc, "unknown_directory_keys", "chunk directories with keys a version 1 reader does not know: ignored, "
+           "same canonical JSON as valid/basic", ["7.2"], data)
+    assert same_content(data, basic)
+    recs = parse(basic)
+    recs.insert(next(k for k, r in enumerate(recs) if r.type == RecordType.OBS), Rec(0, b"type zero", flags=1))
+    s.read(fc, "ignorable_record_type_zero", "a committed record of the reserved type 0 with the ignorable flag: "
+           "skipped", ["4.2"], build(recs)[0])
 
 
 def gen_writer(s: Suite) -> None:

@@ -497,9 +497,11 @@ def decode_chunk(
             )
         if codec == Codec.RAW and slen != rlen:
             raise _bad(f"raw column {name!r} stores {slen} bytes but declares {rlen}", path, offset)
-        if rlen % DTYPES[dt].itemsize or rlen > 64 * MAX_ROWS * 8:
+        if rlen > 64 * MAX_ROWS * 8:
             raise LimitError(f"column {name!r} declares {rlen} raw bytes", code="column_too_large", path=path,
                              offset=offset)
+        if rlen % DTYPES[dt].itemsize:
+            raise _bad(f"column {name!r} declares {rlen} raw bytes, not a multiple of the {dt} item size", path, offset)
         if name not in variable and rlen != rows * DTYPES[dt].itemsize:
             raise _bad(f"column {name!r} declares {rlen} bytes for {rows} rows of {dt}", path, offset)
         if name in known:

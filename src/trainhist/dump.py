@@ -87,7 +87,7 @@ def _rows(h: History, site: Any) -> list[dict]:
 def canonical(h: History) -> dict:
     """The canonical JSON object of everything committed in ``h``."""
     sites = []
-    for site in sorted(h.sites, key=lambda s: (s.path, s.stream, s.facet or "")):
+    for site in sorted(h.sites, key=lambda s: (s.path, s.stream, s.facet is not None, s.facet or "")):
         sites.append({
             "path": site.path, "stream": site.stream, "facet": site.facet,
             "shape": None if site.shape is None else list(site.shape), "dtype": site.dtype,

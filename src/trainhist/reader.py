@@ -474,6 +474,11 @@ def _bad(msg: str, code: str, path: str, offset: int) -> CorruptError:
     return CorruptError(msg, code=code, path=path, offset=offset)
 
 
+
+def _no_constant(name: str) -> None:
+    """``json.loads``'s hook for ``NaN`` and ``Infinity``, which Python accepts and RFC 8259 does not (spec 9)."""
+    raise ValueError(f"{name} is not JSON (RFC 8259)")
+
 class History:
     """A trainhist file opened for reading (committed content only). Use :func:`trainhist.open`."""
 
@@ -629,8 +634,8 @@ class History:
     def _apply_manifest(self, e: _Entry) -> None:
         raw = bytes(self._view[e.offset + RECORD_HEADER_SIZE : e.offset + RECORD_HEADER_SIZE + e.length])
         try:
-            doc = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+            doc = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as err:
             raise _bad(f"manifest is not UTF-8 JSON ({err})", "bad_manifest_json", self.path, e.offset) from None
         validate_manifest(doc, path=self.path, offset=e.offset, raw=raw)
         kind = doc["kind"]
@@ -1010,6 +1015,9 @@ class History:
                 ch = self.chunk(e)
                 cols = {name: ch.column(name, e.rows) for name in STEPS_COLUMNS}
                 cols["span"] = ch.column("span", e.rows) if ch.has("span") else np.ones(e.rows, np.uint32)
+                if int(cols["step"].min()) != e.step_min or int(cols["step"].max()) != e.step_max:
+                    raise _bad("steps chunk steps disagree with the commit entry's step range (spec 7.2)",
+                               "bad_chunk", self.path, e.offset)
                 if (cols["span"] == 0).any():
                     raise _bad("steps row with span 0", "bad_span", self.path, e.offset)
                 cols["segment"] = np.full(e.rows, e.segment, np.uint32)

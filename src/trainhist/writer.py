@@ -332,7 +332,13 @@ def encode_obs_chunks(chunks: list[tuple[list[tuple], int, int]], codec: int,
 def _encode_manifest(doc: dict) -> bytes:
     """A manifest's payload (spec 9: sorted keys, no white space), after checking it against its schema."""
     validate_manifest(doc)
-    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    try:
+        text = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as e:  # (an object JSON has no form for; a float NaN or infinity)
+        raise UsageError(f"the {doc.get('kind')} manifest holds a value JSON cannot hold (spec 9: {e}): give "
+                         "numbers, strings, booleans, null, lists and string-keyed objects; NaN and infinities as "
+                         "strings (config={'lr': 'nan'})", code="bad_manifest_value") from None
+    return text.encode()
 
 
 def _unlock(f) -> None:  # (f: BinaryIO)
