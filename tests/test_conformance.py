@@ -116,6 +116,48 @@ def test_strict_grading_checks_codes_bytes_and_text(tmp_path: Path) -> None:
     assert "byte-identical" in conf.run_case(cases["writer/basic"], cmd, strict=True).detail
 
 
+WRONG_OFFSET = """
+    import re, subprocess, sys
+    p = subprocess.run([sys.executable, "-m", "trainhist.conformance_impl", *sys.argv[1:]], capture_output=True)
+    sys.stdout.buffer.write(p.stdout)
+    err = p.stderr.decode()
+    if MODE == "shift":                               # the right code, the offset of the record's payload
+        err = re.sub(r"offset ([0-9]+)", lambda m: f"offset {int(m.group(1)) + 32}", err, count=1)
+    else:                                             # the right code, no offset at all
+        err = re.sub(r", offset [0-9]+", "", err)
+    sys.stderr.write(err)
+    sys.exit(p.returncode)
+"""
+
+
+@pytest.mark.parametrize("mode", ["shift", "none"])
+def test_strict_grading_checks_the_offset_of_an_error(tmp_path: Path, mode: str) -> None:
+    impl = tmp_path / "where.py"
+    impl.write_text(f"MODE = {mode!r}\n" + textwrap.dedent(WRONG_OFFSET))
+    cmd = [sys.executable, str(impl)]
+    cases = {c.id: c for c in conf.load_cases(VECTORS)}
+    for cid in ("invalid/bad_magic", "invalid/bad_commit_site", "invalid/bad_manifest_schema", "invalid/mixed_scale",
+                "forward-compat/unknown_required_record"):
+        want = cases[cid].doc["expect"]["offset"]
+        assert conf.run_case(cases[cid], conf.default_impl(), strict=True).detail.endswith(f" offset {want}"), cid
+        assert conf.run_case(cases[cid], cmd).status == "pass", cid  # lenient grading: the exit code only
+        r = conf.run_case(cases[cid], cmd, strict=True)
+        got = want + 32 if mode == "shift" else None
+        assert r.status == "fail" and f"at offset {got}, expected offset {want}" in r.detail, (cid, r.detail)
+    assert conf.run_case(cases["valid/basic"], cmd, strict=True).status == "pass"
+
+
+def test_every_refused_read_states_the_offset_of_spec_8() -> None:
+    cases = conf.load_cases(VECTORS)
+    refused = [c for c in cases if c.doc["command"] == "read" and c.doc["expect"]["exit"] == 1]
+    assert len(refused) >= 97 and all(isinstance(c.doc["expect"].get("offset"), int) for c in refused)
+    assert not any("offset" in c.doc["expect"] for c in cases if c not in refused)
+    header = {"bad_magic", "bad_file_header_crc", "unsupported_read_version", "unsupported_feature"}
+    for c in refused:  # 0 for the file header, else a record's header: past the file header, 8-aligned
+        off = c.doc["expect"]["offset"]
+        assert off == 0 if c.doc["expect"]["error"] in header else off >= 32 and off % 8 == 0, (c.id, off)
+
+
 def test_read_failure_message_names_the_difference(tmp_path: Path) -> None:
     impl = tmp_path / "off.py"
     impl.write_text(textwrap.dedent("""
@@ -142,6 +184,11 @@ def test_reference_impl_exit_codes(tmp_path: Path) -> None:
 def test_helpers() -> None:
     assert conf.error_code("trainhist: error [bad_commit] f, offset 3: x [other]") == "bad_commit"
     assert conf.error_code("no code here") is None
+    assert conf.error_offset("error: [bad_commit] /v/f.thist, offset 1064: entry names offset 8") == 1064
+    assert conf.error_offset("offset 3 [bad_chunk] at offset 856") == 856  # the first after the code
+    assert conf.error_offset("error: [bad_chunk] /offset 7/f.thist, offset 856: x", "/offset 7/f.thist") == 856
+    assert conf.error_offset("error: [bad_chunk] /offset 7/f.thist: x", "/offset 7/f.thist") is None
+    assert conf.error_offset("error: [bad_chunk] offsets 12") is None
     assert conf.json_equal({"a": [1, 2.0]}, {"a": [1.0, 2]})
     assert not conf.json_equal(True, 1) and not conf.json_equal(0, None) and not conf.json_equal(0, False)
     assert not conf.json_equal({"a": 1}, {"a": 1, "b": None})

@@ -671,3 +671,46 @@ def test_the_dump_puts_a_null_facet_before_an_empty_one(tmp_path):
         w.observe(w.site("a", "activation", facet=""), 0, np.ones(2))
         w.observe(w.site("a", "activation"), 0, np.ones(3))
     assert [s["facet"] for s in json.loads(dumps(trainhist.open(p)))["sites"]] == [None, ""]
+
+
+def test_errors_of_the_file_header_name_offset_0(tmp_path):
+    """Spec 8, Offsets: an error of the file header names offset 0, whichever field fails (the reader named the
+    field's offset, 8 or 12, for a newer read version and an unknown required feature)."""
+    from dataclasses import replace
+
+    from trainhist.framing import FileHeader
+
+    good = _base(tmp_path / "h.thist")
+    h = FileHeader.unpack(good[:32])
+    for code, fields in (("unsupported_read_version", dict(read_version=2, write_version=2)),
+                         ("unsupported_feature", dict(required_features=1))):
+        p = tmp_path / f"{code}.thist"
+        p.write_bytes(replace(h, **fields).pack() + good[32:])
+        with pytest.raises(TrainhistError) as e:
+            trainhist.open(p)
+        assert (e.value.code, e.value.offset) == (code, 0), e.value
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_mixed_scales_name_the_first_chunk_that_disagrees_with_the_first(tmp_path, which):
+    """Spec 8, Offsets: `mixed_scale` names the first of a site's chunks, in file order, whose scale differs from
+    the first chunk's: the second chunk when the first or the second is the odd one, else the third."""
+    p = tmp_path / "m.thist"
+    with trainhist.HistoryWriter(p, codec="raw", fsync="never") as w:
+        a = w.site("a", "activation")
+        for step in range(3):  # bins inside the window at scale 1 as at scale 2
+            w.observe(a, step, np.array([2.0**-40, -(2.0**-40), 3 * 2.0**-40]))
+            w.commit()
+    data = bytearray(p.read_bytes())
+    pos, payload, _ = obs_payload(bytes(data), which)
+    (mlen,) = struct.unpack_from("<I", payload)
+    i = payload.index(b"\xa5scale\x02", 4, 4 + mlen)
+    payload[i + 6] = 1
+    rewrite(data, pos, bytes(payload))
+    p.write_bytes(bytes(data))
+    want = records(bytes(data), RecordType.OBS)[max(which, 1)]
+    for fn in (lambda: trainhist.open(p).verify(), lambda: trainhist.open(p).sketch("a", "activation"),
+               lambda: dumps(trainhist.open(p))):
+        with pytest.raises(TrainhistError) as e:
+            fn()
+        assert (e.value.code, e.value.offset) == ("mixed_scale", want), e.value

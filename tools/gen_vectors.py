@@ -8,7 +8,8 @@ Everything is fixed: salts, run and writer ids, timestamps, pids, and the deflat
 deterministic encoder below, not by the zlib library, whose output differs between versions). Valid files are
 written by the reference writer from writer-ops documents (the same input `IMPL write` takes); invalid, truncated
 and forward-compat files are hand-built from them record by record. Every case's expectation is cross-checked
-against the reference reader while generating, so a vector that does not test what it says fails here.
+against the reference reader while generating, so a vector that does not test what it says fails here, and the
+offset of every refused read against the rule of spec 8 ("Offsets": :func:`check_offset_rule`).
 """
 
 from __future__ import annotations
@@ -367,6 +368,52 @@ def outcome(data: bytes) -> tuple[int, str]:
             return 1, e.code
 
 
+def refusal(data: bytes) -> tuple[str, int | None]:
+    """(code, offset) of the reference reader's error on ``data``, which it must refuse."""
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "f.thist"
+        p.write_bytes(data)
+        try:
+            with open_history(p) as h:
+                h.verify()
+        except TrainhistError as e:
+            return e.code, e.offset
+    raise AssertionError("the reference reader accepts the file")
+
+
+#: the classes of errors of spec 8 ("Offsets") other than those of the file header, and the record types each names
+FILE_HEADER_ERRORS = frozenset({"bad_magic", "bad_file_header_crc", "unsupported_read_version", "unsupported_feature"})
+FRAMING_ERRORS = frozenset({"bad_record_header", "salt_mismatch", "bad_record_flags", "record_too_large",
+                            "bad_sequence", "bad_payload_crc", "bad_padding"})
+MANIFEST_ERRORS = frozenset({"bad_manifest_json", "unknown_manifest_kind", "bad_manifest", "bad_site_id",
+                             "duplicate_site", "duplicate_segment"})
+
+
+def check_offset_rule(data: bytes, code: str, offset: int | None) -> None:
+    """Assert that ``offset`` is the one spec 8 ("Offsets") names for an error ``code`` in ``data``: 0 for the file
+    header; else the start of a record header (found by walking the lengths from byte 32) of the right type."""
+    assert offset is not None, f"[{code}] names no offset"
+    if code in FILE_HEADER_ERRORS:
+        assert offset == 0, f"[{code}] at {offset}: file header errors name offset 0"
+        return
+    pos = FILE_HEADER_SIZE
+    while pos < offset and pos + 32 <= len(data):
+        (length,) = struct.unpack_from("<I", data, pos + 4)
+        pos += 32 + length + pad8(length)
+    assert pos == offset, f"[{code}] at {offset}: not the start of a record header"
+    if code in FRAMING_ERRORS:
+        return
+    (rtype,) = struct.unpack_from("<H", data, offset)
+    if code == "bad_commit":
+        assert rtype == RecordType.COMMIT, f"[{code}] at {offset} names a record of type {rtype}, not the commit"
+    elif code in MANIFEST_ERRORS:
+        assert rtype == RecordType.MANIFEST, f"[{code}] at {offset} names a record of type {rtype}, not a manifest"
+    elif code == "unknown_record_type":
+        assert rtype not in RecordType.NAMES, f"[{code}] at {offset} names a record of known type {rtype}"
+    else:  # every other code of a read is a chunk's
+        assert rtype in (RecordType.OBS, RecordType.STEPS), f"[{code}] at {offset}: type {rtype} is no chunk"
+
+
 def same_content(a: bytes, b: bytes) -> bool:
     """True when two files have the same canonical JSON apart from their sizes (recovery)."""
     da, db = json.loads(outcome(a)[1]), json.loads(outcome(b)[1])
@@ -547,7 +594,9 @@ class Suite:
         rc, res = outcome(data)
         if error is not None:
             assert (rc, res) == (1, error), f"{category}/{name}: expected [{error}], reference gives {rc} {res[:200]}"
-            expect: dict[str, Any] = {"exit": 1, "error": error}
+            code, offset = refusal(data)
+            check_offset_rule(data, code, offset)
+            expect: dict[str, Any] = {"exit": 1, "error": error, "offset": offset}
             files = {"input.thist": data}
         else:
             want = exit if exit is not None else {"truncated": 3}.get(category, 0)
@@ -1187,6 +1236,12 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
                lambda m, cs: (dict(m, site=0), cs), rtype=RecordType.STEPS)
     chunk_case("missing_scale", "an obs chunk with sketch columns but no `scale` in its directory", ["7.2", "7.5"],
                "bad_scale", lambda m, cs: ({k: v for k, v in m.items() if k != "scale"}, cs))
+    tiny = [2.0**-40, -(2.0**-40), 3 * 2.0**-40]  # bins that lie inside the window at scale 1 as at scale 2
+    recs = parse(write_ops(ops_doc([site("fc"), obs(0, 0, tiny), {"op": "commit"}, obs(0, 1, tiny),
+                                    {"op": "commit"}, obs(0, 2, tiny)])))
+    edit_chunk([r for r in recs if r.type == RecordType.OBS][1], lambda m, cs: (dict(m, scale=1), cs))
+    s.read(c, "mixed_scale", "the second of three obs chunks of one site at scale 1, the others at 2: the error "
+           "names the second", ["7.5", "8"], build(recs)[0], error="mixed_scale")
 
     def dir_tail(r: Rec) -> None:  # the directory length L counts one byte (nil) after the map
         meta, cols = parse_chunk(r.payload)

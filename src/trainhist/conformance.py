@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["CATEGORIES", "OPTIONAL", "Case", "Result", "load_cases", "run_case", "run_suite", "main",
-           "default_impl", "default_vectors", "error_code", "json_equal"]
+           "default_impl", "default_vectors", "error_code", "error_offset", "json_equal"]
 
 CATEGORIES = ("valid", "invalid", "truncated", "forward-compat", "writer", "merge", "coarsen")
 OPTIONAL = frozenset({"writer", "merge", "coarsen"})
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_TORN, EXIT_UNSUPPORTED = 0, 1, 2, 3, 4
 _CODE = re.compile(r"\[([A-Za-z0-9_.-]+)\]")
+_OFFSET = re.compile(r"\boffset ([0-9]+)\b")
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,16 @@ def error_code(stderr: str) -> str | None:
     """The first ``[code]`` token of an implementation's stderr."""
     m = _CODE.search(stderr)
     return m.group(1) if m else None
+
+
+def error_offset(stderr: str, path: str | None = None) -> int | None:
+    """The offset an implementation's stderr names: the first ``offset N`` after its first ``[code]`` token (or
+    anywhere, without one), once every occurrence of ``path`` (the input file's) is removed."""
+    if path:
+        stderr = stderr.replace(path, "")
+    m = _CODE.search(stderr)
+    o = _OFFSET.search(stderr, m.end() if m else 0)
+    return int(o.group(1)) if o else None
 
 
 def json_equal(a: Any, b: Any) -> bool:
@@ -234,9 +245,14 @@ def run_case(case: Case, impl: list[str], *, strict: bool = False, timeout: floa
             return Result(case, "fail", f"exit {rc}, expected {want}" + (f" ({last})" if last else ""))
         if want == EXIT_INVALID:
             code = error_code(stderr)
+            where = error_offset(stderr, argv[1]) if cmd == "read" else None
             if strict and code != exp["error"]:
                 return Result(case, "fail", f"error code {code!r}, expected {exp['error']!r}")
-            return Result(case, "pass", f"[{code}]" if code else "")
+            if strict and "offset" in exp and where != exp["offset"]:
+                return Result(case, "fail", f"[{code}] at offset {where}, expected offset {exp['offset']}"
+                              + (" (no `offset N` on stderr)" if where is None else ""))
+            said = ([f"[{code}]"] if code else []) + ([f"offset {where}"] if where is not None else [])
+            return Result(case, "pass", " ".join(said))
         if cmd == "read":
             why = _compare_dump(stdout, case, strict)
             return Result(case, "fail" if why else "pass", why or "")

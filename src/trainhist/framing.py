@@ -106,12 +106,12 @@ class FileHeader:
         if rv > READ_VERSION:
             raise UnsupportedError(
                 f"file needs read version {rv}, this reader supports up to {READ_VERSION}: upgrade trainhist",
-                code="unsupported_read_version", path=path, offset=8,
+                code="unsupported_read_version", path=path, offset=0,
             )
         if req & ~KNOWN_REQUIRED_FEATURES:
             raise UnsupportedError(
                 f"file uses required features 0x{req:08x} unknown to this reader: upgrade trainhist",
-                code="unsupported_feature", path=path, offset=12,
+                code="unsupported_feature", path=path, offset=0,
             )
         return FileHeader(rv, wv, req, opt, salt)
 
