@@ -386,7 +386,7 @@ FILE_HEADER_ERRORS = frozenset({"bad_magic", "bad_file_header_crc", "unsupported
 FRAMING_ERRORS = frozenset({"bad_record_header", "salt_mismatch", "bad_record_flags", "record_too_large",
                             "bad_sequence", "bad_payload_crc", "bad_padding"})
 MANIFEST_ERRORS = frozenset({"bad_manifest_json", "unknown_manifest_kind", "bad_manifest", "bad_site_id",
-                             "duplicate_site", "duplicate_segment"})
+                             "duplicate_site", "duplicate_segment", "bad_segment_order"})
 
 
 def check_offset_rule(data: bytes, code: str, offset: int | None) -> None:
@@ -1012,6 +1012,18 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
     recs.insert(recs.index(seg) + 1, Rec(RecordType.MANIFEST, seg.payload))
     s.read(c, "duplicate_segment", "segment 0 declared twice", ["9", "2.4"], build(recs)[0],
            error="duplicate_segment")
+    seg_doc = json.loads(seg.payload)
+    for name, desc, doc in (
+            ("segment_id_decreasing", "segment 3, then segment 2 declared after it", [dict(seg_doc, id=3),
+                                                                                         dict(seg_doc, id=2)]),
+            ("segment_previous_unknown", "a segment whose previous names a segment the file has not declared",
+             [dict(seg_doc, id=1, reason="resume", previous=5)])):
+        recs = parse(basic)
+        seg = first(recs, RecordType.MANIFEST, "segment")
+        at = recs.index(seg) + 1
+        for k, d in enumerate(doc):
+            recs.insert(at + k, Rec(RecordType.MANIFEST, manifest(d)))
+        s.read(c, name, desc, ["9", "2.4"], build(recs)[0], error="bad_segment_order")
 
     # chunk-level damage (each chunk re-framed with valid CRCs and commit entries)
     def chunk_case(name: str, desc: str, spec: list[str], error: str, fn: Callable, src: str = "basic",

@@ -660,6 +660,13 @@ class History:
         elif kind == "segment":
             if any(g.id == doc["id"] for g in self.segments):
                 raise _bad(f"segment {doc['id']} declared twice", "duplicate_segment", self.path, e.offset)
+            if self.segments and doc["id"] < max(g.id for g in self.segments):
+                raise _bad(f"segment {doc['id']} declared after segment {max(g.id for g in self.segments)}: a new "
+                           "segment's id is greater than every id the file has (spec 2.4)", "bad_segment_order",
+                           self.path, e.offset)
+            if doc["previous"] is not None and not any(g.id == doc["previous"] for g in self.segments):
+                raise _bad(f"segment {doc['id']} continues segment {doc['previous']}, which the file has not "
+                           "declared before it (spec 2.4)", "bad_segment_order", self.path, e.offset)
             self.segments.append(Segment(doc["id"], doc["first_step"], doc["reason"], doc["previous"],
                                          doc["writer_id"], doc))
 
