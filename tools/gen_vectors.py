@@ -354,8 +354,8 @@ def recode(cols: list[Col], codec: int, *, stored: bool = False, only: set[str] 
 
 
 # -- the reference outcome of a file -----------------------------------------------------------------------------
-def outcome(data: bytes) -> tuple[int, str]:
-    """(exit, canonical JSON or error code) of the reference reader on ``data``."""
+def _reference(data: bytes) -> tuple[int, str, int | None]:
+    """(exit, canonical JSON or error code, the error's offset) of the reference reader on ``data``."""
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "f.thist"
         p.write_bytes(data)
@@ -363,22 +363,22 @@ def outcome(data: bytes) -> tuple[int, str]:
             with open_history(p) as h:
                 h.verify()
                 text = dumps(h)
-                return (3 if h.recovery.status == "torn" else 0), text
+                return (3 if h.recovery.status == "torn" else 0), text, None
         except TrainhistError as e:
-            return 1, e.code
+            return 1, e.code, e.offset
+
+
+def outcome(data: bytes) -> tuple[int, str]:
+    """(exit, canonical JSON or error code) of the reference reader on ``data``."""
+    return _reference(data)[:2]
 
 
 def refusal(data: bytes) -> tuple[str, int | None]:
     """(code, offset) of the reference reader's error on ``data``, which it must refuse."""
-    with tempfile.TemporaryDirectory() as d:
-        p = Path(d) / "f.thist"
-        p.write_bytes(data)
-        try:
-            with open_history(p) as h:
-                h.verify()
-        except TrainhistError as e:
-            return e.code, e.offset
-    raise AssertionError("the reference reader accepts the file")
+    status, code, offset = _reference(data)
+    if status != 1:
+        raise AssertionError("the reference reader accepts the file")
+    return code, offset
 
 
 #: the classes of errors of spec 8 ("Offsets") other than those of the file header, and the record types each names
