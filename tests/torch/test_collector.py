@@ -1924,3 +1924,37 @@ def test_several_late_modules_keep_the_order_they_ran_in(tmp_path):
     col.close()
     order = {s.path: s.order for s in trainhist.open(tmp_path / "r.thist").sites if s.stream == "activation"}
     assert order["mods.x"] < order["mods.y"] < order["mods.a"] < order["mods.z"] < order["mods.x2"] < order["mods.b"]
+
+
+def test_fsdp1_clip_is_patched_on_the_class_during_a_step_only(tmp_path):
+    """FSDP1's own clip_grad_norm_ is wrapped on its class while a step runs, not on the instance: the model can be
+    deep-copied inside the step (a wrapper stored on the instance held the collector, which cannot be copied),
+    another model's unit calls the original, and the class has its own method again after the step."""
+    import copy
+
+    class FullyShardedDataParallel(torch.nn.Module):  # (a stand-in with FSDP1's name and clip signature)
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+        def clip_grad_norm_(self, max_norm, norm_type=2.0):
+            return torch.nn.utils.get_total_norm([p.grad for p in self.parameters()], norm_type)
+
+    original = FullyShardedDataParallel.clip_grad_norm_
+    model, other = FullyShardedDataParallel(torch.nn.Linear(3, 2)), FullyShardedDataParallel(torch.nn.Linear(3, 2))
+    col = Collector(model, tmp_path / "c.thist", mode="w").attach()
+    with col.step(0):
+        model(torch.ones(4, 3)).sum().backward()
+        other(torch.ones(4, 3)).sum().backward()
+        assert FullyShardedDataParallel.clip_grad_norm_ is not original
+        norm = model.clip_grad_norm_(1e9)
+        assert float(other.clip_grad_norm_(1e9)) > 0  # (not this collector's model: the original, unrecorded)
+        copy.deepcopy(model)
+    assert FullyShardedDataParallel.clip_grad_norm_ is original and "clip_grad_norm_" not in vars(model)
+    col.close()
+    h = trainhist.open(tmp_path / "c.thist")
+    assert float(h.spine("grad_norm", "scalar").max[0]) == float(norm)
+    assert h.spine("inner.weight", "param_grad", phase="pre_clip").columns["count"].tolist() == [6]

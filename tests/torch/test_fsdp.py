@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import trainhist
+from trainhist.model import Presence
 
 from torch_helpers import run_ranks
 
@@ -216,7 +217,7 @@ FSDP1 = textwrap.dedent("""
     from trainhist.torch import Collector
     dist.init_process_group("gloo")
     from torch.distributed.fsdp import ShardingStrategy
-    rank, orig = dist.get_rank(), sys.argv[3] in ("orig", "noshard", "clip", "hybrid")
+    rank, orig = dist.get_rank(), sys.argv[3] in ("orig", "noshard", "clip", "hybrid", "noopt")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(), torch.nn.Linear(12, 3))
     # (without device_id FSDP1 asks for an accelerator; on CPU it runs with device_id=cpu)
@@ -229,7 +230,9 @@ FSDP1 = textwrap.dedent("""
     model[0], model[2] = FSDP(model[0], **cpu), FSDP(model[2], **cpu)
     model = FSDP(model, **cpu)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    col = Collector(model, sys.argv[1], every=1, sketch_every=1, mode="w", delta_elements=5).attach(optimizer=opt)
+    noopt = sys.argv[3] == "noopt"  # (no optimizer attached: gradients read at step exit; cleared before the step)
+    col = Collector(model, sys.argv[1], every=1, sketch_every=1, mode="w", delta_elements=5).attach(
+        optimizer=None if noopt else opt)
     name = lambda n: ".".join(x for x in n.split(".") if x != "_fsdp_wrapped_module")  # noqa: E731
 
     def whole(grads=False):  # the unsharded flat values (collectives: the test's reference only)
@@ -250,13 +253,18 @@ FSDP1 = textwrap.dedent("""
     for step in range(3):
         ref["before"].append(whole())
         with col.step(step):
+            if noopt:
+                opt.zero_grad()
             out = model(torch.randn(5, 6, generator=g))
             out.square().mean().backward()
             ref["grads"].append(whole(grads=True))
             if sys.argv[3] == "clip" and step < 2:  # (FSDP1's own clip: it always clips at this threshold)
                 ref["clip_norm"].append(float(model.clip_grad_norm_(0.01)))
+            if noopt and step == 0:  # (a max-norm clip that does not clip: its norm is not a grad_norm)
+                model.clip_grad_norm_(1e9, norm_type=float("inf"))
             opt.step()
-            opt.zero_grad()
+            if not noopt:
+                opt.zero_grad()
         ref["params"].append(whole())
         ref["out"].append(out.detach().reshape(-1).tolist())
     col.close()
@@ -430,3 +438,22 @@ def test_fsdp1_hybrid_shard_copies_are_counted_once(tmp_path):
     for name, shape in shapes.items():
         assert (h.site(name, "param").sharing, h.site(name, "param").shape) == ("shard", shape)
     _check_fsdp1_whole(h, refs, list(shapes))
+
+
+def test_fsdp1_a_rank_without_part_of_a_parameter_records_an_empty_gradient(tmp_path):
+    """FSDP1 drops the gradient of a parameter a rank holds none of: read at step exit (no optimizer attached), that
+    rank recorded the site as 'unknown', so the merged row was unknown though the other rank observed all of it.
+    Such a rank now records an empty observation, and the merged rows are the whole gradients'. A max-norm clip
+    (FSDP1's own, norm_type=inf) is not recorded as the gradient norm."""
+    outs, shards, h, refs = _fsdp1_run(tmp_path, "noopt")
+    holders = [int(x.spine("0.bias", "param").columns["count"][0]) for x in shards]
+    assert sorted(holders) == [0, 12]  # (one rank holds none of 0.bias)
+    names = ["0.weight", "0.bias", "2.weight", "2.bias"]
+    for step in range(3):
+        for n in names:
+            v = np.array(refs[0]["grads"][step][n], dtype=np.float64)
+            gp = h.spine(n, "param_grad", phase="pre_clip" if step == 0 else "default")
+            (i,) = np.flatnonzero(gp.step == step)
+            assert gp.presence[i] == Presence.OBSERVED, (n, step)
+            assert (int(gp.columns["count"][i]), float(gp.min[i]), float(gp.max[i])) == (v.size, v.min(), v.max())
+    assert not any(s.path == "grad_norm" for s in h.sites)  # (the inf-norm clip's value is no 2-norm)

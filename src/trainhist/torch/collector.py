@@ -417,8 +417,9 @@ class Collector:
         # FSDP1 parameters that are this rank's run of a larger flat tensor: their whole shape and the run's start
         self._flat = fsdp_flat_layouts(model)
         self._unsharded = fsdp_unsharded(model)  # (FSDP1 NO_SHARD: whole on every rank)
-        # FSDP1 units: their own clip_grad_norm_ (which torch's does not run) is seen through the instance
-        self._fsdp1 = [m for m in model.modules() if type(m).__name__ == "FullyShardedDataParallel"]
+        # FSDP1 units: their own clip_grad_norm_ (which calls torch's only when no unit shards) is seen by patching
+        # their class during a step, as torch's is (an instance attribute would be copied with the model)
+        self._fsdp1 = {id(m): m for m in model.modules() if type(m).__name__ == "FullyShardedDataParallel"}
         first: dict[int, str] = {id(p): n for n, p in self._params.items()}  # shared parameters: recorded once,
         aliases = {clean_name(n): first[id(p)] for n, p in self.inner.named_parameters(remove_duplicate=False)
                    if clean_name(n) not in self._params and id(p) in first}  # under their first name
@@ -480,8 +481,9 @@ class Collector:
         self.first_nonfinite: tuple[int, str, str, str | None] | None = None
         if any(getattr(p, "_is_flat_param", False) for p in self._params.values()):
             self._warn_once("flat_param", "trainhist: FSDP with use_orig_params=False: the model's parameters are "
-                            "its units' flat parameters, recorded as '<unit>._flat_param' (this rank's run of the "
-                            "unit's parameters concatenated, padding included), not parameter by parameter; wrap "
+                            "its units' flat parameters, recorded as '<unit>._flat_param' (this rank's share of the "
+                            "unit's parameters concatenated and padded; the whole under NO_SHARD), not parameter by "
+                            "parameter; wrap "
                             "with use_orig_params=True for the parameters' own sites")
 
     # -- planning ------------------------------------------------------------------------------------------
@@ -851,8 +853,17 @@ class Collector:
             clip_mod._clip_grads_with_norm_ = partial(self._clip_with_norm, inner)
         else:  # (an older torch: the public name only)
             torch.nn.utils.clip_grad_norm_ = clip_mod.clip_grad_norm_ = partial(self._clip, orig_clip[0])
-        for m in self._fsdp1:  # (an instance attribute, removed at exit: the class's method again)
-            m.__dict__["clip_grad_norm_"] = partial(self._clip_fsdp1, m, m.clip_grad_norm_)
+        fsdp = type(next(iter(self._fsdp1.values()))) if self._fsdp1 else None
+        fsdp_clip = fsdp.__dict__.get("clip_grad_norm_") if fsdp is not None else None
+        if fsdp_clip is not None:
+            units = self._fsdp1
+
+            def clip_fsdp1(unit: torch.nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+                if id(unit) not in units:  # (another model's unit)
+                    return fsdp_clip(unit, max_norm, norm_type)
+                return self._clip_fsdp1(unit, partial(fsdp_clip, unit), max_norm, norm_type)
+
+            fsdp.clip_grad_norm_ = clip_fsdp1  # type: ignore[union-attr]
         try:
             yield self
         except BaseException:
@@ -862,8 +873,8 @@ class Collector:
             if inner is not None:
                 clip_mod._clip_grads_with_norm_ = inner
             torch.nn.utils.clip_grad_norm_, clip_mod.clip_grad_norm_ = orig_clip
-            for m in self._fsdp1:
-                m.__dict__.pop("clip_grad_norm_", None)
+            if fsdp_clip is not None:
+                fsdp.clip_grad_norm_ = fsdp_clip  # type: ignore[union-attr]
             if self._state is st:  # (close() inside the step has finished it already)
                 try:
                     with _no_flush():  # (the step's own reductions, decoding and writing: see _no_flush)
@@ -1243,7 +1254,10 @@ class Collector:
             if key in st.grad_done:
                 continue
             st.grad_done.add(key)
-            g = self._params[name].grad
+            p = self._params[name]
+            g = p.grad
+            if g is None and local_tensor(p).numel() == 0:  # (no part of it on this rank: FSDP1 drops its gradient)
+                g = local_tensor(p).detach()
             if g is not None:
                 items.append((key, g))
             elif cleared:
@@ -1290,7 +1304,12 @@ class Collector:
     def _clip_fsdp1(self, unit: torch.nn.Module, orig: Callable[..., torch.Tensor], max_norm: float,
                     norm_type: float = 2.0) -> torch.Tensor:
         """FSDP1's ``FullyShardedDataParallel.clip_grad_norm_``: the norm it returns is the whole model's (it
-        all-reduces the ranks' parts)."""
+        all-reduces the ranks' parts); one other than the 2-norm is not recorded as ``grad_norm``."""
+        if float(norm_type) != 2.0:
+            out: list[torch.Tensor] = []
+            self._around_clip(lambda ps: out.append(orig(max_norm, norm_type)), list(unit.parameters()), max_norm,
+                              math.nan)
+            return out[0]
         return self._around_clip(lambda ps: orig(max_norm, norm_type), list(unit.parameters()), max_norm, None,
                                  whole=True)
 
@@ -1347,7 +1366,8 @@ class Collector:
                 for name, v in (("grad_norm", n), ("grad_norm_post_clip", post)):
                     self._put_scalar(st, st.step, name, v)
                 st.norm_done = True
-        elif every and not st.norm_done:  # (the post-clip norm of this rank's part would need the global one)
+        elif every and not st.norm_done and not self._copies:  # (the post-clip norm of this rank's part would need
+            # the global one; a rank holding copies of other ranks' shards (HSDP) leaves the norm to its own parts)
             self._put_scalar(st, st.step, "grad_norm_local", norm.to(torch.float64))
             st.norm_done = True
 

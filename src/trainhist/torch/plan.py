@@ -180,10 +180,11 @@ def fsdp_flat_layouts(model: torch.nn.Module) -> dict[int, tuple[tuple[int, ...]
     """The parameters of FSDP1 (``FullyShardedDataParallel``) units that hold this rank's run of a larger flat
     tensor: ``id(parameter)`` -> (the whole tensor's shape, where this rank's run starts in its flattened elements).
 
-    With ``use_orig_params=True`` each of the user's parameters is, outside forward and backward, a 1-D view of the
-    run of its flattened elements this rank's shard holds (maybe none); with ``use_orig_params=False`` the
-    parameters are the units' flat parameters, each rank holding an equal run of the padded concatenation. Read
-    from FSDP's internals; a unit whose layout cannot be read is left out (its parameters sampled rank-locally)."""
+    With ``use_orig_params=True`` each of the user's parameters of a sharding unit is, outside forward and
+    backward, a 1-D view of the run of its flattened elements this rank's shard holds (maybe none); with
+    ``use_orig_params=False`` the parameters are the units' flat parameters, each rank holding an equal run of the
+    padded concatenation (NO_SHARD: whole views, the whole flat parameter). Read from FSDP's internals; a unit
+    whose layout cannot be read is left out (its parameters sampled rank-locally)."""
     out: dict[int, tuple[tuple[int, ...], int]] = {}
     for m in model.modules():
         if type(m).__name__ != "FullyShardedDataParallel":
@@ -209,9 +210,10 @@ def fsdp_unsharded(model: torch.nn.Module) -> set[int]:
     out: set[int] = set()
     for m in model.modules():
         h = getattr(m, "_handle", None) if type(m).__name__ == "FullyShardedDataParallel" else None
-        if h is not None and not getattr(h, "uses_sharded_strategy", True):
-            out.add(id(h.flat_param))
-            out.update(id(q) for q in getattr(h.flat_param, "_params", None) or ())
+        fp = getattr(h, "flat_param", None)  # (None: internals this code does not know; the unit is left out)
+        if fp is not None and not getattr(h, "uses_sharded_strategy", True):
+            out.add(id(fp))
+            out.update(id(q) for q in getattr(fp, "_params", None) or ())
     return out
 
 
@@ -232,8 +234,10 @@ def fsdp_later_copies(model: torch.nn.Module) -> set[int]:
                 continue
         except Exception:  # noqa: BLE001 -- a group we cannot read: record it
             continue
-        out.add(id(h.flat_param))
-        out.update(id(q) for q in getattr(h.flat_param, "_params", None) or ())
+        fp = getattr(h, "flat_param", None)
+        if fp is not None:
+            out.add(id(fp))
+            out.update(id(q) for q in getattr(fp, "_params", None) or ())
     return out
 
 
