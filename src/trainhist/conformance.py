@@ -296,7 +296,7 @@ def run_suite(impl: list[str], vectors: Path, *, strict: bool = False, pattern: 
 def main(impl: str | None, vectors: str | None, strict: bool, pattern: str | None = None,
          timeout: float = 120.0, jobs: int | None = None) -> int:
     """The ``trainhist conformance`` command: exit 0 when nothing failed, 1 otherwise, 2 on bad usage."""
-    vdir = Path(vectors) if vectors else default_vectors()
+    vdir = Path(vectors).resolve() if vectors else default_vectors()  # (the cases run in a temporary directory)
     if vdir is None or not vdir.is_dir():
         print("trainhist: error [usage] no conformance vectors found: pass --vectors DIR (conformance/vectors "
               "of a trainhist checkout)", file=sys.stderr)
