@@ -331,6 +331,22 @@ def test_presence_table_and_tallies():
         h.close()
 
 
+def test_one_input_that_repeats_a_writer_id_is_merged(tmp_path):
+    """A file resumed under the same writer_id holds two writer manifests with one id (spec 2.1: the same writer):
+    merge refused it alone as overlapping itself ('inputs X and X'); it now counts the id once."""
+    p = tmp_path / "t.thist"
+    with trainhist.HistoryWriter(p) as w:
+        w.observe(w.site("a", "activation"), 0, np.ones(3))
+        wid = w.writer_id
+    with trainhist.HistoryWriter(p, mode="a", writer_id=wid) as w:
+        w.observe(w.site("a", "activation"), 1, np.ones(3))
+    rep = trainhist.merge([p], tmp_path / "m.thist")
+    assert rep.inputs[0]["writers"] == [wid]
+    m = trainhist.open(tmp_path / "m.thist")
+    assert m.spine("a", "activation").step.tolist() == [0, 1]
+    assert {w["writer_id"] for w in m.writers} == {wid}
+
+
 def test_overlapping_writers_refused_naming_files_and_writer():
     with Dir() as d:
         a, b = _two(d, lambda w: w.observe(w.site("a", "activation"), 0, np.ones(2)),

@@ -488,8 +488,7 @@ class _Engine:
             self.sources = [_Source(i, p) for i, p in enumerate(self.paths)]
         owner: dict[str, str] = {}
         for s in self.sources:
-            for w in s.writers:
-                wid = w["writer_id"]
+            for wid in dict.fromkeys(w["writer_id"] for w in s.writers):  # (one input may repeat an id: spec 2.1)
                 if wid in owner:
                     raise MergeError(
                         f"inputs {owner[wid]} and {s.path} both contain leaf writer {wid}: merging them would count "
@@ -499,7 +498,7 @@ class _Engine:
                 owner[wid] = s.path
             self.report.inputs.append({
                 "path": s.path, "bytes": s.size, "status": s.status, "committed_bytes": s.committed_bytes,
-                "writers": sorted(w["writer_id"] for w in s.writers),
+                "writers": sorted({w["writer_id"] for w in s.writers}),
             })
             self.report.bytes_in += s.size
         self.leaf_writers = sorted(owner)
