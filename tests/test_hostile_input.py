@@ -714,3 +714,16 @@ def test_mixed_scales_name_the_first_chunk_that_disagrees_with_the_first(tmp_pat
         with pytest.raises(TrainhistError) as e:
             fn()
         assert (e.value.code, e.value.offset) == ("mixed_scale", want), e.value
+
+
+def test_a_sample_of_more_elements_than_the_tensor_is_refused_by_writer_and_reader(tmp_path):
+    """spec 2.2: a sample is a subset, elements <= of; the schema cannot say it, so the writer accepted a sample of
+    5 of 4 elements and every reader read it. Both refuse it now (the reader: conformance invalid/
+    sample_exceeds_whole)."""
+    from trainhist.errors import SchemaError
+
+    with trainhist.HistoryWriter(tmp_path / "t.thist") as w:
+        with pytest.raises(SchemaError) as e:
+            w.site("a", "param_delta", shape=(4,), sample={"elements": 5, "of": 4, "seed": 0})
+        assert e.value.code == "bad_manifest" and "elements must not exceed of" in str(e.value)
+        w.site("b", "param_delta", shape=(4,), sample={"elements": 4, "of": 4, "seed": 0})  # (all of it: fine)

@@ -992,6 +992,9 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
            with_manifest("run", manifest({k: v for k, v in run_doc.items() if k != "kind"})),
            error="unknown_manifest_kind")
     site_doc = json.loads(first(parse(basic), RecordType.MANIFEST, "site").payload)
+    s.read(c, "sample_exceeds_whole", "a site manifest whose sample has more elements than the tensor", ["9", "2.2"],
+           with_manifest("site", manifest(dict(site_doc, sample={"elements": 5, "of": 4, "seed": 0}))),
+           error="bad_manifest")
     s.read(c, "bad_manifest_schema", "a site manifest whose stream is not in the registry", ["9", "2.2"],
            with_manifest("site", manifest(dict(site_doc, stream="weights"))), error="bad_manifest")
     s.read(c, "bad_manifest_extra", "a site manifest with a member its schema does not allow", ["9"],

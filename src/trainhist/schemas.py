@@ -62,6 +62,11 @@ def _check(doc: Any, path: str | None, offset: int | None) -> None:
         )
     validator = _validator(doc["kind"])
     if validator.is_valid(doc):
+        sample = doc.get("sample") if doc["kind"] == "site" else None
+        if sample is not None and sample["elements"] > sample["of"]:  # (what JSON Schema cannot say: spec 2.2)
+            raise SchemaError(f"site manifest invalid at sample: a subset of {sample['elements']} of "
+                              f"{sample['of']} elements (elements must not exceed of)", code="bad_manifest",
+                              path=path, offset=offset)
         return
     err = jsonschema.exceptions.best_match(validator.iter_errors(doc))
     if err is not None:
