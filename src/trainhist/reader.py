@@ -474,10 +474,10 @@ def _bad(msg: str, code: str, path: str, offset: int) -> CorruptError:
     return CorruptError(msg, code=code, path=path, offset=offset)
 
 
-
 def _no_constant(name: str) -> None:
     """``json.loads``'s hook for ``NaN`` and ``Infinity``, which Python accepts and RFC 8259 does not (spec 9)."""
     raise ValueError(f"{name} is not JSON (RFC 8259)")
+
 
 class History:
     """A trainhist file opened for reading (committed content only). Use :func:`trainhist.open`."""
@@ -658,13 +658,13 @@ class History:
             self.sites.append(site)
             self._site_by_key[site.key] = site
         elif kind == "segment":
-            if any(g.id == doc["id"] for g in self.segments):
+            ids = {g.id for g in self.segments}
+            if doc["id"] in ids:
                 raise _bad(f"segment {doc['id']} declared twice", "duplicate_segment", self.path, e.offset)
-            if self.segments and doc["id"] < max(g.id for g in self.segments):
-                raise _bad(f"segment {doc['id']} declared after segment {max(g.id for g in self.segments)}: a new "
-                           "segment's id is greater than every id the file has (spec 2.4)", "bad_segment_order",
-                           self.path, e.offset)
-            if doc["previous"] is not None and not any(g.id == doc["previous"] for g in self.segments):
+            if ids and doc["id"] < max(ids):
+                raise _bad(f"segment {doc['id']} declared after segment {max(ids)}: a new segment's id is greater "
+                           "than every id the file has (spec 2.4)", "bad_segment_order", self.path, e.offset)
+            if doc["previous"] is not None and doc["previous"] not in ids:
                 raise _bad(f"segment {doc['id']} continues segment {doc['previous']}, which the file has not "
                            "declared before it (spec 2.4)", "bad_segment_order", self.path, e.offset)
             self.segments.append(Segment(doc["id"], doc["first_step"], doc["reason"], doc["previous"],

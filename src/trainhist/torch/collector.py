@@ -56,6 +56,7 @@ from .plan import (
     param_sharing,
     replicated,
     delta_sample,
+    fsdp1_units,
     fsdp_flat_layouts,
     fsdp_unsharded,
     fsdp_later_copies,
@@ -419,7 +420,9 @@ class Collector:
         self._unsharded = fsdp_unsharded(model)  # (FSDP1 NO_SHARD: whole on every rank)
         # FSDP1 units: their own clip_grad_norm_ (which calls torch's only when no unit shards) is seen by patching
         # their class during a step, as torch's is (an instance attribute would be copied with the model)
-        self._fsdp1 = {id(m): m for m in model.modules() if type(m).__name__ == "FullyShardedDataParallel"}
+        units = fsdp1_units(model)
+        self._fsdp1 = {id(m) for m in units}
+        self._fsdp1_class = type(units[0]) if units else None
         first: dict[int, str] = {id(p): n for n, p in self._params.items()}  # shared parameters: recorded once,
         aliases = {clean_name(n): first[id(p)] for n, p in self.inner.named_parameters(remove_duplicate=False)
                    if clean_name(n) not in self._params and id(p) in first}  # under their first name
@@ -853,13 +856,12 @@ class Collector:
             clip_mod._clip_grads_with_norm_ = partial(self._clip_with_norm, inner)
         else:  # (an older torch: the public name only)
             torch.nn.utils.clip_grad_norm_ = clip_mod.clip_grad_norm_ = partial(self._clip, orig_clip[0])
-        fsdp = type(next(iter(self._fsdp1.values()))) if self._fsdp1 else None
+        fsdp = self._fsdp1_class
         fsdp_clip = fsdp.__dict__.get("clip_grad_norm_") if fsdp is not None else None
         if fsdp_clip is not None:
-            units = self._fsdp1
 
             def clip_fsdp1(unit: torch.nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-                if id(unit) not in units:  # (another model's unit)
+                if id(unit) not in self._fsdp1:  # (another model's unit)
                     return fsdp_clip(unit, max_norm, norm_type)
                 return self._clip_fsdp1(unit, partial(fsdp_clip, unit), max_norm, norm_type)
 
@@ -1304,14 +1306,10 @@ class Collector:
     def _clip_fsdp1(self, unit: torch.nn.Module, orig: Callable[..., torch.Tensor], max_norm: float,
                     norm_type: float = 2.0) -> torch.Tensor:
         """FSDP1's ``FullyShardedDataParallel.clip_grad_norm_``: the norm it returns is the whole model's (it
-        all-reduces the ranks' parts); one other than the 2-norm is not recorded as ``grad_norm``."""
-        if float(norm_type) != 2.0:
-            out: list[torch.Tensor] = []
-            self._around_clip(lambda ps: out.append(orig(max_norm, norm_type)), list(unit.parameters()), max_norm,
-                              math.nan)
-            return out[0]
-        return self._around_clip(lambda ps: orig(max_norm, norm_type), list(unit.parameters()), max_norm, None,
-                                 whole=True)
+        all-reduces the ranks' parts); one other than the 2-norm is not recorded as ``grad_norm`` (a norm that is
+        no tensor, NaN here, is one :meth:`_clipped` does not record)."""
+        return self._around_clip(lambda ps: orig(max_norm, norm_type), list(unit.parameters()), max_norm,
+                                 None if float(norm_type) == 2.0 else math.nan, whole=True)
 
     def _around_clip(self, call: Callable[[object], object], parameters: object, max_norm: float,
                      norm: torch.Tensor | None, whole: bool | None = None) -> object:

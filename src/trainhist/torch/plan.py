@@ -26,6 +26,7 @@ __all__ = [
     "local_tensor",
     "sample_indices",
     "delta_sample",
+    "fsdp1_units",
     "fsdp_flat_layouts",
     "fsdp_unsharded",
     "fsdp_later_copies",
@@ -176,6 +177,18 @@ def _block(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     return (tuple(p.shape), tuple(offset)) if tuple(shape) == tuple(p.to_local().shape) else None  # type: ignore
 
 
+def fsdp1_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The FSDP1 (``FullyShardedDataParallel``) units in ``model``, found by class name (no FSDP import)."""
+    return [m for m in model.modules() if type(m).__name__ == "FullyShardedDataParallel"]
+
+
+def _flat_ids(h: object) -> set[int]:
+    """``id`` of an FSDP1 handle's flat parameter and of the user's parameters viewing it; none where the handle's
+    internals are not those this code knows."""
+    fp = getattr(h, "flat_param", None)
+    return set() if fp is None else {id(fp), *(id(q) for q in getattr(fp, "_params", None) or ())}
+
+
 def fsdp_flat_layouts(model: torch.nn.Module) -> dict[int, tuple[tuple[int, ...], int]]:
     """The parameters of FSDP1 (``FullyShardedDataParallel``) units that hold this rank's run of a larger flat
     tensor: ``id(parameter)`` -> (the whole tensor's shape, where this rank's run starts in its flattened elements).
@@ -186,9 +199,7 @@ def fsdp_flat_layouts(model: torch.nn.Module) -> dict[int, tuple[tuple[int, ...]
     padded concatenation (NO_SHARD: whole views, the whole flat parameter). Read from FSDP's internals; a unit
     whose layout cannot be read is left out (its parameters sampled rank-locally)."""
     out: dict[int, tuple[tuple[int, ...], int]] = {}
-    for m in model.modules():
-        if type(m).__name__ != "FullyShardedDataParallel":
-            continue
+    for m in fsdp1_units(model):
         try:
             h = getattr(m, "_handle", None)
             if h is None:
@@ -208,12 +219,10 @@ def fsdp_unsharded(model: torch.nn.Module) -> set[int]:
     """``id`` of every parameter (flat and, with ``use_orig_params=True``, the user's) of the FSDP1 units that
     shard nothing (``ShardingStrategy.NO_SHARD``): every rank holds them whole, as under DDP."""
     out: set[int] = set()
-    for m in model.modules():
-        h = getattr(m, "_handle", None) if type(m).__name__ == "FullyShardedDataParallel" else None
-        fp = getattr(h, "flat_param", None)  # (None: internals this code does not know; the unit is left out)
-        if fp is not None and not getattr(h, "uses_sharded_strategy", True):
-            out.add(id(fp))
-            out.update(id(q) for q in getattr(fp, "_params", None) or ())
+    for m in fsdp1_units(model):
+        h = getattr(m, "_handle", None)
+        if h is not None and not getattr(h, "uses_sharded_strategy", True):
+            out |= _flat_ids(h)
     return out
 
 
@@ -224,8 +233,8 @@ def fsdp_later_copies(model: torch.nn.Module) -> set[int]:
     import torch.distributed as dist
 
     out: set[int] = set()
-    for m in model.modules():
-        h = getattr(m, "_handle", None) if type(m).__name__ == "FullyShardedDataParallel" else None
+    for m in fsdp1_units(model):
+        h = getattr(m, "_handle", None)
         group = getattr(m, "_inter_node_pg", None)
         if h is None or group is None or "HYBRID" not in str(getattr(h, "_sharding_strategy", "")):
             continue
@@ -234,10 +243,7 @@ def fsdp_later_copies(model: torch.nn.Module) -> set[int]:
                 continue
         except Exception:  # noqa: BLE001 -- a group we cannot read: record it
             continue
-        fp = getattr(h, "flat_param", None)
-        if fp is not None:
-            out.add(id(fp))
-            out.update(id(q) for q in getattr(fp, "_params", None) or ())
+        out |= _flat_ids(h)
     return out
 
 
