@@ -217,14 +217,14 @@ FSDP1 = textwrap.dedent("""
     from trainhist.torch import Collector
     dist.init_process_group("gloo")
     from torch.distributed.fsdp import ShardingStrategy
-    rank, orig = dist.get_rank(), sys.argv[3] in ("orig", "noshard", "clip", "hybrid", "noopt")
+    rank, orig = dist.get_rank(), sys.argv[3] in ("orig", "noshard", "clip", "hybrid", "hybridclip", "noopt")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(), torch.nn.Linear(12, 3))
     # (without device_id FSDP1 asks for an accelerator; on CPU it runs with device_id=cpu)
     cpu = dict(device_id=torch.device("cpu"), use_orig_params=orig)
     if sys.argv[3] == "noshard":
         cpu["sharding_strategy"] = ShardingStrategy.NO_SHARD
-    if sys.argv[3] == "hybrid":  # (4 ranks: 2 groups replicating each other, sharding within each)
+    if sys.argv[3] in ("hybrid", "hybridclip"):  # (4 ranks: 2 groups replicating each other, sharding within each)
         from torch.distributed.device_mesh import init_device_mesh
         cpu.update(sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=init_device_mesh("cpu", (2, 2)))
     model[0], model[2] = FSDP(model[0], **cpu), FSDP(model[2], **cpu)
@@ -260,6 +260,8 @@ FSDP1 = textwrap.dedent("""
             ref["grads"].append(whole(grads=True))
             if sys.argv[3] == "clip" and step < 2:  # (FSDP1's own clip: it always clips at this threshold)
                 ref["clip_norm"].append(float(model.clip_grad_norm_(0.01)))
+            if sys.argv[3] == "hybridclip":  # (torch's clip, which never clips here: the norm of the rank's part)
+                ref["clip_norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
             if noopt and step == 0:  # (a max-norm clip that does not clip: its norm is not a grad_norm)
                 model.clip_grad_norm_(1e9, norm_type=float("inf"))
             opt.step()
@@ -438,6 +440,29 @@ def test_fsdp1_hybrid_shard_copies_are_counted_once(tmp_path):
     for name, shape in shapes.items():
         assert (h.site(name, "param").sharing, h.site(name, "param").shape) == ("shard", shape)
     _check_fsdp1_whole(h, refs, list(shapes))
+
+
+def test_fsdp1_hybrid_shard_under_torchs_clip_counts_each_part_of_the_norm_once(tmp_path):
+    """FSDP1 ``HYBRID_SHARD`` under torch's ``clip_grad_norm_``: each rank's clip returns the norm of its own part of
+    the gradients, recorded as ``grad_norm_local``. The second group's ranks hold copies of the first group's parts:
+    they record no norm, so the merged norm is the whole model's (it counted every part twice)."""
+    outs, shards, h, refs = _fsdp1_run(tmp_path, "hybridclip", world=4)
+    assert not any("trainhist:" in o for o in outs), outs
+    names = ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert [any(s.path == "grad_norm_local" for s in x.sites) for x in shards] == [True, True, False, False]
+    loc = h.spine("grad_norm_local", "scalar")
+    assert loc.step.tolist() == [0, 1, 2] and loc.columns["count"].tolist() == [2, 2, 2]
+    for step in range(3):
+        grads = refs[0]["grads"][step]
+        norm = math.sqrt(sum(float(np.square(np.array(grads[n], dtype=np.float64)).sum()) for n in names))
+        assert math.isclose(math.sqrt(float(loc.columns["sumsq"][step])), norm, rel_tol=1e-6)
+        # (each rank's clip saw its own part: the first group's parts' squares add up to the whole norm's)
+        parts = [refs[r]["clip_norm"][step] for r in range(4)]
+        assert math.isclose(math.hypot(parts[0], parts[1]), norm, rel_tol=1e-5)
+        for n in names:  # (the clip's pre-clip gradient rows count every element once)
+            gp = h.spine(n, "param_grad", phase="pre_clip")
+            (i,) = np.flatnonzero(gp.step == step)
+            assert int(gp.columns["count"][i]) == len(grads[n]), (n, step)
 
 
 def test_fsdp1_a_rank_without_part_of_a_parameter_records_an_empty_gradient(tmp_path):
