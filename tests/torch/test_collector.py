@@ -1050,8 +1050,9 @@ class _Shifting(torch.nn.Module):
 
 def test_rows_follow_output_structure_and_clipping_that_change_between_steps(tmp_path):
     """Without discover(), the sites and phases a step writes change with the step: facets first seen at step 1
-    get rows from then on (absent when they do not run), and gradients are written in the phases of each step
-    (pre_clip and post_clip only where the loop clipped)."""
+    get rows from then on (absent when they do not run) and an absent row at the step before (they read unknown
+    there), and gradients are written in the phases of each step (pre_clip and post_clip only where the loop
+    clipped)."""
     model = _Shifting()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     path = tmp_path / "s.thist"
@@ -1078,7 +1079,7 @@ def test_rows_follow_output_structure_and_clipping_that_change_between_steps(tmp
         assert_row(h, ROOT, "activation", step, ref_summary(outs[step]), sketch=False)
     for facet in ("0", "1"):
         sp = h.spine(ROOT, "activation", facet)
-        assert sp.step.tolist() == [1, 2, 3] and sp.presence_names == ["observed", "absent", "observed"]
+        assert sp.step.tolist() == [0, 1, 2, 3] and sp.presence_names == ["absent", "observed"] * 2
         for step in (1, 3):
             assert_row(h, ROOT, "activation", step, ref_summary([outs[step][int(facet)]]), facet=facet, sketch=False)
     assert h.spine("lin.weight", "param_grad", phase="default").step.tolist() == [0, 2]
@@ -1254,37 +1255,49 @@ def test_a_sparse_gradient_is_recorded_and_keeps_the_global_norm(tmp_path):
 
 def test_a_module_discover_did_not_see_is_in_the_plan_with_its_size_unknown(tmp_path):
     """A branch not taken during discover() was left out of the plan (its cost unstated); containers that are
-    never called themselves stay out."""
+    never called themselves stay out. Its steps before its first run are absent (they read unknown: the module
+    had no site yet), at the cadence's steps only; a new segment starts over."""
 
     class Branchy(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.main = torch.nn.Linear(4, 4)
             self.late = torch.nn.Linear(4, 4)
+            self.later = torch.nn.Linear(4, 4)
             self.blocks = torch.nn.ModuleList([torch.nn.Tanh()])
-            self.use_late = False
+            self.use_late = self.use_later = False
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             x = self.blocks[0](self.main(x))
+            x = self.later(x) if self.use_later else x
             return self.late(x) if self.use_late else x
 
     model = Branchy()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    col = Collector(model, tmp_path / "b.thist", streams=("activation",))
+    col = Collector(model, tmp_path / "b.thist", streams=("activation", "activation_grad"), every=2)
     col.discover(torch.randn(2, 4))
     rows = {(s.path, s.facet, s.elements) for s in col.plan.sites}
     assert ("late", "?", None) in rows and not any(p == "blocks" for p, _, _ in rows)
     assert "late" in col.plan.format_table()
     col.attach(optimizer=opt)
-    for step in range(2):
-        model.use_late = step == 1
-        with col.step(step):
+    for step in [*range(12), 20, 21, 22]:  # (a gap, then a new segment at step 20)
+        model.use_late, model.use_later = step in (10, 11, 22), step == 22
+        with col.step(step, new_segment=step == 20):
             model(torch.randn(2, 4)).square().mean().backward()
             opt.step()
             opt.zero_grad()
+        if step == 3:
+            col.commit()  # (the absent rows of committed steps are written later)
     col.close()
-    sp = trainhist.open(tmp_path / "b.thist").spine("late", "activation")
-    assert sp.step.tolist() == [1] and sp.count.tolist() == [8]
+    h = trainhist.open(tmp_path / "b.thist")
+    for stream in ("activation", "activation_grad"):
+        sp = h.spine("late", stream)
+        assert sp.step.tolist() == [0, 2, 4, 6, 8, 10, 20, 22], stream
+        assert sp.presence_names == ["absent"] * 5 + ["observed", "absent", "observed"], stream
+        assert sp.count.tolist() == [0] * 5 + [8, 0, 8] and sp.columns["segment"].tolist() == [0] * 6 + [1, 1]
+        sp = h.spine("later", stream)  # (first seen in the new segment: absent at its earlier steps only)
+        assert (sp.step.tolist(), sp.presence_names) == ([20, 22], ["absent", "observed"]), stream
+    assert h.verify()["rows"] > 0 and h.recovery.status == "clean"
 
 
 @pytest.mark.parametrize("discover", [True, False])

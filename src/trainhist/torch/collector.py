@@ -91,6 +91,20 @@ _run_keys: dict[str, int] = {}
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
+def _extend_runs(runs: list[list[int]], step: int) -> None:
+    """Add ``step`` to ``runs`` ([first, last, stride] each, stride 0 for a single step): it extends the last run
+    when it follows at the run's stride, so a run at a cadence takes one entry however long it is."""
+    if runs:
+        r = runs[-1]
+        if r[2] == 0 and step > r[1]:
+            r[1], r[2] = step, step - r[1]
+            return
+        if r[2] and step == r[1] + r[2]:
+            r[1] = step
+            return
+    runs.append([step, step, 0])
+
+
 @dataclass(frozen=True)
 class StepTruth:
     """What the training loop attests about one step; every field left ``None`` is recorded as unknown."""
@@ -455,6 +469,9 @@ class Collector:
         self._emit_plans: dict[tuple, list] = {}  # see _emit_plan
         self._emit_version: tuple | None = None
         self._handled: set[tuple] = set()  # row keys whose site has a handle
+        # per activation stream, the steps of this segment at which a site that did not run was recorded absent, as
+        # runs [first, last, stride]: a site first seen later (a module, or an output's facet) was absent at them
+        self._absent_steps: dict[str, list[list[int]]] = {"activation": [], "activation_grad": []}
         self._registered = False  # the plan's sites are declared (at the first finished step, or at close)
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._fwd_handles: list[tuple[torch.nn.Module, int]] = []
@@ -769,7 +786,8 @@ class Collector:
         h = self._handles.get(key)
         if h is None:
             s = self.plan.find(path, stream, facet)
-            if s is None:  # a facet first seen during training (no discover(), or a new output structure)
+            new = s is None
+            if new:  # a facet first seen during training (no discover(), or a new output structure)
                 self.plan.sites = [
                     x for x in self.plan.sites if not (x.provisional and (x.path, x.stream) == (path, stream))
                 ]
@@ -788,6 +806,9 @@ class Collector:
             )
             if h is not None:
                 self._handles[key] = h
+                for first, last, stride in self._absent_steps.get(stream, ()) if new else ():
+                    for earlier in range(first, last + 1, stride or 1):
+                        self._safe(self._writer.mark, h, earlier, "absent")
         return h
 
     def _safe(self, fn: object, *args: object, **kwargs: object) -> object:
@@ -821,6 +842,8 @@ class Collector:
         if new_segment:
             self._drain()
             self._safe(self._writer.new_segment, int(step), "resume")
+            for steps in self._absent_steps.values():
+                steps.clear()
         st = _Step(
             step=int(step), truth=truth or StepTruth(), t0=time.perf_counter(),
             due={s: s in self.streams and self.every[s] > 0 and step % self.every[s] == 0 for s in STREAMS},
@@ -1623,6 +1646,10 @@ class Collector:
             self._emit_batch(st, batch)  # (first: a site's rows stay in the order of its phases)
             self._emit(st, s, phase, key, summ, s.path in skipped_params)
         self._emit_batch(st, batch)
+        if not (st.interrupted or st.blind):
+            for stream, runs in self._absent_steps.items():
+                if st.due[stream]:
+                    _extend_runs(runs, st.step)
         bad = set(np.flatnonzero(d.nan | d.pinf | d.ninf).tolist()) if d is not None else set()  # type: ignore[union-attr]
         # in execution order: the first reduction that saw a NaN or inf (none when every row decoded finite)
         if self.first_nonfinite is None and (bad or len(spine_rows) != len(st.counts)):
