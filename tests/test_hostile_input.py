@@ -194,6 +194,34 @@ def test_rows_no_tensor_could_give_are_bad_row_everywhere(tmp_path, column, valu
     assert ei.value.offset == records(p.read_bytes(), RecordType.OBS)[0]
 
 
+def test_a_row_without_finite_values_but_with_sums_is_bad_row_everywhere(tmp_path):
+    """Spec 5.5 rule 3: the sums of no finite value are 0. Such a row (every element NaN, sums kept) used to be
+    read and shown as stored."""
+    def edit(pl: bytearray, cols: dict) -> None:
+        _set(pl, cols, "nan", 0, 3)  # (the row's three elements)
+        for name in ("min", "max"):
+            _set(pl, cols, name, 0, np.nan)
+
+    p = _mutant(tmp_path, "nofinite", edit)
+    s = _surfaces(p, tmp_path)
+    assert s == {"api": "bad_row", "verify": "bad_row", "dump": "bad_row", "merge": "bad_row", "coarsen": "bad_row"}
+
+
+def test_the_writer_refuses_a_summary_without_finite_values_but_with_sums(tmp_path):
+    """What the reader refuses (spec 5.5 rule 3) the writer does not write; zero sums (of either form) pass."""
+    from trainhist.dyadic import Dyadic
+    from trainhist.errors import UsageError
+    from trainhist.summary import Summary
+
+    with trainhist.HistoryWriter(tmp_path / "w.thist", fsync="never") as w:
+        a = w.site("a", "activation")
+        for sums in ((Dyadic(5, 0), Dyadic(0, 0)), (Dyadic(0, 0), Dyadic(1, -1100))):
+            with pytest.raises(UsageError, match="zero sums"):
+                w.observe(a, 0, summary=Summary(count=2, nan=2, sum=sums[0], sumsq=sums[1]))
+        w.observe(a, 0, summary=Summary(count=2, nan=1, pinf=1))
+    assert trainhist.open(tmp_path / "w.thist").verify()["rows"] == 1
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX FIFOs")
 def test_a_pipe_or_directory_is_refused_without_waiting(tmp_path):
     """Opening a FIFO for reading used to wait for a writer forever (every CLI command hung)."""

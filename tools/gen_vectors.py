@@ -842,13 +842,6 @@ def gen_valid_edges(s: Suite, base: dict[str, bytes]) -> None:
     one_row("row_not_observed_loose", "an absent row with method 7, a negative signalling NaN as min and -0.0 as "
             "sum: the rules of 5.5 refuse none of them", ["5.5", "2.6"], loose)
 
-    def no_finite(m: dict, cs: list[Col]) -> None:
-        col(cs, "nan").block = col(cs, "count").block
-        col(cs, "zero").block = b"\0" * 8
-        col(cs, "min").block = col(cs, "max").block = nan
-
-    one_row("row_no_finite_with_sums", "an observed row whose every element is NaN but whose sums are not zero: "
-            "accepted, sums shown as stored", ["5.5"], no_finite)
     one_row("sketch_total_exceeds", "a sketch whose bands hold 1000 values, more than the row's finite - zero",
             ["5.5", "7.5"], lambda m, cs: setattr(col(cs, "sk_up"), "block", struct.pack("<Q", 1000)), src="basic")
     top = 2**63 - 1
@@ -1226,6 +1219,37 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
 
     chunk_case("bad_row_no_finite", "every element NaN (nan = count), yet min and max are numbers", ["5.5"],
                "bad_row", all_nan)
+
+    def no_finite_sums(m: dict, cs: list[Col]) -> None:
+        all_nan(m, cs)
+        col(cs, "min").block = col(cs, "max").block = struct.pack("<Q", 0x7FF8000000000000)
+
+    chunk_case("bad_row_no_finite_sums", "an observed row whose every element is NaN (min and max NaN) but whose "
+               "sums are not zero: no tensor gives it", ["5.5"], "bad_row", no_finite_sums, src="nosketch")
+
+    def no_finite_exact(m: dict, cs: list[Col]) -> None:  # row 0 (of 4) becomes all NaN
+        def row0(name: str, dt: str, value: Any) -> None:
+            v = np.frombuffer(col(cs, name).block, dt).copy()
+            v[0] = value
+            col(cs, name).block = v.tobytes()
+
+        row0("nan", "<u8", np.frombuffer(col(cs, "count").block, "<u8")[0])
+        row0("zero", "<u8", 0)
+        row0("min", "<f8", math.nan)
+        row0("max", "<f8", math.nan)
+        tiny = struct.pack("<i", -1100) + b"\x01"  # 2^-1100: the f64 column rounds it to +0.0
+        for name in ("sum", "sumsq"):
+            row0(name, "<f8", 0.0)
+            n, b = col(cs, name + "_xn"), col(cs, name + "_x")
+            lens = np.frombuffer(n.block, "<u4").copy()
+            b.block = tiny + b.block[int(lens[0]) :]
+            b.raw = len(b.block)
+            lens[0] = len(tiny)
+            n.block = lens.tobytes()
+
+    chunk_case("bad_row_no_finite_exact_sums", "an observed row whose every element is NaN, with f64 sums +0.0 "
+               "but exact forms (sum_x, sumsq_x) holding 2^-1100: its sums are not zero", ["5.5", "5.3"],
+               "bad_row", no_finite_exact, src="exact")
     chunk_case("bad_row_not_observed", "a row marked absent that carries counts, sums and a sketch", ["5.5", "2.6"],
                "bad_row", lambda m, cs: setattr(col(cs, "presence"), "block", b"\x02"))
 

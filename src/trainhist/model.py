@@ -177,8 +177,9 @@ def row_problem(cols: dict[str, np.ndarray]) -> tuple[int, str] | None:
         (over, "row {row}: nan + pinf + ninf + zero exceed count"),
         (observed & ~over & (finite > 0) & ~extremes,
          "row {row}: an observed row with finite values needs finite min <= max"),
-        (observed & ~over & (finite == 0) & ~(np.isnan(mn) & np.isnan(mx)),
-         "row {row}: an observed row without finite values has NaN min and max"),
+        (observed & ~over & (finite == 0)
+         & ~(np.isnan(mn) & np.isnan(mx) & (cols["sum"] == 0) & (cols["sumsq"] == 0)),
+         "row {row}: an observed row without finite values has NaN min and max and zero sums"),
         (~observed & numbers, "row {row}: a row that is not observed carries numbers or a sketch"),
     )
     first = None

@@ -211,6 +211,20 @@ class _Exact:
         return _Exact(self.name, rounded, self.off[keep], self.n[keep], self.blob, self.where[keep], self.path)
 
 
+def _zero_where_none(x: _Exact, i: int, c: dict[str, np.ndarray]) -> Dyadic:
+    """The exact value of row ``i`` of ``x``, refused (``bad_row``) where it is not 0 though the row has no finite
+    value or is not observed (spec 5.5, rules 3 and 4: the f64 column is then ±0.0, which the chunk's check took,
+    but an exact form may hold a value too small for binary64)."""
+    d = x.value(i)
+    if d.m and x.rounded[i] == 0:
+        finite = int(c["count"][i]) - int(c["nan"][i]) - int(c["pinf"][i]) - int(c["ninf"][i])
+        if finite == 0 or c["presence"][i] != Presence.OBSERVED:
+            raise _bad(f"row {i}: its exact {x.name} is {d.m}*2**{d.e}, not 0, in a row "
+                       + ("that is not observed" if c["presence"][i] != Presence.OBSERVED else "without finite values"),
+                       "bad_row", x.path, int(x.where[i]))
+    return d
+
+
 @dataclass
 class SpineSeries:
     """One site's rows (optionally one phase), as numpy columns; only ``observed`` rows carry numbers."""
@@ -287,12 +301,12 @@ class SpineSeries:
     def sum_exact(self, i: int) -> Dyadic:
         """The exact stored sum of row ``i`` (an observed row)."""
         self._observed_row(i)
-        return self._x["sum"].value(i)
+        return _zero_where_none(self._x["sum"], i, self.columns)
 
     def sumsq_exact(self, i: int) -> Dyadic:
         """The exact stored sum of squares of row ``i`` (an observed row)."""
         self._observed_row(i)
-        return self._x["sumsq"].value(i)
+        return _zero_where_none(self._x["sumsq"], i, self.columns)
 
     def summary(self, i: int, sketch: Sketch | None = None) -> Summary:
         """Row ``i`` (an observed row) as a :class:`Summary` (for merging and re-writing)."""
@@ -1139,7 +1153,7 @@ class History:
             observed = columns["presence"] == Presence.OBSERVED
             for x in exact.values():
                 for i in np.flatnonzero(x.n).tolist():
-                    x.get(i)
+                    _zero_where_none(x, i, columns)
                 plain_bad = np.flatnonzero(observed & (x.n == 0) & ~np.isfinite(x.rounded))
                 if plain_bad.size:
                     x.value(int(plain_bad[0]))  # (raises bad_exact_value)

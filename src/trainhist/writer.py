@@ -143,23 +143,27 @@ def _check_summary(s: Summary) -> None:
     counts = (s.count, s.nan, s.pinf, s.ninf, s.zero)
     if not all(isinstance(c, (int, np.integer)) and not isinstance(c, bool) and 0 <= c < 2**64 for c in counts):
         raise UsageError(f"a Summary's counts must be integers in [0, 2**64), got {counts}")
+    nonzero = [float(getattr(v, "m", 0) != 0) for v in (s.sum, s.sumsq)]  # (rule 3: no finite value sums to 0)
     _refuse_impossible("Summary", np.array(counts, np.uint64).reshape(5, 1),
-                       np.array([float(s.min), float(s.max)]).reshape(2, 1))
+                       np.array([float(s.min), float(s.max)]).reshape(2, 1), np.array(nonzero).reshape(2, 1))
 
 
-def _refuse_impossible(what: str, counts: np.ndarray, ranges: np.ndarray) -> None:
-    """Refuse rows (``counts``: count, NaN, +inf, -inf, zero; ``ranges``: min, max) that break spec 5.5's rules
-    for an observed row, with readers' own test (:func:`~trainhist.model.row_problem`)."""
+def _refuse_impossible(what: str, counts: np.ndarray, ranges: np.ndarray, sums: np.ndarray | None = None) -> None:
+    """Refuse rows (``counts``: count, NaN, +inf, -inf, zero; ``ranges``: min, max; ``sums``: sum, sumsq, zero or
+    not, or None to leave them out) that break spec 5.5's rules for an observed row, with readers' own test
+    (:func:`~trainhist.model.row_problem`)."""
+    n = counts.shape[1]
+    if sums is None:
+        sums = np.zeros((2, n))
     cols = dict(zip(("count", "nan", "pinf", "ninf", "zero"), counts), min=ranges[0], max=ranges[1],
-                presence=np.full(counts.shape[1], Presence.OBSERVED, np.uint8), sum=np.zeros(counts.shape[1]),
-                sumsq=np.zeros(counts.shape[1]))
+                presence=np.full(n, Presence.OBSERVED, np.uint8), sum=sums[0], sumsq=sums[1])
     problem = row_problem(cols)
     if problem is not None:
         row, msg = problem
         where = "" if what == "Summary" else f" (row {row})"
         raise UsageError(f"a {what}{where} that no tensor could give (spec 5.5): "
                          f"{msg.removeprefix('row {row}: ')}; min and max are the finite extremes in IEEE total "
-                         "order (-0.0 before +0.0), NaN when no value is finite")
+                         "order (-0.0 before +0.0), NaN when no value is finite (and the sums then 0)")
 
 
 def _sketch_keys(sketch: np.ndarray, nonzero: np.ndarray) -> np.ndarray:
