@@ -282,3 +282,36 @@ def test_a_coarsened_window_does_not_claim_an_order_inside_it(tmp_path) -> None:
         first = triage(h).first_nonfinite
     assert first.site is None and "within steps 0–9" in first.text and "not recorded" in first.text
     assert "`fc` forward" in first.text and "`fc` backward" in first.text
+
+
+def test_a_torn_tail_is_said_not_read_as_nothing_wrong(tmp_path, capsys) -> None:
+    """A file cut inside its tail printed 'no non-finite values ... found' (exit 3 aside): the dropped records were
+    never triaged, so 'nothing found' read as 'nothing wrong'. The report now says the tail was torn and what was
+    dropped, with findings or without."""
+    p = tmp_path / "t.thist"
+    with trainhist.HistoryWriter(p) as w:
+        a = w.site("h.0", "activation")
+        w.observe(a, 0, np.ones(4, np.float32))
+        w.commit()
+        w.observe(a, 1, np.array([np.nan, 1, 1, 1], np.float32))  # (the NaN is in the part that will be torn off)
+    data = p.read_bytes()
+    p.write_bytes(data[:-5])
+    with trainhist.open(p) as h:
+        assert h.recovery.status == "torn"
+        t = triage(h)
+        dropped = h.recovery.dropped_bytes
+    assert t.findings == []
+    text = t.format()
+    assert "tail was torn" in text and f"dropped {dropped} bytes" in text and "committed prefix" in text
+    assert main(["triage", str(p)]) == 3
+    assert "tail was torn" in capsys.readouterr().out
+    q = tmp_path / "f.thist"  # with findings: the note comes first
+    with trainhist.HistoryWriter(q) as w:
+        a = w.site("h.0", "activation")
+        w.observe(a, 0, np.array([np.inf], np.float32))
+        w.commit()
+        w.observe(a, 1, np.ones(1, np.float32))
+    q.write_bytes(q.read_bytes()[:-5])
+    with trainhist.open(q) as h:
+        lines = triage(h).format().splitlines()
+    assert lines[1].startswith("  note: torn tail recovered") and "first non-finite" in lines[2]

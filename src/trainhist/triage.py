@@ -72,17 +72,26 @@ class Triage:
 
     path: str
     findings: list[Finding] = field(default_factory=list)
+    #: how reading ended (``History.recovery``): a torn tail's dropped bytes were not triaged
+    recovery: Any = None
 
     @property
     def first_nonfinite(self) -> Finding | None:
         return next((f for f in self.findings if f.kind == "first_nonfinite"), None)
 
     def format(self, limit: int = 12) -> str:
-        """A short report for a terminal: the first ``limit`` findings (0: all of them)."""
+        """A short report for a terminal: the first ``limit`` findings (0: all of them). A file with a torn tail says
+        so first: the findings, or their absence, cover its committed prefix alone."""
+        torn = self.recovery is not None and self.recovery.status == "torn"
+        note = (f"  note: {self.recovery.describe()}; only the committed prefix was triaged, so the dropped records "
+                "may hold what went wrong (run `trainhist verify` for the details)" if torn else None)
         if not self.findings:
+            if torn:
+                return (f"{self.path}: no non-finite values, failures, skipped steps or gaps found in the committed "
+                        f"prefix, but the file's tail was torn:\n{note}")
             return f"{self.path}: no non-finite values, failures, skipped steps or gaps found"
         limit = len(self.findings) if limit <= 0 else limit
-        lines = [f"triage of {self.path}:"]
+        lines = [f"triage of {self.path}:"] + ([note] if torn else [])
         for f in self.findings[:limit]:
             lines.append(f"  - {f.text}")
         if len(self.findings) > limit:
@@ -150,7 +159,7 @@ def _site_finding(e: _Event, segments: int) -> Finding:
 def triage(h: History) -> Triage:
     """Scan every site's spine of ``h`` and the step table; return the findings, most important first. Time runs
     by segment, then step (a run resumed at an earlier step is later in time)."""
-    report = Triage(h.path)
+    report = Triage(h.path, recovery=h.recovery)
     events: list[_Event] = []
     failed: dict[str, list[tuple[int, int]]] = {}  # site label -> (step, span) of its failed rows
     missing: dict[str, list[tuple[int, int, str]]] = {}  # presence -> (first step, rows, site label) per site
