@@ -1971,3 +1971,55 @@ def test_fsdp1_clip_is_patched_on_the_class_during_a_step_only(tmp_path):
     h = trainhist.open(tmp_path / "c.thist")
     assert float(h.spine("grad_norm", "scalar").max[0]) == float(norm)
     assert h.spine("inner.weight", "param_grad", phase="pre_clip").columns["count"].tolist() == [6]
+
+
+def test_gradients_reaching_an_earlier_steps_output_are_left_out(tmp_path):
+    """A graph kept across steps (backpropagation through time, no detach): the output hooks of earlier steps fired
+    again in later steps, so a step's activation_grad rows held the gradients of every earlier step's outputs too
+    (counts 8, 16, 24). A step now records only the gradients reaching its own outputs, and a warning says so."""
+    torch.manual_seed(0)
+    cell = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    path = tmp_path / "bptt.thist"
+    col = Collector(cell, path, streams=("activation", "activation_grad"))
+    col.discover(torch.randn(2, 4))
+    col.attach()
+    spy = Spy({"0": cell[0]})
+    h0 = torch.randn(2, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            spy.step = step
+            with col.step(step):
+                h1 = cell(h0)
+                h1.sum().backward(retain_graph=True)
+            h0 = h1
+    col.close()
+    assert any("after that step ended" in str(w.message) for w in caught)
+    h = trainhist.open(path)
+    assert h.spine("0", "activation_grad").count.tolist() == [8, 8, 8]
+    for step in range(3):  # (the spy's first gradient of the step's own output)
+        assert_row(h, "0", "activation_grad", step, ref_summary(spy.grads[(step, "0", None)][:1]), sketch=False)
+
+
+def test_several_backward_passes_through_one_output_are_each_recorded_and_said(tmp_path):
+    """Two backward passes through one forward (retain_graph): each pass's gradient of an output is an observation
+    of its own (counts add over the passes, as the spec says), and a warning says that the row is not their sum."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    path = tmp_path / "passes.thist"
+    col = Collector(m, path, streams=("activation_grad",))
+    col.discover(torch.randn(3, 4))
+    col.attach()
+    spy = Spy({"0": m[0]})
+    spy.step = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with col.step(0):
+            out = m(torch.randn(3, 4))
+            out[:, 0].sum().backward(retain_graph=True)
+            out[:, 1].square().sum().backward()
+    col.close()
+    assert any("several backward passes" in str(w.message) for w in caught)
+    h = trainhist.open(path)
+    assert len(spy.grads[(0, "0", None)]) == 2
+    assert_row(h, "0", "activation_grad", 0, ref_summary(spy.grads[(0, "0", None)]), sketch=False)

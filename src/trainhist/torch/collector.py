@@ -1224,9 +1224,9 @@ class Collector:
                 if grad and t.requires_grad:
                     key = ("activation_grad", path, facet, "default")
                     if not t.is_leaf:  # (its hooks go with the graph)
-                        t.register_hook(partial(self._on_grad, key))
+                        t.register_hook(partial(self._on_grad, key, st, [0]))
                     elif (key, id(t)) not in st.leaf_hooks:  # (a leaf's hook sees its whole gradient: once a step)
-                        st.leaf_hooks[(key, id(t))] = t.register_hook(partial(self._on_grad, key))
+                        st.leaf_hooks[(key, id(t))] = t.register_hook(partial(self._on_grad, key, st, [0]))
         if path == ROOT and self._deferred:  # the forward is over: reduce what it held
             self._flush_deferred()
 
@@ -1234,7 +1234,20 @@ class Collector:
         if self._state is not None:
             self._state.outer += 1
 
-    def _on_grad(self, key: tuple, grad: torch.Tensor) -> None:
+    def _on_grad(self, key: tuple, st: _Step, passes: list[int], grad: torch.Tensor) -> None:
+        """The gradient reaching an output that step ``st`` produced (``passes``: how often it has, this one
+        included). One reaching it in a later step (a graph kept across steps) is not this step's: left out."""
+        if self._state is not st:
+            self._warn_once("late_grad", f"trainhist: a gradient reached the output of {key[1]!r} of step {st.step} "
+                            "after that step ended (a graph kept across steps): it is not recorded; only gradients "
+                            "reaching a step's own outputs during the step are")
+            return
+        passes[0] += 1
+        if passes[0] == 2:
+            self._warn_once("passes", f"trainhist: several backward passes in step {st.step} reached the output of "
+                            f"{key[1]!r} (retain_graph, torch.autograd.grad): activation_grad records each pass's "
+                            "gradient as an observation of its own, so its counts add over the passes; it is not "
+                            "their sum")
         self._reduce(key, grad, alias=True)
 
     def _param_names(self, params: Iterable[torch.Tensor] | None) -> list[str]:
