@@ -865,10 +865,41 @@ def gen_valid_edges(s: Suite, base: dict[str, bytes]) -> None:
 
     s.read(v, "manifest_duplicate_member", "a run manifest with `name` twice: the last value counts", ["9"],
            with_manifest("run", lambda b: b.replace(b'"name":"vector"', b'"name":"first","name":"vector2"')))
-    s.read(v, "manifest_integral_float", "integers written as 1.0 and 1e0 (cadence, first_step): integers in "
-           "JSON Schema 2020-12, dumped as Python writes the numbers", ["9", "10"],
+    s.read(v, "manifest_integral_float", "a site's cadence written as 1.0 and 0e0: integers in JSON Schema "
+           "2020-12, dumped as the integers 1 and 0", ["9", "10"],
            with_manifest("site", lambda b: b.replace(b'"spine":1', b'"spine":1.0').replace(b'"sketch":0',
                                                                                             b'"sketch":0e0')))
+    # every member the schemas type as integer, written as an integral float: read (and dumped) as the integer
+    plain = write_ops(ops_doc([site("fc", shape=[4], dtype="float32", sample={"elements": 2, "of": 4, "seed": 7},
+                                    cadence={"spine": 1, "sketch": 0}, order=3),
+                               obs(0, 0, [1.0, -2.0], sketch=False), COMMIT,
+                               {"op": "new_segment", "first_step": I(2**53 + 1), "reason": "manual"},
+                               obs(0, 5, [3.0, 4.0], sketch=False), COMMIT]))
+    recs = parse(plain)
+    as_floats = {
+        "writer": [(b'"pid":4242', b'"pid":4242.0'), (b'"rank":0', b'"rank":0.0'),
+                   (b'"world_size":1', b'"world_size":1e0')],
+        "site": [(b'"sketch":0', b'"sketch":0.0'), (b'"spine":1', b'"spine":10e-1'), (b'"id":0', b'"id":-0.0'),
+                 (b'"elements":2', b'"elements":2.0'), (b'"of":4', b'"of":4E+0'), (b'"seed":7', b'"seed":7.00'),
+                 (b'"order":3', b'"order":3.0'), (b'"shape":[4]', b'"shape":[4.0]')],
+        "segment": [(b'"first_step":0', b'"first_step":0.0'), (b'"id":1', b'"id":1.0'),
+                    (b'"previous":0', b'"previous":0e5'),
+                    (b'"first_step":%d' % (2**53 + 1), b'"first_step":%d.0' % (2**53 + 1))],
+    }
+    done = set()
+    for r in recs:
+        kind = json.loads(r.payload)["kind"] if r.type == RecordType.MANIFEST else None
+        for old, new in as_floats.get(kind, []):
+            if old in r.payload:
+                r.payload = r.payload.replace(old, new)
+                done.add(old)
+    assert len(done) == sum(map(len, as_floats.values()))
+    data = build(recs)[0]
+    s.read(v, "manifest_integral_floats", "every member the schemas type as integer written as an integral float "
+           "(rank, world_size, pid; site id, shape, cadence, sample, order; segment id, first_step, previous; "
+           "forms 2.0, 1e0, 10e-1, -0.0, 4E+0, 7.00; a first_step of 2^53 + 1 as 9007199254740993.0): each read as "
+           "its integer, by its exact decimal value, and dumped as one", ["9", "10"], data)
+    assert same_content(data, plain)  # (the dump of the file written with integers)
     s.read(v, "site_optional_absent", "a site manifest without shape, dtype and sample: null in the dump",
            ["9", "10"], with_manifest("site", lambda b: manifest({k: x for k, x in json.loads(b).items()
                                                                    if k not in ("shape", "dtype", "sample")})))

@@ -78,7 +78,7 @@ from .model import (
     Phase,
     Presence,
 )
-from .schemas import validate_manifest
+from .schemas import loads_manifest, validate_manifest
 from .summary import Sketch, Summary
 
 __all__ = ["open_history", "History", "Site", "Segment", "Recovery", "SpineSeries", "SketchSeries"]
@@ -488,11 +488,6 @@ def _bad(msg: str, code: str, path: str, offset: int) -> CorruptError:
     return CorruptError(msg, code=code, path=path, offset=offset)
 
 
-def _no_constant(name: str) -> None:
-    """``json.loads``'s hook for ``NaN`` and ``Infinity``, which Python accepts and RFC 8259 does not (spec 9)."""
-    raise ValueError(f"{name} is not JSON (RFC 8259)")
-
-
 class History:
     """A trainhist file opened for reading (committed content only). Use :func:`trainhist.open`."""
 
@@ -648,7 +643,7 @@ class History:
     def _apply_manifest(self, e: _Entry) -> None:
         raw = bytes(self._view[e.offset + RECORD_HEADER_SIZE : e.offset + RECORD_HEADER_SIZE + e.length])
         try:
-            doc = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+            doc = loads_manifest(raw.decode("utf-8"))  # (integers as spec 9 reads them: 2.0 is 2, exactly)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as err:
             raise _bad(f"manifest is not UTF-8 JSON ({err})", "bad_manifest_json", self.path, e.offset) from None
         validate_manifest(doc, path=self.path, offset=e.offset, raw=raw)
@@ -665,8 +660,7 @@ class History:
                            e.offset)
             site = Site(doc["id"], doc["path"], doc["stream"], doc["facet"],
                         None if doc.get("shape") is None else tuple(doc["shape"]), doc.get("dtype"), doc["sharing"],
-                        doc["cadence"]["spine"], doc["cadence"]["sketch"], doc.get("sample"), doc,
-                        None if doc.get("order") is None else int(doc["order"]))  # (1.0 is the integer 1)
+                        doc["cadence"]["spine"], doc["cadence"]["sketch"], doc.get("sample"), doc, doc.get("order"))
             if site.key in self._site_by_key:
                 raise _bad(f"site {site.key} declared twice", "duplicate_site", self.path, e.offset)
             self.sites.append(site)

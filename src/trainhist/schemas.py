@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from decimal import Decimal
 from functools import lru_cache
 from importlib import resources
 from typing import Any
@@ -12,7 +13,7 @@ import jsonschema
 
 from .errors import SchemaError
 
-__all__ = ["KINDS", "validate_manifest", "schema"]
+__all__ = ["KINDS", "integers", "loads_manifest", "validate_manifest", "schema"]
 
 KINDS = ("run", "writer", "site", "segment", "settings")
 
@@ -22,6 +23,72 @@ def schema(kind: str) -> dict:
     """The published schema of one manifest kind."""
     text = resources.files("trainhist").joinpath("schemas", f"{kind}.schema.json").read_text("utf-8")
     return json.loads(text)
+
+
+#: the keywords the manifest schemas may use: :func:`_numbers` follows ``properties``, ``additionalProperties`` and
+#: ``items`` to find the members typed ``integer``, and would miss one behind any other (``$ref``, ``oneOf``, ...)
+SCHEMA_KEYWORDS = frozenset({"$schema", "$id", "title", "description", "type", "properties", "required",
+                             "additionalProperties", "items", "enum", "const", "pattern", "minimum", "maximum",
+                             "minLength", "maxLength", "minItems", "maxItems", "uniqueItems"})
+_MAX_DIGITS = 4300  #: the longest integer (in decimal digits) Python converts from text: json.loads's own limit
+
+
+def _no_constant(name: str) -> None:
+    """``json.loads``'s hook for ``NaN`` and ``Infinity``, which Python accepts and RFC 8259 does not (spec 9)."""
+    raise ValueError(f"{name} is not JSON (RFC 8259)")
+
+
+def loads_manifest(text: str) -> Any:
+    """A manifest's JSON text parsed as spec 9 reads it (``ValueError`` where it is not JSON: ``NaN``,
+    ``Infinity``): a number with a fraction or an exponent is, where the schema of the manifest's kind types the
+    member as ``integer``, the integer its exact decimal value names (``2.0``, ``20e-1``: 2; not through binary64),
+    and elsewhere (``config``, ``settings``) the float ``json.loads`` gives. Such a number whose value is not an
+    integer stays a :class:`~decimal.Decimal` where an integer belongs, which :func:`validate_manifest` refuses."""
+    floats = False
+
+    def decimal(t: str) -> Decimal:
+        nonlocal floats
+        floats = True
+        return Decimal(t)
+
+    doc = json.loads(text, parse_constant=_no_constant, parse_float=decimal)
+    return integers(doc) if floats else doc  # (the usual manifest has integers only: nothing to resolve)
+
+
+def integers(doc: Any) -> Any:
+    """A manifest (a dict whose ``kind`` is known; anything else is returned as it is) with every member its
+    schema types as integer that holds an integral float or Decimal as that int (spec 9): what a reader reads and
+    a writer writes (``rank=2.0`` is written ``2``). Decimals elsewhere become floats."""
+    kind = doc.get("kind") if isinstance(doc, dict) else None
+    if not isinstance(kind, str) or kind not in KINDS:
+        return doc
+    return _numbers(doc, schema(kind))
+
+
+def _numbers(value: Any, sch: dict) -> Any:
+    """``value`` with its Decimals and floats resolved by ``sch``, the schema of its place."""
+    if type(value) is float:
+        t = sch.get("type")
+        integer = t == "integer" or (isinstance(t, list) and "integer" in t)
+        return int(value) if integer and value.is_integer() else value
+    if isinstance(value, Decimal):
+        t = sch.get("type")
+        if t != "integer" and not (isinstance(t, list) and "integer" in t):
+            return float(value)
+        if not value.is_finite() or value != value.to_integral_value():
+            return value
+        if value.adjusted() >= _MAX_DIGITS:  # (1e1000000000: refused as a longer integer written out is)
+            raise ValueError(f"an integer of more than {_MAX_DIGITS} digits")
+        return int(value)
+    if isinstance(value, dict):
+        props = sch.get("properties", {})
+        more = sch.get("additionalProperties")
+        rest = more if isinstance(more, dict) else {}
+        return {k: _numbers(v, props.get(k, rest)) for k, v in value.items()}
+    if isinstance(value, list):
+        item = sch.get("items", {})
+        return [_numbers(v, item) for v in value]
+    return value
 
 
 @lru_cache(maxsize=None)

@@ -50,7 +50,7 @@ from .model import (
     Presence,
     row_problem,
 )
-from .schemas import validate_manifest
+from .schemas import integers, validate_manifest
 from .summary import Sketch, SpineTable, Summary, SumMethod, summarize
 
 __all__ = ["HistoryWriter", "SiteHandle"]
@@ -334,10 +334,11 @@ def encode_obs_chunks(chunks: list[tuple[list[tuple], int, int]], codec: int,
 
 
 def _encode_manifest(doc: dict) -> bytes:
-    """A manifest's payload (spec 9: sorted keys, no white space), after checking it against its schema."""
+    """A manifest's payload (spec 9: sorted keys, no white space, integers without fraction: ``rank=2.0`` is
+    written ``2``), after checking it against its schema."""
     validate_manifest(doc)
     try:
-        text = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        text = json.dumps(integers(doc), sort_keys=True, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as e:  # (an object JSON has no form for; a float NaN or infinity)
         raise UsageError(f"the {doc.get('kind')} manifest holds a value JSON cannot hold (spec 9: {e}): give "
                          "numbers, strings, booleans, null, lists and string-keyed objects; NaN and infinities as "

@@ -1,0 +1,127 @@
+"""Numbers in manifests (spec 9, "Integers"; spec 10): every member the schemas type as integer is read as the
+integer its number names, whatever its form (``2.0``, ``20e-1``), exactly (not through binary64), and dumped as
+that integer; numbers of free objects (a run's ``config``) keep their form."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from history_helpers import FAST, records, rewrite
+
+import trainhist
+from trainhist.dump import canonical, dumps
+from trainhist.errors import TrainhistError
+from trainhist.framing import RECORD_HEADER_SIZE, RecordType
+from trainhist.schemas import KINDS, SCHEMA_KEYWORDS, loads_manifest, schema, validate_manifest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _integer_members(sch: dict, where: str = "") -> list[str]:
+    """The places (``cadence.spine``, ``shape[]``) of every member ``sch`` types as integer."""
+    out = []
+    t = sch.get("type")
+    if t == "integer" or (isinstance(t, list) and "integer" in t):
+        out.append(where)
+    for k, sub in sch.get("properties", {}).items():
+        out += _integer_members(sub, f"{where}.{k}" if where else k)
+    if isinstance(sch.get("items"), dict):
+        out += _integer_members(sch["items"], where + "[]")
+    if isinstance(sch.get("additionalProperties"), dict):
+        out += _integer_members(sch["additionalProperties"], where + ".*")
+    return out
+
+
+def _keywords(sch: dict) -> set[str]:
+    found = set(sch)
+    for sub in sch.get("properties", {}).values():
+        found |= _keywords(sub)
+    for key in ("items", "additionalProperties"):
+        if isinstance(sch.get(key), dict):
+            found |= _keywords(sch[key])
+    return found
+
+
+def test_the_schemas_use_only_keywords_the_integer_rule_follows() -> None:
+    """loads_manifest finds integer members through properties, items and additionalProperties only: a schema
+    that hid one behind $ref or oneOf would leave it a float."""
+    for kind in KINDS:
+        assert _keywords(schema(kind)) <= SCHEMA_KEYWORDS, kind
+
+
+def test_the_spec_names_every_integer_member() -> None:
+    """Spec 9's list of the members the rule covers is the schemas' list."""
+    text = (ROOT / "spec" / "format.md").read_text("utf-8")
+    rule = text[text.index("**Integers.**") :]
+    rule = rule[: rule.index("fails the schema")]
+    named = set(re.findall(r"`([a-z_.]+)`", rule))
+    for kind in KINDS:
+        for place in _integer_members(schema(kind)):
+            last = place.replace("[]", "").split(".")
+            assert place == "id" or last[-1] in named or ".".join(last[-2:]) in named, (kind, place)
+
+
+def test_integral_numbers_are_integers_exactly_and_free_objects_keep_their_form() -> None:
+    doc = loads_manifest('{"kind":"site","id":-0.0,"shape":[2.0,30e-1,4E+0],"cadence":{"spine":1.0,"sketch":0e9},'
+                         '"sample":{"elements":1.00,"of":2e0,"seed":-7.0},"order":9007199254740993.0}')
+    assert doc == {"kind": "site", "id": 0, "shape": [2, 3, 4], "cadence": {"spine": 1, "sketch": 0},
+                   "sample": {"elements": 1, "of": 2, "seed": -7}, "order": 9007199254740993}
+    assert all(type(v) is int for v in (doc["id"], *doc["shape"], doc["order"], *doc["sample"].values()))
+    seg = loads_manifest('{"kind":"segment","first_step":1152921504606846977.0,"previous":3e0}')
+    assert seg["first_step"] == 2**60 + 1 and seg["previous"] == 3
+    run = loads_manifest('{"kind":"run","config":{"lr":1.0,"n":2,"xs":[0.5,1e0]}}')
+    assert run["config"] == {"lr": 1.0, "n": 2, "xs": [0.5, 1.0]} and type(run["config"]["lr"]) is float
+    assert json.dumps(run["config"], sort_keys=True) == '{"lr": 1.0, "n": 2, "xs": [0.5, 1.0]}'
+    with pytest.raises(TrainhistError) as ei:
+        validate_manifest(loads_manifest('{"kind":"writer","writer_id":"' + "a" * 32 + '","run_id":"' + "b" * 32
+                                         + '","rank":2.5,"world_size":4,"host":null,"created":"t"}'))
+    assert ei.value.code == "bad_manifest" and "rank" in str(ei.value)
+    with pytest.raises(ValueError):  # (a billion-digit integer: refused, as an integer written out that long is)
+        loads_manifest('{"kind":"segment","first_step":1e1000000000}')
+
+
+def _file(tmp_path: Path, shape: bytes) -> tuple[Path, int]:
+    """A file whose site manifest's shape, written [400000], is ``shape`` (same length), and that manifest's
+    offset."""
+    p = tmp_path / "f.thist"
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        w.observe(w.site("a", "activation", shape=(400000,)), 0, np.ones(3, np.float32))
+    data = bytearray(p.read_bytes())
+    for pos in records(bytes(data), RecordType.MANIFEST):
+        length = int.from_bytes(data[pos + 4 : pos + 8], "little")
+        payload = bytes(data[pos + RECORD_HEADER_SIZE : pos + RECORD_HEADER_SIZE + length])
+        if b'"shape":[400000]' in payload:
+            rewrite(data, pos, payload.replace(b'"shape":[400000]', b'"shape":' + shape.ljust(8)))
+            site_at = pos
+    p.write_bytes(bytes(data))
+    return p, site_at
+
+
+def test_a_shape_of_integral_floats_reads_and_dumps_as_integers(tmp_path: Path) -> None:
+    p, _ = _file(tmp_path, b"[2.5e4]")
+    with trainhist.open(p) as h:
+        assert h.sites[0].shape == (25000,) and type(h.sites[0].shape[0]) is int
+        assert canonical(h)["sites"][0]["shape"] == [25000] and '"shape":[25000]' in dumps(h)
+
+
+@pytest.mark.parametrize("shape,code", [(b"[40.05]", "bad_manifest"), (b"[1e9999]", "bad_manifest_json")])
+def test_a_shape_that_is_no_integer_is_refused_at_its_manifest(tmp_path: Path, shape: bytes, code: str) -> None:
+    p, at = _file(tmp_path, shape)
+    with pytest.raises(TrainhistError) as ei:
+        trainhist.open(p)
+    assert ei.value.code == code and ei.value.offset == at
+
+
+def test_the_writer_writes_integral_floats_as_integers(tmp_path: Path) -> None:
+    """Spec 9: writers write integers without fraction or exponent; it wrote rank=0.0 as 0.0."""
+    p = tmp_path / "w.thist"
+    with trainhist.HistoryWriter(p, rank=0.0, world_size=2.0, config={"lr": 1.0}, **FAST) as w:
+        a = w.site("a", "activation", shape=(2.0,), sample={"elements": 1.0, "of": 2.0, "seed": 3.0}, order=1.0)
+        w.observe(a, 0, np.ones(1))
+    data = p.read_bytes()
+    assert b'"rank":0,' in data and b'"world_size":2,' in data and b'"sample":{"elements":1,"of":2,"seed":3}' in data
+    assert b'"config":{"lr":1.0}' in data  # (a free object keeps its numbers' form)
