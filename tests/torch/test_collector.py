@@ -2023,3 +2023,39 @@ def test_several_backward_passes_through_one_output_are_each_recorded_and_said(t
     h = trainhist.open(path)
     assert len(spy.grads[(0, "0", None)]) == 2
     assert_row(h, "0", "activation_grad", 0, ref_summary(spy.grads[(0, "0", None)]), sketch=False)
+
+
+def test_a_parameter_first_trained_after_the_plan_gets_its_sample_and_shape(tmp_path):
+    """A weight frozen when the plan was made has no gradient or update site; unfrozen later (staged fine-tuning),
+    its sites were made with an output's defaults: no sample although its update rows held 4096 of 6400 elements,
+    no shape, and the sharing of a module output (under DDP 'shard' for a replica, so merge doubled its counts).
+    They are now made as the plan's are."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(80, 80), torch.nn.Linear(80, 4))
+    m[0].weight.requires_grad_(False)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    path = tmp_path / "unfreeze.thist"
+    col = Collector(m, path, replicas=["0"])
+    col.discover(torch.randn(2, 80))
+    assert col.plan.find("0.weight", "param_delta", None) is None
+    col.attach(optimizer=opt)
+    before, after = {}, {}
+    for step in range(3):
+        if step == 1:
+            m[0].weight.requires_grad_(True)
+        before[step] = m[0].weight.detach().clone()
+        with col.step(step):
+            m(torch.randn(2, 80)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        after[step] = m[0].weight.detach().clone()
+    col.close()
+    h = trainhist.open(path)
+    for stream in ("param_grad", "param_delta"):
+        site = h.site("0.weight", stream)
+        assert (site.shape, site.sharing) == ((80, 80), "replica"), stream
+    assert h.site("0.weight", "param_delta").sample == {"elements": 4096, "of": 6400, "seed": 0}
+    idx = sample_indices("0.weight", 6400, 4096, 0)
+    for step in (1, 2):
+        delta = (after[step] - before[step]).reshape(-1)[torch.from_numpy(idx)]
+        assert_row(h, "0.weight", "param_delta", step, ref_summary([delta]), sketch=False)

@@ -583,20 +583,21 @@ class Collector:
         for name, p in self._params.items():
             if name not in self._sel_params:
                 continue
-            shape, dtype, n = tuple(p.shape), _dtype_name(p), local_tensor(p).numel()
-            flat = self._flat.get(id(p))
-            shape = shape if flat is None else flat[0]  # (an FSDP1 parameter: the whole one's, as a DTensor's)
-            sharing = self._sharing(name, p)
             for stream in ("param", "param_grad", "param_delta"):
-                if stream not in self.streams or (stream != "param" and not p.requires_grad):
-                    continue
-                sample, el = None, n
-                if stream == "param_delta":
-                    idx, sample = delta_sample(name, p, self.delta_elements, self.seed, flat)
-                    el = n if idx is None else len(idx)
-                plan.sites.append(PlannedSite(name, stream, None, shape, dtype, el, sharing, ev[stream],
-                                              sk[stream], sample))
+                if stream in self.streams and (stream == "param" or p.requires_grad):
+                    plan.sites.append(self._param_site(name, p, stream))
         return plan
+
+    def _param_site(self, name: str, p: torch.Tensor, stream: str) -> PlannedSite:
+        """The planned site of parameter ``name`` in ``stream`` (also for one first trained after the plan)."""
+        n, flat = local_tensor(p).numel(), self._flat.get(id(p))
+        shape = tuple(p.shape) if flat is None else flat[0]  # (an FSDP1 parameter: the whole one's, as a DTensor's)
+        sample, el = None, n
+        if stream == "param_delta":
+            idx, sample = delta_sample(name, p, self.delta_elements, self.seed, flat)
+            el = n if idx is None else len(idx)
+        return PlannedSite(name, stream, None, shape, _dtype_name(p), el, self._sharing(name, p), self.every[stream],
+                           self.sketch_every[stream], sample)
 
     def settings(self) -> dict:
         """The collector settings written into the file."""
@@ -791,9 +792,12 @@ class Collector:
                 self.plan.sites = [
                     x for x in self.plan.sites if not (x.provisional and (x.path, x.stream) == (path, stream))
                 ]
-                s = PlannedSite(path, stream, facet, None, self._dtypes.get(key), None,
-                                "replica" if path in self._rep_modules else "shard",
-                                self.every[stream], self.sketch_every[stream])
+                if stream.startswith("param") and path in self._params:  # (a parameter first trained now)
+                    s = self._param_site(path, self._params[path], stream)
+                else:
+                    s = PlannedSite(path, stream, facet, None, self._dtypes.get(key), None,
+                                    "replica" if path in self._rep_modules else "shard",
+                                    self.every[stream], self.sketch_every[stream])
                 self.plan.sites.append(s)
             shape = s.shape if stream.startswith("param") else None
             if path in self._completed:  # (declared inside a forward that has not ended)
