@@ -82,6 +82,9 @@ def test_integral_numbers_are_integers_exactly_and_free_objects_keep_their_form(
     assert ei.value.code == "bad_manifest" and "rank" in str(ei.value)
     with pytest.raises(ValueError):  # (a billion-digit integer: refused, as an integer written out that long is)
         loads_manifest('{"kind":"segment","first_step":1e1000000000}')
+    with pytest.raises(ValueError):  # (spec 9: a reader MAY refuse more than 4300 digits; the reference does)
+        loads_manifest('{"kind":"segment","first_step":' + "1" * 4301 + "}")
+    assert loads_manifest('{"kind":"segment","first_step":-' + "9" * 4300 + "}")["first_step"] == 1 - 10**4300
 
 
 def _file(tmp_path: Path, shape: bytes) -> tuple[Path, int]:

@@ -900,6 +900,20 @@ def gen_valid_edges(s: Suite, base: dict[str, bytes]) -> None:
            "forms 2.0, 1e0, 10e-1, -0.0, 4E+0, 7.00; a first_step of 2^53 + 1 as 9007199254740993.0): each read as "
            "its integer, by its exact decimal value, and dumped as one", ["9", "10"], data)
     assert same_content(data, plain)  # (the dump of the file written with integers)
+    # manifest integers beyond 2^53 (a binary64 JSON parser would round them): kept and dumped exactly
+    big = ops_doc([site("fc", shape=[2**62 + 1], sample={"elements": 1, "of": 2**62 + 1, "seed": -(2**64) - 1},
+                        cadence={"spine": 1, "sketch": 0}),
+                   obs(0, 2**60 + 1, [1.0], sketch=False), COMMIT,
+                   {"op": "new_segment", "first_step": I(2**63 - 1), "reason": "manual"},
+                   obs(0, 2**63 - 1, [2.0], sketch=False), COMMIT])
+    big["writer"]["pid"] = 2**53 + 1
+    data = write_ops(big)
+    s.read(v, "manifest_big_integers", "manifest integers a binary64 cannot hold: a segment first_step of 2^60 + 1 "
+           "(then one of 2^63 - 1), a pid of 2^53 + 1, a site shape and sample.of of 2^62 + 1, a sample seed of "
+           "-(2^64 + 1): read and dumped with every digit", ["9", "10"], data)
+    dumped = outcome(data)[1]
+    for n in (2**60 + 1, 2**63 - 1, 2**53 + 1, 2**62 + 1, -(2**64) - 1):
+        assert f":{n}" in dumped, n
     s.read(v, "site_optional_absent", "a site manifest without shape, dtype and sample: null in the dump",
            ["9", "10"], with_manifest("site", lambda b: manifest({k: x for k, x in json.loads(b).items()
                                                                    if k not in ("shape", "dtype", "sample")})))
