@@ -208,3 +208,16 @@ def test_no_vectors_is_a_usage_error(tmp_path: Path) -> None:
 def test_optional_outputs_match_byte_for_byte(cid: str) -> None:
     case = conf.load_cases(VECTORS, cid)[0]
     assert conf.run_case(case, conf.default_impl(), strict=True).status == "pass"
+
+
+def test_case_schema_takes_the_coarsen_arguments_of_spec_11_7() -> None:
+    """bins_per_octave is 4, 2 or 1 and steps 1 ... 2^32 - 1, as conformance/README.md says (the schema took any
+    positive integer)."""
+    import jsonschema
+
+    schema = json.loads((ROOT / "conformance" / "case.schema.json").read_text("utf-8"))
+    validator = jsonschema.Draft202012Validator(schema)
+    case = conf.load_cases(VECTORS, "coarsen/bins2")[0].doc
+    assert validator.is_valid(case)
+    for args in ({"bins_per_octave": 3}, {"bins_per_octave": 8}, {"steps": 2**32}, {"steps": 0}):
+        assert not validator.is_valid({**case, "args": {**case["args"], **args}}), args
