@@ -221,3 +221,36 @@ def test_case_schema_takes_the_coarsen_arguments_of_spec_11_7() -> None:
     assert validator.is_valid(case)
     for args in ({"bins_per_octave": 3}, {"bins_per_octave": 8}, {"steps": 2**32}, {"steps": 0}):
         assert not validator.is_valid({**case, "args": {**case["args"], **args}}), args
+
+
+def test_ignore_frees_values_and_read_bytes_only(tmp_path: Path) -> None:
+    """conformance/README.md, `ignore`: the values it names are free (they must still be there), a read case with it
+    is not compared byte for byte, and nothing else changes: the recovery check of a truncated case (it failed on
+    the placeholder when a pointer named a recovery member) and the byte comparison of a produced file."""
+    impl = tmp_path / "sloppy.py"
+    impl.write_text(textwrap.dedent(DELEGATE))
+    sloppy = [sys.executable, str(impl)]
+    cases = {c.id: c for c in conf.load_cases(VECTORS)}
+
+    def with_ignore(cid: str, ignore: list[str]) -> conf.Case:
+        c = cases[cid]
+        return conf.Case(c.id, c.dir, {**c.doc, "expect": {**c.doc["expect"], "ignore": ignore}})
+
+    cut = with_ignore("truncated/in_commit", ["/recovery/committed_bytes", "/recovery/dropped_bytes"])
+    assert conf.run_case(cut, conf.default_impl(), strict=True).status == "pass"
+    assert conf.run_case(cut, sloppy, strict=True).status == "pass"  # (JSON-equal, not byte-identical: ignored)
+    assert conf.run_case(cases["truncated/in_commit"], sloppy, strict=True).status == "fail"
+    wrong = tmp_path / "wrong.py"  # a wrong committed_bytes: the recovery check still sees it
+    wrong.write_text(textwrap.dedent("""
+        import re, subprocess, sys
+        p = subprocess.run([sys.executable, "-m", "trainhist.conformance_impl", *sys.argv[1:]], capture_output=True)
+        sys.stdout.buffer.write(re.sub(rb'"committed_bytes":"u:[0-9]+"', b'"committed_bytes":"u:8"', p.stdout))
+        sys.exit(p.returncode)
+    """))
+    r = conf.run_case(cut, [sys.executable, str(wrong)])
+    assert r.status == "fail" and "recovery.committed_bytes" in r.detail, r.detail
+    missing = with_ignore("valid/basic", ["/sites/0/rows/0/nonexistent", "/header/*"])
+    assert conf.run_case(missing, conf.default_impl(), strict=True).status == "pass"
+    w = with_ignore("writer/basic", ["/sites/*/rows"])
+    assert conf.run_case(w, sloppy).status == "pass"
+    assert "byte-identical" in conf.run_case(w, sloppy, strict=True).detail
