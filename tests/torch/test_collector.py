@@ -35,7 +35,8 @@ def assert_param_rows(h: trainhist.History, step: int, after: dict, before: dict
         assert_row(h, n, "param", step, ref_summary([after[n]]), sketch=sketch)
         if grads is not None:
             assert_row(h, n, "param_grad", step, ref_summary([grads[n]]), sketch=sketch)
-        d = (after[n].float() - before[n].float()).reshape(-1)
+        wide = torch.promote_types(after[n].dtype, torch.float32)  # (float64 subtracted in float64, then rounded)
+        d = (after[n].to(wide) - before[n].to(wide)).float().reshape(-1)
         idx = sample_indices(n, d.numel(), elements, 0)
         assert_row(h, n, "param_delta", step, ref_summary([d if idx is None else d[torch.from_numpy(idx)]]),
                    sketch=sketch)
@@ -2059,3 +2060,25 @@ def test_a_parameter_first_trained_after_the_plan_gets_its_sample_and_shape(tmp_
     for step in (1, 2):
         delta = (after[step] - before[step]).reshape(-1)[torch.from_numpy(idx)]
         assert_row(h, "0.weight", "param_delta", step, ref_summary([delta]), sketch=False)
+
+
+def test_a_float64_parameters_update_is_subtracted_before_it_is_rounded(tmp_path):
+    """A float64 parameter's update was taken as the difference of its float32-rounded values: updates of 1e-9 on
+    weights near 1 read as exact zeros (15 of 16) or as float32 steps of 1.2e-7. It is now subtracted in float64
+    and rounded to float32 after."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 4, bias=False).double()
+    with torch.no_grad():
+        m.weight.fill_(1.0).add_(torch.rand(4, 4, dtype=torch.float64) * 1e-3)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-9)
+    path = tmp_path / "f64.thist"
+    col = Collector(m, path, streams=("param_delta",))
+    col.attach(optimizer=opt)
+    before = m.weight.detach().clone()
+    with col.step(0):
+        m(torch.randn(3, 4, dtype=torch.float64)).square().sum().backward()
+        opt.step()
+    col.close()
+    delta = (m.weight.detach() - before).to(torch.float32)
+    assert int((delta == 0).sum()) == 0
+    assert_row(trainhist.open(path), "weight", "param_delta", 0, ref_summary([delta]), sketch=False)

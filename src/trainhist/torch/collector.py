@@ -614,8 +614,8 @@ class Collector:
                 "seed": self.seed,
                 "indices": "sorted numpy.random.default_rng([seed, zlib.crc32(path)]).choice(numel, elements, "
                 "replace=False) over the flattened parameter (a sharded DTensor or FSDP1 shard: its whole flat "
-                "positions, each rank measuring those in its shard; otherwise the rank-local tensor); float32 "
-                "difference exit - entry",
+                "positions, each rank measuring those in its shard; otherwise the rank-local tensor); exit - entry "
+                "computed in float32 (float64 for a float64 parameter), rounded to float32",
             },
             "micro_batches": "merged on device: one row per (site, phase) per step, micro=None",
             "param_timing": "param at step exit (after the update); param_grad before the optimizer step",
@@ -1500,11 +1500,13 @@ class Collector:
         return out
 
     def _gather(self, name: str, idx: torch.Tensor | None) -> torch.Tensor:
-        """A new float32 tensor of the ``param_delta`` subvector of ``name`` (``index_select`` and ``clone`` copy
-        once; fancy indexing and a copying cast cost four times as long, twice per parameter per step)."""
+        """A new tensor of the ``param_delta`` subvector of ``name``, in float32 or the parameter's wider dtype (a
+        float64 update is subtracted in float64 before it is rounded; ``index_select`` and ``clone`` copy once:
+        fancy indexing and a copying cast cost four times as long, twice per parameter per step)."""
         flat = local_tensor(self._params[name]).detach().reshape(-1)
         g = flat.clone() if idx is None else flat.index_select(0, idx)
-        return g if g.dtype == torch.float32 else g.to(torch.float32)
+        wide = torch.promote_types(g.dtype, torch.float32)
+        return g if g.dtype == wide else g.to(wide)
 
     def _sample_of(self, name: str) -> tuple[int, np.ndarray | None, torch.Tensor | None]:
         """The parameter's size and its seeded ``param_delta`` positions (numpy, and on its device; ``None``: all
@@ -1583,7 +1585,7 @@ class Collector:
             elif name in st.snapshots:
                 idx, before = st.snapshots[name]
                 try:
-                    items.append((key, self._gather(name, idx).sub_(before)))
+                    items.append((key, self._gather(name, idx).sub_(before).to(torch.float32)))
                 except Exception as e:  # noqa: BLE001
                     self._fail(key, e)
         self._reduce_many(items)
