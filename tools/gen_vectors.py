@@ -248,6 +248,12 @@ def patch_header(data: bytes, offset: int, *, fix_crc: bool = True, **fields: in
     return data[:offset] + new + data[offset + 32 :]
 
 
+def no_owner(data: bytes) -> bytes:
+    """``data`` without its run and writer manifests (spec 4.4: a reader reads it, merge refuses it)."""
+    return build([r for r in parse(data) if r.type != RecordType.MANIFEST
+                  or json.loads(r.payload)["kind"] not in ("run", "writer")])[0]
+
+
 def first(recs: list[Rec], rtype: int, kind: str | None = None) -> Rec:
     for r in recs:
         if r.type == rtype and (kind is None or json.loads(r.payload)["kind"] == kind):
@@ -914,6 +920,9 @@ def gen_valid_edges(s: Suite, base: dict[str, bytes]) -> None:
     dumped = outcome(data)[1]
     for n in (2**60 + 1, 2**63 - 1, 2**53 + 1, 2**62 + 1, -(2**64) - 1):
         assert f":{n}" in dumped, n
+    s.read(v, "no_run_writer_manifests", "a file without run and writer manifests (its writer broke spec 4.4's "
+           "MUST): read as any other, with empty runs and writers and a segment whose writer_id no manifest "
+           "describes (merge refuses it: merge/unknown_writer)", ["4.4", "11.3"], no_owner(base["nosketch"]))
     s.read(v, "site_optional_absent", "a site manifest without shape, dtype and sample: null in the dump",
            ["9", "10"], with_manifest("site", lambda b: manifest({k: x for k, x in json.loads(b).items()
                                                                    if k not in ("shape", "dtype", "sample")})))
@@ -1505,6 +1514,10 @@ def gen_merge(s: Suite) -> None:
                   runs, {"inputs": two})
     _derived_case(s, m, "across_runs", "two runs with --across-runs: segment 0 of both combine", ["11.3"], runs,
                   {"inputs": two, "across_runs": True})
+    _derived_case(s, m, "unknown_writer", "an input without run and writer manifests (valid/no_run_writer_manifests, "
+                  "which a reader reads): merge cannot place its segment", ["11.3", "4.4"],
+                  {"input-0.thist": no_owner(write_ops(ops_doc(NOSKETCH_OPS)))}, {"inputs": ["input-0.thist"]},
+                  error="unknown_writer")
     _derived_case(s, m, "overlapping_writers", "the same file twice would count its writer twice", ["11.8"],
                   {"input-0.thist": r0}, {"inputs": ["input-0.thist", "input-0.thist"]}, error="overlapping_writers")
     _derived_case(s, m, "replica_divergence", "a replica site whose rows differ between ranks", ["11.5"],
