@@ -94,7 +94,9 @@ def test_waterfall_draws_each_sketch_over_its_own_steps(tmp_path):
     trainhist.coarsen(p, c, steps=4)
     with trainhist.open(c) as h:
         cols = _mesh_columns(waterfall(h, "a"))
-    assert [(a, b) for a, b, _ in cols] == [(-0.5, 3.5), (3.5, 7.5), (7.5, 11.5)] and cols[1][2] == []
+    # (window [4, 8) has no row: the step its cadence called for, 4, is cut out and hatched as unknown)
+    assert [(a, b) for a, b, _ in cols] == [(-0.5, 3.5), (3.5, 4.5), (4.5, 7.5), (7.5, 11.5)]
+    assert cols[1][2] == cols[2][2] == []
 
 
 def test_waterfall_counts_rows_that_overlap_instead_of_drawing_them_at_zero_width():
@@ -446,3 +448,87 @@ def test_steps_no_float_axis_can_hold_are_refused_and_every_later_segment_is_a_b
         fig = site_figure(h, "a")
         labels = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
         assert "segment boundary" in labels
+
+
+def _sparse_sketches(tmp_path):
+    """Spine every step 0..14, sketches every 5 steps (0, 5, 10); step 7 failed, 8 due without a row, 11 absent,
+    12 skipped, 13 and 14 observed after the last sketch."""
+    p = tmp_path / "sparse.thist"
+    rng = np.random.default_rng(1)
+    with trainhist.HistoryWriter(p) as w:
+        s = w.site("enc", "activation", cadence_sketch=5)
+        for st in range(15):
+            if st in (7, 11, 12):
+                w.mark(s, st, {7: "failed", 11: "absent", 12: "skipped"}[st])
+            elif st != 8:
+                w.observe(s, st, rng.standard_normal(64) * (st + 1), sketch=st % 5 == 0)
+    return p
+
+
+def test_derived_quantiles_are_not_joined_across_steps_without_a_sketch(tmp_path):
+    """The median and the fan ran diagonally from the sketch at step 0 to the one at step 5 over steps 1..4, which
+    have values but no sketch: quantiles that were never read. They are drawn over the sketched rows' own steps,
+    and the legend says so (and that every derived quantile, not the median alone, has the bin-width bound)."""
+    with trainhist.open(_sparse_sketches(tmp_path)) as h:
+        ax = site_figure(h, "enc").axes[0]
+    (med,) = [ln for ln in ax.lines if "median" in str(ln.get_label())]
+    assert [(p[0, 0], p[-1, 0]) for p in _pieces(med)] == [(0, 1), (5, 6), (10, 11)]
+    fans = [c for c in ax.collections if "p5" in str(c.get_label()) or "p25" in str(c.get_label())]
+    assert len(fans) == 2
+    for c in fans:
+        for path in c.get_paths():
+            xs = path.vertices[:, 0]
+            assert xs.max() - xs.min() <= 1, (c.get_label(), xs.min(), xs.max())  # (one sketched step each)
+    legend = [" ".join(t.get_text().split()) for t in ax.get_legend().get_texts()]
+    note = next(t for t in legend if t.startswith("every derived quantile"))
+    assert "±19% relative" in note and "drawn only at the 3 of 11 rows" in note
+    assert not any("±" in t for t in legend if t.startswith("median"))
+
+
+def test_waterfall_shows_every_spine_step_and_names_why_a_sketch_is_missing(tmp_path):
+    """Steps after the last sketch were cut off the axis (neither hatched nor shown), and failed, absent, skipped
+    and unknown steps had the same 'no sketch' hatch as steps where no sketch was scheduled. Each state now has its
+    own hatch, color and legend entry, and the axis covers every step of the spine."""
+    with trainhist.open(_sparse_sketches(tmp_path)) as h:
+        fig = waterfall(h, "enc")
+    ax = fig.axes[0]
+    cols = _mesh_columns(fig)
+    assert cols[0][0] == -0.5 and cols[-1][1] == 14.5 and cols[-1][2] == []
+    hatched = {}
+    for c in ax.collections[1:]:
+        label = str(c.get_label())
+        if c.get_hatch():
+            hatched[label.split(":")[0].split(" (")[0]] = sorted((round(p.vertices[:, 0].min(), 1),
+                                                                  round(p.vertices[:, 0].max(), 1))
+                                                                 for p in c.get_paths())
+    assert hatched == {"no sketch at these steps": [(0.5, 4.5), (5.5, 6.5), (8.5, 9.5), (12.5, 14.5)],
+                       "failed": [(6.5, 7.5)], "unknown": [(7.5, 8.5)], "absent": [(10.5, 11.5)],
+                       "skipped": [(11.5, 12.5)]}
+    hatches = {str(c.get_label()).split(":")[0]: (c.get_hatch(), tuple(c.get_edgecolor()[0]))
+               for c in ax.collections[1:] if c.get_hatch()}
+    assert len(set(hatches.values())) == len(hatches)  # (distinct hatch and color each)
+    legend = [t.get_text().replace("\n", " ") for t in ax.get_legend().get_texts()]
+    assert "failed: 1 row without numbers" in legend and "unknown: 1 run of due steps without a row" in legend
+
+
+def test_long_waterfall_hatches_a_failed_column_and_says_what_no_hatch_can_mark(tmp_path, monkeypatch):
+    """Columns that add several steps: one that holds no sketch takes the hatch of the state of its rows; rows
+    without numbers in a column that also holds sketches cannot be hatched, and the title says how many."""
+    from trainhist import figures
+
+    monkeypatch.setattr(figures, "_MAX_COLUMNS", 10)
+    p = tmp_path / "lf.thist"
+    with trainhist.HistoryWriter(p) as w:
+        s = w.site("a", "activation")
+        for st in range(100):
+            if 40 <= st < 50 or st == 73:
+                w.mark(s, st, "failed")
+            else:
+                w.observe(s, st, np.full(4, 2.0))
+    with trainhist.open(p) as h:
+        ax = waterfall(h, "a").axes[0]
+    assert "each column adds the sketches of 10 steps" in ax.get_title()
+    (failed,) = [c for c in ax.collections if str(c.get_label()).startswith("failed")]
+    assert [(p.vertices[:, 0].min(), p.vertices[:, 0].max()) for p in failed.get_paths()] == [(39.5, 49.5)]
+    assert "failed: 10 rows without numbers" in str(failed.get_label())
+    assert "1 row without numbers lies in columns that hold sketches" in ax.get_title().replace("\n", " ")

@@ -5,11 +5,14 @@ Every row is drawn over the steps it covers, ``[step, step + span)`` (a coarsene
 a segment boundary.
 
 - :func:`site_figure`: one site over steps — quantile fan DERIVED from the sketch (its bin-width bound in the
-  legend), the EXACT min/max envelope from the spine, non-finite events, skipped optimizer steps and segment
-  boundaries marked; rows without numbers (every presence but ``observed``) in a strip of their own below the
-  values, never on the value axis.
+  legend), drawn over the sketched rows only and never joined across a row with values but no sketch, the EXACT
+  min/max envelope from the spine, non-finite events, skipped optimizer steps and segment boundaries marked; rows
+  without numbers (every presence but ``observed``) in a strip of their own below the values, never on the value
+  axis.
 - :func:`waterfall`: steps × signed-log2 bins, the sketch counts as they are stored (never rebinned); a long
-  history's rows are added into at most about one column a pixel (labelled), steps without a sketch hatched.
+  history's rows are added into at most about one column a pixel (labelled); the axis covers every step of the
+  spine, and steps without a sketch are hatched by what the spine says of them (failed, unknown, skipped, absent:
+  the colors of the site figure's strip; else "no sketch").
 - :func:`contact_sheet`: every site as a small tile, non-finite sites first then by drift, paginated with an
   "N of M — page k of P" footer; nothing is silently left out.
 """
@@ -282,6 +285,7 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
     obs = s.observed & (s.finite > 0)
     r = np.flatnonzero(obs)
     joined = _joins(s, r, hole)
+    notes = []  # legend entries that are notes, not marks (kept out of the axes' lines)
     _plot_rows(ax, start[r], end[r], s.min[r], joined, ls=":", color="k", lw=1, label="min / max (exact, spine)")
     _plot_rows(ax, start[r], end[r], s.max[r], joined, ls=":", color="k", lw=1)
     if not len(sk):
@@ -300,17 +304,31 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
         q = np.full((len(s), 5), np.nan)  # (per spine row)
         q[at] = quantiles_from_sketch(sk.pos, sk.neg, sk.bands, zero, sk.scale, (0.05, 0.25, 0.5, 0.75, 0.95))
         f = np.flatnonzero(obs & rows)
-        joined = _joins(s, f, hole)
+        # the quantiles exist only at rows with a sketch: no line or fan joins two of them across a row that has
+        # values but no sketch (a sketch cadence sparser than the spine's), which would draw quantiles never read
+        unsketched = obs & ~rows
+        nu = np.r_[0, np.cumsum(unsketched)]
+        joined = _joins(s, f, hole) & (nu[f[1:]] == nu[f[:-1] + 1])
+        alone = ~np.r_[False, joined] & ~np.r_[joined, False]
         x = _stairs(start[f], end[f], q[f, 0], joined)[0]
         for (a, b), alpha, label in (((0, 4), 0.2, "p5–p95 (derived from sketch)"),
-                                     ((1, 3), 0.35, "p25–p75 (derived)")):
+                                     ((1, 3), 0.35, "p25–p75 (derived from sketch)")):
             lo, hi = (_stairs(start[f], end[f], q[f, j], joined)[1] for j in (a, b))
             ax.fill_between(x, lo, hi, where=np.isfinite(lo) & np.isfinite(hi), alpha=alpha, color="C0", lw=0,
                             label=label)
+            if alone.any():  # (a fan one step wide draws nothing visible on a long axis: a bar at its middle too)
+                ax.vlines((start[f] + end[f])[alone] / 2, q[f[alone], a], q[f[alone], b], color="C0", alpha=alpha,
+                          lw=3)
         width = 2 ** (1 / 2**sk.scale) - 1
         _plot_rows(ax, start[f], end[f], q[f, 2], joined, color="C0", lw=1.5,
-                   label=f"median (derived; ±{width:.0%} relative, {2**sk.scale} bins/octave"
+                   label="median (derived from sketch"
                    + ("; partly sketched windows: zeros estimated" if partial.any() else "") + ")")
+        from matplotlib.lines import Line2D
+
+        notes.append(Line2D([], [], ls="none", label=f"every derived quantile (p5 to p95): within ±{width:.0%} "
+                            f"relative (one bin at {2**sk.scale} bins/octave)"
+                            + (f"; drawn only at the {f.size} of {int(obs.sum())} rows with values that have a "
+                               "sketch, never joined across a row without one" if unsketched.any() else "")))
     _marks(ax, h, s)
     if obs.any():
         lin = max(1e-12, float(np.nanmax(np.abs(np.r_[s.min[obs], s.max[obs], 1e-12]))) * 1e-3)
@@ -320,6 +338,7 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
         ax.set_yticks([])
         ax.text(0.5, 0.5, "no row holds a finite value", ha="center", transform=ax.transAxes)
     handles, labels = ax.get_legend_handles_labels()
+    handles, labels = handles + notes, labels + [n.get_label() for n in notes]
     if strip is not None:
         _presence_strip(strip, s, (gap_from, gap_to))
         more = strip.get_legend_handles_labels()
@@ -430,6 +449,74 @@ def _column_bins(step: np.ndarray, span: np.ndarray, segment: np.ndarray) -> tup
     return np.array(edges) - 0.5, np.array(at)[inv.reshape(-1)], len(edges) - 1, width
 
 
+#: how a waterfall hatches a column without a sketch, by the state of the spine's rows there (the colors of
+#: site_figure's "no data" strip); the first that occurs in a column names it, else the column is "no sketch"
+_NO_SKETCH = ((Presence.FAILED, "xxx", "red"), (Presence.UNKNOWN, "\\\\\\", "purple"),
+              (Presence.SKIPPED, "---", "orange"), (Presence.ABSENT, "...", "0.3"))
+
+
+def _split_blank(x: np.ndarray, img: np.ndarray, s: SpineSeries, first: np.ndarray, end: np.ndarray,
+                 drawn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Cut the columns without a sketch of ``img`` (edges ``x``) at the first and end step of every row without
+    numbers (failed, unknown, skipped, absent) and of every run of due steps without a row, so that each part is
+    hatched by its own state (:func:`_hatch_missing`)."""
+    _, gap_from, gap_to = _due_gaps(s)
+    sel = drawn & np.isin(s.presence, [code for code, _, _ in _NO_SKETCH])
+    cuts = np.r_[first[sel], end[sel], gap_from, gap_to].astype(np.float64) - 0.5
+    blank = np.isnan(img).all(axis=0)
+    j = np.searchsorted(x, cuts, side="right") - 1
+    inside = (j >= 0) & (j < blank.size)
+    inside[inside] &= blank[j[inside]] & (x[j[inside]] < cuts[inside])
+    if not inside.any():
+        return x, img
+    edges = np.union1d(x, cuts[inside])
+    return edges, img[:, np.searchsorted(x, edges[:-1], side="right") - 1]
+
+
+def _hatch_missing(ax, x: np.ndarray, blank: np.ndarray, s: SpineSeries, first: np.ndarray, end: np.ndarray,
+                   drawn: np.ndarray, nb: int) -> int:
+    """Hatch the columns without a sketch (``blank``; edges ``x``) by what the spine says of their steps: failed,
+    unknown (rows, or steps its cadence called for without a row), skipped or absent rows each with their own hatch
+    and color, the first of those in a column naming it, and the other columns (rows observed without a sketch,
+    ``not_scheduled`` rows, steps nothing was due at) "no sketch"; every one is missing, never zero. Returns how
+    many rows without numbers lie in columns that hold sketches (a long history's added columns), which no hatch
+    can mark."""
+    n = blank.size
+    _, gap_from, gap_to = _due_gaps(s)
+    nonblank = np.r_[0, np.cumsum(~blank)]
+    state = np.full(n, -1)
+    found = []  # (code, first and last column of each of its rows or runs of due steps, how many are rows)
+    for code, _, _ in _NO_SKETCH:
+        sel = drawn & (s.presence == code)
+        a, b = first[sel], end[sel]
+        if code == Presence.UNKNOWN:
+            a, b = np.r_[a, gap_from], np.r_[b, gap_to]
+        lo = np.clip(np.searchsorted(x, a - 0.5, side="right") - 1, 0, n - 1)
+        hi = np.clip(np.searchsorted(x, b - 0.5, side="left") - 1, 0, n - 1)
+        d = np.zeros(n + 1, np.int64)
+        np.add.at(d, lo, 1)
+        np.add.at(d, hi + 1, -1)
+        state[(np.cumsum(d[:-1]) > 0) & blank & (state < 0)] = code
+        found.append((code, lo, hi, int(sel.sum())))
+    inside = 0
+    spans = [(blank & (state < 0), "///", "0.55", "0.93", "no sketch at these steps (missing, not zero)")]
+    for (code, lo, hi, k), (_, hatch, color) in zip(found, _NO_SKETCH):
+        inside += int((nonblank[hi + 1] - nonblank[lo] > 0)[:k].sum())
+        mine = np.r_[0, np.cumsum(state == code)]
+        shown = mine[hi + 1] - mine[lo] == hi + 1 - lo  # (all its columns hatched as this state)
+        rows, due = int(shown[:k].sum()), int(shown[k:].sum())
+        label = ", ".join(x for x in (f"{rows} row{'' if rows == 1 else 's'} without numbers" if rows else "",
+                                      f"{due} run{'' if due == 1 else 's'} of due steps without a row" if due else "")
+                          if x)
+        label = f"{Presence.name(code)}: {label}"
+        spans.append((state == code, hatch, color, "w", label))
+    for here, hatch, color, face, label in spans:
+        if here.any():
+            ax.broken_barh(list(zip(x[:-1][here].tolist(), np.diff(x)[here].tolist())), (-nb, 2 * nb),
+                           facecolor=face, edgecolor=color, hatch=hatch, lw=0, label=label)
+    return inside
+
+
 def waterfall(h: History, path: str, stream: str = "activation", facet: str | None = None, *,
               phase: str | None = None, out: str | Path | None = None):
     """Steps × signed-log2 bins heat map of the stored sketch counts (log color), bands shown apart; a long
@@ -438,8 +525,9 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
     from matplotlib import patheffects
 
     sk = h.sketch(path, stream, facet, phase=phase)
-    s = h.spine(path, stream, facet, phase=phase)
+    s = _by_step(h.spine(path, stream, facet, phase=phase))
     first, end = _extent(s)  # (steps no figure can draw are refused before one is made)
+    drawn = _not_replayed(first, end - first, s.segment)  # (the spine rows a resume did not replay)
     fig, ax = plt.subplots(figsize=(8, 4))
     title = _site_title(s.site, phase)
     width = 1
@@ -465,6 +553,15 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
             img[:, np.setdiff1d(np.arange(ncols), col)] = np.nan
             summed, overlapped = False, 0
             past = int((step + span - 0.5 > x[col + 1]).sum())  # (rows whose span does not divide the width)
+        if drawn.any():  # steps of the spine before the first sketch or after the last: blank columns, not cut off
+            a, b = float(first[drawn].min()) - 0.5, float(end[drawn].max()) - 0.5
+            blank_col = np.full((img.shape[0], 1), np.nan)
+            if a < x[0]:
+                x, img = np.r_[a, x], np.concatenate([blank_col, img], axis=1)
+            if b > x[-1]:
+                x, img = np.r_[x, b], np.concatenate([img, blank_col], axis=1)
+        if width == 1:  # (a column a row: a column without a sketch is cut where a row without numbers starts or ends)
+            x, img = _split_blank(x, img, s, first, end, drawn)
         mesh = ax.pcolormesh(x, np.linspace(-nb, nb, 2 * nb + 1), np.ma.masked_invalid(img), cmap="viridis",
                              shading="flat")
         if np.isfinite(img).any():
@@ -474,10 +571,7 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
             ax.text(0.5, 0.5, "the sketches hold no finite value", ha="center", transform=ax.transAxes,
                     bbox={"facecolor": "w", "alpha": 0.8, "edgecolor": "none"})
         blank = np.isnan(img).all(axis=0)
-        if blank.any():
-            ax.broken_barh(list(zip(x[:-1][blank].tolist(), np.diff(x)[blank].tolist())), (-nb, 2 * nb),
-                           facecolor="0.93", edgecolor="0.55", hatch="///", lw=0,
-                           label="no sketch at these steps (missing, not zero)")
+        inside = _hatch_missing(ax, x, blank, s, first, end, drawn, nb)
         ticks = np.linspace(-nb, nb, 9)
         ax.set_yticks(ticks)
         ax.set_yticklabels([f"{'-' if t < 0 else ''}2^{lo + abs(t) / nb * (hi - lo):.0f}" if t else "0"
@@ -488,7 +582,9 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
                   + (" · rows of one step summed" if summed else "")
                   + (f" · {overlapped} rows overlapping later ones cut or left out" if overlapped else "")
                   + (f" · {past} rows reaching past their column's steps added where they begin" if past else "")
-                  + (f" · {replaced} rows of a segment a resume replayed not drawn" if replaced else ""))
+                  + (f" · {replaced} rows of a segment a resume replayed not drawn" if replaced else "")
+                  + (f" · {inside} row{' without numbers lies' if inside == 1 else 's without numbers lie'} in "
+                     "columns that hold sketches: not marked here (see site_figure's strip)" if inside else ""))
         beyond = _boundaries(ax, h, sk.columns["step"], sk.columns["segment"], lw=1.5,
                              path_effects=[patheffects.withStroke(linewidth=3.5, foreground="w")])
         title += f" · {beyond} segment boundaries beyond +-2^52 not drawn" if beyond else ""
@@ -497,6 +593,8 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
                 bbox={"boxstyle": "round,pad=0.2", "facecolor": "w", "alpha": 0.8, "edgecolor": "none"})
     else:
         ax.text(0.5, 0.5, "no sketches recorded for this site", ha="center", transform=ax.transAxes)
+        if drawn.any():  # (the steps the spine covers: the figure says over which steps nothing was sketched)
+            ax.set_xlim(float(first[drawn].min()) - 0.5, float(end[drawn].max()) - 0.5)
     nf = _not_replayed(first, end - first, s.segment) & s.observed & ((s.nan + s.pinf + s.ninf) > 0)
     if nf.any():  # (not in the sketch, which holds finite values only: from the spine's counts)
         # one mark a column: the middle of each row's steps, or of the columns that hold any of them
@@ -509,7 +607,9 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
     ax.set_xlabel("step")
     ax.set_ylabel("signed magnitude bin")
     if ax.get_legend_handles_labels()[0]:  # (below the image, which it would hide)
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=2)
+        handles, labels = ax.get_legend_handles_labels()
+        ax.legend(handles, [textwrap.fill(t, 56) for t in labels], fontsize=7, loc="upper center",
+                  bbox_to_anchor=(0.5, -0.2), ncols=2)
     fig.tight_layout()
     _set_title(ax, title)
     if out is not None:
