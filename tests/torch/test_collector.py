@@ -1406,10 +1406,11 @@ def test_steps_without_an_optimizer_call_agree_with_and_without_a_scaler_and_fus
 def test_a_step_the_loop_aborts_is_recorded_as_interrupted_not_as_a_skipped_update(tmp_path):
     """An exception inside the step: it was written as an ordinary step (applied 'skipped', a half-finished
     backward's gradients as observed). close() inside a step lost the step and blamed a write failure; after
-    close(), scalars() warned of a write failure and attach() installed hooks nothing could remove."""
+    close(), scalars() warned of a write failure and attach() installed hooks nothing could remove. The update of a
+    step interrupted before its optimizer ran is unknown (it was an observed update of zeros)."""
     m = mlp()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    col = Collector(m, tmp_path / "x.thist", streams=("activation", "param_grad"))
+    col = Collector(m, tmp_path / "x.thist", streams=("activation", "param_grad", "param_delta"))
     col.attach(optimizer=opt)
     with col.step(0):
         m(torch.randn(4, 8)).square().mean().backward()
@@ -1431,6 +1432,7 @@ def test_a_step_the_loop_aborts_is_recorded_as_interrupted_not_as_a_skipped_upda
     h = trainhist.open(tmp_path / "x.thist")
     assert [r["applied"] for r in h.step_truth_rows()] == ["applied", "unknown", "unknown"]
     assert [presence(h, "0.weight", "param_grad", s) for s in range(3)] == ["observed", "unknown", "unknown"]
+    assert [presence(h, "0.weight", "param_delta", s) for s in range(3)] == ["observed", "unknown", "unknown"]
     assert presence(h, "0", "activation", 2) == "observed"
     assert h.spine("step_interrupted", "scalar").step.tolist() == [1, 2]
     assert "2 step(s) were interrupted by an exception" in triage(h).format()

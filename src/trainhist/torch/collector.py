@@ -1409,8 +1409,10 @@ class Collector:
             self._put_scalar(st, st.step, "grad_norm_local", norm.to(torch.float64))
             st.norm_done = True
 
-    def _applied(self, st: _Step, before: float | None, after: float | None) -> tuple[bool | None, set[str]]:
-        """Whether the step's update was applied (None: unknown) and the parameters it certainly did not update.
+    def _applied(self, st: _Step, before: float | None, after: float | None) -> tuple[bool | None, dict[str, str]]:
+        """Whether the step's update was applied (None: unknown), and the parameters whose update is not measured:
+        ``skipped`` those it certainly did not update, ``unknown`` those of an optimizer an interrupted step never
+        called (no update was made, but not because the loop skipped it).
 
         Per attached optimizer: its step ran (the post-hook fired: applied), or it was never called (no update;
         under a GradScaler, the scaler skipped it for an overflow), or it was given ``found_inf`` (a fused step
@@ -1419,7 +1421,7 @@ class Collector:
         that never ran are unknown, not skipped."""
         decreased = st.scaler_updated and before is not None and after is not None and after < before
         if not self._optimizers:
-            return (None if not st.scaler_updated or before is None or after is None else not decreased), set()
+            return (None if not st.scaler_updated or before is None or after is None else not decreased), {}
         verdicts = []
         for oi in range(len(self._optimizers)):
             state = st.opt_state.get(oi)
@@ -1433,13 +1435,15 @@ class Collector:
                 verdicts.append(None)
         applied = True if all(v is True for v in verdicts) else False if all(v is False for v in verdicts) else None
         if applied is False:
-            return False, set(self._params)
-        skipped: set[str] = set()
+            return False, dict.fromkeys(self._params, "skipped")
+        held: dict[str, str] = {}
         for oi, v in enumerate(verdicts):
-            if v is False:
+            unrun = v is None and st.interrupted and st.opt_state.get(oi) is None
+            if v is False or unrun:
                 ids = {id(p) for g in self._optimizers[oi].param_groups for p in g["params"]}
-                skipped.update(n for n, p in self._params.items() if id(p) in ids)
-        return applied, skipped
+                held.update((n, "skipped" if v is False else "unknown") for n, p in self._params.items()
+                            if id(p) in ids)
+        return applied, held
 
     def _opt_index(self, opt: torch.optim.Optimizer) -> int | None:
         """The position of ``opt`` among the attached optimizers (None: not attached)."""
@@ -1613,7 +1617,7 @@ class Collector:
         applied, skipped_params = self._applied(st, before, after)
         if t.applied is not None:
             applied = t.applied
-            skipped_params = set(self._params) if applied is False else set()
+            skipped_params = dict.fromkeys(self._params, "skipped") if applied is False else {}
         loss_scale = t.loss_scale if t.loss_scale is not None else dev.get((st.step, "loss_scale"))
         basis = t.grad_basis
         if basis is None and len(st.bases) == 1:
@@ -1663,7 +1667,7 @@ class Collector:
                     sumsq = math.inf if summ.sum_method == SumMethod.UNKNOWN else summ.sumsq.to_float()
                     grad_sq = _add_sumsq(grad_sq, summ.count, summ.nan, summ.pinf + summ.ninf, sumsq)
             self._emit_batch(st, batch)  # (first: a site's rows stay in the order of its phases)
-            self._emit(st, s, phase, key, summ, s.path in skipped_params)
+            self._emit(st, s, phase, key, summ, skipped_params.get(s.path))
         self._emit_batch(st, batch)
         if not (st.interrupted or st.blind):
             for stream, runs in self._absent_steps.items():
@@ -1785,12 +1789,12 @@ class Collector:
                 self._writer_error(e)
         batch.clear()
 
-    def _emit(self, st: _Step, s: PlannedSite, phase: str, key: tuple, summ: object, skipped: bool) -> None:
+    def _emit(self, st: _Step, s: PlannedSite, phase: str, key: tuple, summ: object, held: str | None) -> None:
         h = self._handle(s.path, s.stream, s.facet)
         if h is None:
             return
-        if s.stream == "param_delta" and skipped:
-            self._safe(self._writer.mark, h, st.step, "skipped", phase=phase)
+        if s.stream == "param_delta" and held:  # (no update measured: skipped, or unknown)
+            self._safe(self._writer.mark, h, st.step, held, phase=phase)
         elif summ is not None:
             try:  # (the common case, without _safe's extra call)
                 self._writer.observe(h, st.step, summary=summ, phase=phase)
