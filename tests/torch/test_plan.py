@@ -73,6 +73,21 @@ def test_output_facets():
     assert [f for f, _ in flatten_output(CausalLMOutput(loss=t, logits=t))] == ["loss", "logits"]
 
 
+def test_output_facets_that_read_the_same_are_kept_apart_and_deep_ones_are_said():
+    """Keys that flatten to one path (``"a.b"`` beside ``"a"`` → ``"b"``; ``0`` beside ``"0"``) made one site of
+    two tensors, each row written twice; tensors nested deeper than the limit were left out silently."""
+    t, u, v = torch.zeros(2), torch.ones(3), torch.full((4,), 2.0)
+    with pytest.warns(RuntimeWarning, match="facet path 'a.b'"):
+        got = list(flatten_output({"a.b": t, "a": {"b": u}, "c": {"a.b": v}}))
+    assert [(f, x.numel()) for f, x in got] == [("a.b", 2), ("a.b#2", 3), ("c.a.b", 4)]
+    with pytest.warns(RuntimeWarning, match="facet path '0'"):
+        assert [f for f, _ in flatten_output({0: t, "0": u, "0#2": v})] == ["0", "0#2", "0#2#2"]
+    deep = [[[[[t]]]], u]
+    with pytest.warns(RuntimeWarning, match="deeper than 4 levels"):
+        assert [f for f, _ in flatten_output(deep)] == ["1"]
+    assert [f for f, _ in flatten_output([[[[t]]]])] == ["0.0.0.0"]  # (at the limit: recorded)
+
+
 def test_plan_table_reports_elements_and_bytes():
     m = Net()
     col = Collector(m, "unused.thist", streams=("activation", "param", "param_delta"), sketch_every=5,

@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import fnmatch
 import math
+import warnings
 import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -64,16 +65,41 @@ def clean_name(name: str) -> str:
     return ".".join(parts) if parts else ROOT
 
 
-def flatten_output(out: object, prefix: str = "", depth: int = 0) -> Iterator[tuple[str | None, torch.Tensor]]:
+#: how deep :func:`flatten_output` looks into nested containers (deeper tensors are not recorded: a warning says so)
+MAX_DEPTH = 4
+
+
+def flatten_output(out: object) -> Iterator[tuple[str | None, torch.Tensor]]:
     """Every tensor inside a module output with its facet label (key/index path; ``None`` for a bare tensor).
 
     Tuples and lists index by position, mappings (HF ``ModelOutput`` included) by key, dataclasses by field.
-    Non-tensor leaves (caches, ints, ``None``) are skipped.
+    Non-tensor leaves (caches, ints, ``None``) are skipped. Two leaves whose paths read the same (a key ``"a.b"``
+    beside ``"a"`` → ``"b"``, keys ``0`` and ``"0"``) would be one site: the later ones get ``#2``, ``#3``, ...
     """
+    if isinstance(out, torch.Tensor):
+        yield None, out
+        return
+    seen: set[str | None] = set()
+    for label, t in _flatten(out, "", 0):
+        if label in seen:
+            k = 2
+            while f"{label}#{k}" in seen:
+                k += 1
+            warnings.warn(f"trainhist: two tensors of a module output have the facet path {label!r}: the later one "
+                          f"is recorded as {label}#{k}", RuntimeWarning, stacklevel=2)
+            label = f"{label}#{k}"
+        seen.add(label)
+        yield label, t
+
+
+def _flatten(out: object, prefix: str, depth: int) -> Iterator[tuple[str | None, torch.Tensor]]:
     if isinstance(out, torch.Tensor):
         yield (prefix or None), out
         return
-    if depth >= 4:
+    if depth >= MAX_DEPTH:
+        if (isinstance(out, (Mapping, tuple, list)) and len(out)) or dataclasses.is_dataclass(out):
+            warnings.warn(f"trainhist: a module output nests containers deeper than {MAX_DEPTH} levels (at "
+                          f"{prefix!r}): tensors inside them are not recorded", RuntimeWarning, stacklevel=3)
         return
     sep = "." if prefix else ""
     if isinstance(out, Mapping):
@@ -85,7 +111,7 @@ def flatten_output(out: object, prefix: str = "", depth: int = 0) -> Iterator[tu
     else:
         return
     for k, v in items:
-        yield from flatten_output(v, prefix + sep + k, depth + 1)
+        yield from _flatten(v, prefix + sep + k, depth + 1)
 
 
 def _matches(name: str, pattern: str) -> bool:
