@@ -33,3 +33,63 @@ def test_demo_without_transformers_says_what_to_install(tmp_path, monkeypatch, c
     monkeypatch.setitem(sys.modules, "transformers", None)  # (import transformers now raises ImportError)
     assert cli.main(["demo", "--out", str(tmp_path / "d.thist"), "--steps", "1", "--no-figures"]) == 2
     assert "pip install 'trainhist[demo]'" in capsys.readouterr().err
+
+
+def test_demo_refuses_to_replace_a_file_it_did_not_write(tmp_path, capsys):
+    """`trainhist demo --out FILE` opened FILE with mode="w": another run's history (or any file) was truncated
+    unasked. It is refused (exit 2, the file untouched) unless it is a history an earlier demo wrote, or --force."""
+    import pytest
+
+    from trainhist import cli
+    from trainhist.errors import UsageError
+
+    other = tmp_path / "mine.thist"
+    with trainhist.HistoryWriter(other, run_name="mine") as w:
+        w.observe(w.site("x", "activation"), 0, np.ones(3))
+    text = tmp_path / "notes.txt"
+    text.write_text("not a history")
+    before = other.read_bytes()
+    small = ["--steps", "1", "--batch", "1", "--micro-batches", "1", "--no-figures"]
+    for path, why in ((other, "run 'mine'"), (text, "not a readable trainhist history")):
+        with pytest.raises(UsageError) as e:
+            demo.main(["--out", str(path), *small])
+        assert e.value.code == "out_exists" and why in str(e.value) and "--force" in str(e.value)
+        assert cli.main(["demo", "--out", str(path), *small]) == 2
+        assert "[out_exists]" in capsys.readouterr().err
+    assert other.read_bytes() == before and text.read_text() == "not a history"
+    out = tmp_path / "d.thist"  # the demo's own history is replaced (`make demo` twice)
+    for _ in range(2):
+        assert demo.main(["--out", str(out), *small]) == 0
+    assert demo.main(["--out", str(other), "--force", *small]) == 0
+    with trainhist.open(other) as h:
+        assert h.run["name"] == demo.RUN_NAME and "force" not in h.run["config"]
+
+
+def test_demo_refuses_counts_below_one(tmp_path, capsys):
+    """--steps 0 or -3 ended in an IndexError traceback, --batch 0 in a RuntimeError, --micro-batches 0 ran; each
+    is refused as usage (exit 2) naming the flag, and so is a --inject-nan step the demo does not train."""
+    import pytest
+
+    for flag, value in (("--steps", "0"), ("--steps", "-3"), ("--batch", "0"), ("--micro-batches", "0"),
+                        ("--steps", "x"), ("--inject-nan", "-1"), ("--inject-nan", "5")):
+        with pytest.raises(SystemExit) as e:
+            demo.main(["--out", str(tmp_path / "d.thist"), "--steps", "5", flag, value, "--no-figures"])
+        assert e.value.code == 2
+        assert f"argument {flag}" in capsys.readouterr().err
+    assert not (tmp_path / "d.thist").exists()
+
+
+def test_demo_counts_the_sites_as_info_does(tmp_path, capsys):
+    """The demo said 152 sites (the plan's) where `trainhist info` and `verify` say 155 (the run-level scalars
+    too): it counts the file's sites, and says what they are."""
+    from trainhist import cli
+
+    out = tmp_path / "d.thist"
+    assert demo.main(["--out", str(out), "--steps", "1", "--batch", "1", "--no-figures"]) == 0
+    text = capsys.readouterr().out
+    with trainhist.open(out) as h:
+        n, scalars = len(h.sites), sum(s.stream == "scalar" for s in h.sites)
+    assert f"{n} sites: {n - scalars} tensor sites and {scalars} run-level scalars" in text
+    assert "1 step (2 micro-batches each)" in text
+    assert cli.main(["info", str(out)]) == 0
+    assert f"sites     {n}\n" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Train a tiny GPT-2 on the CPU for real and record its distribution history (``trainhist demo``).
+"""Train a tiny GPT-2 on the CPU for real and record its distribution history (the ``trainhist demo`` command).
 
 The model is random-init ``GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64)``; the data
 is the bytes of the project's own README and spec (or of trainhist's source when those are not installed), so it
@@ -35,17 +35,84 @@ def _corpus() -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
+RUN_NAME = "trainhist-demo"  #: the run name of every history the demo writes (with config model MODEL)
+MODEL = "gpt2-tiny"
+
+
+def _positive(text: str) -> int:
+    """A whole number >= 1 (argparse type)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return n
+
+
+def _step(text: str) -> int:
+    """A whole number >= 0 (argparse type)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a step, a whole number >= 0, got {text!r}")
+    return n
+
+
+def _demo_history(path: str) -> str | None:
+    """Why ``path`` may not be replaced by the demo (None: it is a history an earlier demo wrote)."""
+    from .. import open as open_history
+    from ..errors import TrainhistError
+
+    if not os.path.isfile(path):
+        return "it exists and is not a regular file"
+    try:
+        with open_history(path) as h:
+            run = h.run or {}
+    except TrainhistError as e:
+        return f"it is not a readable trainhist history ([{e.code}])"
+    except OSError as e:
+        return f"it cannot be read ({e.strerror or e})"
+    if run.get("name") != RUN_NAME or (run.get("config") or {}).get("model") != MODEL:
+        return (f"it holds the history of run {run.get('name')!r}, not one the demo wrote" if run
+                else "it holds no run manifest, so nothing says the demo wrote it")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the process exit status."""
-    ap = argparse.ArgumentParser(prog="trainhist demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join("demo_out", "demo.thist"), help="history file to write")
-    ap.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
-    ap.add_argument("--micro-batches", type=int, default=2, help="gradient-accumulation micro-batches per step")
-    ap.add_argument("--batch", type=int, default=8, help="sequences per micro-batch")
-    ap.add_argument("--inject-nan", type=int, metavar="STEP", help=f"make {FAULT_SITE} emit a NaN at STEP")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-figures", action="store_true", help="skip the contact sheet (needs matplotlib)")
+    ap = argparse.ArgumentParser(
+        prog="trainhist demo",
+        description="Train a tiny GPT-2 on the CPU for real, record its distribution history, then triage it and "
+                    "draw its figures.",
+        epilog="An existing --out file is replaced only when it is a history an earlier demo wrote (run "
+               f"'{RUN_NAME}', model '{MODEL}'); any other file is refused unless --force is given.")
+    ap.add_argument("--out", default=os.path.join("demo_out", "demo.thist"),
+                    help="history file to write; the figures go to a figures/ folder beside it "
+                         "(default: %(default)s)")
+    ap.add_argument("--force", action="store_true",
+                    help="replace --out even when it is not a history an earlier demo wrote")
+    ap.add_argument("--steps", type=_positive, default=30, help="optimizer steps (default: %(default)s)")
+    ap.add_argument("--micro-batches", type=_positive, default=2,
+                    help="gradient-accumulation micro-batches per step (default: %(default)s)")
+    ap.add_argument("--batch", type=_positive, default=8,
+                    help="sequences of 64 tokens per micro-batch (default: %(default)s)")
+    ap.add_argument("--inject-nan", type=_step, metavar="STEP",
+                    help=f"make {FAULT_SITE} emit a NaN at STEP, 0 .. --steps - 1 (default: none)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the model and the data (default: %(default)s)")
+    ap.add_argument("--no-figures", action="store_true",
+                    help="skip the figures: the contact sheet, site.png and waterfall.png (they need matplotlib)")
     args = ap.parse_args(argv)
+    if args.inject_nan is not None and args.inject_nan >= args.steps:
+        ap.error(f"argument --inject-nan: step {args.inject_nan} is not among the {args.steps} steps trained "
+                 f"(0 .. {args.steps - 1}): pass a smaller STEP or more --steps")
+    if os.path.lexists(args.out) and not args.force:
+        why = _demo_history(args.out)
+        if why is not None:
+            raise UsageError(f"the demo would replace this file, but {why}; pass another --out, or --force to "
+                             "replace it", code="out_exists", path=args.out)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: worker threads cost more than they give (and suffer on busy CPUs)
@@ -81,8 +148,9 @@ def _run(args: argparse.Namespace) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     # spines every step (the default) let the triage name the faulty site at the very step it went wrong; a tiny
     # model affords sketches every 5 steps (the default is every 10) for denser figures
-    col = Collector(model, args.out, mode="w", run_name="trainhist-demo", every=1, sketch_every=5,  # a fresh file
-                    config={"model": "gpt2-tiny", **{k: v for k, v in vars(args).items() if k != "out"}})
+    col = Collector(model, args.out, mode="w", run_name=RUN_NAME, every=1, sketch_every=5,  # a fresh file (main()
+                    # refused to replace one the demo did not write)
+                    config={"model": MODEL, **{k: v for k, v in vars(args).items() if k not in ("out", "force")}})
     first = batch()
     col.discover({"input_ids": first, "labels": first})
     plan = col.plan
@@ -119,10 +187,17 @@ def _run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - t0
 
     size = os.path.getsize(args.out)
-    print(f"trained tiny GPT-2 for {args.steps} steps ({args.micro_batches} micro-batches each) in {elapsed:.1f}s")
+    from .. import open as open_history
+
+    with open_history(args.out) as h:  # (the sites as `trainhist info` counts them: the run-level scalars too)
+        scalars = sum(x.stream == "scalar" for x in h.sites)
+        tensors = len(h.sites) - scalars
+    steps = f"{args.steps} step{'' if args.steps == 1 else 's'}"
+    micro = f"{args.micro_batches} micro-batch{'' if args.micro_batches == 1 else 'es'}"
+    print(f"trained tiny GPT-2 for {steps} ({micro} each) in {elapsed:.1f}s")
     print(f"loss {float(losses[0]):.3f} -> {float(losses[-1]):.3f}")
-    print(f"history: {args.out} ({size / 1024:.0f} KiB, {len(plan.sites)} sites, "
-          f"{plan.elements_per_step():,.0f} elements reduced per step)")
+    print(f"history: {args.out} ({size / 1024:.0f} KiB, {tensors + scalars} sites: {tensors} tensor sites and "
+          f"{scalars} run-level scalars; {plan.elements_per_step():,.0f} elements reduced per step)")
     if col.first_nonfinite is not None:
         s, path, stream, facet = col.first_nonfinite
         print(f"first non-finite value: step {s}, {path} ({stream}{', ' + facet if facet else ''})")
