@@ -38,13 +38,19 @@ def _status(h: History) -> int:
 
 def _cmd_info(args: argparse.Namespace) -> int:
     with open_history(args.file) as h:
-        run = h.run or {}
-        print(f"file      {h.path} ({h.size} bytes)")
+        run = h.run
+        print(f"file      {h.path} ({h.size} bytes{': an empty file' if h.size == 0 else ''})")
         if h.header is not None:
             print(f"format    read v{h.header.read_version}, write v{h.header.write_version}"
                   + (" (newer writer: read-only)" if h.read_only else ""))
-        print(f"state     {h.recovery.describe()}")
-        print(f"run       {run.get('name')!r} ({run.get('run_id')}){'' if len(h.runs) < 2 else f' +{len(h.runs) - 1} more'}")
+        # info reads the framing and the commits, not the chunks' payloads: "clean" alone would claim every byte
+        print(f"state     {'framing ' if h.recovery.status == 'clean' else ''}{h.recovery.describe()}; chunk payloads "
+              "not checked (run `trainhist verify` to check every committed byte)")
+        if run is None:
+            print("run       none: no run manifest was committed")
+        else:
+            more = "" if len(h.runs) < 2 else f" +{len(h.runs) - 1} more"
+            print(f"run       {run.get('name')!r} ({run.get('run_id')}){more}")
         for w in h.writers:
             print(f"writer    {w['writer_id']} rank {w['rank']}/{w['world_size']} on {w['host']}")
         for g in h.segments:
@@ -166,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trainhist", description="Read, check and convert trainhist history files.")
     p.add_argument("--version", action="version", version=f"trainhist {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("info", help="summary of a file: run, writers, segments, steps, sites")
+    c = sub.add_parser("info", help="summary of a file: run, writers, segments, steps, sites (reads the framing "
+                       "and commits, not the chunk payloads: `verify` checks those)")
     c.add_argument("file")
     c.add_argument("--sites", action="store_true", help="list every site")
     c.set_defaults(func=_cmd_info)
