@@ -128,3 +128,15 @@ def test_the_writer_writes_integral_floats_as_integers(tmp_path: Path) -> None:
     data = p.read_bytes()
     assert b'"rank":0,' in data and b'"world_size":2,' in data and b'"sample":{"elements":1,"of":2,"seed":3}' in data
     assert b'"config":{"lr":1.0}' in data  # (a free object keeps its numbers' form)
+
+
+def test_a_deep_free_object_with_floats_reads(tmp_path: Path) -> None:
+    """The numbers are resolved along the schemas only: a config nested as deep as JSON allows (here 900 levels)
+    holding floats still reads, and its floats stay floats (a recursive walk of it raised RecursionError)."""
+    text = '{"kind":"run","run_id":"' + "0" * 32 + '","name":null,"created":"t","config":' + '{"a":' * 900 + "1.5"
+    doc = loads_manifest(text + "}" * 901)
+    validate_manifest(doc)
+    inner = doc["config"]
+    for _ in range(900):
+        inner = inner["a"]
+    assert inner == 1.5 and type(inner) is float

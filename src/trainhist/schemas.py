@@ -52,42 +52,59 @@ def loads_manifest(text: str) -> Any:
         return Decimal(t)
 
     doc = json.loads(text, parse_constant=_no_constant, parse_float=decimal)
-    return integers(doc) if floats else doc  # (the usual manifest has integers only: nothing to resolve)
+    if not floats:  # (the usual manifest has integers only: nothing to resolve)
+        return doc
+    kind = doc.get("kind") if isinstance(doc, dict) else None
+    return _numbers(doc, schema(kind) if isinstance(kind, str) and kind in KINDS else {}, _floats)
 
 
 def integers(doc: Any) -> Any:
     """A manifest (a dict whose ``kind`` is known; anything else is returned as it is) with every member its
-    schema types as integer that holds an integral float or Decimal as that int (spec 9): what a reader reads and
-    a writer writes (``rank=2.0`` is written ``2``). Decimals elsewhere become floats."""
+    schema types as integer that holds an integral float as that int (spec 9): what a writer writes (``rank=2.0`` is
+    written ``2``). Members no schema types (``config``, ``settings``) are left as they are."""
     kind = doc.get("kind") if isinstance(doc, dict) else None
     if not isinstance(kind, str) or kind not in KINDS:
         return doc
-    return _numbers(doc, schema(kind))
+    return _numbers(doc, schema(kind), lambda v: v)
 
 
-def _numbers(value: Any, sch: dict) -> Any:
-    """``value`` with its Decimals and floats resolved by ``sch``, the schema of its place."""
+def _numbers(value: Any, sch: dict, free: Any) -> Any:
+    """``value`` with its floats and Decimals resolved by ``sch``, the schema of its place; ``free(v)`` for a
+    container whose schema says nothing of its contents (a ``config``, or a value of the wrong type), which can hold
+    no integer member. Recursion follows the schemas only, a few levels: a free value may nest as deep as JSON lets
+    it."""
+    t = sch.get("type")
+    integer = t == "integer" or (isinstance(t, list) and "integer" in t)
     if type(value) is float:
-        t = sch.get("type")
-        integer = t == "integer" or (isinstance(t, list) and "integer" in t)
         return int(value) if integer and value.is_integer() else value
     if isinstance(value, Decimal):
-        t = sch.get("type")
-        if t != "integer" and not (isinstance(t, list) and "integer" in t):
+        if not integer:
             return float(value)
         if not value.is_finite() or value != value.to_integral_value():
             return value
         if value.adjusted() >= _MAX_DIGITS:  # (1e1000000000: refused as a longer integer written out is)
             raise ValueError(f"an integer of more than {_MAX_DIGITS} digits")
         return int(value)
-    if isinstance(value, dict):
-        props = sch.get("properties", {})
-        more = sch.get("additionalProperties")
-        rest = more if isinstance(more, dict) else {}
-        return {k: _numbers(v, props.get(k, rest)) for k, v in value.items()}
-    if isinstance(value, list):
-        item = sch.get("items", {})
-        return [_numbers(v, item) for v in value]
+    more = sch.get("additionalProperties")
+    if isinstance(value, dict) and ("properties" in sch or isinstance(more, dict)):
+        props, rest = sch.get("properties", {}), more if isinstance(more, dict) else {}
+        return {k: _numbers(v, props.get(k, rest), free) for k, v in value.items()}
+    if isinstance(value, list) and isinstance(sch.get("items"), dict):
+        return [_numbers(v, sch["items"], free) for v in value]
+    return free(value) if isinstance(value, (dict, list)) else value
+
+
+def _floats(value: Any) -> Any:
+    """``value`` (parsed with Decimal floats) with every Decimal the float ``json.loads`` would give, in place and
+    without recursion."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        for k, v in list(node.items() if isinstance(node, dict) else enumerate(node)):
+            if isinstance(v, Decimal):
+                node[k] = float(v)
+            elif isinstance(v, (dict, list)):
+                stack.append(v)
     return value
 
 
