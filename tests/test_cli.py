@@ -43,3 +43,67 @@ def test_info_of_an_empty_file_says_so(tmp_path, capsys) -> None:
     assert main(["info", str(p)]) == 3
     out = capsys.readouterr().out
     assert "None" not in out and "(0 bytes: an empty file)" in out and "no run manifest" in out
+
+
+def _replicas(tmp_path):
+    """Two ranks' shards of one run whose replica parameter differs at step 1."""
+    paths = []
+    for rank in range(2):
+        p = tmp_path / f"r{rank}.thist"
+        with trainhist.HistoryWriter(p, run_id="ab" * 16, rank=rank, world_size=2) as w:
+            s = w.site("w", "param", sharing="replica")
+            for st in range(2):
+                w.observe(s, st, np.ones(4) * (2.0 if rank and st else 1.0))
+        paths.append(str(p))
+    return paths
+
+
+def test_cli_errors_name_the_flags_not_the_api_parameters(tmp_path, capsys) -> None:
+    """`coarsen --steps 0` said 'steps must be an integer in 1..4294967295' ([usage], the API's parameter); merge's
+    replica divergence said "pass replica_divergence='report'", which the command line spells --report-divergence."""
+    import pytest
+
+    p = _history(tmp_path / "f.thist")
+    for steps in ("0", "-1", str(2**32), "x"):
+        with pytest.raises(SystemExit) as e:
+            main(["coarsen", str(p), "-o", str(tmp_path / "c.thist"), "--steps", steps])
+        assert e.value.code == 2
+        assert "argument --steps: expected a whole number of steps in 1..4294967295" in capsys.readouterr().err
+    assert not (tmp_path / "c.thist").exists()
+    out = str(tmp_path / "m.thist")
+    assert main(["merge", "-o", out, *_replicas(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "[replica_divergence]" in err and "pass --report-divergence" in err and "replica_divergence=" not in err
+    assert main(["merge", "-o", out, "--report-divergence", "--workers", "1", *_replicas(tmp_path)]) == 0
+    assert "replica divergence: " in capsys.readouterr().out
+
+
+def test_cli_refuses_bad_conformance_options_and_says_when_a_folder_holds_no_vectors(tmp_path, capsys) -> None:
+    """`conformance --timeout -1` and `-j -2` were accepted; `--vectors EMPTYDIR` said 'no cases matched' (as if a
+    -k pattern had matched nothing)."""
+    import pytest
+
+    for opts, flag in ((["--timeout", "-1"], "--timeout"), (["--timeout", "0"], "--timeout"),
+                       (["-j", "-2"], "-j/--jobs")):
+        with pytest.raises(SystemExit) as e:
+            main(["conformance", *opts])
+        assert e.value.code == 2 and f"argument {flag}: expected" in capsys.readouterr().err
+    empty = tmp_path / "vectors"
+    empty.mkdir()
+    assert main(["conformance", "--vectors", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert f"no conformance vectors in {empty}" in err and "no cases matched" not in err
+
+
+def test_cli_usage_errors_are_the_subcommands(tmp_path, capsys) -> None:
+    """`info FILE extra` printed the top-level usage; `info ""` said '[not_found] : no such file'."""
+    import pytest
+
+    p = _history(tmp_path / "f.thist")
+    for argv, want in ((["info", str(p), "extra"], "unrecognized arguments: extra"),
+                       (["info", ""], "expected a file path, got an empty string"),
+                       (["triage", ""], "expected a file path, got an empty string")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(f"usage: trainhist {argv[0]} ") and want in err, err

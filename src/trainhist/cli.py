@@ -32,6 +32,49 @@ def _count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
     return n
 
+
+def _window(text: str) -> int:
+    """A window width in steps, 1 .. 2^32 - 1 (argparse type; spec 11.7)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 0xFFFFFFFF:
+        raise argparse.ArgumentTypeError(f"expected a whole number of steps in 1..{0xFFFFFFFF}, got {text!r}")
+    return n
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (argparse type)."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = 0.0
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return x
+
+
+def _path(text: str) -> str:
+    """A file path, not empty (argparse type): an empty one read as '[not_found] : no such file'."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file path, got an empty string ('')")
+    return text
+
+
+#: what the library's messages call an argument of merge and coarsen, and the flag that sets it on the command line
+_FLAGS = (("replica_divergence='report'", "--report-divergence"), ("workers=1", "--workers 1"))
+
+
+def _in_flags(e: TrainhistError) -> TrainhistError:
+    """``e`` with the library's argument names in its message replaced by the command's flags."""
+    message = e.message
+    for api, flag in _FLAGS:
+        message = message.replace(api, flag)
+    if message == e.message:
+        return e
+    return type(e)(message, code=e.code, path=e.path, offset=e.offset)
+
 def _status(h: History) -> int:
     return EXIT_TORN if h.recovery.status == "torn" else EXIT_OK
 
@@ -102,8 +145,17 @@ def _cmd_dump(args: argparse.Namespace) -> int:
 
 
 def _cmd_conformance(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .conformance import CATEGORIES
     from .conformance import main as conformance_main
 
+    if args.vectors and Path(args.vectors).is_dir() and not any(
+            (c / "case.json").is_file() for cat in CATEGORIES if (Path(args.vectors) / cat).is_dir()
+            for c in (Path(args.vectors) / cat).iterdir()):  # (not 'no cases matched': there are none to match)
+        raise UsageError(f"no conformance vectors in {args.vectors}: expected folders <category>/<case>/case.json, "
+                         f"with categories {', '.join(CATEGORIES)}; pass --vectors conformance/vectors of a trainhist "
+                         "checkout", code="no_vectors")
     return conformance_main(args.impl, args.vectors, args.strict, args.k, args.timeout, args.jobs)
 
 
@@ -132,8 +184,12 @@ def _print_report(rep, as_json: bool) -> None:
 def _cmd_merge(args: argparse.Namespace) -> int:
     from .merge import merge
 
-    rep = merge(args.inputs, args.output, across_runs=args.across_runs,
-                replica_divergence="report" if args.report_divergence else "error", codec=args.codec)
+    try:
+        rep = merge(args.inputs, args.output, across_runs=args.across_runs,
+                    replica_divergence="report" if args.report_divergence else "error", codec=args.codec,
+                    workers=args.workers or None)
+    except TrainhistError as e:
+        raise _in_flags(e) from None
     _print_report(rep, args.json)
     return _inputs_status(rep)
 
@@ -141,7 +197,12 @@ def _cmd_merge(args: argparse.Namespace) -> int:
 def _cmd_coarsen(args: argparse.Namespace) -> int:
     from .coarsen import coarsen
 
-    rep = coarsen(args.input, args.output, steps=args.steps, bins_per_octave=args.bins_per_octave, codec=args.codec)
+    try:
+        rep = coarsen(args.input, args.output, steps=args.steps, bins_per_octave=args.bins_per_octave,
+                      replica_divergence="report" if args.report_divergence else "error", codec=args.codec,
+                      workers=args.workers or None)
+    except TrainhistError as e:
+        raise _in_flags(e) from None
     _print_report(rep, args.json)
     return _inputs_status(rep)
 
@@ -174,45 +235,59 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("info", help="summary of a file: run, writers, segments, steps, sites (reads the framing "
                        "and commits, not the chunk payloads: `verify` checks those)")
-    c.add_argument("file")
+    c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.add_argument("--sites", action="store_true", help="list every site")
-    c.set_defaults(func=_cmd_info)
+    c.set_defaults(func=_cmd_info, subparser=c)
     c = sub.add_parser("verify", help="check every committed byte; exit 0 clean, 3 torn tail, 1 corrupt")
-    c.add_argument("file")
+    c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
-    c.set_defaults(func=_cmd_verify)
+    c.set_defaults(func=_cmd_verify, subparser=c)
     c = sub.add_parser("dump", help="canonical JSON of everything committed (spec section 10)")
-    c.add_argument("file")
-    c.set_defaults(func=_cmd_dump)
+    c.add_argument("file", type=_path, help="a trainhist history (.thist)")
+    c.set_defaults(func=_cmd_dump, subparser=c)
     c = sub.add_parser("conformance", help="run an implementation against the conformance vectors (conformance/)")
     c.add_argument("--impl", metavar="COMMAND", help="implementation command (default: the reference, as a subprocess)")
     c.add_argument("--vectors", metavar="DIR", help="vector directory (default: conformance/vectors of this checkout)")
     c.add_argument("--strict", action="store_true", help="also require exact error codes and byte-exact outputs")
     c.add_argument("-k", metavar="PATTERN", help="only cases whose id matches (glob or substring)")
-    c.add_argument("--timeout", type=float, default=120.0, help="seconds per case before it fails (default 120)")
-    c.add_argument("-j", "--jobs", type=int, default=0, help="cases run at once (default: CPU count, at most 8)")
-    c.set_defaults(func=_cmd_conformance)
+    c.add_argument("--timeout", type=_seconds, default=120.0,
+                   help="seconds per case before it fails, > 0 (default 120)")
+    c.add_argument("-j", "--jobs", type=_count, default=0,
+                   help="cases run at once (default 0: the CPU count, at most 8)")
+    c.set_defaults(func=_cmd_conformance, subparser=c)
+    codec_help = ("how the output's columns are stored (spec 7.3): packed, no decompressor on the read path; shuffle, "
+                  "byte shuffle + zlib, smaller, inflated when read; raw, byte-exact for comparisons (default: packed)")
+    workers_help = ("worker processes (default 0: one per CPU, up to 8, for inputs of 64 MiB or more; 1: none, "
+                    "the merge runs in this process)")
     c = sub.add_parser("merge", help="merge shards/ranks/runs into one canonical file (spec section 11)")
-    c.add_argument("inputs", nargs="+", metavar="IN")
-    c.add_argument("-o", "--output", required=True, metavar="OUT")
+    c.add_argument("inputs", nargs="+", metavar="IN", type=_path, help="histories to merge (any order)")
+    c.add_argument("-o", "--output", required=True, metavar="OUT", type=_path,
+                   help="the merged history (written beside it, then renamed over it; never one of the inputs)")
     c.add_argument("--across-runs", action="store_true", help="sum segments of different runs (default: keep apart)")
     c.add_argument("--report-divergence", action="store_true",
                    help="keep one of differing replica rows and list them, instead of failing")
-    c.add_argument("--codec", choices=("packed", "shuffle", "raw"), default="packed")
+    c.add_argument("--codec", choices=("packed", "shuffle", "raw"), default="packed", help=codec_help)
+    c.add_argument("--workers", type=_count, default=0, metavar="N", help=workers_help)
     c.add_argument("--json", action="store_true", help="print the report as JSON")
-    c.set_defaults(func=_cmd_merge)
+    c.set_defaults(func=_cmd_merge, subparser=c)
     c = sub.add_parser("coarsen", help="sum rows over step windows and/or halve sketch resolution (spec section 11)")
-    c.add_argument("input", metavar="IN")
-    c.add_argument("-o", "--output", required=True, metavar="OUT")
-    c.add_argument("--steps", type=int, default=1, help="window width in steps (default 1: keep)")
-    c.add_argument("--bins-per-octave", type=int, choices=(4, 2, 1), default=4)
-    c.add_argument("--codec", choices=("packed", "shuffle", "raw"), default="packed")
+    c.add_argument("input", metavar="IN", type=_path, help="the history to coarsen")
+    c.add_argument("-o", "--output", required=True, metavar="OUT", type=_path,
+                   help="the coarsened history (written beside it, then renamed over it; never the input)")
+    c.add_argument("--steps", type=_window, default=1, metavar="N",
+                   help=f"window width in steps, 1..{0xFFFFFFFF} (default 1: keep the steps)")
+    c.add_argument("--bins-per-octave", type=int, choices=(4, 2, 1), default=4,
+                   help="sketch resolution of the output, at most the input's (default 4: keep)")
+    c.add_argument("--report-divergence", action="store_true",
+                   help="keep one of differing replica rows and list them, instead of failing")
+    c.add_argument("--codec", choices=("packed", "shuffle", "raw"), default="packed", help=codec_help)
+    c.add_argument("--workers", type=_count, default=0, metavar="N", help=workers_help)
     c.add_argument("--json", action="store_true", help="print the report as JSON")
-    c.set_defaults(func=_cmd_coarsen)
+    c.set_defaults(func=_cmd_coarsen, subparser=c)
     c = sub.add_parser("triage", help="where and when the history first went wrong (non-finite, failed, skipped)")
-    c.add_argument("file")
-    c.add_argument("--limit", type=_count, default=12, help="most findings to print (0: all)")
-    c.set_defaults(func=_cmd_triage)
+    c.add_argument("file", type=_path, help="a trainhist history (.thist)")
+    c.add_argument("--limit", type=_count, default=12, help="most findings to print (default 12; 0: all)")
+    c.set_defaults(func=_cmd_triage, subparser=c)
     c = sub.add_parser("demo", help="train a small built-in model and write, triage and plot its history",
                        add_help=False)
     c.add_argument("rest", nargs=argparse.REMAINDER)
@@ -226,8 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if args.command == "demo":  # the demo parses its own options
         args.rest = extra + list(args.rest)
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    elif extra:  # (the subcommand's usage, not the top level's)
+        getattr(args, "subparser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
     except UsageError as e:
