@@ -181,7 +181,7 @@ def test_rows_without_numbers_are_reported_by_state(tmp_path) -> None:
     with trainhist.open(p) as h:
         t = triage(h)
     kinds = {f.kind: f for f in t.findings}
-    assert "4 rows of 1 site/phase pairs did not run, first `moe.1` forward" in kinds["rows_absent"].text
+    assert "4 rows of 1 site/phase pair did not run, first `moe.1` forward" in kinds["rows_absent"].text
     assert kinds["rows_skipped"].step == 2 and "no non-finite" not in t.format()
 
 
@@ -315,3 +315,26 @@ def test_a_torn_tail_is_said_not_read_as_nothing_wrong(tmp_path, capsys) -> None
     with trainhist.open(q) as h:
         lines = triage(h).format().splitlines()
     assert lines[1].startswith("  note: torn tail recovered") and "first non-finite" in lines[2]
+
+
+def test_counts_are_in_the_singular_for_one_and_a_coarsened_file_counts_windows(tmp_path) -> None:
+    """'1 rows of 1 site/phase pairs'; on a coarsened file 'from steps 20–29 to steps 20–29' and 'N of M steps'
+    where M counted the coarsened windows (`trainhist info` says windows)."""
+    src, dst = tmp_path / "s.thist", tmp_path / "c.thist"
+    with trainhist.HistoryWriter(src) as w:
+        a, b = w.site("h.0", "activation"), w.site("h.1", "activation")
+        for st in range(50):
+            w.observe(a, st, np.array([np.nan if st == 25 else 1.0], np.float32))
+            w.step_truth(st, applied="unknown" if st >= 40 else "skipped" if st >= 30 else "applied")
+        w.mark(b, 3, "absent")
+    with trainhist.open(src) as h:
+        text = triage(h).format()
+    assert "1 row of 1 site/phase pair did not run" in text
+    assert "1 observation on 1 site/phase pair held non-finite values, all at step 25" in text
+    assert "10 steps applied no update" in text and "10 of 50 steps do not say" in text
+    trainhist.coarsen(src, dst, steps=10)
+    with trainhist.open(dst) as h:
+        text = triage(h).format()
+    assert "all at steps 20–29" in text and "from steps 20–29 to" not in text
+    assert "1 coarsened window applied no update" in text
+    assert "1 of 5 coarsened windows does not say whether the update was applied" in text

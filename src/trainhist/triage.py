@@ -105,6 +105,11 @@ def _label(site: object, phase: str) -> str:
     return f"`{site.path}{facet}` {_PASS_NAME[site.stream]} ({site.stream}){ph}"
 
 
+def _n(n: int, one: str, many: str | None = None) -> str:
+    """``n`` and the word for one or for several of them."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
 def _what(nan: int, inf: int) -> str:
     return ", ".join(x for x in (f"{nan} NaN" if nan else "", f"{inf} inf" if inf else "") if x)
 
@@ -217,27 +222,33 @@ def triage(h: History) -> Triage:
         if first_site is not None and (e0.site.stream == "scalar" or _gap(first_site)):
             report.findings.append(_site_finding(first_site, n_segments))
         sites_hit = {(e.site.id, e.phase) for e in events}
+        first_at, last_at = _at(events[0], n_segments), _at(events[-1], n_segments)
         report.findings.append(Finding("nonfinite", None, None,
-                                       f"{len(events)} observations on {len(sites_hit)} site/phase pairs held "
-                                       f"non-finite values, from {_at(events[0], n_segments)} to "
-                                       f"{_at(events[-1], n_segments)}"))
+                                       f"{_n(len(events), 'observation')} on {_n(len(sites_hit), 'site/phase pair')} "
+                                       f"held non-finite values, "
+                                       + (f"all at {first_at}" if first_at == last_at else
+                                          f"from {first_at} to {last_at}")))
     for label, steps in failed.items():
         report.findings.append(Finding("failed", steps[0][0], label,
-                                       f"the reduction failed for {label} at {len(steps)} row(s), first at "
+                                       f"the reduction failed for {label} at {_n(len(steps), 'row')}, first at "
                                        f"{_steps(*steps[0])}"))
     why = {"absent": "did not run", "skipped": "had nothing to observe (skipped)", "unknown": "are unknown"}
     for name, found in missing.items():  # rows without numbers, by state: one finding each, naming the earliest
         step, span, _, label = min(found)
         report.findings.append(Finding(f"rows_{name}", step, None,
-                                       f"{sum(f[2] for f in found)} rows of {len(found)} site/phase pairs "
+                                       f"{_n(sum(f[2] for f in found), 'row')} of "
+                                       f"{_n(len(found), 'site/phase pair')} "
                                        f"{why[name]}, first {label} at {_steps(step, span)}"))
     rows = h.step_truth_rows()
+    # a coarsened step-truth row covers a window of steps: counted as windows, as `trainhist info` counts them
+    unit = "step" if all(r["span"] == 1 for r in rows) else "coarsened window"
     skipped = [(r["step"], r["span"], r["segment"]) for r in rows if r["applied"] == "skipped"]
     if skipped:  # (the first in time: segment, then step)
         step, span, seg = min(skipped, key=lambda x: (x[2], x[0]))
         where = _steps(step, span) + (f" (segment {seg})" if n_segments > 1 else "")
         report.findings.append(Finding("skipped_step", step, None,
-                                       f"{len(skipped)} step(s) applied no update (the optimizer step was skipped, "
+                                       f"{_n(len(skipped), unit)} applied no update (the optimizer step was "
+                                       "skipped, "
                                        f"e.g. for an overflow, or not called), first at {where}"))
     if any(x.path == "step_interrupted" and x.stream == "scalar" for x in h.sites):
         sp = h.spine("step_interrupted", "scalar")
@@ -250,7 +261,8 @@ def triage(h: History) -> Triage:
     unknown = sum(r["applied"] == "unknown" for r in rows)
     if rows and unknown:
         report.findings.append(Finding("unknown_applied", None, None,
-                                       f"{unknown} of {len(rows)} steps do not say whether the update was applied"))
+                                       f"{unknown} of {_n(len(rows), unit)} {'does' if unknown == 1 else 'do'} not "
+                                       "say whether the update was applied"))
     for g in h.segments:
         if g.reason != "start" or g.id > 0:  # (a segment after another, whatever its writers called it)
             after = f"segment {g.previous}" if g.previous is not None else "an earlier segment"
