@@ -107,3 +107,13 @@ def test_cli_usage_errors_are_the_subcommands(tmp_path, capsys) -> None:
             main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith(f"usage: trainhist {argv[0]} ") and want in err, err
+
+
+def test_merge_report_of_small_inputs_gives_bytes_and_time_not_zero_throughput(tmp_path, capsys) -> None:
+    """A merge of small inputs printed '(0.0 MB/s)': a rate rounded to zero, read as 'nothing moved'."""
+    a, b = _replicas(tmp_path)
+    out = tmp_path / "m.thist"
+    assert main(["coarsen", a, "-o", str(out)]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    size = (tmp_path / "r0.thist").stat().st_size
+    assert "MB/s" not in line and f"({size} input bytes in " in line and " 1 site, 1 segment, 2 rows in" in line

@@ -75,6 +75,11 @@ def _in_flags(e: TrainhistError) -> TrainhistError:
         return e
     return type(e)(message, code=e.code, path=e.path, offset=e.offset)
 
+def _n(n: int, one: str) -> str:
+    """``n`` and its noun, singular for one."""
+    return f"{n} {one}{'' if n == 1 else 's'}"
+
+
 def _status(h: History) -> int:
     return EXIT_TORN if h.recovery.status == "torn" else EXIT_OK
 
@@ -164,8 +169,11 @@ def _print_report(rep, as_json: bool) -> None:
         print(json.dumps(rep.as_dict(), sort_keys=True))
         return
     torn = [i["path"] for i in rep.inputs if i["status"] != "clean"]
-    print(f"{rep.output}: {rep.bytes_out} bytes, {rep.sites} sites, {rep.segments} segments, {rep.rows_in} rows in, "
-          f"{rep.rows_out} rows out ({rep.bytes_in / max(rep.seconds, 1e-9) / 1e6:.1f} MB/s)")
+    # (a throughput of inputs under 1 MB is mostly fixed costs, and printed as 0.0 MB/s: the bytes and time instead)
+    speed = (f"{rep.bytes_in / max(rep.seconds, 1e-9) / 1e6:.1f} MB/s of input" if rep.bytes_in >= 1e6
+             else f"{_n(rep.bytes_in, 'input byte')} in {rep.seconds:.2f} s")
+    print(f"{rep.output}: {_n(rep.bytes_out, 'byte')}, {_n(rep.sites, 'site')}, {_n(rep.segments, 'segment')}, "
+          f"{_n(rep.rows_in, 'row')} in, {_n(rep.rows_out, 'row')} out ({speed})")
     for p in torn:
         print(f"  note: {p} had a torn tail; its committed prefix was used")
     for d in rep.divergences:
