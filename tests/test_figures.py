@@ -532,3 +532,27 @@ def test_long_waterfall_hatches_a_failed_column_and_says_what_no_hatch_can_mark(
     assert [(p.vertices[:, 0].min(), p.vertices[:, 0].max()) for p in failed.get_paths()] == [(39.5, 49.5)]
     assert "failed: 10 rows without numbers" in str(failed.get_label())
     assert "1 row without numbers lies in columns that hold sketches" in ax.get_title().replace("\n", " ")
+
+
+def test_contact_sheet_has_a_key_and_axis_labels_and_site_figure_ticks_do_not_overlap_at_zero(tmp_path,
+                                                                                             monkeypatch):
+    """The contact sheet had no key for its pink tiles and red lines, no y label on its tiles, and a footer naming
+    an internal sort key (nonfinite_first_then_drift); the site figure labelled 10^-2, 0 and -10^-2 a hair apart."""
+    from matplotlib.figure import Figure
+
+    drawn = []
+    real = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (drawn.append(self), real(self, *a, **k)))
+    with trainhist.open(_history(tmp_path)) as h:
+        contact_sheet(h, tmp_path / "sheet")
+        ax = site_figure(h, "h.1").axes[0]
+    fig = drawn[0]
+    footer = " ".join(t.get_text() for t in fig.texts)
+    assert "nonfinite_first_then_drift" not in footer and "non-finite values first" in footer
+    (key,) = fig.legends
+    labels = [t.get_text() for t in key.get_texts()]
+    assert any(t.startswith("pink tile") for t in labels) and any(t.startswith("red line") for t in labels)
+    assert all(a.get_ylabel().startswith("rms") for a in fig.axes if a.axison)
+    lin = ax.get_yscale() == "symlog" and ax.yaxis.get_transform().linthresh
+    ticks = [t for t in ax.get_yticks() if t != 0]
+    assert lin and ticks and all(abs(t) >= lin for t in ticks)

@@ -91,6 +91,18 @@ def _fit_y(ax, values: np.ndarray, log: bool) -> None:
         ax.set_ylim(max(lo - m, -_FMAX), min(hi + m, _FMAX))
 
 
+def _symlog_ticks(ax, lin: float) -> None:
+    """The y ticks of a symlog axis without those inside its linear part (0 < |y| < ``lin``): drawn a hair from 0,
+    their labels (10^-2, 0, -10^-2) overlapped."""
+    from matplotlib.ticker import FixedLocator
+
+    lo, hi = ax.get_ylim()
+    ticks = ax.yaxis.get_major_locator().tick_values(lo, hi)
+    keep = [t for t in ticks if lo <= t <= hi and (t == 0 or abs(t) >= lin)]
+    if keep:
+        ax.yaxis.set_major_locator(FixedLocator(keep))
+
+
 def _site_title(site: Site, phase: str | None) -> str:
     facet = "" if site.facet is None else f"[{site.facet}]"
     ph = "" if phase in (None, "default") else f" {phase}"
@@ -334,6 +346,7 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
         lin = max(1e-12, float(np.nanmax(np.abs(np.r_[s.min[obs], s.max[obs], 1e-12]))) * 1e-3)
         ax.set_yscale("symlog", linthresh=lin)
         _fit_y(ax, np.r_[s.min[obs], s.max[obs], 0.0], log=False)
+        _symlog_ticks(ax, lin)
     else:  # (no value axis to draw: an empty one would suggest a scale)
         ax.set_yticks([])
         ax.text(0.5, 0.5, "no row holds a finite value", ha="center", transform=ax.transAxes)
@@ -619,7 +632,7 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
 
 
 def _rank_key(h: History, site: Site, orders: dict[int, int]) -> tuple:
-    """Sort key "nonfinite_first_then_drift": sites with non-finite values first, earliest step and pass first
+    """Sort key of the contact sheet: sites with non-finite values first, earliest step and pass first
     (the order triage uses); then the others by drift, |log(rms_last / rms_first)|, largest first."""
     from .triage import PASS_ORDER
 
@@ -643,6 +656,9 @@ def _rank_key(h: History, site: Site, orders: dict[int, int]) -> tuple:
     return (1, -drift, site.id)
 
 
+_NONFINITE_TILE = "#fde0e0"  #: a contact-sheet tile's background where the site held NaN or ±inf
+
+
 def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: int = 6) -> list[Path]:
     """Every site as a tile (rms over steps, exact min/max envelope), ranked "nonfinite first, then drift".
 
@@ -655,8 +671,15 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
     out_dir.mkdir(parents=True, exist_ok=True)
     from .triage import site_orders
 
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     orders = site_orders(h)
     ranked = sorted(h.sites, key=lambda s: _rank_key(h, s, orders))
+    key = [Line2D([], [], color="C0", lw=1, label="rms (exact sums)"),
+           Patch(facecolor=_NONFINITE_TILE, label="pink tile: the site held NaN or ±inf"),
+           Line2D([], [], color="red", lw=0.5, label="red line: a row with NaN or ±inf"),
+           Line2D([], [], color="k", ls="--", lw=0.8, label="dashed: segment boundary")]
     pages = max(1, math.ceil(len(ranked) / per_page))
     written = []
     for k in range(pages):
@@ -682,7 +705,7 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
             _boundaries(ax, h, s.step, s.segment, lw=0.8)  # (a tile leaves out, unsaid, those beyond +-2^52)
             nf = s.observed & ((s.nan + s.pinf + s.ninf) > 0)
             if nf.any():
-                ax.set_facecolor("#fde0e0")
+                ax.set_facecolor(_NONFINITE_TILE)
                 ax.vlines((start + end)[nf] / 2, 0, 1, transform=ax.get_xaxis_transform(), color="red", lw=0.5)
             if obs.any() and (s.rms[obs] > 0).all():
                 ax.set_yscale("log")
@@ -700,13 +723,17 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
                 ax.yaxis.set_major_locator(FixedLocator(10.0**decades) if math.ceil(lo) <= hi
                                            else LogLocator(numticks=3))
             ax.set_title(_site_title(site, phase), fontsize=6)
+            ax.set_ylabel("rms" + (" (log)" if ax.get_yscale() == "log" else ""), fontsize=5, labelpad=1)
             ax.tick_params(labelsize=5)
         a, b = k * per_page + 1, k * per_page + len(tiles)
-        fig.text(0.5, 0.005, f"sites {a}–{b} of {len(ranked)} — page {k + 1} of {pages} · rms of each row (from "
-                 "exact sums) over its steps, a coarsened row over its window; ranked nonfinite_first_then_drift",
-                 ha="center", fontsize=7)
         tall = fig.get_figheight()  # (margins in inches: on a page of one row the footer hid the tick labels)
-        fig.subplots_adjust(left=0.05, right=0.98, top=1 - 0.25 / tall, bottom=0.5 / tall, hspace=0.6, wspace=0.35)
+        fig.legend(handles=key, loc="lower center", ncols=len(key), fontsize=6, frameon=False,
+                   bbox_to_anchor=(0.5, 0.22 / tall))
+        fig.text(0.5, 0.06 / tall, f"sites {a}–{b} of {len(ranked)} — page {k + 1} of {pages} · each tile: the rms "
+                 "of each row (from exact sums; in the site's own units) over its steps, a coarsened row over its "
+                 "window · ranked: sites with non-finite values first (earliest step, then pass), then the others by "
+                 "drift |log(rms last / rms first)|, largest first", ha="center", fontsize=6)
+        fig.subplots_adjust(left=0.05, right=0.98, top=1 - 0.25 / tall, bottom=0.75 / tall, hspace=0.6, wspace=0.4)
         p = out_dir / f"contact_sheet_p{k + 1}.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)
