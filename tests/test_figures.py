@@ -556,3 +556,16 @@ def test_contact_sheet_has_a_key_and_axis_labels_and_site_figure_ticks_do_not_ov
     lin = ax.get_yscale() == "symlog" and ax.yaxis.get_transform().linthresh
     ticks = [t for t in ax.get_yticks() if t != 0]
     assert lin and ticks and all(abs(t) >= lin for t in ticks)
+
+
+def test_waterfall_labels_a_sketch_of_no_finite_value(tmp_path):
+    """A step whose sketch holds no finite value (every value NaN) was a white column, neither drawn nor said."""
+    p = tmp_path / "n.thist"
+    with trainhist.HistoryWriter(p) as w:
+        s = w.site("a", "activation")
+        for st in range(4):
+            w.observe(s, st, np.full(4, np.nan if st == 2 else 1.0))
+    with trainhist.open(p) as h:
+        ax = waterfall(h, "a").axes[0]
+    (c,) = [c for c in ax.collections if "no finite value" in str(c.get_label())]
+    assert c.get_hatch() and [(p.vertices[:, 0].min(), p.vertices[:, 0].max()) for p in c.get_paths()] == [(1.5, 2.5)]

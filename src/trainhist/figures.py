@@ -585,6 +585,11 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
                     bbox={"facecolor": "w", "alpha": 0.8, "edgecolor": "none"})
         blank = np.isnan(img).all(axis=0)
         inside = _hatch_missing(ax, x, blank, s, first, end, drawn, nb)
+        empty = ~blank & ~np.isfinite(img).any(axis=0)  # (a sketch of no finite value: every count 0, log10 -inf)
+        if empty.any():
+            ax.broken_barh(list(zip(x[:-1][empty].tolist(), np.diff(x)[empty].tolist())), (-nb, 2 * nb),
+                           facecolor="w", edgecolor="0.75", hatch="|||", lw=0,
+                           label="a sketch that holds no finite value (every count 0)")
         ticks = np.linspace(-nb, nb, 9)
         ax.set_yticks(ticks)
         ax.set_yticklabels([f"{'-' if t < 0 else ''}2^{lo + abs(t) / nb * (hi - lo):.0f}" if t else "0"
