@@ -2084,3 +2084,24 @@ def test_a_float64_parameters_update_is_subtracted_before_it_is_rounded(tmp_path
     delta = (m.weight.detach() - before).to(torch.float32)
     assert int((delta == 0).sum()) == 0
     assert_row(trainhist.open(path), "weight", "param_delta", 0, ref_summary([delta]), sketch=False)
+
+
+def test_modules_and_parameters_added_after_the_collector_are_said(tmp_path):
+    """A head added to the model after the Collector was made is not recorded, and the global gradient norm left
+    its gradient out, silently. A warning now names them (at the first step, at every commit)."""
+    m = mlp()
+    col = Collector(m, tmp_path / "added.thist", streams=("param_grad",))
+    col.attach()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with col.step(0):
+            m(torch.randn(4, 8)).square().mean().backward()
+        col.commit()
+    assert not any("added to the model" in str(w.message) for w in caught)
+    m.add_module("head", torch.nn.Linear(2, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        col.commit()
+    col.close()
+    (w,) = [w for w in caught if "added to the model" in str(w.message)]
+    assert "head, head.bias, head.weight" in str(w.message)

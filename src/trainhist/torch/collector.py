@@ -429,6 +429,7 @@ class Collector:
         self.batch_outputs = bool(batch_outputs)
         self._modules = {clean_name(n): m for n, m in self.inner.named_modules()}
         self._params = {clean_name(n): p for n, p in self.inner.named_parameters()}
+        self._made_with = {id(x) for x in (*self.inner.modules(), *self.inner.parameters())}  # (see _check_params)
         # FSDP1 parameters that are this rank's run of a larger flat tensor: their whole shape and the run's start
         self._flat = fsdp_flat_layouts(model)
         self._unsharded = fsdp_unsharded(model)  # (FSDP1 NO_SHARD: whole on every rank)
@@ -667,6 +668,13 @@ class Collector:
             self._warn_once("params", "trainhist: the model's parameters were replaced after the Collector was made "
                             "(fully_shard, to_empty(), load_state_dict(assign=True)): its parameter sites would record "
                             "the old tensors; make the Collector after the model is wrapped and loaded")
+        added = [clean_name(n) for n, x in self.inner.named_modules() if id(x) not in self._made_with]
+        added += [n for n, x in now.items() if id(x) not in self._made_with and n not in self._params]  # (else above)
+        if added:
+            self._warn_once("added", "trainhist: modules or parameters were added to the model after the Collector "
+                            f"was made ({', '.join(sorted(set(added))[:5])}{', ...' if len(set(added)) > 5 else ''}): "
+                            "they are not recorded, and the gradient norms recorded since leave them out; make the "
+                            "Collector after the model is complete")
 
     def _open(self) -> None:
         if self._writer is not None:
@@ -1703,6 +1711,7 @@ class Collector:
         if self._since_commit >= self.commit_every:
             self._since_commit = 0
             self._safe(w.commit)
+            self._check_params()  # (now and then: a walk of the model)
 
     def _emit_plan(self, st: _Step) -> list[tuple[PlannedSite, str, tuple, object | None]]:
         """The (site, phase, row key, handle) of every row the step writes, in the plan's order: the same for most
@@ -1822,6 +1831,7 @@ class Collector:
         self._since_commit = 0
         if self._writer is not None:
             self._safe(self._writer.commit)
+        self._check_params()
 
     def close(self) -> None:
         """Write what is pending, remove every hook, restore the scaler, and close the writer. Idempotent."""
