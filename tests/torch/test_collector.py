@@ -2105,3 +2105,43 @@ def test_modules_and_parameters_added_after_the_collector_are_said(tmp_path):
     col.close()
     (w,) = [w for w in caught if "added to the model" in str(w.message)]
     assert "head, head.bias, head.weight" in str(w.message)
+
+
+class _WrappedOptimizer:
+    """The shape of accelerate's AcceleratedOptimizer: no Optimizer base, the torch optimizer as ``.optimizer``."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.optimizer = opt
+
+    def step(self, *args, **kwargs):
+        return self.optimizer.step(*args, **kwargs)
+
+    def zero_grad(self, *args, **kwargs):
+        return self.optimizer.zero_grad(*args, **kwargs)
+
+
+def test_a_wrapped_optimizer_is_watched_through_its_inner_optimizer(tmp_path):
+    """attach(optimizer=wrapper) raised a bare AttributeError (register_step_pre_hook) after it had opened the file
+    and hooked the model. A wrapper holding the optimizer as ``.optimizer`` is now watched through it (its steps are
+    seen: applied, updates measured); anything else is a UsageError before any side effect; discover() after
+    close() is refused like the other calls."""
+    m = mlp()
+    opt = _WrappedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+    path = tmp_path / "w.thist"
+    col = Collector(m, path, streams=("param_delta",))
+    with pytest.raises(trainhist.errors.UsageError, match="takes torch.optim.Optimizer") as e:
+        col.attach(optimizer=object())
+    assert e.value.code == "bad_optimizer" and not path.exists() and not col._fwd_handles
+    col.attach(optimizer=opt)
+    before = m[0].weight.detach().clone()
+    with col.step(0):
+        m(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    col.close()
+    with pytest.raises(trainhist.errors.UsageError, match="closed"):
+        col.discover(torch.randn(4, 8))
+    h = trainhist.open(path)
+    assert h.step_truth_rows()[0]["applied"] == "applied"
+    assert presence(h, "0.weight", "param_delta", 0) == "observed"
+    assert float(h.spine("0.weight", "param_delta").max[0]) == float((m[0].weight - before).max())

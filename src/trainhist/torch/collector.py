@@ -91,6 +91,18 @@ _run_keys: dict[str, int] = {}
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
+def _unwrap_optimizer(opt: object) -> torch.optim.Optimizer:
+    """The torch optimizer ``opt`` is or wraps (``.optimizer``, as accelerate's ``AcceleratedOptimizer`` and
+    similar wrappers hold it: the step hooks go on the optimizer that steps); a UsageError for anything else."""
+    inner = opt
+    for _ in range(8):
+        if isinstance(inner, torch.optim.Optimizer):
+            return inner
+        inner = getattr(inner, "optimizer", None)
+    raise UsageError(f"attach(optimizer=...) takes torch.optim.Optimizer objects (or wrappers holding one as "
+                     f"'.optimizer'), or a list of them; got {type(opt).__name__}", code="bad_optimizer")
+
+
 def _extend_runs(runs: list[list[int]], step: int) -> None:
     """Add ``step`` to ``runs`` ([first, last, stride] each, stride 0 for a single step): it extends the last run
     when it follows at the run's stride, so a run at a cadence takes one entry however long it is."""
@@ -510,6 +522,8 @@ class Collector:
     # -- planning ------------------------------------------------------------------------------------------
     def discover(self, batch: object) -> object:
         """Run one real forward of ``batch`` to learn every module's output facets; returns the model output."""
+        if self._closed:
+            raise UsageError("the collector is closed: make a new one to record more")
         self._discovery = {}
         self._calls = {}
         self._completed = {}
@@ -628,6 +642,8 @@ class Collector:
         """Install the hooks; optionally watch ``optimizer`` (one or a list) and a ``torch.amp.GradScaler``."""
         if self._closed:
             raise UsageError("the collector is closed: make a new one to record more")
+        opts = [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        opts = [_unwrap_optimizer(o) for o in opts]  # (before anything is opened or hooked)
         self._open()
         if not self._fwd_handles:
             hooked = {ROOT}
@@ -642,7 +658,6 @@ class Collector:
                 self._fwd_handles.append((m, h.id))
             if self._compiled:  # (to see a forward that the compiled code ran without the hooks above)
                 self._hooks.append(self.model.register_forward_hook(self._on_outer))
-        opts = [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         for opt in opts:
             if any(o is opt for o in self._optimizers):
                 continue
