@@ -2145,3 +2145,31 @@ def test_a_wrapped_optimizer_is_watched_through_its_inner_optimizer(tmp_path):
     assert h.step_truth_rows()[0]["applied"] == "applied"
     assert presence(h, "0.weight", "param_delta", 0) == "observed"
     assert float(h.spine("0.weight", "param_delta").max[0]) == float((m[0].weight - before).max())
+
+
+def test_a_step_number_entered_again_starts_a_new_segment(tmp_path):
+    """A loop that wraps each micro-batch in its own col.step(0) (or rolls back to an earlier step) wrote two
+    step-truth rows and duplicate rows of one identity for step 0, and step 0 then read 'skipped' although its
+    update was applied. A step not after the last one now starts a new segment, with a warning."""
+    m = mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    path = tmp_path / "again.thist"
+    col = Collector(m, path, streams=("activation", "param_delta"))
+    col.attach(optimizer=opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, last in ((0, False), (0, True), (1, True)):
+            with col.step(step):
+                m(torch.randn(4, 8)).square().mean().backward()
+                if last:
+                    opt.step()
+                    opt.zero_grad()
+    col.close()
+    assert sum("entered after step 0" in str(w.message) for w in caught) == 1
+    h = trainhist.open(path)
+    assert [(g.id, g.first_step, g.reason) for g in h.segments] == [(0, 0, "start"), (1, 0, "resume")]
+    assert [(r["segment"], r["step"], r["applied"]) for r in h.step_truth_rows()] == [
+        (0, 0, "skipped"), (1, 0, "applied"), (1, 1, "applied")]
+    sp = h.spine("0.weight", "param_delta")
+    assert list(zip(sp.columns["segment"].tolist(), sp.step.tolist(), sp.presence_names)) == [
+        (0, 0, "skipped"), (1, 0, "observed"), (1, 1, "observed")]

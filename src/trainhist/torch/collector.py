@@ -473,6 +473,7 @@ class Collector:
         # first produced (discover(), or the steps), parameters in the model's order
         self._produced: dict[str, int] = {}
         self._steps_entered = False
+        self._last_step: int | None = None  # (the last step entered in this segment)
         self._completed: dict[str, None] = {}  # modules of the current forward, in the order they completed
         self._calls: dict[str, int] = {}  # calls of each module in discover()'s forward
         self._param_order = {n: i for i, n in enumerate(self._params)}
@@ -866,6 +867,12 @@ class Collector:
             raise UsageError(f"step {step} entered while step {self._state.step} is still open")
         if not self._fwd_handles:
             self.attach()
+        last, self._last_step = self._last_step, int(step)
+        if not new_segment and last is not None and int(step) <= last:  # (rows of one step twice: a new segment)
+            new_segment = True
+            self._warn_once("step_order", f"trainhist: step {step} entered after step {last}: a new segment starts "
+                            "there (a rollback; pass new_segment=True to say so). Several forwards of one step are "
+                            "micro-batches inside one col.step(), not a col.step() each")
         if new_segment:
             self._drain()
             self._safe(self._writer.new_segment, int(step), "resume")
