@@ -2173,3 +2173,28 @@ def test_a_step_number_entered_again_starts_a_new_segment(tmp_path):
     sp = h.spine("0.weight", "param_delta")
     assert list(zip(sp.columns["segment"].tolist(), sp.step.tolist(), sp.presence_names)) == [
         (0, 0, "skipped"), (1, 0, "observed"), (1, 1, "observed")]
+
+
+def test_int64_outputs_beyond_2_53_are_failed_not_rounded(tmp_path):
+    """An int64 output holding 2^53 + 1 was recorded with max 2^53 (rounded on its way to float64), silently; the
+    writer refuses such values. Such a row is now 'failed', with a warning; smaller integers are recorded exactly."""
+
+    class Ints(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> dict:
+            big = torch.tensor([1, 2**53 + 1, -5], dtype=torch.int64) if x.sum() > 0 else torch.tensor([1, -5])
+            return {"big": big, "small": torch.tensor([3, -7], dtype=torch.int64)}
+
+    path = tmp_path / "ints.thist"
+    col = Collector(Ints(), path, streams=("activation",))
+    col.attach()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, sign in ((0, 1.0), (1, -1.0)):
+            with col.step(step):
+                col.model(torch.full((2,), sign))
+    col.close()
+    assert any("2^53 or more" in str(w.message) for w in caught)
+    h = trainhist.open(path)
+    assert h.spine(ROOT, "activation", "big").presence_names == ["failed", "observed"]
+    assert h.spine(ROOT, "activation", "big").max.tolist()[1] == 1.0
+    assert h.spine(ROOT, "activation", "small").max.tolist() == [3.0, 3.0]

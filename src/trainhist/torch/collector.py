@@ -352,6 +352,10 @@ def _no_forward(m: torch.nn.Module) -> bool:
     return type(m).forward is torch.nn.Module.forward
 
 
+#: integer dtypes whose values need not be binary64 values (beyond 2^53): such a row is recorded 'failed'
+_WIDE_INTS = tuple(getattr(torch, n) for n in ("int64", "uint64") if hasattr(torch, n))
+
+
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
@@ -505,6 +509,7 @@ class Collector:
         self._warned: set[object] = set()
         self._dtypes: dict[tuple, str] = {}  # (path, stream, facet) -> dtype name, as first seen
         self._typed: set[tuple] = set()  # keys whose site has its dtype in _dtypes
+        self._wide_ints: set[tuple] = set()  # sites of 64-bit integers: their extremes may not be binary64 values
         self._deferred: list[tuple[tuple, torch.Tensor, int]] = []  # (key, tensor, its version when recorded)
         self._deferred_bytes = 0
         self._eager: set[tuple] = set()  # (stream, path, facet) changed in place after recording: never deferred
@@ -1058,6 +1063,8 @@ class Collector:
             site = (key[1], key[0], key[2])
             if site not in self._dtypes:
                 self._dtypes[site] = _dtype_name(t)
+                if t.dtype in _WIDE_INTS:
+                    self._wide_ints.add(site)
             n = t.numel()
             if n:
                 if (st.defer and key[:3] not in self._eager and triton_batchable(t, self._ledger.device)
@@ -1780,6 +1787,14 @@ class Collector:
             return
         st.spines = d
         st.spine_rows = {k: i for i, (k, good) in enumerate(zip(keys, d.ok.tolist())) if good}
+        for k in [k for k in st.spine_rows if (k[1], k[0], k[2]) in self._wide_ints] if self._wide_ints else ():
+            i = st.spine_rows[k]
+            if d.has[i] and max(abs(float(d.min[i])), abs(float(d.max[i]))) >= 2.0 ** 53:
+                del st.spine_rows[k]  # (an integer of 2^53 or more may have been rounded on its way to binary64)
+                st.failed.add(k)
+                self._warn_once(("wide_int", k[:2]), f"trainhist: {k[1]!r} ({k[0]}) holds "
+                                f"{self._dtypes[(k[1], k[0], k[2])]} values of magnitude 2^53 or more, which min and "
+                                "max (binary64 values, spec 5.1) cannot hold exactly: recorded as 'failed'")
 
     def _decode(self, st: _Step, data: np.ndarray | None, key: tuple) -> object:
         n = st.counts.get(key)
