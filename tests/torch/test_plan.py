@@ -88,6 +88,16 @@ def test_output_facets_that_read_the_same_are_kept_apart_and_deep_ones_are_said(
     assert [f for f, _ in flatten_output([[[[t]]]])] == ["0.0.0.0"]  # (at the limit: recorded)
 
 
+def test_complex_outputs_are_left_out_with_a_warning():
+    """A complex output was a site recorded 'failed' (a TypeError) at every step, and the triage listed it as a
+    failed reduction each time; the format has no complex dtype, so it is now left out, and a warning says so."""
+    t, z = torch.zeros(2), torch.zeros(2, dtype=torch.complex64)
+    with pytest.warns(RuntimeWarning, match="complex tensor"):
+        assert [f for f, _ in flatten_output((t, z))] == ["0"]
+    with pytest.warns(RuntimeWarning, match="complex tensor"):
+        assert list(flatten_output(z)) == []
+
+
 def test_plan_table_reports_elements_and_bytes():
     m = Net()
     col = Collector(m, "unused.thist", streams=("activation", "param", "param_delta"), sketch_every=5,
