@@ -73,8 +73,9 @@ def flatten_output(out: object) -> Iterator[tuple[str | None, torch.Tensor]]:
     """Every tensor inside a module output with its facet label (key/index path; ``None`` for a bare tensor).
 
     Tuples and lists index by position, mappings (HF ``ModelOutput`` included) by key, dataclasses by field.
-    Non-tensor leaves (caches, ints, ``None``) are skipped, and complex tensors (with a warning). Two leaves whose paths read the same (a key ``"a.b"``
-    beside ``"a"`` → ``"b"``, keys ``0`` and ``"0"``) would be one site: the later ones get ``#2``, ``#3``, ...
+    Non-tensor leaves (caches, ints, ``None``) are skipped, and complex tensors (with a warning). Two leaves whose
+    paths read the same (a key ``"a.b"`` beside ``"a"`` → ``"b"``, keys ``0`` and ``"0"``) would be one site: the
+    later ones get ``#2``, ``#3``, ...
     """
     if isinstance(out, torch.Tensor) and not out.is_complex():
         yield None, out
@@ -95,8 +96,9 @@ def flatten_output(out: object) -> Iterator[tuple[str | None, torch.Tensor]]:
 def _flatten(out: object, prefix: str, depth: int) -> Iterator[tuple[str | None, torch.Tensor]]:
     if isinstance(out, torch.Tensor):
         if out.is_complex():  # (the format has no complex dtype: recording it would fail at every step)
-            warnings.warn(f"trainhist: a module output holds a complex tensor ({out.dtype}, at {prefix or 'the top'!r}): "
-                          "complex values are not recorded (record .real and .imag where you need them)",
+            warnings.warn(f"trainhist: a module output holds a complex tensor ({out.dtype}, at "
+                          f"{prefix or 'the top'!r}): complex values are not recorded (record .real and .imag where "
+                          "you need them)",
                           RuntimeWarning, stacklevel=3)
             return
         yield (prefix or None), out
