@@ -2198,3 +2198,22 @@ def test_int64_outputs_beyond_2_53_are_failed_not_rounded(tmp_path):
     assert h.spine(ROOT, "activation", "big").presence_names == ["failed", "observed"]
     assert h.spine(ROOT, "activation", "big").max.tolist()[1] == 1.0
     assert h.spine(ROOT, "activation", "small").max.tolist() == [3.0, 3.0]
+
+
+def test_a_module_selected_by_another_of_its_names_records_its_outputs(tmp_path):
+    """One block registered as ``enc`` and ``dec``: ``sites=["dec"]`` recorded its parameters (under ``enc``) but
+    not its outputs, silently. The module is now selected under its first name, as a shared parameter is."""
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            blk = torch.nn.Linear(3, 3)
+            self.enc, self.dec = blk, blk
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.dec(self.enc(x))
+
+    col = Collector(M(), tmp_path / "alias.thist", sites=["dec"], streams=("activation", "param"))
+    assert {(s.path, s.stream) for s in col.plan.sites} == {("enc", "activation"), ("enc.weight", "param"),
+                                                             ("enc.bias", "param")}
+    col.close()

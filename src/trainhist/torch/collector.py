@@ -459,12 +459,18 @@ class Collector:
                    if clean_name(n) not in self._params and id(p) in first}  # under their first name
         self._norm_suffix = ""  # see _open
         self._norm_params: set[str] = set(self._params)  # see _open
-        sel_modules, sel_params = select(list(self._modules), list(self._params), self._patterns, aliases)
+        first_m: dict[int, str] = {}
+        for n, m in self.inner.named_modules():
+            first_m.setdefault(id(m), clean_name(n))
+        mod_aliases = {clean_name(n): first_m[id(m)] for n, m in self.inner.named_modules(remove_duplicate=False)
+                       if clean_name(n) not in self._modules and id(m) in first_m}  # (a module under two names)
+        sel_modules, sel_params = select(list(self._modules), list(self._params), self._patterns, aliases, mod_aliases)
         # modules and parameters every rank holds in full (tensor parallelism's replicated outputs and plain
         # parameters): recorded as replicas, which merge keeps once
         self._replicas = [replicas] if isinstance(replicas, str) else (None if replicas is None else list(replicas))
-        self._rep_modules, self._rep_params = (select(list(self._modules), list(self._params), self._replicas, aliases)
-                                               if self._replicas else (set(), set()))
+        self._rep_modules, self._rep_params = (
+            select(list(self._modules), list(self._params), self._replicas, aliases, mod_aliases)
+            if self._replicas else (set(), set()))
         # a sharded DTensor also replicated over some mesh dimension (HSDP) is held whole-shard by several ranks:
         # only the first of them (coordinate 0 on those dimensions) records it, so that merge counts it once
         later = fsdp_later_copies(model)  # (FSDP1 HYBRID_SHARD: another group's rank holds the first copy)

@@ -130,10 +130,12 @@ def _owner(param_name: str) -> str:
 
 
 def select(module_names: list[str], param_names: list[str], patterns: list[str] | None,
-           aliases: dict[str, str] | None = None) -> tuple[set[str], set[str]]:
+           aliases: dict[str, str] | None = None,
+           module_aliases: dict[str, str] | None = None) -> tuple[set[str], set[str]]:
     """Selected module and parameter names: each pattern is a module-path prefix or an fnmatch pattern.
     ``aliases``: other names of shared parameters (a tied ``lm_head.weight``) -> the name they are recorded under;
-    a module selected selects its shared parameters too.
+    a module selected selects its shared parameters too. ``module_aliases``: likewise for a module registered under
+    several names (one block as ``enc`` and ``dec``): a pattern naming it by another name selects it.
 
     Raises :class:`~trainhist.errors.UsageError` naming the closest real names when a pattern matches nothing.
     """
@@ -146,6 +148,7 @@ def select(module_names: list[str], param_names: list[str], patterns: list[str] 
     params: set[str] = set()
     for pat in patterns:
         m = {n for n in module_names if _matches(n, pat)}
+        m |= {c for a, c in (module_aliases or {}).items() if _matches(a, pat)}
         p = {n for n in param_names if _matches(n, pat) or _owner(n) in m}
         p |= {c for a, c in (aliases or {}).items() if _matches(a, pat) or _owner(a) in m}
         if not m and not p:
