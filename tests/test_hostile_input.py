@@ -207,6 +207,28 @@ def test_a_row_without_finite_values_but_with_sums_is_bad_row_everywhere(tmp_pat
     assert s == {"api": "bad_row", "verify": "bad_row", "dump": "bad_row", "merge": "bad_row", "coarsen": "bad_row"}
 
 
+@pytest.mark.parametrize("case", ["bad_row_no_finite_exact_sums", "bad_row_not_observed_exact_sums"])
+def test_a_tiny_exact_sum_in_a_row_without_numbers_is_bad_row_everywhere(tmp_path, case):
+    """Spec 5.5 rules 3 and 4 on the exact forms: a row without finite values, or not observed, whose f64 sums are
+    +0.0 but whose sum_x holds 2^-1100. Merge and coarsen used to take it (they checked the f64 columns only) and
+    write a file the reader then refused with bad_row. (The dump of the absent row reads no sum: that check is lazy,
+    spec 8, so only verify and the conformance read refuse it there.)"""
+    src = Path(__file__).resolve().parent.parent / "conformance" / "vectors" / "invalid" / case / "input.thist"
+    p = tmp_path / "tiny.thist"
+    p.write_bytes(src.read_bytes())
+    surfaces = {"verify": lambda: trainhist.open(p).verify(), "dump": lambda: dumps(trainhist.open(p)),
+                "merge": lambda: trainhist.merge([p], tmp_path / "m.thist"),
+                "coarsen": lambda: trainhist.coarsen(p, tmp_path / "c.thist", steps=2)}
+    if "not_observed" in case:
+        del surfaces["dump"]
+    for name, fn in surfaces.items():
+        with pytest.raises(TrainhistError) as ei:
+            fn()
+        assert ei.value.code == "bad_row", name
+        assert ei.value.offset == records(p.read_bytes(), RecordType.OBS)[0] and "row 0" in str(ei.value), name
+    assert not (tmp_path / "m.thist").exists() and not (tmp_path / "c.thist").exists()
+
+
 def test_the_writer_refuses_a_summary_without_finite_values_but_with_sums(tmp_path):
     """What the reader refuses (spec 5.5 rule 3) the writer does not write; zero sums (of either form) pass."""
     from trainhist.dyadic import Dyadic

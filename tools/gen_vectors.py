@@ -1084,7 +1084,9 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
             fn(r)
         else:
             edit_chunk(r, fn, **kw)
-        s.read(c, name, desc, spec, build(recs)[0], error=error)
+        data = build(recs)[0]
+        s.read(c, name, desc, spec, data, error=error)
+        base[f"invalid/{name}"] = data  # (for the merge cases that refuse what a reader refuses)
 
     import numpy as np
 
@@ -1281,13 +1283,18 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
     chunk_case("bad_row_no_finite_sums", "an observed row whose every element is NaN (min and max NaN) but whose "
                "sums are not zero: no tensor gives it", ["5.5"], "bad_row", no_finite_sums, src="nosketch")
 
-    def no_finite_exact(m: dict, cs: list[Col]) -> None:  # row 0 (of 4) becomes all NaN
+    def no_finite_exact(m: dict, cs: list[Col], absent: bool = False) -> None:  # row 0 (of 4) becomes all NaN
         def row0(name: str, dt: str, value: Any) -> None:
             v = np.frombuffer(col(cs, name).block, dt).copy()
             v[0] = value
             col(cs, name).block = v.tobytes()
 
-        row0("nan", "<u8", np.frombuffer(col(cs, "count").block, "<u8")[0])
+        if absent:  # row 0 becomes an absent row: no counts
+            for name in ("count", "nan", "pinf", "ninf"):
+                row0(name, "<u8", 0)
+            row0("presence", "<u1", 2)
+        else:
+            row0("nan", "<u8", np.frombuffer(col(cs, "count").block, "<u8")[0])
         row0("zero", "<u8", 0)
         row0("min", "<f8", math.nan)
         row0("max", "<f8", math.nan)
@@ -1304,6 +1311,9 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
     chunk_case("bad_row_no_finite_exact_sums", "an observed row whose every element is NaN, with f64 sums +0.0 "
                "but exact forms (sum_x, sumsq_x) holding 2^-1100: its sums are not zero", ["5.5", "5.3"],
                "bad_row", no_finite_exact, src="exact")
+    chunk_case("bad_row_not_observed_exact_sums", "an absent row with f64 sums +0.0 but exact forms (sum_x, "
+               "sumsq_x) holding 2^-1100: it carries numbers", ["5.5", "5.3", "2.6"], "bad_row",
+               lambda m, cs: no_finite_exact(m, cs, absent=True), src="exact")
     chunk_case("bad_row_not_observed", "a row marked absent that carries counts, sums and a sketch", ["5.5", "2.6"],
                "bad_row", lambda m, cs: setattr(col(cs, "presence"), "block", b"\x02"))
 
@@ -1488,7 +1498,7 @@ def rank_file(rank: int, **kw: Any) -> bytes:
                              world_size=2, name="job"))
 
 
-def gen_merge(s: Suite) -> None:
+def gen_merge(s: Suite, base: dict[str, bytes]) -> None:
     m = "merge"
     r0, r1 = rank_file(0), rank_file(1)
     io = {"input-0.thist": r0, "input-1.thist": r1}
@@ -1564,6 +1574,12 @@ def gen_merge(s: Suite) -> None:
     _derived_case(s, m, "invalid_input", "an input with a reserved step-truth code is refused, not copied into the "
                   "output", ["11.8", "2.7"], {"input-0.thist": r0, "input-1.thist": build(recs)[0]}, {"inputs": two},
                   error="unknown_code")
+    for name, what in (("bad_row_no_finite_exact_sums", "an observed row without finite values"),
+                       ("bad_row_not_observed_exact_sums", "an absent row")):
+        _derived_case(s, m, f"invalid_input_{name.removeprefix('bad_row_')}", f"an input a reader refuses "
+                      f"(invalid/{name}: {what} whose exact sums hold 2^-1100 behind f64 columns of +0.0) is "
+                      "refused with the reader's code, not merged into a file readers refuse", ["11", "5.5", "5.3"],
+                      {"input-0.thist": base[f"invalid/{name}"]}, {"inputs": ["input-0.thist"]}, error="bad_row")
     s.read("valid", "derived_merged", "a merged file: tally columns, segment origin, no `created` in segments",
            ["11.4", "11.9", "2.6"], merged)
 
@@ -1603,10 +1619,8 @@ def generate(out: Path) -> dict[str, int]:
     gen_truncated(s, base)
     gen_forward(s, base)
     gen_writer(s)
-    for cat in ("merge", "coarsen"):
-        gen = globals().get(f"gen_{cat}")
-        if gen is not None:
-            gen(s)
+    gen_merge(s, base)
+    gen_coarsen(s)
     return s.counts
 
 

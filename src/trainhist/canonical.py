@@ -395,6 +395,25 @@ def decode_obs_batch(parts: list[ObsChunk]) -> Rows:
     return decode_obs_columns(parts, cols, tally, explicit, exact, sk, counts, csize, scale)
 
 
+def _refuse_tiny_sums(name: str, x: ExactCol, stored: np.ndarray, cols: dict[str, np.ndarray], observed: np.ndarray,
+                      locate: Callable[[int], tuple[str, int, int]]) -> None:
+    """Refuse (``bad_row``, as a reader does) a row that is not observed, or has no finite value, but whose exact
+    form (``stored``: the rows that have one) names a non-zero sum: spec 5.5, rules 3 and 4 (the f64 column of such
+    a row is ±0.0, which :func:`~trainhist.model.row_problem` took, but its exact form may hold a value too small
+    for binary64). A merge that let it through would write a file that readers refuse."""
+    finite = cols["count"] - cols["nan"] - cols["pinf"] - cols["ninf"]  # (no wrap: row_problem checked the counts)
+    none = stored & (~observed | (finite == 0))
+    if not none.any():
+        return
+    for i in np.flatnonzero(none).tolist():  # (rows of a crafted file only: writers store no exact form there)
+        d = x.get(i)
+        if d.m:
+            path, offset, j = locate(i)
+            what = "that is not observed" if not observed[i] else "without finite values"
+            raise CorruptError(f"row {j}: its exact {name} is {d.m}*2**{d.e}, not 0, in a row {what} (spec 5.5: "
+                               "the sums of no value are 0)", code="bad_row", path=path, offset=offset)
+
+
 def decode_obs_columns(parts: list[ObsChunk], cols: dict[str, np.ndarray], tally: np.ndarray | None,
                        explicit: np.ndarray, exact: dict[str, tuple | None], sk: dict[str, np.ndarray] | None,
                        counts: np.ndarray | None, csize: list[int], scale: int | None, cmax: int | None = None
@@ -460,7 +479,10 @@ def decode_obs_columns(parts: list[ObsChunk], cols: dict[str, np.ndarray], tally
                 if ls != bs:
                     raise _bad(f"{name}_x holds {bs} bytes, {name}_xn sums to {ls}", p.path, p.offset,
                                "bad_column_length")
-        xcols.append(decode_exact(name, cols[name], lens, blob, observed, locate))
+        x = decode_exact(name, cols[name], lens, blob, observed, locate)
+        if lens is not None:
+            _refuse_tiny_sums(name, x, lens != 0, cols, observed, locate)
+        xcols.append(x)
         c = cols[name]  # a zero sum is the dyadic 0 whatever its sign (readers accept -0.0, spec 5.5); a row with an
         c[(c == 0) & (True if lens is None else lens == 0)] = 0.0  # exact form keeps its correctly rounded zero
     has = np.zeros(total, bool)
