@@ -2217,3 +2217,26 @@ def test_a_module_selected_by_another_of_its_names_records_its_outputs(tmp_path)
     assert {(s.path, s.stream) for s in col.plan.sites} == {("enc", "activation"), ("enc.weight", "param"),
                                                              ("enc.bias", "param")}
     col.close()
+
+
+def test_an_empty_output_at_a_sketch_step_has_an_empty_sketch(tmp_path):
+    """An output of no elements at a step whose sketches are due had no sketch (read as a missing one); it now has
+    the empty sketch, as the spec says an empty sketch is not a missing one."""
+
+    class Empty(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x[:0]
+
+    path = tmp_path / "empty.thist"
+    col = Collector(Empty(), path, streams=("activation",), sketch_every=2)
+    col.attach()
+    for step in range(2):
+        with col.step(step):
+            col.model(torch.randn(3))
+    col.close()
+    h = trainhist.open(path)
+    sp = h.spine(ROOT, "activation")
+    assert sp.presence_names == ["observed", "observed"] and sp.count.tolist() == [0, 0]
+    assert sp.columns["sk_row"].tolist()[0] >= 0 and sp.columns["sk_row"].tolist()[1] < 0
+    sk = h.sketch(ROOT, "activation").sketch(int(sp.columns["sk_row"][0]))
+    assert int(sk.pos.sum() + sk.neg.sum()) == 0

@@ -1807,9 +1807,9 @@ class Collector:
         if n is None or key in st.failed:
             return None
         if n == 0 or key not in st.pending.rows:  # type: ignore[union-attr]
-            from ..summary import Summary
+            from ..summary import Sketch, Summary
 
-            return Summary(count=0)
+            return Summary(count=0, sketch=Sketch.empty() if st.sketch[key[0]] else None)  # (empty, not missing)
         try:
             out = decode_rows(data, [st.pending.rows[key]], [n], [st.sketch[key[0]]])[0]  # type: ignore[union-attr,arg-type]
         except Exception as e:  # noqa: BLE001 -- one bad row must not stop training
