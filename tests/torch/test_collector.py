@@ -2240,3 +2240,27 @@ def test_an_empty_output_at_a_sketch_step_has_an_empty_sketch(tmp_path):
     assert sp.columns["sk_row"].tolist()[0] >= 0 and sp.columns["sk_row"].tolist()[1] < 0
     sk = h.sketch(ROOT, "activation").sketch(int(sp.columns["sk_row"][0]))
     assert int(sk.pos.sum() + sk.neg.sum()) == 0
+
+
+def test_learning_rate_names_do_not_change_when_an_optimizer_is_attached_later(tmp_path):
+    """Attaching a second optimizer mid-run renamed the first one's rates from lr/group0 to lr/opt0.group0, which
+    split its series in two. The first optimizer's rates keep lr/group<g>; the later ones' are lr/opt<k>.group<g>."""
+    m = mlp()
+    first = torch.optim.SGD(m[0].parameters(), lr=0.1)
+    second = torch.optim.SGD(m[2].parameters(), lr=0.01)
+    path = tmp_path / "lrs.thist"
+    col = Collector(m, path, streams=())
+    col.attach(optimizer=first)
+    for step in range(2):
+        if step == 1:
+            col.attach(optimizer=second)
+        with col.step(step):
+            m(torch.randn(4, 8)).square().mean().backward()
+            first.step()
+            second.step()
+    col.close()
+    h = trainhist.open(path)
+    assert h.spine("lr/group0", "scalar").step.tolist() == [0, 1]
+    assert h.spine("lr/group0", "scalar").max.tolist() == [0.1, 0.1]
+    assert h.spine("lr/opt1.group0", "scalar").max.tolist() == [0.01]
+    assert not any(s.path.startswith("lr/opt0") for s in h.sites)

@@ -977,7 +977,8 @@ class Collector:
         for oi, opt in enumerate(self._optimizers):  # the rates its step used (a scheduler may have moved on)
             lrs = st.lrs.get(oi) or [g.get("lr") for g in opt.param_groups]
             for gi, lr in enumerate(lrs):
-                name = f"lr/group{gi}" if len(self._optimizers) == 1 else f"lr/opt{oi}.group{gi}"
+                # (the first optimizer's names do not change when another is attached later in the run)
+                name = f"lr/group{gi}" if oi == 0 else f"lr/opt{oi}.group{gi}"
                 self._put_scalar(st, st.step, name, lr)
         sc = self._scaler
         if sc is not None and sc.is_enabled() and getattr(sc, "_scale", None) is not None:
