@@ -140,3 +140,43 @@ def test_a_deep_free_object_with_floats_reads(tmp_path: Path) -> None:
     for _ in range(900):
         inner = inner["a"]
     assert inner == 1.5 and type(inner) is float
+
+
+@pytest.mark.parametrize("number", ["1e400", "-2e308", "1.7976931348623159e308", "0.5e309"])
+@pytest.mark.parametrize("deep", [False, True])
+def test_a_number_beyond_binary64_is_not_json_and_is_refused(number: str, deep: bool) -> None:
+    """Spec 9: a number read as a binary64 whose rounding overflows (1e400) has no value; it was read as inf and the
+    dump wrote ``Infinity``, which is not JSON. It is refused as NaN and Infinity are (bad_manifest_json), in a free
+    object at any depth and in a member of another type; the largest finite one and a tiny one read."""
+    inner = ('{"a":[' + number + "]}") if deep else number
+    text = '{"kind":"run","run_id":"' + "0" * 32 + '","name":null,"created":"t","config":{"x":' + inner + "}}"
+    with pytest.raises(ValueError, match="beyond binary64's range"):
+        loads_manifest(text)
+    with pytest.raises(ValueError, match="beyond binary64's range"):
+        loads_manifest(text.replace('"name":null', '"name":' + number))
+    edges = loads_manifest(text.replace(number, "[1.7976931348623158e308,-1e-400]"))["config"]["x"]
+    edges = edges["a"][0] if deep else edges
+    assert edges == [1.7976931348623157e308, 0.0] and str(edges[1]) == "-0.0"
+
+
+def test_the_reader_refuses_a_config_number_beyond_binary64_at_its_manifest(tmp_path: Path) -> None:
+    """The reader names the run manifest; a number of the same length within range reads."""
+    p = tmp_path / "big.thist"
+    with trainhist.HistoryWriter(p, config={"lr": 0.125}, **FAST) as w:
+        w.observe(w.site("a", "activation"), 0, np.ones(1))
+    clean = p.read_bytes()
+    for number, ok in ((b"9e307", True), (b"9e308", False)):
+        data = bytearray(clean)
+        for pos in records(clean, RecordType.MANIFEST):
+            length = int.from_bytes(data[pos + 4 : pos + 8], "little")
+            payload = clean[pos + RECORD_HEADER_SIZE : pos + RECORD_HEADER_SIZE + length]
+            if b'"lr":0.125' in payload:
+                rewrite(data, pos, payload.replace(b"0.125", number))
+                at = pos
+        p.write_bytes(bytes(data))
+        if ok:
+            assert trainhist.open(p).runs[0]["config"] == {"lr": 9e307}
+            continue
+        with pytest.raises(TrainhistError) as ei:
+            trainhist.open(p)
+        assert ei.value.code == "bad_manifest_json" and ei.value.offset == at and "beyond binary64" in str(ei.value)

@@ -871,6 +871,11 @@ def gen_valid_edges(s: Suite, base: dict[str, bytes]) -> None:
 
     s.read(v, "manifest_duplicate_member", "a run manifest with `name` twice: the last value counts", ["9"],
            with_manifest("run", lambda b: b.replace(b'"name":"vector"', b'"name":"first","name":"vector2"')))
+    s.read(v, "manifest_number_edges", "a run config holding the largest number whose binary64 is finite "
+           "(1.7976931348623158e308, read as the largest binary64) and numbers too small for binary64 (1e-400, "
+           "-1e-400: read as +0.0 and -0.0, their nearest binary64)", ["9", "10"],
+           with_manifest("run", lambda b: b.replace(b'"config":{}', b'"config":{"big":1.7976931348623158e308,'
+                                                    b'"tiny":1e-400,"neg_tiny":-1e-400}')))
     s.read(v, "manifest_integral_float", "a site's cadence written as 1.0 and 0e0: integers in JSON Schema "
            "2020-12, dumped as the integers 1 and 0", ["9", "10"],
            with_manifest("site", lambda b: b.replace(b'"spine":1', b'"spine":1.0').replace(b'"sketch":0',
@@ -1032,6 +1037,10 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
            with_manifest("run", b"\xef\xbb\xbf" + manifest(run_doc)), error="bad_manifest_json")
     s.read(c, "manifest_nan", "a run manifest whose config holds the bare word NaN (not JSON)", ["9"],
            with_manifest("run", manifest(dict(run_doc, config={"lr": 0.5})).replace(b'"lr":0.5', b'"lr":NaN')),
+           error="bad_manifest_json")
+    s.read(c, "manifest_number_beyond_binary64", "a run manifest whose config holds the number 1e400, beyond "
+           "binary64's range (it would be read as inf, and dumped as Infinity, which is not JSON)", ["9"],
+           with_manifest("run", manifest(dict(run_doc, config={"lr": 0.5})).replace(b'"lr":0.5', b'"lr":1e400')),
            error="bad_manifest_json")
     s.read(c, "manifest_not_object", "a committed manifest that is the JSON array [1]", ["9"],
            with_manifest("run", b"[1]"), error="unknown_manifest_kind")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from decimal import Decimal
 from functools import lru_cache
 from importlib import resources
@@ -40,10 +41,11 @@ def _no_constant(name: str) -> None:
 
 def loads_manifest(text: str) -> Any:
     """A manifest's JSON text parsed as spec 9 reads it (``ValueError`` where it is not JSON: ``NaN``,
-    ``Infinity``): a number with a fraction or an exponent is, where the schema of the manifest's kind types the
-    member as ``integer``, the integer its exact decimal value names (``2.0``, ``20e-1``: 2; not through binary64),
-    and elsewhere (``config``, ``settings``) the float ``json.loads`` gives. Such a number whose value is not an
-    integer stays a :class:`~decimal.Decimal` where an integer belongs, which :func:`validate_manifest` refuses."""
+    ``Infinity``, or a number read as a binary64 that is beyond its range, ``1e400``): a number with a fraction or an
+    exponent is, where the schema of the manifest's kind types the member as ``integer``, the integer its exact
+    decimal value names (``2.0``, ``20e-1``: 2; not through binary64), and elsewhere (``config``, ``settings``) its
+    correctly rounded binary64, as ``json.loads`` gives it. Such a number whose value is not an integer stays a
+    :class:`~decimal.Decimal` where an integer belongs, which :func:`validate_manifest` refuses."""
     floats = False
 
     def decimal(t: str) -> Decimal:
@@ -79,7 +81,7 @@ def _numbers(value: Any, sch: dict, free: Any) -> Any:
         return int(value) if integer and value.is_integer() else value
     if isinstance(value, Decimal):
         if not integer:
-            return float(value)
+            return _binary64(value)
         if not value.is_finite() or value != value.to_integral_value():
             return value
         if value.adjusted() >= _MAX_DIGITS:  # (1e1000000000: refused as a longer integer written out is)
@@ -94,6 +96,18 @@ def _numbers(value: Any, sch: dict, free: Any) -> Any:
     return free(value) if isinstance(value, (dict, list)) else value
 
 
+def _binary64(value: Decimal) -> float:
+    """The binary64 value nearest ``value`` (a JSON number with a fraction or an exponent, read where no schema types
+    an integer), correctly rounded; ``ValueError`` where that is ±inf (spec 9: ``1e400`` is beyond binary64's range:
+    it has no value, and the dump would have to write ``Infinity``, which is not JSON). One too small is a zero."""
+    f = float(value)
+    if math.isinf(f):
+        text = str(value) if len(str(value)) <= 40 else str(value)[:37] + "..."
+        raise ValueError(f"the number {text} is beyond binary64's range (|x| < 2**1024 - 2**970, about "
+                         "1.8e308): write it as a string")
+    return f
+
+
 def _floats(value: Any) -> Any:
     """``value`` (parsed with Decimal floats) with every Decimal the float ``json.loads`` would give, in place and
     without recursion."""
@@ -102,7 +116,7 @@ def _floats(value: Any) -> Any:
         node = stack.pop()
         for k, v in list(node.items() if isinstance(node, dict) else enumerate(node)):
             if isinstance(v, Decimal):
-                node[k] = float(v)
+                node[k] = _binary64(v)
             elif isinstance(v, (dict, list)):
                 stack.append(v)
     return value
