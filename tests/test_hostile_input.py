@@ -256,6 +256,56 @@ def test_a_pipe_or_directory_is_refused_without_waiting(tmp_path):
     assert cli.main(["info", str(fifo)]) == 1
 
 
+def test_a_missing_file_or_a_directory_is_a_typed_error_that_is_still_an_os_error(tmp_path):
+    """trainhist.open("missing") raised a bare FileNotFoundError though every error is a TrainhistError with a
+    code: now `not_found` (still a FileNotFoundError, errno and filename set), and a directory `not_a_file` (an
+    IsADirectoryError too); the writer says the same of a missing folder and of a directory."""
+    import errno
+
+    missing, nofolder = tmp_path / "missing.thist", tmp_path / "no" / "such" / "x.thist"
+    for open_ in (trainhist.open, lambda p: trainhist.merge([p], tmp_path / "m.thist"),
+                  lambda p: trainhist.coarsen(p, tmp_path / "c.thist", steps=2)):
+        for path, says in ((missing, "check the path"), (nofolder, "does not exist either")):
+            with pytest.raises(FileNotFoundError) as ei:
+                open_(path)
+            e = ei.value
+            assert isinstance(e, TrainhistError) and e.code == "not_found" and e.path == str(path), e
+            assert e.errno == errno.ENOENT and e.filename == str(path) and says in str(e)
+            assert str(e).startswith(f"[not_found] {path}: no such file")
+        with pytest.raises(IsADirectoryError) as ei:
+            open_(tmp_path)
+        assert isinstance(ei.value, TrainhistError) and ei.value.code == "not_a_file"
+        assert ei.value.errno == errno.EISDIR and str(ei.value).startswith(f"[not_a_file] {tmp_path}: a directory")
+    with pytest.raises(FileNotFoundError) as ei:
+        trainhist.HistoryWriter(nofolder)
+    assert ei.value.code == "not_found" and "create it first" in str(ei.value)
+    with pytest.raises(IsADirectoryError) as ei:
+        trainhist.HistoryWriter(tmp_path)
+    assert ei.value.code == "not_a_file" and "give a file name" in str(ei.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # (nothing written)
+    assert cli.main(["info", str(missing)]) == 1
+
+
+def test_presence_of_a_segment_the_file_lacks_is_refused(tmp_path):
+    """presence(segment=5) of a file whose segments are 0 and 1 answered every step `unknown`: a typo read as a
+    history of gaps. Now a UsageError naming the segments there are; a segment of the file without rows of the
+    site answers as before."""
+    p = tmp_path / "s.thist"
+    with trainhist.HistoryWriter(p, fsync="never") as w:
+        a = w.site("a", "activation")
+        w.observe(a, 0, np.ones(2, np.float32))
+        w.step_truth(0, applied=True)
+        w.new_segment(first_step=1)
+        w.step_truth(1, applied=True)
+    h = trainhist.open(p)
+    for bad in (5, -1, "0", 1.0, True):
+        with pytest.raises(trainhist.UsageError) as ei:
+            h.presence("a", steps=[0, 1], segment=bad)
+        assert ei.value.code == "unknown_segment" and "its segments: 0, 1" in str(ei.value), bad
+    assert h.presence("a", steps=[0, 1], segment=0) == {0: "observed", 1: "unknown"}
+    assert h.presence("a", steps=[0, 1], segment=1) == {0: "unknown", 1: "unknown"}  # (step 1 was due: no row)
+
+
 def test_merge_and_coarsen_never_replace_an_input_or_a_special_file(tmp_path):
     """The output is written beside its path and renamed over it: an output naming an input (under any name) would
     have replaced the input (it did, exit 0), and a FIFO or device would have become a regular file."""

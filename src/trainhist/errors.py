@@ -17,6 +17,9 @@ __all__ = [
     "MergeError",
     "UsageError",
     "ReadOnlyError",
+    "NotFoundError",
+    "NotAFileError",
+    "DirectoryError",
 ]
 
 
@@ -92,3 +95,50 @@ class ReadOnlyError(TrainhistError):
     """The file was written by a newer writer version and may be read but not appended to."""
 
     code = "read_only"
+
+
+class NotFoundError(TrainhistError, FileNotFoundError):
+    """The path names no file (code ``not_found``). Also a :class:`FileNotFoundError` (``errno`` ENOENT,
+    ``filename`` the path), so that ``except FileNotFoundError`` keeps catching it."""
+
+    code = "not_found"
+
+    def __init__(self, message: str, *, code: str | None = None, path: str | None = None,
+                 offset: int | None = None) -> None:
+        import errno
+        import os
+
+        super().__init__(message, code=code, path=path, offset=offset)
+        self.errno, self.strerror, self.filename = errno.ENOENT, os.strerror(errno.ENOENT), self.path
+
+    def __str__(self) -> str:  # (the trainhist message, not OSError's "[Errno 2] ...")
+        return str(self.args[0])
+
+
+class NotAFileError(TrainhistError, OSError):
+    """The path names a directory, pipe, socket or device where a regular file is needed (code ``not_a_file``).
+    Also an :class:`OSError` (an :class:`IsADirectoryError` for a directory: see :func:`not_a_file`), with ``errno``
+    and ``filename`` set as the OS error would have them."""
+
+    code = "not_a_file"
+
+    def __init__(self, message: str, *, code: str | None = None, path: str | None = None,
+                 offset: int | None = None) -> None:
+        import errno
+        import os
+
+        super().__init__(message, code=code, path=path, offset=offset)
+        number = errno.EISDIR if isinstance(self, IsADirectoryError) else errno.EINVAL
+        self.errno, self.strerror, self.filename = number, os.strerror(number), self.path
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class DirectoryError(NotAFileError, IsADirectoryError):
+    """A :class:`NotAFileError` whose path is a directory."""
+
+
+def not_a_file(message: str, *, path: str, directory: bool) -> NotAFileError:
+    """The :class:`NotAFileError` of ``path`` (a :class:`DirectoryError` when it is a directory)."""
+    return (DirectoryError if directory else NotAFileError)(message, path=path)

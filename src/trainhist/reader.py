@@ -44,7 +44,7 @@ from .batchdecode import (  # noqa: F401 - _directories_*, _int_positions: tests
 )
 from .chunk import Chunk, Codec
 from .dyadic import Dyadic
-from .errors import CorruptError, FormatError, TrainhistError, UnsupportedError, UsageError
+from .errors import CorruptError, FormatError, NotFoundError, UnsupportedError, UsageError, not_a_file
 from .framing import (
     COMMIT_ENTRY,
     COMMIT_ENTRY_DTYPE,
@@ -470,12 +470,21 @@ def _open_regular(path: str) -> Any:
     import stat
 
     nonblock = getattr(os, "O_NONBLOCK", 0)  # (none on Windows, where opening a pipe does not wait)
-    fd = os.open(path, os.O_RDONLY | nonblock | getattr(os, "O_BINARY", 0))
+    try:
+        fd = os.open(path, os.O_RDONLY | nonblock | getattr(os, "O_BINARY", 0))
+    except FileNotFoundError:
+        where = os.path.dirname(os.path.abspath(path))
+        hint = "check the path" if os.path.isdir(where) else f"the folder {where} does not exist either"
+        raise NotFoundError(f"no such file: expected a trainhist history (.thist) here; {hint}",
+                            path=path) from None
+    except IsADirectoryError:  # (Windows: a directory cannot be opened)
+        raise not_a_file("a directory: a history is read from a regular file", path=path, directory=True) from None
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a pipe, socket or device)"
-            raise TrainhistError(f"{kind}: a history is read from a regular file", code="not_a_file", path=path)
+            raise not_a_file(f"{kind}: a history is read from a regular file", path=path,
+                             directory=stat.S_ISDIR(mode))
         if nonblock:
             os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
@@ -716,7 +725,8 @@ class History:
         cols = {name: ch.column(name, e.rows) for name in OBS_COLUMNS}
         cols["segment"] = np.full(e.rows, e.segment, np.uint32)
         path = self.path
-        if not np.array_equal(cols["step"].min(initial=np.iinfo(np.int64).max), e.step_min) or cols["step"].max() != e.step_max:
+        if (not np.array_equal(cols["step"].min(initial=np.iinfo(np.int64).max), e.step_min)
+                or cols["step"].max() != e.step_max):
             raise _bad("chunk steps disagree with the commit entry's step range", "bad_chunk", path, e.offset)
         if (cols["phase"] >= len(Phase.NAMES)).any() or (cols["presence"] >= len(Presence.NAMES)).any():
             raise UnsupportedError("chunk uses phase or presence codes unknown to this reader",
@@ -775,8 +785,8 @@ class History:
 
         The site's chunks are decoded together, each column of all of them at once (:func:`_gather`), and kept
         for the next call on the same site (``spine`` then ``sketch`` decode once). Anything unusual — a check
-        that fails, tally columns in only some chunks, mixed scales — sends the site through the per-chunk path, which names the
-        first problem exactly as spec 8 asks (the record's offset).
+        that fails, tally columns in only some chunks, mixed scales — sends the site through the per-chunk path,
+        which names the first problem exactly as spec 8 asks (the record's offset).
         """
         data = self._cache.get(site.id)
         if data is None:
@@ -1088,6 +1098,12 @@ class History:
                 isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in steps)):
             raise UsageError(f"steps must be integers (a range, a list, an array), got {steps!r:.80}",
                              code="bad_steps")
+        if segment is not None:
+            ids = [g.id for g in self.segments]
+            if isinstance(segment, bool) or not isinstance(segment, (int, np.integer)) or int(segment) not in ids:
+                have = ", ".join(map(str, ids)) if ids else "none"
+                raise UsageError(f"segment {segment!r} is not a segment of this file (its segments: {have}); "
+                                 "pass one of them, or leave segment out", code="unknown_segment", path=self.path)
         s = self.spine(path, stream, facet, phase=phase)
         site = s.site
         t = self.steps
@@ -1153,7 +1169,8 @@ class History:
                     x.value(int(plain_bad[0]))  # (raises bad_exact_value)
             rows += int(columns["step"].size)
         for off, _type in self.ignored_records:
-            length, pcrc = struct.unpack_from("<I", self._view, off + 4)[0], struct.unpack_from("<I", self._view, off + 24)[0]
+            length = struct.unpack_from("<I", self._view, off + 4)[0]
+            pcrc = struct.unpack_from("<I", self._view, off + 24)[0]
             problem = self._check_payload(off, length, pcrc, _type)
             if problem is not None:
                 raise _bad(problem[1], problem[0], self.path, off)

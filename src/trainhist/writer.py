@@ -25,7 +25,7 @@ import numpy as np
 from . import __version__, grid
 from .chunk import DTYPES, MAX_ROWS, Codec, assemble_chunks, encode_chunk, pack_segments
 from .dyadic import Dyadic, floats_of
-from .errors import ReadOnlyError, UsageError
+from .errors import NotFoundError, ReadOnlyError, UsageError, not_a_file
 from .framing import (
     FILE_HEADER_SIZE,
     READ_VERSION,
@@ -410,7 +410,15 @@ def _open_locked(path: str):  # -> BinaryIO
     writer: two writers on one file would interleave their records into a file no reader can read. The lock is an
     advisory ``flock``, released when the file is closed or the process dies; where the platform or file system has
     none, the file is opened unlocked."""
-    f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o666), "r+b")
+    try:
+        f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o666), "r+b")
+    except FileNotFoundError:
+        folder = os.path.dirname(os.path.abspath(path))
+        raise NotFoundError(f"cannot create the history: the folder {folder} does not exist; create it first, or "
+                            "give a path in an existing folder", path=path) from None
+    except IsADirectoryError:
+        raise not_a_file("a directory: a history is written to a regular file; give a file name (e.g. "
+                         f"{os.path.join(path, 'run.thist')})", path=path, directory=True) from None
     try:
         import fcntl
     except ImportError:  # (no flock on this platform)
