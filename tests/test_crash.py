@@ -367,6 +367,37 @@ def test_every_byte_flipped(sample: tuple[bytes, dict, Path], at_boundary: dict[
     assert p.read_bytes() == data
 
 
+def test_truncating_at_a_bad_payload_crc_recovers_the_earlier_commits(sample: tuple[bytes, dict, Path],
+                                                                       at_boundary: dict[int, dict]) -> None:
+    """crash-safety.md: after `bad_payload_crc` at a record, truncating the file at the offset the error names gives
+    back every commit before that record. The message says so, with that offset (it said only "payload CRC32C
+    mismatch"); the truncated file reads as the prefix of the last commit before the record, for a damaged manifest,
+    commit or committed chunk anywhere in the file, and for a commit record cut short by zeros (a power loss)."""
+    data, _, d = sample
+    p = d / "payload.thist"
+    cases = []
+    for pos, end, h in records(data):
+        damaged = bytearray(data)
+        damaged[pos + RECORD_HEADER_SIZE + h.length // 2] ^= 0x01  # (inside the payload: its CRC fails)
+        cases.append((pos, bytes(damaged)))
+        if h.type == RecordType.COMMIT and end == len(data):  # the last commit, half written, then zeros
+            cut = pos + RECORD_HEADER_SIZE + 8
+            cases.append((pos, data[:cut] + bytes(end - cut)))
+    for pos, damaged in cases:
+        p.write_bytes(damaged)
+        with pytest.raises(CorruptError) as ei:
+            read(p)
+        assert ei.value.code == "bad_payload_crc" and ei.value.offset == pos, (pos, ei.value)
+        assert f"truncate a copy of the file to {pos} bytes" in str(ei.value) and f"truncate -s {pos} " in str(
+            ei.value), str(ei.value)
+        p.write_bytes(damaged[:pos])
+        h, content = read(p)
+        before = max(b for b in at_boundary if b <= pos)
+        assert h.recovery.status in ("clean", "torn") and h.committed_bytes == before
+        assert content == at_boundary[before], pos
+    assert len(cases) == len(records(data)) + 1
+
+
 def test_single_bit_flips_sample(sample: tuple[bytes, dict, Path], at_boundary: dict[int, dict]) -> None:
     data, _, d = sample
     recs = records(data)

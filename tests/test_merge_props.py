@@ -178,7 +178,8 @@ def test_merge_commutative_associative_identity(spec, rep, perm_seed):
 
 
 @settings(max_examples=EXAMPLES["partition"], **SETTINGS)
-@given(spec=st.lists(st.tuples(shard, truth), min_size=2, max_size=6), rep=replica_steps, tree_seed=st.integers(0, 10**6))
+@given(spec=st.lists(st.tuples(shard, truth), min_size=2, max_size=6), rep=replica_steps,
+       tree_seed=st.integers(0, 10**6))
 def test_any_partition_tree_gives_identical_bytes(spec, rep, tree_seed):
     rng = np.random.default_rng(tree_seed)
     with Dir() as d:
@@ -353,12 +354,23 @@ def test_overlapping_writers_refused_naming_files_and_writer():
                     lambda w: w.observe(w.site("a", "activation"), 0, np.ones(2)))
         m = d.merge([a, b])
         wid = trainhist.open(a).writers[0]["writer_id"]
-        for inputs in ([a, a], [m, a], [a, m]):
+        for inputs in ([m, a], [a, m]):
             with pytest.raises(MergeError) as ei:
                 d.merge(inputs)
             assert ei.value.code == "overlapping_writers"
             msg = str(ei.value)
-            assert wid in msg and inputs[0] in msg and inputs[1] in msg
+            assert wid in msg and inputs[0] in msg and inputs[1] in msg and "given twice" not in msg
+        # one file given twice, under one name or two (a link, another spelling): said so, not "both contain"
+        link = os.path.join(d.path, "link.thist")
+        os.symlink(a, link)
+        other = os.path.join(os.path.dirname(a), ".", os.path.basename(a))
+        for second in (a, link, other):
+            with pytest.raises(MergeError) as ei:
+                d.merge([a, second])
+            msg = str(ei.value)
+            assert ei.value.code == "overlapping_writers" and "this file was given twice as an input" in msg, msg
+            assert "both contain" not in msg and "give each input once" in msg
+            assert (f"(also as {a}, the same file)" in msg) == (second != a), msg
         assert not [f for f in os.listdir(d.path) if f.endswith(".tmp")]
 
 

@@ -239,8 +239,8 @@ def test_step_truth_with_unknowns(tmp_path: Path) -> None:
         w.step_truth(10, applied=True)
     with trainhist.open(p) as h:
         rows = h.step_truth_rows()
-    unknown = dict(span=1, applied="unknown", grad_basis="unknown", clipped="unknown", loss_scale=None, clip_threshold=None,
-                   micro_batches=None, tokens=None, samples=None)
+    unknown = dict(span=1, applied="unknown", grad_basis="unknown", clipped="unknown", loss_scale=None,
+                   clip_threshold=None, micro_batches=None, tokens=None, samples=None)
     assert rows == [
         dict(unknown, step=0, segment=0),
         dict(step=1, span=1, segment=0, applied="applied", loss_scale=65536.0, grad_basis="scaled", clipped="clipped",
@@ -600,16 +600,32 @@ def test_commit_header_with_zero_payload_is_a_torn_tail(tmp_path) -> None:
 
 
 def test_unknown_phase_or_presence_name_is_a_usage_error(tmp_path) -> None:
+    """An unknown name says what it was taken for (it said only "'gone' is not one of ..."): presence, phase,
+    applied, grad_basis, clipped, with the names there are and the spec section; the reader's phase= adds '*'."""
     from trainhist.errors import UsageError
 
     p = tmp_path / "u.thist"
     with trainhist.HistoryWriter(p) as w:
         s = w.site("x", "activation")
         w.observe(s, 0, np.ones(2))
-        with pytest.raises(UsageError, match="'gone' is not one of"):
-            w.mark(s, 1, "gone")
-    with trainhist.open(p) as h, pytest.raises(UsageError, match="'bogus' is not one of"):
+        for call, said in ((lambda: w.mark(s, 1, "gone"), "presence 'gone' is not one of unknown, observed, absent, "
+                            "not_scheduled, failed, skipped (the presence names of spec 2.6)"),
+                           (lambda: w.observe(s, 1, np.ones(2), phase="later"),
+                            "phase 'later' is not one of default, pre_clip, post_clip (the phase names of spec 2.5)"),
+                           (lambda: w.step_truth(1, applied="yes"), "applied 'yes' is not one of unknown, applied, "
+                            "skipped"),
+                           (lambda: w.step_truth(1, grad_basis="raw"), "grad_basis 'raw' is not one of unknown, "
+                            "unscaled, scaled"),
+                           (lambda: w.step_truth(1, clipped="no"), "clipped 'no' is not one of unknown, clipped, "
+                            "not_clipped")):
+            with pytest.raises(UsageError) as ei:
+                call()
+            assert ei.value.code == "unknown_name" and said in str(ei.value), str(ei.value)
+    with trainhist.open(p) as h, pytest.raises(UsageError) as ei:
         h.spine("x", phase="bogus")
+    assert ei.value.code == "unknown_name" and str(ei.value) == (
+        "[unknown_name] phase 'bogus' is not one of default, pre_clip, post_clip (the phase names of spec 2.5), or "
+        "'*' for the rows of every phase")
 
 
 def test_dyadics_of_equals_from_float_on_every_kind_of_value():

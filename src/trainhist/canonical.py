@@ -20,7 +20,7 @@ import numpy as np
 
 from .chunk import Codec, decode_chunk, encode_chunk
 from .exactvec import ExactCol, decode_exact, encode_exact
-from .errors import CorruptError, UnsupportedError
+from .errors import CorruptError, UnsupportedError, truncation_hint
 from .framing import (
     FILE_HEADER_SIZE,
     READ_VERSION,
@@ -249,7 +249,8 @@ def _bad(msg: str, path: str, offset: int, code: str = "bad_chunk") -> CorruptEr
 
 def check_payload(payload: bytes, crc: int, path: str, offset: int) -> memoryview:
     if crc32c(payload) != crc:
-        raise _bad("payload CRC32C mismatch in a committed chunk", path, offset, "bad_payload_crc")
+        raise _bad("payload CRC32C mismatch in a committed chunk" + truncation_hint(offset), path, offset,
+                   "bad_payload_crc")
     return memoryview(payload)
 
 

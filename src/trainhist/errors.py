@@ -20,6 +20,7 @@ __all__ = [
     "NotFoundError",
     "NotAFileError",
     "DirectoryError",
+    "truncation_hint",
 ]
 
 
@@ -142,3 +143,12 @@ class DirectoryError(NotAFileError, IsADirectoryError):
 def not_a_file(message: str, *, path: str, directory: bool) -> NotAFileError:
     """The :class:`NotAFileError` of ``path`` (a :class:`DirectoryError` when it is a directory)."""
     return (DirectoryError if directory else NotAFileError)(message, path=path)
+
+
+def truncation_hint(offset: int) -> str:
+    """What to append to the message of a record that fails its CRC at ``offset``: how to recover the commits
+    before it (spec/crash-safety.md: truncating the file at the offset the error names gives them back)."""
+    return (f"; the commits before this record can be recovered: truncate a copy of the file to {offset} bytes, the "
+            f"offset named here (e.g. truncate -s {offset} FILE), and read that: it keeps every commit before this "
+            "record and drops this record, its commit and every later one (spec/crash-safety.md; a machine that "
+            "lost power while the record was written leaves it so, and then nothing after it was committed)")

@@ -170,6 +170,14 @@ class _Pool:
 
 
 # -- small helpers -------------------------------------------------------------------------------------------
+def _same_file(a: str, b: str) -> bool:
+    """Whether two input paths name one file (the same device and inode: a link, another spelling of the path)."""
+    try:
+        return a == b or os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def _site_name(key: tuple) -> str:
     path, stream, facet = key
     return f"{path} [{stream}{'' if facet is None else ':' + facet}]"
@@ -490,9 +498,16 @@ class _Engine:
         for s in self.sources:
             for wid in dict.fromkeys(w["writer_id"] for w in s.writers):  # (one input may repeat an id: spec 2.1)
                 if wid in owner:
+                    if _same_file(owner[wid], s.path):
+                        said = "" if owner[wid] == s.path else f" (also as {owner[wid]}, the same file)"
+                        msg = (f"this file was given twice as an input{said}: merging it with itself would count "
+                               "its observations twice; give each input once")
+                    else:
+                        msg = (f"inputs {owner[wid]} and {s.path} both contain leaf writer {wid}: merging them would "
+                               "count its observations twice (merge disjoint sets of shards only: is one of them a "
+                               "merge of the other, or a copy?)")
                     raise MergeError(
-                        f"inputs {owner[wid]} and {s.path} both contain leaf writer {wid}: merging them would count "
-                        "its observations twice (merge disjoint sets of shards only)",
+                        msg,
                         code="overlapping_writers", path=s.path,
                     )
                 owner[wid] = s.path

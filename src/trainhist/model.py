@@ -44,13 +44,16 @@ class _Enum:
     """A closed set of names with stable one-byte codes."""
 
     NAMES: tuple[str, ...] = ()
+    WHAT = "name"  #: what a name of the set names, for messages (the argument or field it is given as)
+    SPEC = ""  #: the section of spec/format.md that defines the set
 
     @classmethod
     def code(cls, name: str) -> int:
         try:
             return cls.NAMES.index(name)
         except ValueError:
-            raise UsageError(f"{name!r} is not one of {', '.join(cls.NAMES)}", code="unknown_name") from None
+            raise UsageError(f"{cls.WHAT} {name!r} is not one of {', '.join(cls.NAMES)} (the {cls.WHAT} names of "
+                             f"spec {cls.SPEC})", code="unknown_name") from None
 
     @classmethod
     def name(cls, code: int) -> str:
@@ -60,6 +63,7 @@ class _Enum:
 class Presence(_Enum):
     """What a row says about a (site, step): only ``observed`` rows carry numbers (spec 2.6)."""
 
+    WHAT, SPEC = "presence", "2.6"
     NAMES = ("unknown", "observed", "absent", "not_scheduled", "failed", "skipped")
     UNKNOWN, OBSERVED, ABSENT, NOT_SCHEDULED, FAILED, SKIPPED = range(6)
 
@@ -67,24 +71,28 @@ class Presence(_Enum):
 class Phase(_Enum):
     """Where in the step an observation was taken (spec 2.5)."""
 
+    WHAT, SPEC = "phase", "2.5"
     NAMES = ("default", "pre_clip", "post_clip")
 
 
 class Applied(_Enum):
     """Whether the optimizer step was applied."""
 
+    WHAT, SPEC = "applied", "2.7"
     NAMES = ("unknown", "applied", "skipped")
 
 
 class GradBasis(_Enum):
     """Whether gradients were observed multiplied by the loss scale."""
 
+    WHAT, SPEC = "grad_basis", "2.7"
     NAMES = ("unknown", "unscaled", "scaled")
 
 
 class Clipped(_Enum):
     """Whether gradient clipping changed the gradients."""
 
+    WHAT, SPEC = "clipped", "2.7"
     NAMES = ("unknown", "clipped", "not_clipped")
 
 

@@ -44,7 +44,8 @@ from .batchdecode import (  # noqa: F401 - _directories_*, _int_positions: tests
 )
 from .chunk import Chunk, Codec
 from .dyadic import Dyadic
-from .errors import CorruptError, FormatError, NotFoundError, UnsupportedError, UsageError, not_a_file
+from .errors import (CorruptError, FormatError, NotFoundError, UnsupportedError, UsageError, not_a_file,
+                     truncation_hint)
 from .framing import (
     COMMIT_ENTRY,
     COMMIT_ENTRY_DTYPE,
@@ -604,7 +605,8 @@ class History:
         """(code, message) if the payload CRC or padding of the record at ``pos`` is wrong."""
         start = pos + RECORD_HEADER_SIZE
         if crc32c(self._view[start : start + length]) != payload_crc:
-            return ("bad_payload_crc", f"payload CRC32C mismatch in {RecordType.NAMES.get(rtype, rtype)} record")
+            return ("bad_payload_crc", f"payload CRC32C mismatch in {RecordType.NAMES.get(rtype, rtype)} record"
+                    + truncation_hint(pos))
         if any(self._view[start + length : start + length + pad8(length)]):
             return ("bad_padding", "record padding bytes are not zero")
         return None
@@ -711,7 +713,8 @@ class History:
         """Decode (and CRC-check) one committed chunk."""
         payload = self._view[e.offset + RECORD_HEADER_SIZE : e.offset + RECORD_HEADER_SIZE + e.length]
         if crc32c(payload) != e.payload_crc:
-            raise _bad("payload CRC32C mismatch in a committed chunk", "bad_payload_crc", self.path, e.offset)
+            raise _bad("payload CRC32C mismatch in a committed chunk" + truncation_hint(e.offset), "bad_payload_crc",
+                       self.path, e.offset)
         return check_chunk(payload, e, self.path)
 
     def _layout(self, entries: list[_Entry]) -> _Layout:
@@ -823,7 +826,11 @@ class History:
                 code="phase_ambiguous", path=self.path,
             )
         if phase is not None and phase != "*":
-            keep = columns["phase"] == Phase.code(phase)
+            try:
+                code = Phase.code(phase)
+            except UsageError as e:
+                raise UsageError(f"{e.message}, or '*' for the rows of every phase", code=e.code) from None
+            keep = columns["phase"] == code
             columns = {n: v[keep] for n, v in columns.items()}
             exact = {k: x.take(keep, columns[k]) for k, x in exact.items()}
         return columns, exact, sparse
