@@ -138,8 +138,9 @@ def _write(path: Path, one_by_one: bool, monkeypatch: pytest.MonkeyPatch) -> int
                 else:
                     w.mark(site, step, "absent")
             if step in (12, 21):  # a site in the middle gets sketches at two scales: the next commit raises
-                for scale in (1, grid.NATIVE_SCALE):
-                    w.observe(sites[17], step, summary=Summary(count=1, nan=1, sketch=Sketch.empty(scale)))
+                for scale in (1, grid.NATIVE_SCALE):  # (micro-batch rows: the whole-step row is written above)
+                    w.observe(sites[17], step, summary=Summary(count=1, nan=1, sketch=Sketch.empty(scale)),
+                              micro=scale)
             if step % 6 == 5:
                 try:
                     w.commit()
@@ -168,7 +169,7 @@ def test_observe_checks_the_site_as_before(tmp_path: Path) -> None:
     with HistoryWriter(tmp_path / "a.thist", **FAST) as w, HistoryWriter(tmp_path / "b.thist", **FAST) as v:
         a = w.site("x", "param")
         w.observe(SiteHandle(a.id, a.path, a.stream, a.facet), 0, np.ones(3))  # equal, not identical
-        w.observe(v.site("x", "param"), 0, np.ones(3))  # the same site of another writer: equal too
+        w.observe(v.site("x", "param"), 1, np.ones(3))  # the same site of another writer: equal too
         for bad in (v.site("y", "param"), SiteHandle(a.id, "y", a.stream, a.facet), a.id, None):
             with pytest.raises(UsageError, match="is not a site of this writer"):
                 w.observe(bad, 0, np.ones(3))  # type: ignore[arg-type]
@@ -232,7 +233,7 @@ def _write_spines(path: Path, batched: bool) -> None:
             table = _table(r, 20, sketch=step % 3 == 1)
             picked = r.sample(range(25), 20)
             phases = [r.choice(["default", "pre_clip", "post_clip"]) for _ in picked]
-            w.mark(sites[picked[0]], step, "failed", phase="post_clip")  # the same site as a table row, too
+            w.mark(sites[picked[0]], step, "failed", phase="post_clip", micro=0)  # the same site as a table row
             if batched:
                 w.observe_spines([sites[k] for k in picked], step, table, phases=phases)
             else:
@@ -310,7 +311,7 @@ def test_observe_spines_refuses_what_observe_could_not_write(tmp_path: Path) -> 
                           sumsq=np.array([1.0, 4.0]), method=np.array([SumMethod.F64] * 2, np.uint8))
         none_finite = {**one_finite, "nan": u(1, 1), "min": np.full(2, math.nan), "max": np.full(2, math.nan),
                        "sum": np.zeros(2), "sumsq": np.zeros(2)}
-        w.observe_spines([a, b], 0, SpineTable(**one_finite))
+        w.observe_spines([a, b], 1, SpineTable(**one_finite))  # (step 0 of a and b default: a duplicate_row)
         w.observe_spines([a, b], 0, SpineTable(**none_finite), phases=["pre_clip", "post_clip"])
         w.observe_spines([], 7, SpineTable(**{k: v[:0] for k, v in one_finite.items()}))  # nothing: no step 7
         w.observe_spines([], 8, SpineTable(**{k: [] for k in one_finite}))  # (lists: float64 when empty)
@@ -329,7 +330,8 @@ def test_observe_spines_refuses_what_observe_could_not_write(tmp_path: Path) -> 
                          "zero": np.zeros(2, np.uint64)},
             "cannot be negative": {**one_finite, "sumsq": np.array([-1.0, 1.0])},
             "nor its sums other than 0": {**none_finite, "sum": np.array([1.0, 0.0]), "sumsq": np.zeros(2)},
-            "without finite values has NaN min and max": {**none_finite, "min": np.array([0.0, math.nan]), "max": np.array([0.0, math.nan])},
+            "without finite values has NaN min and max": {**none_finite, "min": np.array([0.0, math.nan]),
+                                                          "max": np.array([0.0, math.nan])},
             "needs finite min <= max": {**one_finite, "min": np.array([2.0, math.nan])},
             "min <= max": {**one_finite, "min": np.array([2.0, -1.0]), "max": np.array([1.0, 1.0])},
             "with finite values needs finite": {**one_finite, "max": np.array([1.0, math.inf])},
@@ -356,4 +358,67 @@ def test_observe_spines_refuses_what_observe_could_not_write(tmp_path: Path) -> 
     h = trainhist.open(tmp_path / "a.thist")
     assert h.spine("b", "param", phase="pre_clip").count.tolist() == [int(good.count[1])]
     assert h.spine("a", "param", phase="pre_clip").nan.tolist() == [1]
-    assert h.spine("a", "param", phase="default").step.tolist() == [0, 0]  # (the empty table moved no step)
+    assert h.spine("a", "param", phase="default").step.tolist() == [0, 1]  # (the empty table moved no step)
+
+
+def test_a_row_repeating_the_last_one_of_its_site_phase_and_micro_is_refused(tmp_path: Path) -> None:
+    """Spec 2.8 (the reference writer's note): observe() then mark() of one step, or one step observed twice, wrote
+    two rows of one identity, which readers show as two and merge adds. The writer refuses such a row (duplicate_row)
+    before anything of the call is written, in observe, mark, scalar and observe_spines (against the last call and
+    within one call); other phases and micro-batches, steps out of order and a new segment are not duplicates. It
+    keeps one step per (site, phase, micro-batch)."""
+    p = tmp_path / "d.thist"
+    u = lambda *v: np.array(v, np.uint64)  # noqa: E731
+    two = SpineTable(count=u(1, 1), nan=u(0, 0), pinf=u(0, 0), ninf=u(0, 0), zero=u(0, 0), min=np.ones(2),
+                     max=np.ones(2), sum=np.ones(2), sumsq=np.ones(2), method=np.array([SumMethod.F64] * 2, np.uint8))
+    with HistoryWriter(p, **FAST) as w:
+        a, b, c = w.site("a", "activation"), w.site("b", "param_grad"), w.site("c", "param_grad")
+        w.observe(a, 5, np.ones(2))
+        refused = [lambda: w.mark(a, 5, "absent"), lambda: w.observe(a, 5, np.ones(2)),
+                   lambda: w.observe(a, 5, summary=trainhist.summarize(np.ones(2)))]
+        w.observe(a, 5, np.ones(2), phase="pre_clip")
+        w.observe(a, 5, np.ones(2), micro=0)
+        w.observe(a, 5, np.ones(2), micro=1)
+        refused += [lambda: w.observe(a, 5, np.ones(2), micro=1), lambda: w.mark(a, 5, "failed", phase="pre_clip")]
+        w.scalar("loss", 5, 2.5)
+        refused.append(lambda: w.scalar("loss", 5, 2.5))
+        w.observe_spines([b, c], 5, two, phases=["pre_clip", "pre_clip"])
+        w.observe_spines([b, c], 5, two, phases=["post_clip", "default"])
+        refused += [lambda: w.observe_spines([c, b], 5, two, phases=["post_clip", "pre_clip"]),  # (row 1)
+                    lambda: w.observe_spines([b, b], 6, two, phases=["default", "default"]),  # (within the call)
+                    lambda: w.mark(b, 5, "absent", phase="post_clip")]
+        for k, call in enumerate(refused):
+            with pytest.raises(UsageError) as ei:
+                call()
+            assert ei.value.code == "duplicate_row" and "nothing of this call was recorded" in str(ei.value), k
+        msg = str(ei.value)
+        assert "a row marked absent of 'b' [param_grad] at step 5, phase post_clip in segment 0" in msg, msg
+        with pytest.raises(UsageError, match="rows 0 and 1 of the table are both of it"):
+            w.observe_spines([b, b], 6, two, phases=["default", "default"])
+        w.observe(a, 6, np.ones(2))
+        w.observe(a, 5, np.ones(2), micro=2)
+        w.observe(a, 4, np.ones(2))  # (out of step order: legal, and not the last row of a at step 5)
+        w.observe(a, 5, np.ones(2))  # (not adjacent to the first step-5 row: the writer keeps one step a key)
+        w.observe_spines([b, c], 6, two, phases=["default", "default"])  # (c at step 6: nothing of it written before)
+        w.new_segment(5)
+        w.observe(a, 5, np.ones(2))
+        w.mark(b, 5, "absent", phase="post_clip")
+        assert len(w._micro_last) == 0 and w._whole_has.sum() == 2
+    h = trainhist.open(p)
+    rows = list(zip(*(h.spine("a", phase="*").columns[k].tolist() for k in ("segment", "step", "phase", "micro"))))
+    whole, pre = 0xFFFFFFFF, 1
+    assert rows == [(0, 5, 0, whole), (0, 5, pre, whole), (0, 5, 0, 0), (0, 5, 0, 1), (0, 6, 0, whole),
+                    (0, 5, 0, 2), (0, 4, 0, whole), (0, 5, 0, whole), (1, 5, 0, whole)]
+    assert h.spine("loss", "scalar").step.tolist() == [5]
+    assert h.spine("b", "param_grad", phase="*").step.tolist() == [5, 5, 6, 5]
+    assert h.spine("c", "param_grad", phase="*").step.tolist() == [5, 5, 6]
+
+
+def test_the_last_rows_kept_for_the_duplicate_check_stay_bounded(tmp_path: Path) -> None:
+    """One step per (site, phase, micro-batch): a long run of micro-batch rows keeps as many entries as keys."""
+    with HistoryWriter(tmp_path / "m.thist", **FAST) as w:
+        a = w.site("a", "activation")
+        for step in range(300):
+            for micro in range(4):
+                w.observe(a, step, summary=trainhist.summarize(np.ones(1)), micro=micro)
+        assert len(w._micro_last) == 4 and w._whole_has.shape[1] <= 64

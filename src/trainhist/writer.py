@@ -80,6 +80,7 @@ _COUNTS = ("count", "nan", "pinf", "ninf", "zero")
 _counts_of = attrgetter(*_COUNTS)
 _range_of = attrgetter("min", "max")
 _sums_of = attrgetter("sum", "sumsq")
+_id_of = attrgetter("id")
 _SKETCH_COLUMNS = ("sk", "sk_plo", "sk_pn", "sk_nlo", "sk_nn", "sk_up", "sk_un", "sk_op", "sk_on")
 _SKETCH_DTYPES = ("u1", "u2", "u2", "u2", "u2", "u8", "u8", "u8", "u8")
 
@@ -498,6 +499,12 @@ class HistoryWriter:
         self.writer_id = writer_id or uuid.uuid4().hex
         self._created = created
         self._segment_manifest: dict | None = None
+        # the step of the last row of each (site, phase, micro) in the current segment, to refuse a row that repeats
+        # it (spec 2.8): whole-step rows in arrays [phase, site id] (observe_spines checks a call's rows at once),
+        # micro-batch rows in a dict; one step per key, so memory stays bounded
+        self._whole_last = np.zeros((len(Phase.NAMES), 0), np.int64)
+        self._whole_has = np.zeros((len(Phase.NAMES), 0), bool)
+        self._micro_last: dict[tuple[int, int, int], int] = {}
         self._f = _open_locked(self.path)
         try:  # (any failure: the lock released, an existing file left as it was)
             self._open(mode, run_name, run_id, config, rank, world_size, host, pid, software, settings, salt,
@@ -672,15 +679,55 @@ class HistoryWriter:
         code = _PHASE_CODES.get(phase) if type(phase) is str else None
         if code is None:
             code = Phase.code(phase)
+        if type(step) is not int or step != self._last_step:
+            step = _whole("step", step, *_I64)
+        sid = site.id
+        if micro == MICRO_ALL:
+            whole = sid < self._whole_has.shape[1]
+            if whole and self._whole_has[code, sid] and self._whole_last[code, sid] == step:
+                self._refuse_duplicate(site, step, code, micro, presence)
+        elif self._micro_last.get((sid, code, micro)) == step:
+            self._refuse_duplicate(site, step, code, micro, presence)
         step = self._row_step(step)  # (last: a refused call records nothing, not even its step)
         row = (step, 1, micro, code, presence, summary)
-        key = (site.id, self.segment)
+        key = (sid, self.segment)
         buf = self._buffers.get(key)
         if buf is None:
             buf = self._buffers[key] = []
         buf.append(row)
+        if micro != MICRO_ALL:
+            self._micro_last[(sid, code, micro)] = step
+        else:
+            if not whole:
+                self._grow_whole(sid + 1)
+            self._whole_last[code, sid] = step
+            self._whole_has[code, sid] = True
         if len(buf) >= _FLUSH_ROWS:
             self._flush_site(*key)
+
+    def _grow_whole(self, n: int) -> None:
+        """Room for site ids below ``n`` in the whole-step rows' last steps."""
+        have = self._whole_has.shape[1]
+        if n > have:
+            size = max(n, 2 * have, 64)
+            last = np.zeros((len(Phase.NAMES), size), np.int64)
+            has = np.zeros((len(Phase.NAMES), size), bool)
+            last[:, :have], has[:, :have] = self._whole_last, self._whole_has
+            self._whole_last, self._whole_has = last, has
+
+    def _refuse_duplicate(self, site: SiteHandle, step: int, phase: int, micro: int, presence: int,
+                          why: str = "the last row written for it is at that step already") -> None:
+        """Refuse a row whose identity (spec 2.8) repeats the last row of its site, phase and micro-batch."""
+        where = f"{site.path!r} [{site.stream}{'' if site.facet is None else ':' + site.facet}]"
+        what = (f", phase {Phase.name(phase)}" if phase else "") + (
+            f", micro-batch {micro}" if micro != MICRO_ALL else "")
+        row = "an observation" if presence == Presence.OBSERVED else f"a row marked {Presence.name(presence)}"
+        raise UsageError(
+            f"{row} of {where} at step {step}{what} in segment {self.segment}: {why}. A row's identity (site, "
+            "segment, step, span, phase, micro-batch; spec 2.8) is written once: a second row would be read as "
+            "another observation, and merge would add both. Record each step once (observe() or mark(), not both); "
+            "micro-batches take micro=, steps run again new_segment(); nothing of this call was recorded",
+            code="duplicate_row", path=self.path)
 
     def observe(
         self,
@@ -727,6 +774,23 @@ class HistoryWriter:
             codes = [Phase.code(p) for p in phases]  # type: ignore[union-attr] -- (raises for an unknown phase)
         for site in sites:
             self._check_site(site)
+        if type(step) is not int or step != self._last_step:
+            step = _whole("step", step, *_I64)
+        ids = np.fromiter(map(_id_of, sites), np.int64, n)
+        ph = np.zeros(n, np.int64) if codes is None else np.asarray(codes, np.int64)
+        self._grow_whole(int(ids.max()) + 1)
+        dup = self._whole_has[ph, ids] & (self._whole_last[ph, ids] == step)
+        if dup.any():
+            i = int(np.flatnonzero(dup)[0])
+            self._refuse_duplicate(sites[i], step, int(ph[i]), MICRO_ALL, Presence.OBSERVED,
+                                   f"row {i} of the table repeats the last row written for it, at that step")
+        keys = ids * len(Phase.NAMES) + ph
+        order = np.argsort(keys, kind="stable")
+        same = np.flatnonzero(keys[order][1:] == keys[order][:-1])
+        if same.size:  # (one site and phase twice in one call: rows a < b of the table)
+            a, b = int(order[same[0]]), int(order[same[0] + 1])
+            self._refuse_duplicate(sites[b], step, int(ph[b]), MICRO_ALL, Presence.OBSERVED,
+                                   f"rows {a} and {b} of the table are both of it")
         step = self._row_step(step)
         default = _PHASE_CODES["default"]
         buffers, segment = self._buffers, self.segment
@@ -742,6 +806,8 @@ class HistoryWriter:
             if len(buf) == _FLUSH_ROWS:
                 full.append((key, buf))
                 buffers[key] = []
+        self._whole_last[ph, ids] = step
+        self._whole_has[ph, ids] = True
         for k, (key, rows) in enumerate(full):
             try:
                 self._write_rows(*key, rows)
@@ -816,6 +882,8 @@ class HistoryWriter:
         }
         self._previous_segment = seg
         self.segment = seg
+        self._whole_has[:] = False  # (a new segment: no row of it yet)
+        self._micro_last.clear()
         return seg
 
     def _flush_site(self, sid: int, segment: int) -> None:
