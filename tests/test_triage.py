@@ -338,3 +338,115 @@ def test_counts_are_in_the_singular_for_one_and_a_coarsened_file_counts_windows(
     assert "all at steps 20–29" in text and "from steps 20–29 to" not in text
     assert "1 coarsened window applied no update" in text
     assert "1 of 5 coarsened windows does not say whether the update was applied" in text
+
+
+def _bad(kind: str = "nan") -> np.ndarray:
+    x = np.ones(4, np.float32)
+    x[1] = np.nan if kind == "nan" else np.inf
+    return x
+
+
+def test_loss_scaler_overflows_are_reported_apart_and_do_not_hide_a_real_nan(tmp_path) -> None:
+    """Under a GradScaler, steps whose gradients overflow are skipped: expected. They were the headline (the first
+    non-finite value at step 0) and hid a real forward NaN later on. Gradients that are non-finite at a step the
+    scaler skipped (a loss scale recorded, the update not applied) are now a finding of their own."""
+    p = tmp_path / "amp.thist"
+    ok = np.ones(4, np.float32)
+    with trainhist.HistoryWriter(p) as w:
+        a = w.site("h.0", "activation", order=0)
+        g = w.site("h.0", "activation_grad", order=0)
+        n = w.site("grad_norm", "scalar")
+        for step in range(6):
+            overflow = step < 3
+            w.observe(a, step, _bad() if step == 5 else ok)
+            w.observe(g, step, _bad("inf") if overflow else ok)
+            w.observe(n, step, np.array([np.inf if overflow else 1.0]))
+            w.step_truth(step, applied=not overflow, loss_scale=2.0 ** (20 - step))
+    with trainhist.open(p) as h:
+        t = triage(h)
+    first = t.first_nonfinite
+    assert first.step == 5 and first.site == "h.0" and "forward" in first.text
+    (f,) = [f for f in t.findings if f.kind == "scaler_overflow"]
+    assert f.step == 0 and "3 steps skipped by the loss scaler" in f.text and "loss scale 1.04858e+06" in f.text
+    assert "1 observation on 1 site/phase pair" in next(f.text for f in t.findings if f.kind == "nonfinite")
+
+
+def test_pre_clip_gradients_come_before_post_clip_and_backward_order_holds_for_parameter_gradients(tmp_path):
+    """A NaN in one parameter's pre-clip gradient spreads through the clip's norm to every post-clip gradient: the
+    post-clip gradient of an earlier site was named. Parameter gradients are also ranked in backward order (the
+    last layer's first), as activation gradients are: the first layer's gradient, turned non-finite last, was."""
+    p = tmp_path / "clip.thist"
+    ok = np.ones(4, np.float32)
+    with trainhist.HistoryWriter(p) as w:
+        sites = {(name, ph): w.site(name, "param_grad", order=k)
+                 for k, name in enumerate(("l0.weight", "l1.weight")) for ph in ("pre_clip", "post_clip")}
+        for (name, ph), s in sites.items():
+            w.observe(s, 3, _bad() if ph == "post_clip" or name == "l1.weight" else ok, phase=ph)
+    q = tmp_path / "order.thist"
+    with trainhist.open(p) as h:
+        first = triage(h).first_nonfinite
+    assert first.site == "l1.weight" and "pre_clip" in first.text
+    with trainhist.HistoryWriter(q) as w:
+        for k, name in enumerate(("l0.weight", "l1.weight", "l2.weight")):
+            w.observe(w.site(name, "param_grad", order=k), 3, ok if name == "l2.weight" else _bad("inf"))
+    with trainhist.open(q) as h:
+        assert triage(h).first_nonfinite.site == "l1.weight"
+
+
+def test_scalars_rank_the_loss_first_and_a_finite_model_is_said(tmp_path) -> None:
+    """A NaN loss and a NaN gradient norm at one step: the norm (declared first) was named, which points at the
+    backward; the loss comes first now, the norm is listed beside it, and the triage says no model site held one."""
+    p = tmp_path / "loss.thist"
+    with trainhist.HistoryWriter(p) as w:
+        a = w.site("h.0", "activation")
+        for step in range(3):
+            w.scalar("grad_norm", step, float("nan") if step == 2 else 1.0)
+            w.scalar("loss", step, float("nan") if step == 2 else 1.0)
+            w.observe(a, step, np.ones(4, np.float32))
+            w.step_truth(step, applied=True)
+    with trainhist.open(p) as h:
+        t = triage(h)
+    assert t.first_nonfinite.site == "loss" and "also non-finite at that step: `grad_norm`" in t.first_nonfinite.text
+    assert any(f.kind == "model_finite" for f in t.findings)
+
+
+def test_missing_rows_later_segments_and_ranks_are_said(tmp_path) -> None:
+    """Due steps with no row at all (a failed write) read as 'no gaps'; a resumed segment's own first non-finite
+    value was folded into the count; a shard of several ranks never said so."""
+    p = tmp_path / "gaps.thist"
+    ok = np.ones(4, np.float32)
+    with trainhist.HistoryWriter(p, rank=1, world_size=2) as w:
+        a = w.site("h.0", "activation")
+        for step in range(6):
+            if step not in (2, 3):  # (the writes of steps 2 and 3 were lost)
+                w.observe(a, step, _bad() if step == 5 else ok)
+            w.step_truth(step, applied=True)
+        w.new_segment(4, reason="resume")
+        for step in range(4, 7):
+            w.observe(a, step, _bad("inf") if step == 6 else ok)
+            w.step_truth(step, applied=True)
+    with trainhist.open(p) as h:
+        t = triage(h)
+    kinds = {f.kind: f for f in t.findings}
+    assert "2 due steps of 1 site in the step table have no row at all" in kinds["rows_missing"].text
+    assert kinds["rows_missing"].step == 2
+    assert kinds["first_nonfinite_segment"].step == 6 and "in segment 1" in kinds["first_nonfinite_segment"].text
+    assert "rank 1 of 2" in kinds["ranks"].text
+
+
+def test_cli_triage_json_gives_every_finding(tmp_path, capsys) -> None:
+    import json
+
+    p = tmp_path / "j.thist"
+    with trainhist.HistoryWriter(p) as w:
+        a = w.site("h.0", "activation")
+        for step in range(3):
+            w.observe(a, step, _bad() if step else np.ones(4, np.float32))
+            w.step_truth(step, applied=step != 2)
+    assert main(["triage", str(p), "--json", "--limit", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recovery"] == "clean" and [f["kind"] for f in out["findings"]] == [
+        "first_nonfinite", "nonfinite", "skipped_step"]
+    assert out["findings"][0] == {"kind": "first_nonfinite", "step": 1, "site": "h.0",
+                                  "text": "the first non-finite value was in `h.0` forward (activation) at step 1 "
+                                          "(1 NaN)"}

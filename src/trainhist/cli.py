@@ -224,7 +224,13 @@ def _cmd_triage(args: argparse.Namespace) -> int:
     from .triage import triage
 
     with open_history(args.file) as h:
-        print(triage(h).format(limit=args.limit))
+        t = triage(h)
+        if args.json:  # (every finding, whatever --limit says)
+            print(json.dumps({"path": t.path, "recovery": h.recovery.status, "findings": [
+                {"kind": f.kind, "step": f.step, "site": f.site, "text": f.text} for f in t.findings]},
+                sort_keys=True))
+        else:
+            print(t.format(limit=args.limit))
         return _status(h)
 
 
@@ -295,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("triage", help="where and when the history first went wrong (non-finite, failed, skipped)")
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.add_argument("--limit", type=_count, default=12, help="most findings to print (default 12; 0: all)")
+    c.add_argument("--json", action="store_true", help="print every finding as JSON (kind, step, site, text)")
     c.set_defaults(func=_cmd_triage, subparser=c)
     c = sub.add_parser("demo", help="train a small built-in model and write, triage and plot its history",
                        add_help=False)

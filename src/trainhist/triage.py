@@ -24,6 +24,9 @@ __all__ = ["Finding", "Triage", "triage", "PASS_ORDER"]
 PASS_ORDER = {"scalar": 5, "activation": 0, "activation_grad": 1, "param_grad": 2, "param_delta": 3, "param": 4}
 _PASS_NAME = {"activation": "forward", "activation_grad": "backward", "param_grad": "gradient",
               "param_delta": "update", "param": "parameter", "scalar": "scalar"}
+#: what a stream's value is, where its pass's name alone could mislead: the gradient reaching a module's output is
+#: made by the backward of what consumes that output, before the module's own backward runs
+_WHAT = {"activation_grad": "activation_grad: the gradient reaching its output"}
 
 
 def site_orders(h: History) -> dict[int, int]:
@@ -44,23 +47,35 @@ def site_orders(h: History) -> dict[int, int]:
 
     pos = {x.id: position(x) for x in h.sites if x.stream != "scalar"}
     known = [v for v in pos.values() if v is not None]
+    n = len(h.sites)
     if known:
         top = max(known)
-        return {x.id: x.id if x.stream == "scalar" else top + 1 + x.id if pos[x.id] is None
-                else top - pos[x.id] if x.stream == "activation_grad" else pos[x.id]  # type: ignore[operator]
+        return {x.id: _scalar_rank(x) * n + x.id if x.stream == "scalar" else top + 1 + x.id if pos[x.id] is None
+                else top - pos[x.id] if x.stream in _BACKWARD else pos[x.id]  # type: ignore[operator]
                 for x in h.sites}
     forward_id = {key: x.id for key, x in forward.items()}
-    n = len(h.sites)
-    return {x.id: n - forward_id.get((x.path, x.facet), x.id) if x.stream == "activation_grad" else x.id
-            for x in h.sites}
+    return {x.id: _scalar_rank(x) * n + x.id if x.stream == "scalar"
+            else n - forward_id.get((x.path, x.facet), x.id) if x.stream in _BACKWARD else x.id for x in h.sites}
+
+
+#: streams that backward produces, in the reverse of the modules' forward order (a parameter's gradient when its
+#: module's backward runs: the last layer's first)
+_BACKWARD = ("activation_grad", "param_grad")
+
+
+def _scalar_rank(x: Site) -> int:
+    """A run-level scalar's place among the scalars of a step: the loss (computed in the forward) before the
+    gradient norms (after backward); the others between, by id."""
+    name = x.path.lower()
+    return 2 if name.startswith("grad_norm") else 0 if "loss" in name and "loss_scale" not in name else 1
 
 
 @dataclass(frozen=True)
 class Finding:
     """One thing a person should look at."""
 
-    kind: str  # first_nonfinite(_site), nonfinite, failed, rows_absent/_skipped/_unknown, skipped_step,
-    # interrupted, unknown_applied, segment
+    kind: str  # first_nonfinite(_site, _segment), model_finite, nonfinite, ranks, scaler_overflow, failed,
+    # rows_absent/_skipped/_unknown/_missing, skipped_step, interrupted, unknown_applied, segment
     step: int | None
     site: str | None
     text: str
@@ -101,8 +116,10 @@ class Triage:
 
 def _label(site: object, phase: str) -> str:
     facet = "" if site.facet is None else f"[{site.facet}]"
-    ph = "" if phase == "default" else f" ({phase})"
-    return f"`{site.path}{facet}` {_PASS_NAME[site.stream]} ({site.stream}){ph}"
+    if site.stream == "scalar":
+        return f"`{site.path}` scalar"
+    what = _WHAT.get(site.stream, site.stream) + ("" if phase == "default" else f", {phase}")
+    return f"`{site.path}{facet}` {_PASS_NAME[site.stream]} ({what})"
 
 
 def _n(n: int, one: str, many: str | None = None) -> str:
@@ -155,10 +172,38 @@ def _site_finding(e: _Event, segments: int) -> Finding:
              f"({_what(e.nan, e.inf)})")
     if _gap(e):
         covered = "" if e.before_end == e.before + 1 else f" (covering steps {e.before}..{e.before_end - 1})"
+        why = ("(its rows there are missing or carry no numbers: see below)" if e.site.cadence_spine == 1 else
+               "(record every step to pin it)")
         where += (f"; its previous observation, at step {e.before}{covered}, was finite and steps {e.before_end}.."
                   f"{e.step - 1} were not observed there, so the values may have turned non-finite earlier, or first "
-                  f"upstream of this site (record every step to pin it)")
+                  f"upstream of this site {why}")
     return Finding("first_nonfinite_site", e.step, e.site.path, where)
+
+
+#: streams whose non-finite values a loss scaler's overflow explains at a step it skipped
+_SCALED = ("activation_grad", "param_grad", "param_delta")
+
+
+def _overflow(e: _Event, skipped: set[tuple[int, int]]) -> bool:
+    """Whether ``e`` is a gradient's overflow at a step the loss scaler skipped (expected with a GradScaler)."""
+    if (e.segment, e.step) not in skipped or e.span != 1:
+        return False
+    return e.site.stream in _SCALED or (e.site.stream == "scalar" and e.site.path.startswith("grad_norm"))
+
+
+def _ranks_note(h: History) -> str | None:
+    """What the file's writers say about ranks, where it matters to where a value came from."""
+    ranks = sorted({(w.get("rank"), w.get("world_size")) for w in h.writers if w.get("world_size", 1) > 1},
+                   key=lambda r: (r[0] is None, r))
+    if len(ranks) > 1:
+        return (f"this history merges the shards of {_n(len(ranks), 'rank')} (a merged row sums them): which rank "
+                "held a value is not recorded here; triage each rank's shard to find it")
+    if len(ranks) == 1:
+        r, n = ranks[0]
+        return (f"this is the shard of rank {r} of {n}: a value another rank produced reaches this one through "
+                "collectives (a gradient all-reduce spreads one rank's NaN to every rank), so triage every rank's "
+                "shard or their merge")
+    return None
 
 
 def triage(h: History) -> Triage:
@@ -167,10 +212,19 @@ def triage(h: History) -> Triage:
     report = Triage(h.path, recovery=h.recovery)
     events: list[_Event] = []
     failed: dict[str, list[tuple[int, int]]] = {}  # site label -> (step, span) of its failed rows
-    missing: dict[str, list[tuple[int, int, str]]] = {}  # presence -> (first step, rows, site label) per site
+    # presence -> (first step, site order, span, rows, site label) per site
+    missing: dict[str, list[tuple[int, int, int, int, str]]] = {}
     n_segments = len(h.segments)
     orders = site_orders(h)
+    rows = h.step_truth_rows()
+    coarse = any(r["span"] != 1 for r in rows)
+    table: dict[int, np.ndarray] = {}  # segment -> its step-truth steps (one-step rows)
+    for r in rows:
+        table.setdefault(r["segment"], []).append(r["step"])  # type: ignore[attr-defined]
+    table = {g: np.array(v, dtype=np.int64) for g, v in table.items()}
+    no_row: list[tuple[int, int, int, str]] = []  # (first step, site order, due steps without a row, label)
     for site in h.sites:
+        seen: dict[int, list[np.ndarray]] = {}  # segment -> steps with a row (any phase)
         for phase in ("default", "pre_clip", "post_clip"):
             s = h.spine(site.path, site.stream, site.facet, phase=phase)
             if not len(s):
@@ -179,12 +233,14 @@ def triage(h: History) -> Triage:
             bad = obs & ((s.nan > 0) | (s.pinf > 0) | (s.ninf > 0))
             order = orders[site.id]
             step, span, seg = s.step, s.span.astype(np.int64), s.segment
+            for g in np.unique(seg).tolist():
+                seen.setdefault(int(g), []).append(step[seg == g])
             for g in np.unique(seg[bad]).tolist():
                 mine = np.flatnonzero(obs & (seg == g))
                 mine = mine[np.argsort(step[mine], kind="stable")]  # the segment's observed rows by step
-                rows = np.flatnonzero(bad & (seg == g))
-                earlier = np.searchsorted(step[mine], step[rows])  # observed rows at earlier steps
-                for i, k in zip(rows.tolist(), earlier.tolist()):
+                bad_rows = np.flatnonzero(bad & (seg == g))
+                earlier = np.searchsorted(step[mine], step[bad_rows])  # observed rows at earlier steps
+                for i, k in zip(bad_rows.tolist(), earlier.tolist()):
                     prev = int(mine[k - 1]) if k else None
                     before = None if prev is None else int(step[prev])
                     events.append(_Event(int(g), int(step[i]), PASS_ORDER[site.stream], order, phase, site,
@@ -198,9 +254,22 @@ def triage(h: History) -> Triage:
                 at = np.flatnonzero(s.presence == code)
                 if at.size:
                     i = int(at[np.argmin(s.step[at])])
-                    missing.setdefault(name, []).append((int(s.step[i]), int(s.span[i]), int(at.size),
+                    missing.setdefault(name, []).append((int(s.step[i]), order, int(s.span[i]), int(at.size),
                                                          _label(site, phase)))
-    events.sort(key=lambda e: (e.segment, e.step, e.pass_rank, e.order))
+        # due steps of the step table with no row of this site at all (nothing was written: a failed write, say)
+        if site.stream != "scalar" and site.cadence_spine and not coarse:
+            for g, steps in table.items():
+                due = steps[steps % site.cadence_spine == 0]
+                lost = np.setdiff1d(due, np.concatenate(seen[g]) if g in seen else np.zeros(0, np.int64))
+                if lost.size and g in seen:  # (a site with no row in a segment may not have existed there)
+                    no_row.append((int(lost[0]), orders[site.id], int(lost.size), _label(site, "default")))
+    # gradients that overflowed at steps the loss scaler skipped: expected, reported apart from the rest
+    scaler_skipped = {(r["segment"], r["step"]) for r in rows
+                      if r["applied"] == "skipped" and r["loss_scale"] is not None and r["span"] == 1}
+    overflows = [e for e in events if _overflow(e, scaler_skipped)]
+    events = [e for e in events if not _overflow(e, scaler_skipped)]
+    # within a step: forward, then backward, the pre-clip gradients before the post-clip ones, then the update
+    events.sort(key=lambda e: (e.segment, e.step, e.pass_rank, e.phase == "post_clip", e.order))
     if events:
         e0 = events[0]
         end = e0.step + e0.span
@@ -215,12 +284,27 @@ def triage(h: History) -> Triage:
                                            "coarsened window (which site and pass came first inside it is not "
                                            f"recorded), in {named}{more}"))
         else:
+            also = [e for e in events if (e.segment, e.step) == (e0.segment, e0.step) and e.site.stream == "scalar"
+                    and e is not e0]
+            also_text = ("; also non-finite at that step: " + ", ".join(f"`{e.site.path}`" for e in also[:4])
+                         + (" ..." if len(also) > 4 else "")) if e0.site.stream == "scalar" and also else ""
             report.findings.append(Finding("first_nonfinite", e0.step, e0.site.path,
                                            f"the first non-finite value was in {_label(e0.site, e0.phase)} at "
-                                           f"{_at(e0, n_segments)} ({_what(e0.nan, e0.inf)})"))
+                                           f"{_at(e0, n_segments)} ({_what(e0.nan, e0.inf)}){also_text}"))
         first_site = next((e for e in events if e.site.stream != "scalar"), None)
         if first_site is not None and (e0.site.stream == "scalar" or _gap(first_site)):
             report.findings.append(_site_finding(first_site, n_segments))
+        elif first_site is None:
+            report.findings.append(Finding("model_finite", None, None,
+                                           "no recorded site of the model held a non-finite value, only run-level "
+                                           "scalars: look at how they are computed (a loss's log(0), say), or at "
+                                           "what was not recorded"))
+        for g in sorted({e.segment for e in events} - {e0.segment}):  # (a resumed run's own first failure)
+            eg = next(e for e in events if e.segment == g)
+            report.findings.append(Finding("first_nonfinite_segment", eg.step, eg.site.path,
+                                           f"in segment {g}, the first non-finite value was in "
+                                           f"{_label(eg.site, eg.phase)} at {_steps(eg.step, eg.span)} "
+                                           f"({_what(eg.nan, eg.inf)})"))
         sites_hit = {(e.site.id, e.phase) for e in events}
         first_at, last_at = _at(events[0], n_segments), _at(events[-1], n_segments)
         report.findings.append(Finding("nonfinite", None, None,
@@ -228,20 +312,36 @@ def triage(h: History) -> Triage:
                                        f"held non-finite values, "
                                        + (f"all at {first_at}" if first_at == last_at else
                                           f"from {first_at} to {last_at}")))
+        note = _ranks_note(h)
+        if note is not None:
+            report.findings.append(Finding("ranks", None, None, note))
+    if overflows:
+        at = sorted({(e.segment, e.step) for e in overflows})
+        scale = next((r["loss_scale"] for r in rows if (r["segment"], r["step"]) == at[0]), None)
+        where = f"step {at[0][1]}" + (f" (segment {at[0][0]})" if n_segments > 1 else "")
+        report.findings.append(Finding("scaler_overflow", at[0][1], None,
+                                       f"{_n(len(at), 'step')} skipped by the loss scaler held non-finite gradients "
+                                       f"(an overflow, expected with a GradScaler: no update was applied), first at "
+                                       f"{where} (loss scale {scale:g}); they are not counted above"))
     for label, steps in failed.items():
         report.findings.append(Finding("failed", steps[0][0], label,
                                        f"the reduction failed for {label} at {_n(len(steps), 'row')}, first at "
                                        f"{_steps(*steps[0])}"))
     why = {"absent": "did not run", "skipped": "had nothing to observe (skipped)", "unknown": "are unknown"}
     for name, found in missing.items():  # rows without numbers, by state: one finding each, naming the earliest
-        step, span, _, label = min(found)
+        step, _, span, _, label = min(found)
         report.findings.append(Finding(f"rows_{name}", step, None,
-                                       f"{_n(sum(f[2] for f in found), 'row')} of "
+                                       f"{_n(sum(f[3] for f in found), 'row')} of "
                                        f"{_n(len(found), 'site/phase pair')} "
                                        f"{why[name]}, first {label} at {_steps(step, span)}"))
-    rows = h.step_truth_rows()
+    if no_row:
+        step, _, _, label = min(no_row)
+        report.findings.append(Finding("rows_missing", step, None,
+                                       f"{_n(sum(x[2] for x in no_row), 'due step')} of {_n(len(no_row), 'site')} "
+                                       "in the step table have no row at all (read as unknown: nothing was written "
+                                       f"for them, a failed write say), first {label} at step {step}"))
     # a coarsened step-truth row covers a window of steps: counted as windows, as `trainhist info` counts them
-    unit = "step" if all(r["span"] == 1 for r in rows) else "coarsened window"
+    unit = "step" if not coarse else "coarsened window"
     skipped = [(r["step"], r["span"], r["segment"]) for r in rows if r["applied"] == "skipped"]
     if skipped:  # (the first in time: segment, then step)
         step, span, seg = min(skipped, key=lambda x: (x[2], x[0]))
@@ -252,12 +352,13 @@ def triage(h: History) -> Triage:
                                        f"e.g. for an overflow, or not called), first at {where}"))
     if any(x.path == "step_interrupted" and x.stream == "scalar" for x in h.sites):
         sp = h.spine("step_interrupted", "scalar")
-        at = sp.step.tolist()
-        report.findings.append(Finding("interrupted", at[0], None,
-                                       f"{len(at)} step(s) were interrupted by an exception in the training loop, "
-                                       f"first at {_steps(at[0], int(sp.span[0]))}: their rows hold what was "
-                                       "recorded before it, the "
-                                       "rest are unknown"))
+        i = int(np.lexsort((sp.step, sp.segment))[0])  # (the first in time)
+        seg = f" (segment {int(sp.segment[i])})" if n_segments > 1 else ""
+        report.findings.append(Finding("interrupted", int(sp.step[i]), None,
+                                       f"{_n(len(sp), 'step')} {'was' if len(sp) == 1 else 'were'} interrupted by "
+                                       f"an exception in the training loop, first at "
+                                       f"{_steps(int(sp.step[i]), int(sp.span[i]))}{seg}: their rows hold what was "
+                                       "recorded before it, the rest are unknown"))
     unknown = sum(r["applied"] == "unknown" for r in rows)
     if rows and unknown:
         report.findings.append(Finding("unknown_applied", None, None,

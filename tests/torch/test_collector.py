@@ -1435,7 +1435,7 @@ def test_a_step_the_loop_aborts_is_recorded_as_interrupted_not_as_a_skipped_upda
     assert [presence(h, "0.weight", "param_delta", s) for s in range(3)] == ["observed", "unknown", "unknown"]
     assert presence(h, "0", "activation", 2) == "observed"
     assert h.spine("step_interrupted", "scalar").step.tolist() == [1, 2]
-    assert "2 step(s) were interrupted by an exception" in triage(h).format()
+    assert "2 steps were interrupted by an exception" in triage(h).format()
 
 
 def test_an_output_without_a_gradient_gets_no_gradient_site(tmp_path):
