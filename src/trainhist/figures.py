@@ -30,7 +30,8 @@ from .grid import index_min, nbins
 from .model import Applied, Presence
 from .reader import History, Site, SketchSeries, SpineSeries
 
-__all__ = ["quantiles_from_sketch", "site_figure", "waterfall", "contact_sheet"]
+__all__ = ["quantiles_from_sketch", "quantile_bound", "sketch_row_quantiles", "site_figure", "waterfall",
+           "contact_sheet"]
 
 
 def _mpl():
@@ -68,6 +69,29 @@ def quantiles_from_sketch(pos: np.ndarray, neg: np.ndarray, bands: np.ndarray, z
         for j, q in enumerate(qs):  # (the rank of at least the first value: q = 0 is the lowest occupied cell)
             out[i, j] = vals[int(np.searchsorted(cdf, max(q * total, 0.5), side="left"))]
     return out
+
+
+def quantile_bound(scale: int) -> float:
+    """The relative bound of every quantile :func:`quantiles_from_sketch` derives at ``scale``: one bin width,
+    ``2**(1 / 2**scale) - 1`` (the geometric middle of a bin lies within it of every value in the bin)."""
+    return 2 ** (1 / 2**scale) - 1
+
+
+def sketch_row_quantiles(s: SpineSeries, sk: SketchSeries, qs: tuple[float, ...]
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Quantiles of each sketch row of ``sk``, whose spine is ``s`` (the same site and phase): ``(at, q, partial)``
+    with ``at`` the spine row of each sketch row, ``q`` its (rows, len(qs)) quantiles (:func:`quantiles_from_sketch`)
+    and ``partial`` whether its sketch covers only part of the row (a coarsened window with sketches at a sparser
+    cadence, spec 11.2): the zeros among its values are then estimated in the proportion the sketch covers."""
+    at = np.empty(len(sk), np.int64)
+    rows = s.sk_row >= 0
+    at[s.sk_row[rows]] = np.flatnonzero(rows)
+    zero = s.zero[at].astype(np.float64)
+    nonzero = (s.finite[at] - s.zero[at]).astype(np.float64)
+    covered = (sk.pos.sum(axis=1) + sk.neg.sum(axis=1) + sk.bands.sum(axis=1)).astype(np.float64)
+    partial = covered < nonzero
+    zero = np.where(partial, zero * covered / np.maximum(nonzero, 1), zero)
+    return at, quantiles_from_sketch(sk.pos, sk.neg, sk.bands, zero, sk.scale, qs), partial
 
 
 _FMAX = float(np.finfo(np.float64).max)
@@ -304,17 +328,11 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
         _plot_rows(ax, start[r], end[r], s.mean[r], joined, color="C0", lw=1.5, label="mean (from exact sums)")
     else:
         rows = s.sk_row >= 0
-        at = np.empty(len(sk), np.int64)  # the spine row of each sketch row
-        at[s.sk_row[rows]] = np.flatnonzero(rows)
-        zero = s.zero[at].astype(np.float64)
         # a sketch may cover part of its row (a coarsened window with sketches at a sparser cadence, spec 11.2):
         # its own total counts; the zeros among its values are estimated in the same proportion
-        nonzero = (s.finite[at] - s.zero[at]).astype(np.float64)
-        covered = (sk.pos.sum(axis=1) + sk.neg.sum(axis=1) + sk.bands.sum(axis=1)).astype(np.float64)
-        partial = covered < nonzero
-        zero = np.where(partial, zero * covered / np.maximum(nonzero, 1), zero)
+        at, qa, partial = sketch_row_quantiles(s, sk, (0.05, 0.25, 0.5, 0.75, 0.95))
         q = np.full((len(s), 5), np.nan)  # (per spine row)
-        q[at] = quantiles_from_sketch(sk.pos, sk.neg, sk.bands, zero, sk.scale, (0.05, 0.25, 0.5, 0.75, 0.95))
+        q[at] = qa
         f = np.flatnonzero(obs & rows)
         # the quantiles exist only at rows with a sketch: no line or fan joins two of them across a row that has
         # values but no sketch (a sketch cadence sparser than the spine's), which would draw quantiles never read
@@ -331,7 +349,7 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
             if alone.any():  # (a fan one step wide draws nothing visible on a long axis: a bar at its middle too)
                 ax.vlines((start[f] + end[f])[alone] / 2, q[f[alone], a], q[f[alone], b], color="C0", alpha=alpha,
                           lw=3)
-        width = 2 ** (1 / 2**sk.scale) - 1
+        width = quantile_bound(sk.scale)
         _plot_rows(ax, start[f], end[f], q[f, 2], joined, color="C0", lw=1.5,
                    label="median (derived from sketch"
                    + ("; partly sketched windows: zeros estimated" if partial.any() else "") + ")")
