@@ -234,6 +234,16 @@ def _cmd_triage(args: argparse.Namespace) -> int:
         return _status(h)
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .frames import to_csv, to_parquet
+
+    with open_history(args.file) as h:
+        write = to_parquet if args.format == "parquet" else to_csv
+        for e in write(h, args.output, streams=args.streams, sites=args.sites, phases=args.phases):
+            print(f"{e.path}: {_n(e.rows, 'row')}" if e.table != "manifests" else f"{e.path}: the manifests")
+        return _status(h)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     try:
         from .torch.demo import main as demo_main
@@ -303,6 +313,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--limit", type=_count, default=12, help="most findings to print (default 12; 0: all)")
     c.add_argument("--json", action="store_true", help="print every finding as JSON (kind, step, site, text)")
     c.set_defaults(func=_cmd_triage, subparser=c)
+    c = sub.add_parser("export", help="the spines, step truth and scalars as Parquet or CSV tables for pandas "
+                       "(needs pip install 'trainhist[export]')")
+    c.add_argument("file", type=_path, help="a trainhist history (.thist)")
+    c.add_argument("-o", "--output", required=True, metavar="OUT", type=_path,
+                   help="a directory (created if needed) for spines, steps and scalars (and manifests.json for csv); "
+                   "a path ending in .parquet or .csv gets the spines alone")
+    c.add_argument("--format", choices=("parquet", "csv"), default="parquet", help="file format (default parquet)")
+    c.add_argument("--streams", nargs="+", metavar="STREAM", help="only these streams (activation, param, ...)")
+    c.add_argument("--sites", nargs="+", metavar="PATTERN", help="only sites whose path matches one of these fnmatch "
+                   "patterns ('encoder.*'; quote them for the shell)")
+    c.add_argument("--phases", nargs="+", metavar="PHASE", help="only rows of these phases (default, pre_clip, "
+                   "post_clip)")
+    c.set_defaults(func=_cmd_export, subparser=c)
     c = sub.add_parser("demo", help="train a small built-in model and write, triage and plot its history",
                        add_help=False)
     c.add_argument("rest", nargs=argparse.REMAINDER)

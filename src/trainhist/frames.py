@@ -1,0 +1,408 @@
+"""A history as pandas data frames, and as Parquet or CSV files (needs the ``export`` extra: pandas, pyarrow).
+
+- :func:`spines`: one row per stored spine row (every site, phase, micro-batch, segment), the exact counts as
+  nullable ``UInt64``, the floats as ``float64``; rows that are not ``observed`` carry ``<NA>`` counts and NaN
+  floats: missing is never zero (spec 2.6).
+- :func:`steps`: the step-truth table, unknown values ``<NA>`` (NaN in its float columns).
+- :func:`scalars`: the run-level scalars (loss, learning rate, ...) as one value per row.
+- :func:`quantiles`: quantiles of one site DERIVED from its sketches, with their relative bound (approximate).
+- :func:`to_parquet`, :func:`to_csv`: the three tables as files, with the run, writer, segment and site manifests.
+
+pandas and pyarrow are imported by the functions that use them, never by ``import trainhist`` or the reader; without
+them the functions raise :class:`~trainhist.errors.UsageError` ``needs_export``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
+
+import numpy as np
+
+from . import __version__
+from .errors import UsageError
+from .model import STREAMS, U64_UNKNOWN, Applied, Clipped, GradBasis, Phase, Presence
+from .reader import History, Site
+from .summary import SumMethod
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["spines", "steps", "scalars", "quantiles", "to_parquet", "to_csv", "Exported", "SPINE_COLUMNS"]
+
+#: the columns of :func:`spines`, in order
+SPINE_COLUMNS = ("path", "stream", "facet", "phase", "segment", "step", "span", "micro", "presence", "count", "nan",
+                 "pinf", "ninf", "zero", "min", "max", "sum", "sumsq", "method", "mean", "rms", "has_sketch")
+_COUNTS = ("count", "nan", "pinf", "ninf", "zero")
+_FLOATS = ("min", "max", "sum", "sumsq", "mean", "rms")
+_INSTALL = "pip install 'trainhist[export]'"
+
+
+class Exported(NamedTuple):
+    """One table written by :func:`to_parquet` or :func:`to_csv`."""
+
+    table: str  #: spines, steps or scalars
+    path: Path
+    rows: int
+
+
+def _pandas() -> Any:
+    try:
+        import pandas
+    except ImportError as e:
+        raise UsageError(f"data frames of a history need pandas: {_INSTALL} ({e})", code="needs_export") from None
+    return pandas
+
+
+def _parquet() -> Any:
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError as e:
+        raise UsageError(f"Parquet files need pyarrow: {_INSTALL} ({e})", code="needs_export") from None
+    return pyarrow
+
+
+def _names(value: str | Iterable[str] | None, what: str) -> list[str] | None:
+    """``value`` as a list of names (one string is one name, not its letters), or None for every name."""
+    if value is None:
+        return None
+    names = [value] if isinstance(value, str) else list(value)
+    bad = [v for v in names if not isinstance(v, str)]
+    if bad:
+        raise UsageError(f"{what} must be names (strings), got {bad[0]!r}", code="bad_argument")
+    return names
+
+
+def _sites(h: History, streams: str | Iterable[str] | None, sites: str | Iterable[str] | None) -> list[Site]:
+    """The sites of ``h`` in the ``streams`` whose path matches one of the ``sites`` patterns (fnmatch, case
+    sensitive), in declaration order; a stream name that does not exist, or a pattern that matches none of those
+    sites, is refused (a typo would give an empty frame)."""
+    stream_names = _names(streams, "streams")
+    patterns = _names(sites, "sites")
+    for s in stream_names or ():
+        if s not in STREAMS:
+            raise UsageError(f"stream {s!r} is not one of {', '.join(STREAMS)} (spec 2.2)", code="unknown_name")
+    chosen = [s for s in h.sites if stream_names is None or s.stream in stream_names]
+    if patterns is None:
+        return chosen
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(s.path, p) for s in chosen)]
+    if unmatched:
+        paths = sorted({s.path for s in chosen})
+        shown = ", ".join(paths[:8]) + (f" (+{len(paths) - 8} more)" if len(paths) > 8 else "")
+        raise UsageError(f"site pattern {unmatched[0]!r} matches no site path"
+                         + (f" of the streams {', '.join(stream_names)}" if stream_names else "")
+                         + f" in this file; its paths: {shown or 'none'} (patterns are fnmatch patterns on the path: "
+                         "'encoder.*', '*.weight')", code="no_match", path=h.path)
+    return [s for s in chosen if any(fnmatch.fnmatchcase(s.path, p) for p in patterns)]
+
+
+def _categorical(pd: Any, codes: np.ndarray, names: Iterable[str]) -> Any:
+    return pd.Categorical.from_codes(codes.astype(np.int64), categories=list(names))
+
+
+def _masked(pd: Any, values: np.ndarray, missing: np.ndarray, dtype: type) -> Any:
+    """A nullable integer array: ``values`` (exact, as ``dtype``), ``<NA>`` where ``missing``."""
+    v = np.array(values, dtype=dtype)  # (a copy, exact: never through a float)
+    v[missing] = 0
+    return pd.arrays.IntegerArray(v, missing.astype(bool))
+
+
+def spines(h: History, *, streams: str | Iterable[str] | None = None, sites: str | Iterable[str] | None = None,
+           phases: str | Iterable[str] | None = None) -> "pd.DataFrame":
+    """Every stored spine row of the chosen sites as one data frame (:data:`SPINE_COLUMNS`), sites in declaration
+    order, each site's rows in file order (every phase, micro-batch and segment; scalar sites included).
+
+    ``streams``: stream names (default all); ``sites``: fnmatch patterns on the site path (default all);
+    ``phases``: phase names (default all). A row says nothing of the steps it does not cover: a step with no row
+    is not in the frame (:meth:`History.presence` answers ``not_scheduled`` or ``unknown`` for it).
+
+    Columns: ``path`` and ``facet`` (``string`` dtype, facet ``<NA>`` where the site has none); ``stream``,
+    ``phase``, ``presence`` and ``method`` (categoricals of the spec's names); ``segment``, ``step`` (int64),
+    ``span`` (uint32: the steps a coarsened row covers, 1 otherwise) and ``micro`` (uint32, as stored:
+    ``4294967295`` = ``trainhist.model.MICRO_ALL`` is a row of the whole step, others one micro-batch); then the
+    values:
+
+    - ``count``, ``nan``, ``pinf``, ``ninf``, ``zero``: exact ``UInt64`` (no rounding beyond 2**53), ``<NA>`` in
+      rows that are not ``observed``;
+    - ``min``, ``max``: exact float64 (the least and greatest finite value); NaN where the row has no finite value
+      or is not observed;
+    - ``sum``, ``sumsq``: the stored sums rounded to float64 (±inf where the exact sum is beyond binary64:
+      :meth:`SpineSeries.sum_exact` has it exactly); NaN in rows that are not observed or whose sums are unknown
+      (``method`` ``unknown``, spec 5.4); 0.0 in an observed row without finite values (the sum of no value);
+    - ``method``: the sum method's name (``exact``, ``f64_accumulate``, ``f32_accumulate``, ``unknown``, or
+      ``code-N`` of a newer writer), ``<NA>`` in rows that are not observed (their method means nothing);
+    - ``mean``, ``rms``: the reader's derived values (:attr:`SpineSeries.mean`), NaN where undefined (no finite
+      value, unknown sums, not observed), never 0;
+    - ``has_sketch``: whether the row carries a sketch (:meth:`History.sketch`).
+
+    In float64 columns NaN is pandas' missing value (``isna()``): none of them holds a NaN that is a value.
+    """
+    pd = _pandas()
+    chosen = _sites(h, streams, sites)
+    phase_names = _names(phases, "phases")
+    phase_codes = None if phase_names is None else [Phase.code(p) for p in phase_names]
+    parts: list[dict[str, np.ndarray]] = []
+    for k, site in enumerate(chosen):
+        s = h.spine(site.path, site.stream, site.facet, phase="*")
+        keep = np.ones(len(s), bool) if phase_codes is None else np.isin(s.phase, phase_codes)
+        observed = s.observed
+        # (sums of an observed row whose method is unknown are no values, spec 5.4; the reader gives NaN there)
+        sums = observed & (s.method != SumMethod.UNKNOWN)
+        defined = sums & (s.finite > 0)
+        part = {
+            "site": np.full(len(s), k, np.int64), "phase": s.phase, "segment": s.segment, "step": s.step,
+            "span": s.span, "micro": s.micro, "presence": s.presence, "method": s.method,
+            "observed": observed, "has_sketch": s.sk_row >= 0,
+            **{c: s.columns[c] for c in _COUNTS},
+            "min": np.where(observed, s.min, np.nan), "max": np.where(observed, s.max, np.nan),
+            "sum": np.where(sums, s.sum, np.nan), "sumsq": np.where(sums, s.sumsq, np.nan),
+            "mean": np.where(defined, s.mean, np.nan), "rms": np.where(defined, s.rms, np.nan),
+        }
+        parts.append({n: v[keep] for n, v in part.items()})
+    if parts:
+        c = {n: np.concatenate([p[n] for p in parts]) for n in parts[0]}
+    else:
+        c = {n: np.zeros(0, t) for n, t in (("site", np.int64), ("phase", np.uint8), ("segment", np.uint32),
+                                            ("step", np.int64), ("span", np.uint32), ("micro", np.uint32),
+                                            ("presence", np.uint8), ("method", np.uint8), ("observed", bool),
+                                            ("has_sketch", bool), *((x, np.uint64) for x in _COUNTS),
+                                            *((x, np.float64) for x in _FLOATS))}
+    site_paths = np.array([s.path for s in chosen] or [""], object)
+    site_facets = np.array([s.facet for s in chosen] or [None], object)
+    site_streams = np.array([STREAMS.index(s.stream) for s in chosen] or [0], np.int64)
+    missing = ~c["observed"]
+    method_names = dict(SumMethod.NAMES)
+    for code in np.unique(c["method"][c["observed"]]).tolist():
+        method_names.setdefault(code, f"code-{code}")  # (a newer writer's method: its bound is unknown, spec 5.4)
+    method_cats = list(method_names.values())
+    method_index = np.full(256, -1, np.int64)
+    for j, code in enumerate(method_names):
+        method_index[code] = j
+    data = {
+        "path": pd.array(site_paths[c["site"]], dtype="string"),
+        "stream": _categorical(pd, site_streams[c["site"]], STREAMS),
+        "facet": pd.array(site_facets[c["site"]], dtype="string"),
+        "phase": _categorical(pd, c["phase"], Phase.NAMES),
+        "segment": c["segment"].astype(np.int64),
+        "step": c["step"].astype(np.int64),
+        "span": c["span"].astype(np.uint32),
+        "micro": c["micro"].astype(np.uint32),
+        "presence": _categorical(pd, c["presence"], Presence.NAMES),
+        **{n: _masked(pd, c[n], missing, np.uint64) for n in _COUNTS},
+        "min": c["min"], "max": c["max"], "sum": c["sum"], "sumsq": c["sumsq"],
+        "method": _categorical(pd, np.where(missing, -1, method_index[c["method"]]), method_cats),
+        "mean": c["mean"], "rms": c["rms"],
+        "has_sketch": c["has_sketch"].astype(bool),
+    }
+    return pd.DataFrame(data, columns=list(SPINE_COLUMNS))
+
+
+def steps(h: History) -> "pd.DataFrame":
+    """The step-truth table (spec 2.7), one row per stored row in file order: ``segment``, ``step`` (int64),
+    ``span`` (uint32: the steps a coarsened row covers), ``applied`` / ``grad_basis`` / ``clipped`` (categoricals
+    of their names; ``<NA>`` where unknown), ``loss_scale`` and ``clip_threshold`` (float64, NaN where unknown),
+    ``micro_batches`` (``UInt32``), ``tokens`` and ``samples`` (``UInt64``), ``<NA>`` where unknown: an unknown
+    value is never 0."""
+    pd = _pandas()
+    t = h.steps
+
+    def state(name: str, enum: type) -> Any:  # (code 0 is unknown: NA, the others their names)
+        return _categorical(pd, t[name].astype(np.int64) - 1, enum.NAMES[1:])  # type: ignore[attr-defined]
+
+    return pd.DataFrame({
+        "segment": t["segment"].astype(np.int64), "step": t["step"].astype(np.int64),
+        "span": t["span"].astype(np.uint32),
+        "applied": state("applied", Applied), "grad_basis": state("grad_basis", GradBasis),
+        "clipped": state("clipped", Clipped),
+        "loss_scale": t["loss_scale"].astype(np.float64), "clip_threshold": t["clip_threshold"].astype(np.float64),
+        "micro_batches": _masked(pd, t["micro_batches"], t["micro_batches"] == 0, np.uint32),
+        "tokens": _masked(pd, t["tokens"], t["tokens"] == U64_UNKNOWN, np.uint64),
+        "samples": _masked(pd, t["samples"], t["samples"] == U64_UNKNOWN, np.uint64),
+    })
+
+
+def _scalar_view(pd: Any, sp: "pd.DataFrame") -> "pd.DataFrame":
+    """The scalar sites' rows of a :func:`spines` frame, as :func:`scalars` gives them."""
+    sp = sp[sp["stream"] == "scalar"]
+    one = (sp["presence"] == "observed").to_numpy() & (sp["count"] == 1).fillna(False).to_numpy(bool)
+    nan, pinf, ninf = ((sp[n] == 1).fillna(False).to_numpy(bool) for n in ("nan", "pinf", "ninf"))
+    value = np.where(one, sp["min"].to_numpy(np.float64), np.nan)
+    value = np.where(one & pinf, math.inf, np.where(one & ninf, -math.inf, np.where(one & nan, np.nan, value)))
+    return pd.DataFrame({
+        "name": sp["path"].array, "segment": sp["segment"].to_numpy(), "step": sp["step"].to_numpy(),
+        "span": sp["span"].to_numpy(), "presence": sp["presence"].array, "value": value,
+        "count": sp["count"].array, "mean": sp["mean"].to_numpy(), "min": sp["min"].to_numpy(),
+        "max": sp["max"].to_numpy(),
+    })
+
+
+def scalars(h: History, *, names: str | Iterable[str] | None = None) -> "pd.DataFrame":
+    """The run-level scalars (``HistoryWriter.scalar``: loss, learning rate, gradient norm), one row per stored row
+    of a scalar site: ``name``, ``segment``, ``step``, ``span``, ``presence``, ``value``, ``count``, ``mean``,
+    ``min``, ``max``. ``names``: fnmatch patterns (default all).
+
+    ``value`` is the scalar where the row holds one value (``count`` 1: as recorded, NaN and ±inf included); NaN
+    where it holds none (``presence`` not ``observed``) or several (a merged or coarsened row: ``count``, ``mean``,
+    ``min`` and ``max`` describe them). A recorded NaN and a missing value are told apart by ``presence``. The same
+    rows are in :func:`spines` (stream ``scalar``) with every spine column."""
+    pd = _pandas()
+    return _scalar_view(pd, spines(h, streams="scalar", sites=names))
+
+
+def quantiles(h: History, path: str, stream: str = "activation", facet: str | None = None, *,
+              q: Iterable[float] = (0.05, 0.5, 0.95), phase: str | None = None) -> "pd.DataFrame":
+    """APPROXIMATE quantiles of one site, derived from its sketches (one row per sketched row): ``segment``,
+    ``step``, ``span``, ``micro``, then ``approx_q<q>`` per asked quantile (``approx_q0.05``, ...), ``rel_bound``
+    and ``zeros_estimated``.
+
+    Each quantile is the geometric middle of the sketch bin that holds it (:func:`trainhist.figures
+    .quantiles_from_sketch`, as the site figure draws them): within ``rel_bound`` (one bin width,
+    ``2**(1/bins_per_octave) - 1``) of the true quantile of the sketched values, relative. NaN where the row holds
+    no finite value, or where the quantile falls in an under- or overflow band (outside the grid's window: no bin
+    places it). ``zeros_estimated``: the sketch covers only part of a coarsened row, whose zeros among the sketched
+    values are then estimated in proportion (the bound assumes they are right). The exact ``min``/``max`` are in
+    :func:`spines`. ``phase`` as :meth:`History.spine`."""
+    pd = _pandas()
+    from .figures import quantile_bound, sketch_row_quantiles
+
+    qs = tuple(q)
+    if not qs or any(isinstance(x, bool) or not isinstance(x, (int, float, np.floating, np.integer))
+                     or not 0 <= x <= 1 for x in qs):
+        raise UsageError(f"q must be quantiles in [0, 1], got {q!r}", code="bad_argument")
+    names = [f"approx_q{float(x):g}" for x in qs]
+    if len(set(names)) != len(names):
+        raise UsageError(f"q names a quantile twice: {list(qs)}", code="bad_argument")
+    s = h.spine(path, stream, facet, phase=phase)
+    sk = h.sketch(path, stream, facet, phase=phase)
+    at, values, partial = sketch_row_quantiles(s, sk, qs)
+    df = pd.DataFrame({
+        "segment": s.segment[at].astype(np.int64), "step": s.step[at].astype(np.int64),
+        "span": s.span[at].astype(np.uint32), "micro": s.micro[at].astype(np.uint32),
+        **{n: values[:, j] for j, n in enumerate(names)},
+        "rel_bound": np.full(len(at), quantile_bound(sk.scale)),
+        "zeros_estimated": partial.astype(bool),
+    })
+    df.attrs["approximate"] = (f"quantiles derived from the sketch at {2**sk.scale} bins per octave: each within "
+                               f"{quantile_bound(sk.scale):.4f} relative of the true one (rel_bound)")
+    return df
+
+
+def _manifests(h: History, selection: dict) -> dict[str, str]:
+    """The file's manifests and the export's selection, as JSON texts under ``trainhist.*`` keys."""
+    def js(x: object) -> str:
+        return json.dumps(x, sort_keys=True, default=str)
+
+    r = h.recovery
+    return {
+        "trainhist.version": __version__, "trainhist.source": js(h.path),
+        "trainhist.recovery": js({"status": r.status, "committed_bytes": r.committed_bytes,
+                                  "dropped_bytes": r.dropped_bytes, "reason": r.reason}),
+        "trainhist.runs": js(h.runs), "trainhist.writers": js(h.writers),
+        "trainhist.segments": js([g.manifest for g in h.segments]), "trainhist.settings": js(h.settings),
+        "trainhist.sites": js([s.manifest for s in h.sites]), "trainhist.selection": js(selection),
+    }
+
+
+def _tables(h: History, streams: Any, sites: Any, phases: Any) -> dict[str, "pd.DataFrame"]:
+    pd = _pandas()
+    sp = spines(h, streams=streams, sites=sites, phases=phases)
+    return {"spines": sp, "steps": steps(h), "scalars": _scalar_view(pd, sp)}
+
+
+def _targets(out: str | os.PathLike, ext: str) -> tuple[Path | None, Path | None]:
+    """(single file, directory): a path ending in ``ext`` is one file of the spines, anything else a directory."""
+    p = Path(out)
+    other = {".parquet": ".csv", ".csv": ".parquet"}[ext]
+    if p.suffix.lower() == other:  # (a typo of the format, not a directory's name)
+        raise UsageError(f"{p} ends in {other}, but the tables are written as {ext[1:]}: name a {ext} file or a "
+                         "directory, or choose the other format", code="bad_output")
+    if p.suffix.lower() == ext:
+        if p.is_dir():
+            raise UsageError(f"{p} is a directory: name a new {ext} file, or the directory without the suffix",
+                             code="bad_output")
+        return p, None
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{p} is a file: pass a directory (created if needed) for the tables, or a path ending in "
+                         f"{ext} for the spines alone", code="bad_output")
+    return None, p
+
+
+def to_parquet(h: History, out: str | os.PathLike, *, streams: str | Iterable[str] | None = None,
+               sites: str | Iterable[str] | None = None, phases: str | Iterable[str] | None = None,
+               compression: str = "zstd") -> list[Exported]:
+    """Write the history as Parquet: a directory ``out`` (created if needed) gets ``spines.parquet``,
+    ``steps.parquet`` and ``scalars.parquet`` (:func:`spines`, :func:`steps`, :func:`scalars`; the scalars of the
+    chosen streams and sites); a path ending in ``.parquet`` gets the spines alone. Every file carries the
+    history's manifests as key-value metadata (``trainhist.runs``, ``trainhist.writers``, ``trainhist.segments``,
+    ``trainhist.settings``, ``trainhist.sites``, ``trainhist.recovery``, ``trainhist.source``,
+    ``trainhist.selection``: JSON; ``trainhist.table``, ``trainhist.version``), and reads back with
+    ``pandas.read_parquet`` as the frame it was written from (dtypes, NA and categories included; an empty table's
+    categoricals come back without categories: Parquet keeps no dictionary without rows). Each file is written
+    beside its name, then renamed over it."""
+    pa = _parquet()
+    import pyarrow.parquet as pq
+
+    single, folder = _targets(out, ".parquet")
+    tables = _tables(h, streams, sites, phases)
+    meta = _manifests(h, {"streams": _names(streams, "streams"), "sites": _names(sites, "sites"),
+                          "phases": _names(phases, "phases")})
+    if single is not None:
+        jobs = [("spines", single)]
+    else:
+        assert folder is not None
+        folder.mkdir(parents=True, exist_ok=True)
+        jobs = [(name, folder / f"{name}.parquet") for name in tables]
+    written = []
+    for name, path in jobs:
+        df = tables[name]
+        table = pa.Table.from_pandas(df, preserve_index=False)
+        extra = {k.encode(): v.encode() for k, v in {**meta, "trainhist.table": name}.items()}
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **extra})
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            pq.write_table(table, tmp, compression=compression)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        written.append(Exported(name, path, len(df)))
+    return written
+
+
+def to_csv(h: History, out: str | os.PathLike, *, streams: str | Iterable[str] | None = None,
+           sites: str | Iterable[str] | None = None, phases: str | Iterable[str] | None = None) -> list[Exported]:
+    """Write the history as CSV: a directory ``out`` (created if needed) gets ``spines.csv``, ``steps.csv``,
+    ``scalars.csv`` and ``manifests.json`` (the metadata :func:`to_parquet` stores in its files); a path ending in
+    ``.csv`` gets the spines alone. A missing value is an empty field (never 0); floats are written in their
+    shortest round-trip form and counts as exact integers. CSV keeps no dtypes: read the spines back with
+    ``dtype={"count": "UInt64", ...}`` to keep counts beyond 2**53 exact."""
+    _pandas()
+    single, folder = _targets(out, ".csv")
+    tables = _tables(h, streams, sites, phases)
+    if single is not None:
+        jobs = [("spines", single)]
+    else:
+        assert folder is not None
+        folder.mkdir(parents=True, exist_ok=True)
+        jobs = [(name, folder / f"{name}.csv") for name in tables]
+    written = []
+    for name, path in jobs:
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            tables[name].to_csv(tmp, index=False)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        written.append(Exported(name, path, len(tables[name])))
+    if folder is not None:
+        meta = _manifests(h, {"streams": _names(streams, "streams"), "sites": _names(sites, "sites"),
+                              "phases": _names(phases, "phases")})
+        doc = {k: (v if k == "trainhist.version" else json.loads(v)) for k, v in meta.items()}
+        path = folder / "manifests.json"
+        path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        written.append(Exported("manifests", path, 0))
+    return written

@@ -1,0 +1,420 @@
+"""trainhist.frames: a history as pandas data frames and Parquet / CSV files, equal to what the reader gives; rows
+without numbers carry NA (never 0); counts beyond 2**53 stay exact; `trainhist export`."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import trainhist
+from trainhist import frames
+from trainhist.cli import main
+from trainhist.dyadic import Dyadic
+from trainhist.errors import UsageError
+from trainhist.summary import Summary, SumMethod
+
+FAST = dict(fsync="never", commit_every=10**9, commit_seconds=1e18)
+BIG = 2**63 + 5  # a count beyond 2**53 (and 2**63): exact only as an integer
+SRC = str(Path(trainhist.__file__).resolve().parent.parent)
+
+
+@pytest.fixture
+def pd():
+    return pytest.importorskip("pandas")
+
+
+@pytest.fixture
+def pq():
+    pytest.importorskip("pandas")
+    return pytest.importorskip("pyarrow.parquet")
+
+
+def write_rich(p: Path) -> None:
+    """Every presence state, NaN/inf/zero counts, sketched and unsketched rows, phases and micro-batches, unknown
+    sums, a count beyond 2**53, scalars (one NaN), partly known step truth and a second segment."""
+    rng = np.random.default_rng(7)
+    with trainhist.HistoryWriter(p, run_name="frames", config={"lr": 0.1}, **FAST) as w:
+        a = w.site("enc.0", "activation")
+        g = w.site("enc.0.weight", "param_grad")
+        u = w.site("dec.0", "activation", facet="hidden", cadence_sketch=0)
+        for step in range(6):
+            x = rng.standard_normal(200).astype(np.float32) * (step + 1)
+            x[:3] = (np.nan, np.inf, -np.inf) if step % 2 else (0.0, 0.0, np.inf)
+            w.observe(a, step, x, sketch=step != 4)
+            w.observe(g, step, x[:50], phase="pre_clip", sketch=False)
+            w.observe(g, step, x[50:60], phase="post_clip", micro=step % 2, sketch=False)
+            w.scalar("loss", step, (math.nan, math.inf)[step - 3] if step in (3, 4) else 1.0 / (step + 1))
+            w.step_truth(step, applied=step != 2, loss_scale=2.0**16 if step < 3 else None,
+                         tokens=128 * step if step != 1 else None, micro_batches=2 if step else None,
+                         clipped=step == 5 or None, grad_basis="unscaled" if step == 0 else None)
+        for step, state in zip(range(6, 11), ("failed", "unknown", "absent", "not_scheduled", "skipped")):
+            w.mark(a, step, state)
+        w.observe(u, 0, summary=Summary(count=4, min=1.0, max=2.0, sum_method=SumMethod.UNKNOWN))
+        w.observe(u, 1, np.array([np.nan, np.nan]))  # observed, nothing finite
+        w.observe(u, 2, summary=Summary(count=BIG, nan=2, pinf=1, ninf=1, zero=2**63 - 1, min=-1.0, max=1.0,
+                                        sum=Dyadic.from_float(0.0), sumsq=Dyadic.from_float(2.0)))
+        w.new_segment(20, reason="resume")
+        for step in (20, 21):
+            w.observe(a, step, rng.standard_normal(64).astype(np.float32))
+            w.step_truth(step, applied=True, tokens=128 * step, samples=4)
+
+
+def reader_columns(h: trainhist.History) -> dict[str, list]:
+    """The reader's rows of every site (all phases), in the frame's order, as plain Python values."""
+    out: dict[str, list] = {k: [] for k in frames.SPINE_COLUMNS}
+    for site in h.sites:
+        s = h.spine(site.path, site.stream, site.facet, phase="*")
+        for i in range(len(s)):
+            out["path"].append(site.path)
+            out["stream"].append(site.stream)
+            out["facet"].append(site.facet)
+            out["phase"].append(trainhist.model.Phase.name(int(s.phase[i])))
+            for k in ("segment", "step", "span", "micro"):
+                out[k].append(int(s.columns[k][i]))
+            out["presence"].append(s.presence_names[i])
+            obs = bool(s.observed[i])
+            for k in ("count", "nan", "pinf", "ninf", "zero"):
+                out[k].append(int(s.columns[k][i]) if obs else None)
+            known = obs and int(s.method[i]) != SumMethod.UNKNOWN
+            out["min"].append(float(s.min[i]))
+            out["max"].append(float(s.max[i]))
+            out["sum"].append(float(s.sum[i]) if known else math.nan)
+            out["sumsq"].append(float(s.sumsq[i]) if known else math.nan)
+            out["method"].append(SumMethod.NAMES[int(s.method[i])] if obs else None)
+            # (mean and rms of unknown sums are undefined, spec 5.2: NaN, whatever a reader derives from them)
+            out["mean"].append(float(s.mean[i]) if known else math.nan)
+            out["rms"].append(float(s.rms[i]) if known else math.nan)
+            out["has_sketch"].append(bool(s.sk_row[i] >= 0))
+    return out
+
+
+def frame_columns(pd, df) -> dict[str, list]:
+    """The frame's columns as plain Python values (NA as None)."""
+    out = {}
+    for k in df.columns:
+        floats = df[k].dtype == np.float64  # (NaN there is compared as a float)
+        out[k] = [None if (not floats and pd.isna(v)) else v for v in df[k].tolist()]
+        if df[k].dtype.kind in "iu" or str(df[k].dtype) in ("UInt64", "UInt32"):
+            out[k] = [None if v is None else int(v) for v in out[k]]
+    return out
+
+
+def assert_equals_reader(pd, h: trainhist.History, df) -> None:
+    want, got = reader_columns(h), frame_columns(pd, df)
+    assert list(df.columns) == list(frames.SPINE_COLUMNS)
+    for k in frames.SPINE_COLUMNS:
+        if k in ("min", "max", "sum", "sumsq", "mean", "rms"):
+            np.testing.assert_array_equal(np.array(got[k], np.float64), np.array(want[k], np.float64), err_msg=k)
+        else:
+            assert got[k] == want[k], k
+
+
+def test_spines_equal_the_reader_and_rows_without_numbers_carry_na(tmp_path, pd) -> None:
+    p = tmp_path / "rich.thist"
+    write_rich(p)
+    with trainhist.open(p) as h:
+        df = frames.spines(h)
+        assert_equals_reader(pd, h, df)
+    assert str(df["count"].dtype) == "UInt64" and str(df["presence"].dtype) == "category"
+    assert list(df["presence"].cat.categories) == list(trainhist.model.Presence.NAMES)
+    a = df[df["path"] == "enc.0"]
+    marked = a[a["presence"] != "observed"]
+    assert sorted(marked["presence"].astype(str)) == sorted(["failed", "unknown", "absent", "not_scheduled", "skipped"])
+    # missing is never zero: no count, no float and no method in a row that is not observed
+    for k in ("count", "nan", "pinf", "ninf", "zero", "min", "max", "sum", "sumsq", "mean", "rms", "method"):
+        assert marked[k].isna().all(), k
+    assert not marked["has_sketch"].any()
+    obs = a[(a["presence"] == "observed") & (a["segment"] == 0)]
+    assert obs["count"].notna().all() and (obs["count"] == 200).sum() == 6
+    assert obs["has_sketch"].tolist() == [True] * 4 + [False, True]  # (step 4 unsketched)
+    assert (obs["nan"] == 1).sum() == 3 and (obs["zero"] >= 2).sum() == 3 and (obs["pinf"] == 1).all()
+    # unknown sums (spec 5.4) and a row with nothing finite: no sum, mean or rms, yet the counts
+    d = df[df["path"] == "dec.0"].reset_index(drop=True)
+    assert d["facet"].tolist() == ["hidden"] * 3
+    assert d.loc[0, "method"] == "unknown" and int(d.loc[0, "count"]) == 4
+    assert math.isnan(d.loc[0, "sum"]) and math.isnan(d.loc[0, "sumsq"]) and math.isnan(d.loc[0, "mean"])
+    assert int(d.loc[1, "nan"]) == 2 and d.loc[1, "sum"] == 0.0 and math.isnan(d.loc[1, "mean"])
+    assert math.isnan(d.loc[1, "min"]) and math.isnan(d.loc[1, "rms"])
+    # beyond 2**53: exact
+    assert int(d.loc[2, "count"]) == BIG and int(d.loc[2, "zero"]) == 2**63 - 1 and d.loc[2, "mean"] == 0.0
+    # phases and micro-batches, segments
+    gr = df[df["path"] == "enc.0.weight"]
+    assert sorted(set(gr["phase"].astype(str))) == ["post_clip", "pre_clip"]
+    assert set(gr.loc[gr["phase"] == "post_clip", "micro"]) == {0, 1}
+    assert set(gr.loc[gr["phase"] == "pre_clip", "micro"]) == {trainhist.model.MICRO_ALL}
+    assert a.loc[a["segment"] == 1, "step"].tolist() == [20, 21]
+
+
+def test_spines_select_streams_sites_and_phases(tmp_path, pd) -> None:
+    p = tmp_path / "rich.thist"
+    write_rich(p)
+    with trainhist.open(p) as h:
+        full = frames.spines(h)
+        assert set(frames.spines(h, streams="scalar")["path"]) == {"loss"}
+        grads = frames.spines(h, sites="*.weight", phases=["post_clip"])
+        assert len(grads) == 6 and set(grads["phase"].astype(str)) == {"post_clip"}
+        both = frames.spines(h, streams=["activation"], sites=["enc.*", "dec.?"])
+        assert set(both["path"]) == {"enc.0", "dec.0"}
+        assert len(both) == ((full["stream"] == "activation").sum())
+        with pytest.raises(UsageError) as e:
+            frames.spines(h, sites="encoder.*")  # a typo gives an error, not an empty frame
+        assert e.value.code == "no_match" and "enc.0" in str(e.value)
+        with pytest.raises(UsageError) as e:
+            frames.spines(h, streams="activations")
+        assert e.value.code == "unknown_name"
+        with pytest.raises(UsageError) as e:
+            frames.spines(h, phases="pre-clip")
+        assert e.value.code == "unknown_name"
+
+
+def test_steps_unknown_values_are_na(tmp_path, pd) -> None:
+    p = tmp_path / "rich.thist"
+    write_rich(p)
+    with trainhist.open(p) as h:
+        t = frames.steps(h)
+        rows = h.step_truth_rows()
+    assert len(t) == len(rows) == 8
+    for i, r in enumerate(rows):
+        for k in ("segment", "step", "span"):
+            assert int(t.loc[i, k]) == r[k]
+        for k in ("applied", "grad_basis", "clipped"):
+            v = t.loc[i, k]
+            assert (r[k] == "unknown" and pd.isna(v)) or v == r[k], (i, k)
+        for k in ("loss_scale", "clip_threshold", "micro_batches", "tokens", "samples"):
+            v = t.loc[i, k]
+            assert (r[k] is None and pd.isna(v)) or v == r[k], (i, k)
+    assert t["tokens"].isna().tolist() == [False, True] + [False] * 6  # unknown, not 0
+    assert int(t.loc[0, "tokens"]) == 0 and t.loc[0, "micro_batches"] is pd.NA and int(t.loc[1, "micro_batches"]) == 2
+    assert t["samples"].isna().sum() == 6 and t["clip_threshold"].isna().all()
+    assert str(t["tokens"].dtype) == "UInt64" and list(t["applied"].cat.categories) == ["applied", "skipped"]
+
+
+def test_scalars_tell_a_recorded_nan_from_a_missing_value(tmp_path, pd) -> None:
+    p = tmp_path / "rich.thist"
+    write_rich(p)
+    with trainhist.open(p) as h:
+        s = frames.scalars(h)
+        assert frames.scalars(h, names="lo*").equals(s)
+    assert s["name"].tolist() == ["loss"] * 6 and s["step"].tolist() == list(range(6))
+    v = s["value"].tolist()
+    assert v[:3] == [1.0, 0.5, 1 / 3] and math.isnan(v[3]) and v[4] == math.inf and v[5] == 1 / 6
+    assert (s["presence"] == "observed").all()  # step 3's NaN is a recorded value
+
+
+def test_coarsened_merged_and_segmented_files(tmp_path, pd) -> None:
+    p = tmp_path / "rich.thist"
+    write_rich(p)
+    c = tmp_path / "coarse.thist"
+    trainhist.coarsen(p, c, steps=4, bins_per_octave=1)
+    with trainhist.open(c) as h:
+        df = frames.spines(h)
+        assert_equals_reader(pd, h, df)
+        t = frames.steps(h)
+    a = df[(df["path"] == "enc.0") & (df["segment"] == 0)]
+    assert a["span"].tolist() == [4, 4, 4] and a["step"].tolist() == [0, 4, 8]
+    # windows 4..7 (observed, then failed at 6 and unknown at 7) and 8..11 (absent, not_scheduled, skipped) take the
+    # state of highest precedence (spec 11.4) and carry no numbers
+    assert a["presence"].astype(str).tolist() == ["observed", "failed", "skipped"]
+    assert a["count"].isna().tolist() == [False, True, True] and int(a["count"].iloc[0]) == 800
+    assert (t["span"] > 1).any()
+    # two ranks of one run, merged: counts add, exactly
+    ranks = []
+    for rank in (0, 1):
+        r = tmp_path / f"r{rank}.thist"
+        with trainhist.HistoryWriter(r, run_id="ab" * 16, rank=rank, world_size=2, **FAST) as w:
+            s = w.site("h", "param_grad")
+            for step in range(3):
+                w.observe(s, step, summary=Summary(count=BIG // 2, zero=BIG // 2 - 1, min=2.0, max=2.0,
+                                                   sum=Dyadic.from_float(2.0), sumsq=Dyadic.from_float(4.0)))
+            w.mark(s, 3, "failed" if rank else "absent")
+        ranks.append(r)
+    m = tmp_path / "merged.thist"
+    trainhist.merge(ranks, m)
+    with trainhist.open(m) as h:
+        df = frames.spines(h)
+        assert_equals_reader(pd, h, df)
+    assert [int(x) for x in df["count"].iloc[:3]] == [2 * (BIG // 2)] * 3 and df["sum"].iloc[:3].tolist() == [4.0] * 3
+    assert df["presence"].astype(str).iloc[3] == "failed" and df["count"].iloc[3] is pd.NA
+
+
+def test_parquet_round_trip_with_manifests(tmp_path, pq, pd) -> None:
+    p = tmp_path / "rich.thist"
+    write_rich(p)
+    out = tmp_path / "out"
+    with trainhist.open(p) as h:
+        written = frames.to_parquet(h, out)
+        want = {"spines": frames.spines(h), "steps": frames.steps(h), "scalars": frames.scalars(h)}
+        runs, segments = h.runs, [g.manifest for g in h.segments]
+    assert [(e.table, e.path.name, e.rows) for e in written] == [
+        (k, f"{k}.parquet", len(v)) for k, v in want.items()]
+    for name, df in want.items():
+        back = pd.read_parquet(out / f"{name}.parquet")
+        pd.testing.assert_frame_equal(back, df)
+        meta = pq.read_schema(out / f"{name}.parquet").metadata
+        assert meta[b"trainhist.table"] == name.encode()
+        assert json.loads(meta[b"trainhist.runs"]) == runs and runs[0]["config"] == {"lr": 0.1}
+        assert json.loads(meta[b"trainhist.segments"]) == segments and len(segments) == 2
+        assert len(json.loads(meta[b"trainhist.writers"])) == 1
+        assert json.loads(meta[b"trainhist.recovery"])["status"] == "clean"
+    back = pd.read_parquet(out / "spines.parquet")
+    assert int(back["count"].max()) == BIG and back["count"].isna().sum() == 5
+    # a path ending in .parquet: the spines alone, here of one stream
+    with trainhist.open(p) as h:
+        one = frames.to_parquet(h, tmp_path / "acts.parquet", streams="activation")
+        acts = frames.spines(h, streams="activation")
+    assert [e.table for e in one] == ["spines"]
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "acts.parquet"), acts)
+    assert sorted(os.listdir(tmp_path)) == sorted(["acts.parquet", "out", "rich.thist"])  # (no temporary left)
+
+
+def test_csv_keeps_na_empty_and_counts_exact(tmp_path, pd) -> None:
+    p = tmp_path / "rich.thist"
+    write_rich(p)
+    with trainhist.open(p) as h:
+        written = frames.to_csv(h, tmp_path / "csv")
+    assert [e.path.name for e in written] == ["spines.csv", "steps.csv", "scalars.csv", "manifests.json"]
+    lines = (tmp_path / "csv" / "spines.csv").read_text().splitlines()
+    failed = next(ln for ln in lines if ",failed," in ln).split(",")
+    assert failed[9:18] == [""] * 9  # count .. sumsq: empty, never 0
+    assert any(f",{BIG}," in ln for ln in lines)
+    back = pd.read_csv(tmp_path / "csv" / "spines.csv", dtype={"count": "UInt64"})
+    assert int(back["count"].max()) == BIG
+    doc = json.loads((tmp_path / "csv" / "manifests.json").read_text())
+    assert doc["trainhist.runs"][0]["name"] == "frames"
+
+
+def test_quantiles_are_derived_with_their_bound(tmp_path, pd) -> None:
+    from trainhist.figures import quantiles_from_sketch
+
+    p = tmp_path / "q.thist"
+    rng = np.random.default_rng(3)
+    data = [rng.lognormal(0, 2, 20000) * rng.choice([-1, 1], 20000) for _ in range(3)]
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        s = w.site("x", "activation")
+        for step, x in enumerate(data):
+            w.observe(s, step, x, sketch=step != 1)
+        w.mark(s, 3, "failed")
+    qs = (0.05, 0.5, 0.95)
+    with trainhist.open(p) as h:
+        df = frames.quantiles(h, "x", q=qs)
+        sk = h.sketch("x")
+        sp = h.spine("x")
+    assert df["step"].tolist() == [0, 2]  # the sketched rows
+    assert [c for c in df.columns if c.startswith("approx_q")] == ["approx_q0.05", "approx_q0.5", "approx_q0.95"]
+    bound = 2 ** (1 / 4) - 1
+    assert (df["rel_bound"] == bound).all() and not df["zeros_estimated"].any()
+    assert "approximate" in df.attrs
+    at = np.flatnonzero(sp.sk_row >= 0)
+    want = quantiles_from_sketch(sk.pos, sk.neg, sk.bands, sp.zero[at], sk.scale, qs)
+    np.testing.assert_array_equal(df[["approx_q0.05", "approx_q0.5", "approx_q0.95"]].to_numpy(), want)
+    for row, x in zip(range(2), (data[0], data[2])):
+        true = np.quantile(x, qs, method="inverted_cdf")
+        got = df.iloc[row][["approx_q0.05", "approx_q0.5", "approx_q0.95"]].to_numpy(np.float64)
+        assert (np.abs(got - true) <= bound * np.abs(true)).all(), (got, true)
+    with trainhist.open(p) as h:
+        with pytest.raises(UsageError):
+            frames.quantiles(h, "x", q=(0.5, 1.5))
+        c = tmp_path / "c.thist"
+        trainhist.coarsen(p, c, bins_per_octave=1)
+    with trainhist.open(c) as h:
+        assert (frames.quantiles(h, "x")["rel_bound"] == 1.0).all()  # one bin per octave: within a factor 2
+
+
+def test_cli_export(tmp_path, pq, pd, capsys) -> None:
+    p = tmp_path / "rich.thist"
+    write_rich(p)
+    out = tmp_path / "out"
+    assert main(["export", str(p), "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"{out / 'spines.parquet'}: " in printed and "scalars.parquet: 6 rows" in printed
+    with trainhist.open(p) as h:
+        pd.testing.assert_frame_equal(pd.read_parquet(out / "spines.parquet"), frames.spines(h))
+        grads = frames.spines(h, streams="param_grad", phases="pre_clip")
+    assert main(["export", str(p), "-o", str(tmp_path / "g.csv"), "--format", "csv", "--streams", "param_grad",
+                 "--phases", "pre_clip"]) == 0
+    assert len((tmp_path / "g.csv").read_text().splitlines()) == 1 + len(grads) == 7
+    assert main(["export", str(p), "-o", str(tmp_path / "x"), "--sites", "nothing.*"]) == 2
+    err = capsys.readouterr().err
+    assert "[no_match]" in err and not (tmp_path / "x").exists()
+    assert main(["export", str(p), "-o", str(p)]) == 2  # the history itself is a file, not a directory
+    assert "[bad_output]" in capsys.readouterr().err
+    assert main(["export", str(p), "-o", str(tmp_path / "s.csv")]) == 2  # parquet named .csv: a typo, refused
+    assert "[bad_output]" in capsys.readouterr().err and not (tmp_path / "s.csv").exists()
+
+
+def test_torn_file_exports_its_committed_prefix_with_exit_3(tmp_path, pq, pd) -> None:
+    p = tmp_path / "rich.thist"
+    write_rich(p)
+    with open(p, "ab") as f:
+        f.write(b"\x01" * 10)  # a torn tail after the last commit
+    assert main(["export", str(p), "-o", str(tmp_path / "out")]) == 3
+    meta = pq.read_schema(tmp_path / "out" / "steps.parquet").metadata
+    assert json.loads(meta[b"trainhist.recovery"])["status"] == "torn"
+
+
+CHILD = textwrap.dedent(
+    r'''
+    import importlib.abc, json, sys
+
+    blocked = tuple(sys.argv[2].split(","))
+
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in blocked:
+                raise ModuleNotFoundError(f"No module named {name!r} (blocked by test_frames)", name=name)
+            return None
+
+    sys.meta_path.insert(0, Block())
+    import numpy as np
+    import trainhist
+    from trainhist import frames
+    from trainhist.errors import UsageError
+
+    with trainhist.HistoryWriter(sys.argv[1], fsync="never") as w:
+        w.observe(w.site("a", "activation"), 0, np.ones(4))
+    out = {}
+    with trainhist.open(sys.argv[1]) as h:
+        h.spine("a"), h.sketch("a"), h.steps
+        out["loaded"] = sorted(m for m in ("pandas", "pyarrow") if m in sys.modules)
+        for name, call in (("spines", lambda: frames.spines(h)),
+                           ("to_parquet", lambda: frames.to_parquet(h, sys.argv[1] + ".parquet"))):
+            try:
+                call()
+                out[name] = "ok"
+            except UsageError as e:
+                out[name] = [e.code, e.message]
+    print(json.dumps(out))
+    '''
+)
+
+
+def run_child(tmp_path: Path, blocked: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = SRC + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "a.thist"), blocked], capture_output=True,
+                          text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_reader_needs_no_pandas_and_frames_say_how_to_install_it(tmp_path) -> None:
+    out = run_child(tmp_path, "pandas,pyarrow")
+    assert out["loaded"] == []  # trainhist, trainhist.frames and reading a file import neither
+    for name in ("spines", "to_parquet"):
+        code, message = out[name]
+        assert code == "needs_export" and "pip install 'trainhist[export]'" in message
+
+
+def test_parquet_without_pyarrow_says_how_to_install_it(tmp_path, pd) -> None:
+    out = run_child(tmp_path, "pyarrow")
+    assert out["spines"] == "ok"
+    code, message = out["to_parquet"]
+    assert code == "needs_export" and "pyarrow" in message and "trainhist[export]" in message
