@@ -145,7 +145,8 @@ def test_exact_sums_beyond_float64(tmp_path: Path) -> None:
 
 
 def test_precomputed_summaries_and_methods(tmp_path: Path) -> None:
-    """observe(summary=...) stores a Summary as given, its sum method and a sketch at another scale included."""
+    """observe(summary=...) stores a Summary as given, its sum method and a sketch at another scale included; the
+    sums of one whose method is unknown are stored as zero (spec 5.4: they are no numbers), read as NaN."""
     x = np.linspace(-3, 5, 101)
     s = summarize(x)
     s.sum_method = SumMethod.F32
@@ -165,7 +166,16 @@ def test_precomputed_summaries_and_methods(tmp_path: Path) -> None:
     with trainhist.open(p) as h:
         assert_row_equals(h.spine("a"), 0, s)
         assert h.spine("a").method.tolist() == [SumMethod.F32]
-        assert_row_equals(h.spine("b"), 0, s1)
+        b = h.spine("b")
+        got = b.summary(0)
+        assert (got.count, got.min, got.max, got.sum_method) == (12, -1.0, 1.0, SumMethod.UNKNOWN)
+        assert got.sum == got.sumsq == Dyadic(0, 0) and not b.sums_known[0]
+        assert np.isnan(b.sum[0]) and np.isnan(b.sumsq[0]) and np.isnan(b.mean[0]) and np.isnan(b.rms[0])
+        with pytest.raises(UsageError) as ei:
+            b.sum_exact(0)
+        assert ei.value.code == "sums_unknown"
+        raw = h._site_data(h.site("b", "activation"), None, sketches=False)[0]
+        assert raw["sum"].tolist() == raw["sumsq"].tolist() == [0.0]  # (stored as zero)
         sk = h.sketch("b")
         assert sk.scale == 1 and sk.sketch(0) == coarse
 

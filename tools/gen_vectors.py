@@ -519,6 +519,12 @@ HUGE_SUM_SUMMARY = {  # one value whose exact sum has the largest exponent the i
     "count": U(1), "nan": U(0), "pinf": U(0), "ninf": U(0), "zero": U(0),
     "min": F(1.0), "max": F(1.0), "sum": f"d:1p{2**31 - 1}", "sumsq": "d:1p0", "method": "exact",
 }
+UNKNOWN_SUMS_SUMMARY = {  # float64 values near 1e200: the float64 sum of squares overflowed, the sums are unknown
+    "count": U(3), "nan": U(0), "pinf": U(0), "ninf": U(0), "zero": U(0),
+    "min": F(2.0), "max": F(3e200), "sum": None, "sumsq": None, "method": "unknown",
+}
+
+
 def exact_summary(values: list[float]) -> dict:
     """The spine of ``values`` (float64, finite, integers) with its exact sums (``method`` exact, no sketch)."""
     ints = [int(v) for v in values]
@@ -826,13 +832,15 @@ def gen_valid_edges(s: Suite, base: dict[str, bytes]) -> None:
            "sum_x and sumsq_x have item size 1", ["7.3", "7.5"], build(recs)[0])
 
     def one_row(name: str, desc: str, spec: list[str], fn: Callable[[dict, list[Col]], Any], src: str = "nosketch",
-                rtype: int = RecordType.OBS, entry: Callable[[Rec], None] | None = None) -> None:
+                rtype: int = RecordType.OBS, entry: Callable[[Rec], None] | None = None) -> bytes:
         recs = parse(base[src])
         r = first(recs, rtype)
         edit_chunk(r, fn)
         if entry is not None:
             entry(r)
-        s.read(v, name, desc, spec, build(recs)[0])
+        data = build(recs)[0]
+        s.read(v, name, desc, spec, data)
+        return data
 
     nan = struct.pack("<Q", 0x7FF8000000000000)
 
@@ -848,6 +856,13 @@ def gen_valid_edges(s: Suite, base: dict[str, bytes]) -> None:
     one_row("row_not_observed_loose", "an absent row with method 7, a negative signalling NaN as min and -0.0 as "
             "sum: the rules of 5.5 refuse none of them", ["5.5", "2.6"], loose)
 
+    def unknown_method(m: dict, cs: list[Col]) -> None:  # rows 0 and 1 (of 4) state that their sums are unknown
+        col(cs, "method").block = b"\xff\xff" + col(cs, "method").block[2:]
+
+    base["unknown_sums_stored"] = one_row(
+        "unknown_sums_stored", "observed rows whose method is unknown (255) but whose stored sums are not zero (row "
+        "1's sumsq beyond binary64: inf in the f64 column, the exact form kept): read, the sums checked as in any "
+        "row (5.3) but dumped as null, being unknown", ["5.4", "5.2", "10"], unknown_method, src="exact")
     one_row("sketch_total_exceeds", "a sketch whose bands hold 1000 values, more than the row's finite - zero",
             ["5.5", "7.5"], lambda m, cs: setattr(col(cs, "sk_up"), "block", struct.pack("<Q", 1000)), src="basic")
     top = 2**63 - 1
@@ -1468,6 +1483,12 @@ def gen_writer(s: Suite) -> None:
              "final commit", ["2", "4.3", "4.4", "7", "9"],
              ops_doc(FULL_OPS + [{"op": "observe", "site": 0, "step": I(12), "summary": BIG_SUMMARY}],
                      settings={"cadence": 1}, config={"layers": 2, "name": "caf\u00e9"}))
+    s.writer("unknown_sums", "a precomputed row whose sums are unknown (method unknown, sums null: values near 1e200 "
+             "whose float64 sum of squares overflowed) beside a known one: stored with zero sums in the f64 columns "
+             "and no exact form, dumped as null", ["5.4", "5.2", "10"],
+             ops_doc([site("x", cadence={"spine": 1, "sketch": 0}),
+                      {"op": "observe", "site": 0, "step": I(0), "summary": UNKNOWN_SUMS_SUMMARY},
+                      obs(0, 1, [1.0, 2.0**-80], sketch=False), COMMIT]))
 
 
 RUN_ID_B = "0" * 31 + "4"
@@ -1589,6 +1610,20 @@ def gen_merge(s: Suite, base: dict[str, bytes]) -> None:
                       f"(invalid/{name}: {what} whose exact sums hold 2^-1100 behind f64 columns of +0.0) is "
                       "refused with the reader's code, not merged into a file readers refuse", ["11", "5.5", "5.3"],
                       {"input-0.thist": base[f"invalid/{name}"]}, {"inputs": ["input-0.thist"]}, error="bad_row")
+    unknown = [[site("x", cadence={"spine": 1, "sketch": 0}), obs(0, 0, [1.0, 2.0**-80], sketch=False),
+                obs(0, 1, [0.5], sketch=False), COMMIT],
+               [site("x", cadence={"spine": 1, "sketch": 0}),
+                {"op": "observe", "site": 0, "step": I(0), "summary": UNKNOWN_SUMS_SUMMARY},
+                obs(0, 1, [0.25], sketch=False), COMMIT]]
+    _derived_case(s, m, "unknown_sums", "a row whose sums are unknown combines with a known one of its identity: "
+                  "the merged row's method is unknown and its sums zero (dumped null), not the known row's sums; "
+                  "counts, min and max combine as always, and step 1 adds its known sums", ["11.2", "5.4"],
+                  {"input-0.thist": write_ops(ops_doc(unknown[0])),
+                   "input-1.thist": write_ops(ops_doc(unknown[1], writer_id=WRITER_ID_4, rank=1, world_size=2))},
+                  {"inputs": two})
+    _derived_case(s, m, "unknown_sums_stored", "the canonical form of valid/unknown_sums_stored: rows whose method "
+                  "is unknown hold zero sums and no exact form (11.9), whatever the input stored", ["11.9", "5.4"],
+                  {"input-0.thist": base["unknown_sums_stored"]}, {"inputs": ["input-0.thist"]})
     s.read("valid", "derived_merged", "a merged file: tally columns, segment origin, no `created` in segments",
            ["11.4", "11.9", "2.6"], merged)
 
@@ -1613,6 +1648,13 @@ def gen_coarsen(s: Suite) -> None:
                   ["11.7", "11.4"], {"input.thist": derive("merge", {"a.thist": r0, "b.thist": rank_file(1)},
                                                           {"inputs": ["a.thist", "b.thist"]})[2]},
                   {"input": "input.thist", "steps": 2, "bins_per_octave": 2})
+    _derived_case(s, c, "unknown_sums", "a window holding a row whose sums are unknown is unknown (zero sums, "
+                  "dumped null); the next window adds its known sums", ["11.7", "11.2", "5.4"],
+                  {"input.thist": write_ops(ops_doc([
+                      site("x", cadence={"spine": 1, "sketch": 0}), obs(0, 0, [1.0, -3.0], sketch=False),
+                      {"op": "observe", "site": 0, "step": I(1), "summary": UNKNOWN_SUMS_SUMMARY},
+                      obs(0, 2, [0.5], sketch=False), obs(0, 3, [2.0**-80], sketch=False), COMMIT]))},
+                  {"input": "input.thist", "steps": 2, "bins_per_octave": 4})
     s.read("valid", "derived_coarsened", "a coarsened file: spans of 2 steps, a steps chunk with a `span` column, "
            "scale-1 sketches", ["11.7", "2.3", "7.6"],
            derive(c, one, {"input": "input.thist", "steps": 2, "bins_per_octave": 2})[2])

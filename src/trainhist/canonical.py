@@ -33,6 +33,7 @@ from .framing import (
     pad8,
 )
 from .grid import nbins
+from .summary import SumMethod
 from .model import (
     CANONICAL_NAN,
     PRIORITY,
@@ -280,6 +281,16 @@ def blank(r: Rows, mask: np.ndarray) -> None:
         r.bands[mask] = 0
 
 
+def unknown_sums(r: Rows, mask: np.ndarray) -> None:
+    """Zero the sums of the rows in ``mask``, whose sums are unknown (method ``unknown``, spec 5.4: read as zero, and
+    a combined row whose method is unknown stores zero sums, 11.2)."""
+    if mask.any():
+        for k in ("sum", "sumsq"):
+            r.cols[k][mask] = 0.0
+        r.sum_x.blank(mask)
+        r.sumsq_x.blank(mask)
+
+
 @dataclass
 class ObsChunk:
     """The columns of one committed obs chunk, checked as far as the chunk alone allows (:func:`read_obs`);
@@ -520,6 +531,7 @@ def decode_obs_columns(parts: list[ObsChunk], cols: dict[str, np.ndarray], tally
         bands[~has] = 0  # (ignored, like the ranges: they must not add into a combined row's sketch)
     r = Rows(cols, xcols[0], xcols[1], tally, has, None, None, bands, scale, sparse)
     blank(r, ~observed)  # spec 2.6: only observed rows carry numbers
+    unknown_sums(r, observed & (cols["method"] == SumMethod.UNKNOWN))  # spec 5.4: read as zero
     if r.sparse is not None and not r.has_sk.any():
         r.sparse = r.bands = None
         r.scale = None

@@ -87,9 +87,17 @@ def _summary(doc: dict) -> Any:
         count=parse_tagged(doc["count"], "u"), nan=parse_tagged(doc["nan"], "u"), pinf=parse_tagged(doc["pinf"], "u"),
         ninf=parse_tagged(doc["ninf"], "u"), zero=parse_tagged(doc["zero"], "u"),
         min=math.nan if mn is None else mn, max=math.nan if mx is None else mx,
-        sum=parse_tagged(doc["sum"], "d"), sumsq=parse_tagged(doc["sumsq"], "d"),
+        sum=_sum(doc["sum"]), sumsq=_sum(doc["sumsq"]),
         sum_method=methods[doc.get("method", "exact")], sketch=sk,
     )
+
+
+def _sum(v: Any) -> Any:
+    """A sum of the canonical dump: a ``d:`` dyadic, or null where the row's sums are unknown (spec 5.4: stored as
+    zero)."""
+    from .dyadic import ZERO
+
+    return ZERO if v is None else parse_tagged(v, "d")
 
 
 def _micro(v: Any) -> int | None:

@@ -52,6 +52,7 @@ def _rows(h: History, site: Any) -> list[dict]:
             continue
         sk = h.sketch(site.path, site.stream, site.facet, phase=phase)
         c = s.columns
+        known = s.sums_known.tolist()
         for i in range(len(s)):
             pres = int(c["presence"][i])
             row: dict[str, Any] = {
@@ -73,7 +74,9 @@ def _rows(h: History, site: Any) -> list[dict]:
                     "zero": f"u:{int(c['zero'][i])}",
                     "min": tag_f(c["min"][i]) if finite else None,
                     "max": tag_f(c["max"][i]) if finite else None,
-                    "sum": tag_d(s.sum_exact(i)), "sumsq": tag_d(s.sumsq_exact(i)),
+                    # (sums a row states as unknown are no numbers: null, spec 5.4 and 10)
+                    "sum": tag_d(s.sum_exact(i)) if known[i] else None,
+                    "sumsq": tag_d(s.sumsq_exact(i)) if known[i] else None,
                     "method": SumMethod.NAMES.get(int(c["method"][i]), f"code-{int(c['method'][i])}"),
                     "sketch": _sketch(sk, int(c["sk_row"][i])) if c["sk_row"][i] >= 0 else None,
                 })

@@ -60,6 +60,7 @@ from .chunk import _INT_CODES, _RANGE, DTYPES, Codec
 from .framing import crc32c
 from .model import OBS_COLUMNS, SKETCH_COLUMNS, TALLY_COLUMNS
 from .reader import History
+from .summary import SumMethod
 
 __all__ = ["merge", "canonicalize", "MergeReport", "BATCH_ROWS", "FD_POOL"]
 
@@ -769,6 +770,11 @@ class _Engine:
         out["max"][gmax == _I64_MIN] = CANONICAL_NAN
         out["sum"], sum_x = group_sum(r.cols["sum"], r.sum_x, starts, sizes, order)
         out["sumsq"], sumsq_x = group_sum(r.cols["sumsq"], r.sumsq_x, starts, sizes, order)
+        unknown = out["method"] == SumMethod.UNKNOWN  # (the known rows' sums are not the sums of the group: 11.2)
+        if unknown.any():
+            for k, x in (("sum", sum_x), ("sumsq", sumsq_x)):
+                out[k][unknown] = 0.0
+                x.blank(unknown)
         for name, x in (("sum", sum_x), ("sumsq", sumsq_x)):
             big = x.out_of_range()
             if big.any():

@@ -43,7 +43,7 @@ from .batchdecode import (  # noqa: F401 - _directories_*, _int_positions: tests
     layout,
 )
 from .chunk import Chunk, Codec
-from .dyadic import Dyadic
+from .dyadic import ZERO, Dyadic
 from .errors import (CorruptError, FormatError, NotFoundError, UnsupportedError, UsageError, not_a_file,
                      truncation_hint)
 from .framing import (
@@ -80,7 +80,7 @@ from .model import (
     Presence,
 )
 from .schemas import loads_manifest, validate_manifest
-from .summary import Sketch, Summary
+from .summary import Sketch, Summary, SumMethod
 
 __all__ = ["open_history", "History", "Site", "Segment", "Recovery", "SpineSeries", "SketchSeries"]
 
@@ -228,11 +228,27 @@ def _zero_where_none(x: _Exact, i: int, c: dict[str, np.ndarray]) -> Dyadic:
 
 @dataclass
 class SpineSeries:
-    """One site's rows (optionally one phase), as numpy columns; only ``observed`` rows carry numbers."""
+    """One site's rows (optionally one phase), as numpy columns; only ``observed`` rows carry numbers, and only
+    those whose ``method`` is not ``unknown`` (255) carry sums: their ``sum`` and ``sumsq`` columns hold NaN, and
+    ``mean`` and ``rms`` are NaN there (spec 5.2, 5.4; missing is never zero)."""
 
     site: Site
     columns: dict[str, np.ndarray]
     _x: dict[str, _Exact] = field(repr=False)
+
+    def __post_init__(self) -> None:
+        c = self.columns
+        unknown = (c["method"] == SumMethod.UNKNOWN) & (c["presence"] == Presence.OBSERVED)
+        if unknown.any():  # (the stored sums, zero from writers, are no values: spec 5.4)
+            c = self.columns = dict(c)
+            for k in ("sum", "sumsq"):
+                c[k] = np.where(unknown, np.nan, c[k])
+                c[k].flags.writeable = False
+
+    @property
+    def sums_known(self) -> np.ndarray:
+        """Per row: whether it carries sums (an observed row whose method is not ``unknown``, spec 5.4)."""
+        return self.observed & (self.columns["method"] != SumMethod.UNKNOWN)
 
     def __len__(self) -> int:
         return int(self.columns["step"].size)
@@ -256,22 +272,27 @@ class SpineSeries:
         c = self.columns
         return c["count"] - c["nan"] - c["pinf"] - c["ninf"]
 
+    def _defined(self) -> np.ndarray:
+        """Rows whose mean and rms are defined (spec 5.2): observed, with finite values and known sums."""
+        return self.sums_known & (self.finite > 0)
+
     def _derived(self, values: np.ndarray) -> np.ndarray:
         out = np.full(len(self), np.nan)
-        ok = self.observed & (self.finite > 0)
+        ok = self._defined()
         out[ok] = values[ok]
         return out
 
     @property
     def mean(self) -> np.ndarray:
-        """Mean of the finite values (NaN where nothing finite was observed); a derived float."""
+        """Mean of the finite values (NaN where nothing finite was observed, or the sums are unknown); a derived
+        float."""
         with np.errstate(all="ignore"):
             q = self.columns["sum"] / self.finite
             return self._from_exact(self._derived(q), q, "sum", False)
 
     @property
     def rms(self) -> np.ndarray:
-        """Root mean square of the finite values; a derived float."""
+        """Root mean square of the finite values (NaN where ``mean`` is); a derived float."""
         with np.errstate(all="ignore"):
             q = self.columns["sumsq"] / self.finite
             return self._from_exact(self._derived(np.sqrt(q)), q, "sumsq", True)
@@ -283,7 +304,7 @@ class SpineSeries:
         # (only where the rounded quotient left the normal float range: almost every sum of squares of float32
         # data has an exact column, and the rounded one is then within an ulp)
         off = ~np.isfinite(q) | (np.abs(q) < np.finfo(np.float64).tiny)  # (``q``: the quotient, before any root)
-        for i in np.flatnonzero((x.n > 0) & self.observed & (self.finite > 0) & off).tolist():
+        for i in np.flatnonzero((x.n > 0) & self._defined() & off).tolist():
             out[i] = _ratio(x.get(i), int(self.finite[i]), root)  # type: ignore[arg-type]
         return out
 
@@ -299,23 +320,35 @@ class SpineSeries:
             raise UsageError(f"row {i} (step {int(self.columns['step'][i])}) is {Presence.name(p)}: it carries no "
                              "numbers (spec 2.6); check presence_names or observed first", code="not_observed")
 
-    def sum_exact(self, i: int) -> Dyadic:
-        """The exact stored sum of row ``i`` (an observed row)."""
+    def _known_sums(self, i: int) -> None:
+        """Refuse the sums of a row that carries none: not observed (spec 2.6), or whose sums are unknown (5.4)."""
         self._observed_row(i)
+        if int(self.columns["method"][i]) == SumMethod.UNKNOWN:
+            raise UsageError(f"row {i} (step {int(self.columns['step'][i])}) has unknown sums (method unknown, spec "
+                             "5.4: the writer could not state them, e.g. its float accumulation overflowed): they "
+                             "are no numbers; check sums_known first", code="sums_unknown")
+
+    def sum_exact(self, i: int) -> Dyadic:
+        """The exact stored sum of row ``i`` (an observed row whose sums are known: :attr:`sums_known`)."""
+        self._known_sums(i)
         return _zero_where_none(self._x["sum"], i, self.columns)
 
     def sumsq_exact(self, i: int) -> Dyadic:
-        """The exact stored sum of squares of row ``i`` (an observed row)."""
-        self._observed_row(i)
+        """The exact stored sum of squares of row ``i`` (as :meth:`sum_exact`)."""
+        self._known_sums(i)
         return _zero_where_none(self._x["sumsq"], i, self.columns)
 
     def summary(self, i: int, sketch: Sketch | None = None) -> Summary:
-        """Row ``i`` (an observed row) as a :class:`Summary` (for merging and re-writing)."""
+        """Row ``i`` (an observed row) as a :class:`Summary` (for merging and re-writing); a row whose sums are
+        unknown has method ``unknown`` and zero sums, as a writer stores it (spec 5.4)."""
         c = self.columns
+        self._observed_row(i)
+        known = int(c["method"][i]) != SumMethod.UNKNOWN
         return Summary(
             count=int(c["count"][i]), nan=int(c["nan"][i]), pinf=int(c["pinf"][i]), ninf=int(c["ninf"][i]),
-            zero=int(c["zero"][i]), min=float(c["min"][i]), max=float(c["max"][i]), sum=self.sum_exact(i),
-            sumsq=self.sumsq_exact(i), sum_method=int(c["method"][i]), sketch=sketch,
+            zero=int(c["zero"][i]), min=float(c["min"][i]), max=float(c["max"][i]),
+            sum=self.sum_exact(i) if known else ZERO, sumsq=self.sumsq_exact(i) if known else ZERO,
+            sum_method=int(c["method"][i]), sketch=sketch,
         )
 
 

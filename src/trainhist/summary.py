@@ -23,7 +23,7 @@ class SumMethod:
     EXACT = 0  #: the stored dyadic is the exact value
     F64 = 1  #: float64 accumulation; |error| <= 2 * n**2 * 2**-53 * maxabs**p + n * 2**-1074
     F32 = 2  #: float32 accumulation; |error| <= 2 * n**2 * 2**-24 * maxabs**p + n * 2**-149
-    UNKNOWN = 255  #: no bound is known
+    UNKNOWN = 255  #: the sums are unknown (stored as 0): no bound, and no mean or rms (spec 5.4)
 
     NAMES = {EXACT: "exact", F64: "f64_accumulate", F32: "f32_accumulate", UNKNOWN: "unknown"}
     UNIT = {EXACT: 0.0, F64: 2.0**-53, F32: 2.0**-24}  #: the unit roundoff of each accumulation

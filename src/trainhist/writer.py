@@ -6,6 +6,7 @@ record; a crash loses at most what was not yet committed. Any framework can reco
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -24,7 +25,7 @@ import numpy as np
 
 from . import __version__, grid
 from .chunk import DTYPES, MAX_ROWS, Codec, assemble_chunks, encode_chunk, pack_segments
-from .dyadic import Dyadic, floats_of
+from .dyadic import ZERO, Dyadic, floats_of
 from .errors import NotFoundError, ReadOnlyError, UsageError, not_a_file
 from .framing import (
     FILE_HEADER_SIZE,
@@ -741,7 +742,9 @@ class HistoryWriter:
         sketch: bool = True,
         dtype: str | None = None,
     ) -> None:
-        """Record one observation: give ``values`` (reduced here, exactly) or a precomputed ``summary``."""
+        """Record one observation: give ``values`` (reduced here, exactly) or a precomputed ``summary``. A summary
+        whose ``sum_method`` is ``SumMethod.UNKNOWN`` states that its sums are unknown: they are stored as zero
+        (spec 5.4), whatever it holds."""
         if (values is None) == (summary is None):
             raise UsageError("observe() takes exactly one of values= or summary=")
         if summary is not None and not isinstance(summary, Summary):
@@ -749,6 +752,8 @@ class HistoryWriter:
         if summary is None:
             summary = summarize(values, dtype=dtype, sketch=sketch)
         else:
+            if summary.sum_method == SumMethod.UNKNOWN and (summary.sum is not ZERO or summary.sumsq is not ZERO):
+                summary = dataclasses.replace(summary, sum=ZERO, sumsq=ZERO)  # (no number is made of them)
             _check_summary(summary)
         self._add(site, step, phase, micro, Presence.OBSERVED, summary)
 

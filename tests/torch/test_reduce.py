@@ -35,8 +35,8 @@ def check(got, ref) -> None:
     if ref.finite:
         assert bits(got.min) == bits(ref.min) and bits(got.max) == bits(ref.max), (got.min, ref.min, got.max, ref.max)
         n, m = ref.finite, max(abs(ref.min), abs(ref.max))
-        if got.sum_method == SumMethod.UNKNOWN:  # float64 accumulation overflowed: labelled, not bounded
-            assert n * m * m > 1.7e308
+        if got.sum_method == SumMethod.UNKNOWN:  # float64 accumulation overflowed: labelled, stored as zero
+            assert n * m * m > 1.7e308 and got.sum.m == 0 and got.sumsq.m == 0
             return
         assert got.sum_method == SumMethod.F64
         # (to_float of the exact sums rounds them once more: by half a unit in their last place)
@@ -46,6 +46,33 @@ def check(got, ref) -> None:
             assert abs(got_sum.to_float() - want) <= SumMethod.bound(SumMethod.F64, n, m, p) + slack, (p, got_sum, want)
     else:
         assert math.isnan(got.min) and math.isnan(got.max)
+
+
+@pytest.mark.parametrize("method", CPU_METHODS)
+@pytest.mark.parametrize("values", [[1e200, 3e200, 2.0], [4e200, -1e200], [1e308, 1e308]])
+def test_float64_sums_that_overflow_are_unknown_both_and_read_as_nan(tmp_path, method, values):
+    """A float64 tensor whose float64 sum of squares (or sum) overflows: the row states method unknown and stores
+    both sums as zero (spec 5.4: one method covers both, so a finite sum, 3e200 or 4e200 here, is not kept alone);
+    written and read back, the reader shows NaN sums, mean and rms (it showed 0.0: missing is never zero) and the
+    dump null sums."""
+    import json
+
+    import trainhist
+    from trainhist.dump import dumps
+
+    x = torch.tensor(values, dtype=torch.float64)
+    got = run([x], method=method)
+    assert got.sum_method == SumMethod.UNKNOWN and got.sum.m == 0 and got.sumsq.m == 0
+    assert (got.count, got.min, got.max) == (len(values), min(values), max(values))
+    p = tmp_path / "u.thist"
+    with trainhist.HistoryWriter(p, fsync="never") as w:
+        w.observe(w.site("x", "activation"), 0, summary=got)
+    h = trainhist.open(p)
+    sp = h.spine("x")
+    assert np.isnan(sp.sum[0]) and np.isnan(sp.sumsq[0]) and np.isnan(sp.mean[0]) and np.isnan(sp.rms[0])
+    assert sp.min[0] == min(values) and not sp.sums_known[0]
+    row = json.loads(dumps(h))["sites"][0]["rows"][0]
+    assert (row["sum"], row["sumsq"], row["method"]) == (None, None, "unknown")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])

@@ -499,8 +499,8 @@ class DecodedRows:
     def spine_table(self, rows: np.ndarray, sketch: bool = False) -> SpineTable:
         """The spines of ``rows`` (rows that passed every check) as a :class:`SpineTable`, as :func:`decode_rows`
         would make their summaries: min and max where a row has a finite value, the float64 sums where they are
-        finite too (else the bound is unknown); with ``sketch`` (rows decoded as sketch rows), their key counts
-        (none for a row of no elements)."""
+        finite too (else the sums are unknown, stored 0: spec 5.4); with ``sketch`` (rows decoded as sketch rows),
+        their key counts (none for a row of no elements)."""
         has, sums_ok = self.has[rows], self.sums_ok[rows]
         nan = np.full(rows.size, math.nan)
         keys = None
@@ -590,8 +590,8 @@ def decode_rows(data: np.ndarray, offsets: list[int], counts: list[int],
                 s.min, s.max = lo, hi
                 if sok:
                     s.sum, s.sumsq = next(it), next(it)
-                else:  # float64 accumulation overflowed: no bound can be stated
-                    s.sum_method = SumMethod.UNKNOWN
+                else:  # float64 accumulation overflowed: the sums are unknown (spec 5.4), both of them (no state
+                    s.sum_method = SumMethod.UNKNOWN  # per sum, even where only the sum of squares overflowed)
             if sketches[i]:  # (a spine row's sketch holds no values)
                 s.sketch = sketch_of[i] if i in sketch_of else Sketch.from_key_counts(np.zeros(NK, dtype=np.int64))
             out.append(s)
@@ -652,7 +652,7 @@ def _decode(row: np.ndarray, count: int, sketch: bool, keyed: int, raw: list[int
         s.max = (0.0 if poszero else -0.0) if mx == 0 else mx
         if math.isfinite(floats[2]) and math.isfinite(floats[3]):
             s.sum, s.sumsq = Dyadic.from_float(floats[2]), Dyadic.from_float(floats[3])
-        else:  # float64 accumulation overflowed: no bound can be stated
+        else:  # float64 accumulation overflowed: the sums are unknown, both (spec 5.4: no state per sum), stored 0
             s.sum, s.sumsq, s.sum_method = ZERO, ZERO, SumMethod.UNKNOWN
     if sketch:
         s.sketch = Sketch.from_key_counts(counts if counts is not None else np.zeros(NK, dtype=np.int64))
