@@ -9,9 +9,12 @@ __version__ = "0.1.0"
 
 from .errors import (  # noqa: E402
     CorruptError,
+    DirectoryError,
     FormatError,
     LimitError,
     MergeError,
+    NotAFileError,
+    NotFoundError,
     ReadOnlyError,
     SchemaError,
     TrainhistError,
@@ -50,4 +53,7 @@ __all__ = [
     "MergeError",
     "UsageError",
     "ReadOnlyError",
+    "NotFoundError",
+    "NotAFileError",
+    "DirectoryError",
 ]
