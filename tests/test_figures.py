@@ -569,3 +569,26 @@ def test_waterfall_labels_a_sketch_of_no_finite_value(tmp_path):
         ax = waterfall(h, "a").axes[0]
     (c,) = [c for c in ax.collections if "no finite value" in str(c.get_label())]
     assert c.get_hatch() and [(p.vertices[:, 0].min(), p.vertices[:, 0].max()) for p in c.get_paths()] == [(1.5, 2.5)]
+
+
+def test_the_mean_line_says_how_its_sums_were_taken_and_what_it_leaves_out(tmp_path):
+    """The site figure labelled its mean 'from exact sums' whatever the rows' summation method (the collector's
+    rows are f64_accumulate), and a row whose sums overflowed (method unknown) was a silent gap in it."""
+    from trainhist.dyadic import Dyadic
+    from trainhist.summary import Summary, SumMethod, summarize
+
+    p = tmp_path / "m.thist"
+    with trainhist.HistoryWriter(p) as w:
+        a = w.site("fc", "activation")
+        for st in range(4):
+            s = summarize(np.array([1.0, 2.0 + st]), sketch=False)
+            if st < 3:
+                s.sum_method = SumMethod.F64
+            else:
+                s = Summary(count=2, min=1.0, max=1e300, sum=Dyadic.from_float(0.0), sumsq=Dyadic.from_float(0.0),
+                            sum_method=SumMethod.UNKNOWN)
+            w.observe(a, st, summary=s)
+    with trainhist.open(p) as h:
+        ax = site_figure(h, "fc").axes[0]
+    labels = [str(ln.get_label()) for ln in ax.lines]
+    assert "mean (from sums: f64_accumulate, bounded (spec 5.4); 1 row with unknown sums left out)" in labels

@@ -29,6 +29,7 @@ from .errors import UsageError
 from .grid import index_min, nbins
 from .model import Applied, Presence
 from .reader import History, Site, SketchSeries, SpineSeries
+from .summary import SumMethod
 
 __all__ = ["quantiles_from_sketch", "quantile_bound", "sketch_row_quantiles", "site_figure", "waterfall",
            "contact_sheet"]
@@ -147,6 +148,18 @@ def _set_title(ax, text: str, fontsize: float = 10) -> None:
             lines += textwrap.wrap(part, per_line) or [""]
     ax.set_title("\n".join(lines), fontsize=fontsize)
     ax.figure.tight_layout()
+
+
+def _sums_note(s: SpineSeries, rows: np.ndarray) -> str:
+    """How the sums behind a mean or rms line of ``rows`` were taken (their summation methods, spec 5.4), and how
+    many rows have none (their float64 sums overflowed: method unknown, left out of the line)."""
+    methods = {SumMethod.NAMES.get(int(m), f"code-{int(m)}") for m in s.columns["method"][rows].tolist()}
+    lost = int((~s.sums_known[rows]).sum())
+    methods.discard("unknown")
+    how = ("from exact sums" if methods == {"exact"} else
+           f"from sums: {', '.join(sorted(methods))}, bounded (spec 5.4)" if methods else "no sums known")
+    left = f"; {lost} {'row' if lost == 1 else 'rows'} with unknown sums left out" if lost else ""
+    return f"({how}{left})"
 
 
 def _by_step(s: SpineSeries) -> SpineSeries:
@@ -325,7 +338,7 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
     _plot_rows(ax, start[r], end[r], s.min[r], joined, ls=":", color="k", lw=1, label="min / max (exact, spine)")
     _plot_rows(ax, start[r], end[r], s.max[r], joined, ls=":", color="k", lw=1)
     if not len(sk):
-        _plot_rows(ax, start[r], end[r], s.mean[r], joined, color="C0", lw=1.5, label="mean (from exact sums)")
+        _plot_rows(ax, start[r], end[r], s.mean[r], joined, color="C0", lw=1.5, label="mean " + _sums_note(s, r))
     else:
         rows = s.sk_row >= 0
         # a sketch may cover part of its row (a coarsened window with sketches at a sparser cadence, spec 11.2):
@@ -699,7 +712,7 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
 
     orders = site_orders(h)
     ranked = sorted(h.sites, key=lambda s: _rank_key(h, s, orders))
-    key = [Line2D([], [], color="C0", lw=1, label="rms (exact sums)"),
+    key = [Line2D([], [], color="C0", lw=1, label="rms (from each row's sums)"),
            Patch(facecolor=_NONFINITE_TILE, label="pink tile: the site held NaN or ±inf"),
            Line2D([], [], color="red", lw=0.5, label="red line: a row with NaN or ±inf"),
            Line2D([], [], color="k", ls="--", lw=0.8, label="dashed: segment boundary")]
@@ -753,7 +766,8 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
         fig.legend(handles=key, loc="lower center", ncols=len(key), fontsize=6, frameon=False,
                    bbox_to_anchor=(0.5, 0.22 / tall))
         fig.text(0.5, 0.06 / tall, f"sites {a}–{b} of {len(ranked)} — page {k + 1} of {pages} · each tile: the rms "
-                 "of each row (from exact sums; in the site's own units) over its steps, a coarsened row over its "
+                 "of each row (from its sums, exact or within their method's bound; rows with unknown sums left "
+                 "out; in the site's own units) over its steps, a coarsened row over its "
                  "window · ranked: sites with non-finite values first (earliest step, then pass), then the others by "
                  "drift |log(rms last / rms first)|, largest first", ha="center", fontsize=6)
         fig.subplots_adjust(left=0.05, right=0.98, top=1 - 0.25 / tall, bottom=0.75 / tall, hspace=0.6, wspace=0.4)
