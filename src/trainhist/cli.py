@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Callable
 
 import numpy as np
 
@@ -22,26 +23,25 @@ EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_TORN = 0, 1, 2, 3
 
 
 
-def _count(text: str) -> int:
-    """A whole number >= 0 (argparse type)."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return n
+def int_arg(lo: int, hi: int | None = None, what: str = "a whole number") -> Callable[[str], int]:
+    """An argparse type: an integer in ``lo .. hi`` (no upper bound for None), or an error saying what was
+    expected (``what``) and what was given."""
+
+    def parse(text: str) -> int:
+        try:
+            n: int | None = int(text)
+        except ValueError:
+            n = None
+        if n is None or n < lo or (hi is not None and n > hi):
+            raise argparse.ArgumentTypeError(f"expected {what} {f'>= {lo}' if hi is None else f'in {lo}..{hi}'}, "
+                                             f"got {text!r}")
+        return n
+
+    return parse
 
 
-def _window(text: str) -> int:
-    """A window width in steps, 1 .. 2^32 - 1 (argparse type; spec 11.7)."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= 0xFFFFFFFF:
-        raise argparse.ArgumentTypeError(f"expected a whole number of steps in 1..{0xFFFFFFFF}, got {text!r}")
-    return n
+_count = int_arg(0)  #: a whole number >= 0
+_window = int_arg(1, 0xFFFFFFFF, "a whole number of steps")  #: a window width in steps (spec 11.7)
 
 
 def _seconds(text: str) -> float:

@@ -332,6 +332,15 @@ def _targets(out: str | os.PathLike, ext: str) -> tuple[Path | None, Path | None
     return None, p
 
 
+def _jobs(single: Path | None, folder: Path | None, tables: dict, ext: str) -> list[tuple[str, Path]]:
+    """(table name, file) of each table to write (:func:`_targets`' answer); a folder is created if needed."""
+    if single is not None:
+        return [("spines", single)]
+    assert folder is not None
+    folder.mkdir(parents=True, exist_ok=True)
+    return [(name, folder / f"{name}{ext}") for name in tables]
+
+
 def to_parquet(h: History, out: str | os.PathLike, *, streams: str | Iterable[str] | None = None,
                sites: str | Iterable[str] | None = None, phases: str | Iterable[str] | None = None,
                compression: str = "zstd") -> list[Exported]:
@@ -351,12 +360,7 @@ def to_parquet(h: History, out: str | os.PathLike, *, streams: str | Iterable[st
     tables = _tables(h, streams, sites, phases)
     meta = _manifests(h, {"streams": _names(streams, "streams"), "sites": _names(sites, "sites"),
                           "phases": _names(phases, "phases")})
-    if single is not None:
-        jobs = [("spines", single)]
-    else:
-        assert folder is not None
-        folder.mkdir(parents=True, exist_ok=True)
-        jobs = [(name, folder / f"{name}.parquet") for name in tables]
+    jobs = _jobs(single, folder, tables, ".parquet")
     written = []
     for name, path in jobs:
         df = tables[name]
@@ -383,12 +387,7 @@ def to_csv(h: History, out: str | os.PathLike, *, streams: str | Iterable[str] |
     _pandas()
     single, folder = _targets(out, ".csv")
     tables = _tables(h, streams, sites, phases)
-    if single is not None:
-        jobs = [("spines", single)]
-    else:
-        assert folder is not None
-        folder.mkdir(parents=True, exist_ok=True)
-        jobs = [(name, folder / f"{name}.csv") for name in tables]
+    jobs = _jobs(single, folder, tables, ".csv")
     written = []
     for name, path in jobs:
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")

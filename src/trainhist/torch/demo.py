@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..cli import int_arg
 from ..errors import UsageError
 from .collector import Collector, StepTruth
 
@@ -39,26 +40,8 @@ RUN_NAME = "trainhist-demo"  #: the run name of every history the demo writes (w
 MODEL = "gpt2-tiny"
 
 
-def _positive(text: str) -> int:
-    """A whole number >= 1 (argparse type)."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return n
-
-
-def _step(text: str) -> int:
-    """A whole number >= 0 (argparse type)."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a step, a whole number >= 0, got {text!r}")
-    return n
+_positive = int_arg(1)  #: a whole number >= 1 (argparse type)
+_step = int_arg(0, what="a step, a whole number")  #: a step >= 0 (argparse type)
 
 
 def _demo_history(path: str) -> str | None:
