@@ -798,3 +798,35 @@ def test_whole_numbers_come_as_tensors_and_arrays_too(tmp_path) -> None:
     h = trainhist.open(p)
     assert [(r["tokens"], r["micro_batches"]) for r in h.step_truth_rows()] == [(4096, 2)]
     assert h.segments[0].first_step == 0
+
+
+def test_a_summary_is_refused_exactly_where_readers_refuse_its_row(tmp_path: Path) -> None:
+    """observe(summary=) checks one row in plain Python (numpy's per-call cost on one row was most of its time):
+    it must refuse exactly the rows that the readers' test (model.row_problem) refuses, with the same rule."""
+    import itertools
+
+    from trainhist.model import Presence, row_problem
+
+    nan, inf = math.nan, math.inf
+    extremes = [(-1.0, 1.0), (1.0, -1.0), (0.0, -0.0), (-0.0, 0.0), (0.0, 0.0), (nan, nan), (nan, 1.0), (-inf, 1.0),
+                (2.0, 2.0)]
+    counts = [(3, 0, 0, 0, 0), (3, 3, 0, 0, 0), (3, 1, 1, 1, 0), (3, 0, 0, 0, 3), (3, 2, 1, 1, 0), (0, 0, 0, 0, 0),
+              (3, 0, 0, 0, 4), (2, 1, 0, 0, 1)]
+    sums = [0.0, 0.5]
+    with HistoryWriter(tmp_path / "s.thist", **FAST) as w:
+        site = w.site("a", "activation")
+        for k, ((c, n, p, q, z), (mn, mx), sm) in enumerate(itertools.product(counts, extremes, sums)):
+            s = Summary(count=c, nan=n, pinf=p, ninf=q, zero=z, min=mn, max=mx, sum=Dyadic.from_float(sm),
+                        sumsq=Dyadic.from_float(sm), sum_method=SumMethod.EXACT)
+            cols = {name: np.array([v]) for name, v in zip(("count", "nan", "pinf", "ninf", "zero"), (c, n, p, q, z))}
+            cols.update(min=np.array([mn]), max=np.array([mx]), sum=np.array([sm]), sumsq=np.array([sm]),
+                        presence=np.array([Presence.OBSERVED], np.uint8))
+            want = row_problem(cols)
+            try:
+                w.observe(site, k, summary=s)
+                got = None
+            except UsageError as e:
+                got = str(e)
+            assert (got is None) == (want is None), (c, n, p, q, z, mn, mx, sm, want, got)
+            if want is not None:
+                assert want[1].removeprefix("row {row}: ") in got
