@@ -212,7 +212,8 @@ def _follow_up(args: argparse.Namespace) -> None:
                      and s.stream == "activation"), None) or h.site(FAULT_SITE, "activation")
         site_figure(h, site.path, site.stream, site.facet, out=out / "site.png")
         waterfall(h, site.path, site.stream, site.facet, out=out / "waterfall.png")
-        print(f"figures: contact sheet ({len(pages)} page(s)), site.png and waterfall.png of {site.path} in {out}")
+        n = f"{len(pages)} {'page' if len(pages) == 1 else 'pages'}"
+        print(f"figures: contact sheet ({n}), site.png and waterfall.png of {site.path} in {out}")
 
 
 if __name__ == "__main__":
