@@ -418,3 +418,19 @@ def test_parquet_without_pyarrow_says_how_to_install_it(tmp_path, pd) -> None:
     assert out["spines"] == "ok"
     code, message = out["to_parquet"]
     assert code == "needs_export" and "pyarrow" in message and "trainhist[export]" in message
+
+
+def test_export_records_a_selection_given_as_generators(tmp_path, pq, pd) -> None:
+    p = tmp_path / "rich.thist"
+    write_rich(p)
+    with trainhist.open(p) as h:
+        written = frames.to_parquet(h, tmp_path / "pq", sites=(s for s in ["enc.*"]), streams=iter(["activation"]),
+                                    phases=(x for x in ["default"]))
+        csv = frames.to_csv(h, tmp_path / "csv", sites=(s for s in ["enc.*"]), streams=iter(["activation"]))
+        want = frames.spines(h, sites="enc.*", streams="activation", phases="default")
+    assert written[0].rows == len(want) > 0
+    meta = pq.read_schema(written[0].path).metadata
+    assert json.loads(meta[b"trainhist.selection"]) == {"streams": ["activation"], "sites": ["enc.*"],
+                                                        "phases": ["default"]}
+    doc = json.loads(csv[-1].path.read_text())
+    assert doc["trainhist.selection"] == {"streams": ["activation"], "sites": ["enc.*"], "phases": None}

@@ -308,7 +308,16 @@ def _manifests(h: History, selection: dict) -> dict[str, str]:
     }
 
 
-def _tables(h: History, streams: Any, sites: Any, phases: Any) -> dict[str, "pd.DataFrame"]:
+def _selection(streams: str | Iterable[str] | None, sites: str | Iterable[str] | None,
+               phases: str | Iterable[str] | None) -> dict[str, list[str] | None]:
+    """The export's selection as lists (or None for all), each argument read once: a generator given as
+    ``sites=`` is used up by the first reading, and the tables and the recorded selection must see the same
+    names."""
+    return {"streams": _names(streams, "streams"), "sites": _names(sites, "sites"), "phases": _names(phases, "phases")}
+
+
+def _tables(h: History, streams: list[str] | None, sites: list[str] | None,
+            phases: list[str] | None) -> dict[str, "pd.DataFrame"]:
     pd = _pandas()
     sp = spines(h, streams=streams, sites=sites, phases=phases)
     return {"spines": sp, "steps": steps(h), "scalars": _scalar_view(pd, sp)}
@@ -356,10 +365,10 @@ def to_parquet(h: History, out: str | os.PathLike, *, streams: str | Iterable[st
     pa = _parquet()
     import pyarrow.parquet as pq
 
+    selection = _selection(streams, sites, phases)  # (lists: a generator is read once, here)
     single, folder = _targets(out, ".parquet")
-    tables = _tables(h, streams, sites, phases)
-    meta = _manifests(h, {"streams": _names(streams, "streams"), "sites": _names(sites, "sites"),
-                          "phases": _names(phases, "phases")})
+    tables = _tables(h, **selection)
+    meta = _manifests(h, selection)
     jobs = _jobs(single, folder, tables, ".parquet")
     written = []
     for name, path in jobs:
@@ -385,8 +394,9 @@ def to_csv(h: History, out: str | os.PathLike, *, streams: str | Iterable[str] |
     shortest round-trip form and counts as exact integers. CSV keeps no dtypes: read the spines back with
     ``dtype={"count": "UInt64", ...}`` to keep counts beyond 2**53 exact."""
     _pandas()
+    selection = _selection(streams, sites, phases)  # (lists: a generator is read once, here)
     single, folder = _targets(out, ".csv")
-    tables = _tables(h, streams, sites, phases)
+    tables = _tables(h, **selection)
     jobs = _jobs(single, folder, tables, ".csv")
     written = []
     for name, path in jobs:
@@ -398,8 +408,7 @@ def to_csv(h: History, out: str | os.PathLike, *, streams: str | Iterable[str] |
             tmp.unlink(missing_ok=True)
         written.append(Exported(name, path, len(tables[name])))
     if folder is not None:
-        meta = _manifests(h, {"streams": _names(streams, "streams"), "sites": _names(sites, "sites"),
-                              "phases": _names(phases, "phases")})
+        meta = _manifests(h, selection)
         doc = {k: (v if k == "trainhist.version" else json.loads(v)) for k, v in meta.items()}
         path = folder / "manifests.json"
         path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
