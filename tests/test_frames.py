@@ -207,6 +207,10 @@ def test_scalars_tell_a_recorded_nan_from_a_missing_value(tmp_path, pd) -> None:
     v = s["value"].tolist()
     assert v[:3] == [1.0, 0.5, 1 / 3] and math.isnan(v[3]) and v[4] == math.inf and v[5] == 1 / 6
     assert (s["presence"] == "observed").all()  # step 3's NaN is a recorded value
+    with trainhist.open(p) as h, pytest.raises(UsageError) as e:
+        frames.scalars(h, names="Loss")  # (case sensitive)
+    assert e.value.code == "no_match" and "scalar name pattern 'Loss'" in str(e.value) and "loss" in str(e.value)
+    assert "site" not in e.value.message
 
 
 def test_coarsened_merged_and_segmented_files(tmp_path, pd) -> None:

@@ -78,12 +78,14 @@ def _names(value: str | Iterable[str] | None, what: str) -> list[str] | None:
     return names
 
 
-def _sites(h: History, streams: str | Iterable[str] | None, sites: str | Iterable[str] | None) -> list[Site]:
+def _sites(h: History, streams: str | Iterable[str] | None, sites: str | Iterable[str] | None, *,
+           scalar_names: bool = False) -> list[Site]:
     """The sites of ``h`` in the ``streams`` whose path matches one of the ``sites`` patterns (fnmatch, case
     sensitive), in declaration order; a stream name that does not exist, or a pattern that matches none of those
-    sites, is refused (a typo would give an empty frame)."""
+    sites, is refused (a typo would give an empty frame). ``scalar_names``: the patterns are :func:`scalars`'
+    ``names``, and the message says so."""
     stream_names = _names(streams, "streams")
-    patterns = _names(sites, "sites")
+    patterns = _names(sites, "names" if scalar_names else "sites")
     for s in stream_names or ():
         if s not in STREAMS:
             raise UsageError(f"stream {s!r} is not one of {', '.join(STREAMS)} (spec 2.2)", code="unknown_name")
@@ -94,6 +96,10 @@ def _sites(h: History, streams: str | Iterable[str] | None, sites: str | Iterabl
     if unmatched:
         paths = sorted({s.path for s in chosen})
         shown = ", ".join(paths[:8]) + (f" (+{len(paths) - 8} more)" if len(paths) > 8 else "")
+        if scalar_names:
+            raise UsageError(f"scalar name pattern {unmatched[0]!r} matches no scalar name in this file; its scalars: "
+                             f"{shown or 'none'} (names are fnmatch patterns: 'loss', 'lr*'; case sensitive)",
+                             code="no_match", path=h.path)
         raise UsageError(f"site pattern {unmatched[0]!r} matches no site path"
                          + (f" of the streams {', '.join(stream_names)}" if stream_names else "")
                          + f" in this file; its paths: {shown or 'none'} (patterns are fnmatch patterns on the path: "
@@ -142,8 +148,13 @@ def spines(h: History, *, streams: str | Iterable[str] | None = None, sites: str
 
     In float64 columns NaN is pandas' missing value (``isna()``): none of them holds a NaN that is a value.
     """
+    _pandas()
+    return _spines(h, _sites(h, streams, sites), phases)
+
+
+def _spines(h: History, chosen: list[Site], phases: str | Iterable[str] | None) -> "pd.DataFrame":
+    """:func:`spines` of the sites ``chosen``."""
     pd = _pandas()
-    chosen = _sites(h, streams, sites)
     phase_names = _names(phases, "phases")
     phase_codes = None if phase_names is None else [Phase.code(p) for p in phase_names]
     parts: list[dict[str, np.ndarray]] = []
@@ -251,7 +262,7 @@ def scalars(h: History, *, names: str | Iterable[str] | None = None) -> "pd.Data
     ``min`` and ``max`` describe them). A recorded NaN and a missing value are told apart by ``presence``. The same
     rows are in :func:`spines` (stream ``scalar``) with every spine column."""
     pd = _pandas()
-    return _scalar_view(pd, spines(h, streams="scalar", sites=names))
+    return _scalar_view(pd, _spines(h, _sites(h, "scalar", names, scalar_names=True), None))
 
 
 def quantiles(h: History, path: str, stream: str = "activation", facet: str | None = None, *,
