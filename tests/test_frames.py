@@ -438,3 +438,16 @@ def test_export_records_a_selection_given_as_generators(tmp_path, pq, pd) -> Non
                                                         "phases": ["default"]}
     doc = json.loads(csv[-1].path.read_text())
     assert doc["trainhist.selection"] == {"streams": ["activation"], "sites": ["enc.*"], "phases": None}
+
+
+def test_parquet_compression_is_checked_before_anything_is_written(tmp_path, pq, pd) -> None:
+    p = tmp_path / "rich.thist"
+    write_rich(p)
+    with trainhist.open(p) as h:
+        for out in (tmp_path / "tables", tmp_path / "one.parquet"):
+            with pytest.raises(UsageError) as e:
+                frames.to_parquet(h, out, compression="bogus")
+            assert e.value.code == "bad_argument" and "'bogus'" in str(e.value) and "zstd" in str(e.value)
+            assert not out.exists()
+        written = frames.to_parquet(h, tmp_path / "gz.parquet", compression="GZIP")
+    assert pq.ParquetFile(written[0].path).metadata.row_group(0).column(0).compression == "GZIP"

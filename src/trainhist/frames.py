@@ -40,6 +40,8 @@ SPINE_COLUMNS = ("path", "stream", "facet", "phase", "segment", "step", "span", 
 _COUNTS = ("count", "nan", "pinf", "ninf", "zero")
 _FLOATS = ("min", "max", "sum", "sumsq", "mean", "rms")
 _INSTALL = "pip install 'trainhist[export]'"
+#: the Parquet compressions :func:`to_parquet` takes (as pyarrow names them; case insensitive)
+_COMPRESSIONS = ("zstd", "snappy", "gzip", "brotli", "lz4", "none")
 
 
 class Exported(NamedTuple):
@@ -65,6 +67,18 @@ def _parquet() -> Any:
     except ImportError as e:
         raise UsageError(f"Parquet files need pyarrow: {_INSTALL} ({e})", code="needs_export") from None
     return pyarrow
+
+
+def _compression(pa: Any, compression: object) -> str:
+    """``compression`` as pyarrow takes it, or a :class:`UsageError` naming the choices (before anything is
+    written: pyarrow would say so only once the output's folder exists)."""
+    name = compression.lower() if isinstance(compression, str) else None
+    if name not in _COMPRESSIONS:
+        raise UsageError(f"compression {compression!r} is not one of {', '.join(_COMPRESSIONS)}", code="bad_argument")
+    if name != "none" and not pa.Codec.is_available(name):
+        raise UsageError(f"compression {name!r} is not available in this pyarrow build; choose another of "
+                         f"{', '.join(_COMPRESSIONS)}", code="bad_argument")
+    return name
 
 
 def _names(value: str | Iterable[str] | None, what: str) -> list[str] | None:
@@ -372,10 +386,12 @@ def to_parquet(h: History, out: str | os.PathLike, *, streams: str | Iterable[st
     ``trainhist.selection``: JSON; ``trainhist.table``, ``trainhist.version``), and reads back with
     ``pandas.read_parquet`` as the frame it was written from (dtypes, NA and categories included; an empty table's
     categoricals come back without categories: Parquet keeps no dictionary without rows). Each file is written
-    beside its name, then renamed over it."""
+    beside its name, then renamed over it. ``compression``: ``zstd`` (default), ``snappy``, ``gzip``, ``brotli``,
+    ``lz4`` or ``none``; another is refused (``bad_argument``) before anything is written."""
     pa = _parquet()
     import pyarrow.parquet as pq
 
+    compression = _compression(pa, compression)
     selection = _selection(streams, sites, phases)  # (lists: a generator is read once, here)
     single, folder = _targets(out, ".parquet")
     tables = _tables(h, **selection)
