@@ -451,3 +451,21 @@ def test_parquet_compression_is_checked_before_anything_is_written(tmp_path, pq,
             assert not out.exists()
         written = frames.to_parquet(h, tmp_path / "gz.parquet", compression="GZIP")
     assert pq.ParquetFile(written[0].path).metadata.row_group(0).column(0).compression == "GZIP"
+
+
+def test_csv_manifests_are_written_beside_and_renamed_like_the_tables(tmp_path, pd, monkeypatch) -> None:
+    p = tmp_path / "rich.thist"
+    write_rich(p)
+    renamed = []
+    real = os.replace
+
+    def spy(src, dst):
+        renamed.append((Path(src).name, Path(dst).name))
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", spy)
+    with trainhist.open(p) as h:
+        frames.to_csv(h, tmp_path / "csv")
+    assert [dst for _, dst in renamed] == ["spines.csv", "steps.csv", "scalars.csv", "manifests.json"]
+    assert all(src.startswith(f".{dst}.tmp") for src, dst in renamed)
+    assert sorted(os.listdir(tmp_path / "csv")) == ["manifests.json", "scalars.csv", "spines.csv", "steps.csv"]

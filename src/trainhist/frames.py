@@ -375,6 +375,17 @@ def _jobs(single: Path | None, folder: Path | None, tables: dict, ext: str) -> l
     return [(name, folder / f"{name}{ext}") for name in tables]
 
 
+def _replace(path: Path, write: Any) -> None:
+    """``write(tmp)`` a temporary file beside ``path``, then rename it over ``path``: a reader of ``path`` sees the
+    old file or the whole new one, never a part; the temporary file is removed if writing fails."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def to_parquet(h: History, out: str | os.PathLike, *, streams: str | Iterable[str] | None = None,
                sites: str | Iterable[str] | None = None, phases: str | Iterable[str] | None = None,
                compression: str = "zstd") -> list[Exported]:
@@ -403,12 +414,7 @@ def to_parquet(h: History, out: str | os.PathLike, *, streams: str | Iterable[st
         table = pa.Table.from_pandas(df, preserve_index=False)
         extra = {k.encode(): v.encode() for k, v in {**meta, "trainhist.table": name}.items()}
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), **extra})
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        try:
-            pq.write_table(table, tmp, compression=compression)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        _replace(path, lambda tmp: pq.write_table(table, tmp, compression=compression))
         written.append(Exported(name, path, len(df)))
     return written
 
@@ -427,17 +433,12 @@ def to_csv(h: History, out: str | os.PathLike, *, streams: str | Iterable[str] |
     jobs = _jobs(single, folder, tables, ".csv")
     written = []
     for name, path in jobs:
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        try:
-            tables[name].to_csv(tmp, index=False)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        _replace(path, lambda tmp: tables[name].to_csv(tmp, index=False))
         written.append(Exported(name, path, len(tables[name])))
     if folder is not None:
         meta = _manifests(h, selection)
         doc = {k: (v if k == "trainhist.version" else json.loads(v)) for k, v in meta.items()}
         path = folder / "manifests.json"
-        path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        _replace(path, lambda tmp: tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n"))
         written.append(Exported("manifests", path, 0))
     return written
