@@ -354,12 +354,18 @@ def test_cli_export(tmp_path, pq, pd, capsys) -> None:
     assert "[bad_output]" in capsys.readouterr().err and not (tmp_path / "s.csv").exists()
 
 
-def test_torn_file_exports_its_committed_prefix_with_exit_3(tmp_path, pq, pd) -> None:
+def test_torn_file_exports_its_committed_prefix_with_exit_3(tmp_path, pq, pd, capsys) -> None:
     p = tmp_path / "rich.thist"
     write_rich(p)
     with open(p, "ab") as f:
         f.write(b"\x01" * 10)  # a torn tail after the last commit
     assert main(["export", str(p), "-o", str(tmp_path / "out")]) == 3
+    out = capsys.readouterr().out  # (a note on stdout, as merge and triage print theirs)
+    assert f"note: {p}: torn tail recovered: " in out and "dropped 10 bytes" in out and "committed prefix" in out
+    clean = tmp_path / "clean.thist"
+    write_rich(clean)
+    assert main(["export", str(clean), "-o", str(tmp_path / "out2")]) == 0
+    assert "note" not in capsys.readouterr().out
     meta = pq.read_schema(tmp_path / "out" / "steps.parquet").metadata
     assert json.loads(meta[b"trainhist.recovery"])["status"] == "torn"
 

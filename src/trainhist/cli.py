@@ -241,6 +241,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
         write = to_parquet if args.format == "parquet" else to_csv
         for e in write(h, args.output, streams=args.streams, sites=args.sites, phases=args.phases):
             print(f"{e.path}: {_n(e.rows, 'row')}" if e.table != "manifests" else f"{e.path}: the manifests")
+        if h.recovery.status != "clean":  # (as merge and triage say it: the exit status 3 alone says too little)
+            print(f"  note: {h.path}: {h.recovery.describe()}; only the committed prefix was exported (its "
+                  "trainhist.recovery metadata says so too)")
         return _status(h)
 
 
