@@ -85,6 +85,15 @@ def test_integral_numbers_are_integers_exactly_and_free_objects_keep_their_form(
     with pytest.raises(ValueError):  # (spec 9: a reader MAY refuse more than 4300 digits; the reference does)
         loads_manifest('{"kind":"segment","first_step":' + "1" * 4301 + "}")
     assert loads_manifest('{"kind":"segment","first_step":-' + "9" * 4300 + "}")["first_step"] == 1 - 10**4300
+    # the limit counts the digits of the integer's value, not of its text: 0e5000 and -0.000e9999 are 0 (one
+    # digit), 1e4299 has 4300 digits and 10e4299 4301
+    for zero in ("0e5000", "-0.000e9999", "0E+4300"):
+        assert loads_manifest('{"kind":"segment","first_step":' + zero + "}")["first_step"] == 0
+    assert loads_manifest('{"kind":"segment","first_step":1e4299}')["first_step"] == 10**4299
+    assert loads_manifest('{"kind":"segment","first_step":' + "9" * 4300 + ".000}")["first_step"] == 10**4300 - 1
+    for big in ("10e4299", "1e4300", "1" + "0" * 4300 + ".0"):
+        with pytest.raises(ValueError):
+            loads_manifest('{"kind":"segment","first_step":' + big + "}")
 
 
 def _file(tmp_path: Path, shape: bytes) -> tuple[Path, int]:

@@ -84,7 +84,9 @@ def _numbers(value: Any, sch: dict, free: Any) -> Any:
             return _binary64(value)
         if not value.is_finite() or value != value.to_integral_value():
             return value
-        if value.adjusted() >= _MAX_DIGITS:  # (1e1000000000: refused as a longer integer written out is)
+        # the digits of the integer's value: adjusted() + 1 for any other integer, but 1 for zero, whose adjusted()
+        # is its exponent (0e5000 is 0); 1e1000000000 is refused as a longer integer written out is
+        if value and value.adjusted() >= _MAX_DIGITS:
             raise ValueError(f"an integer of more than {_MAX_DIGITS} digits")
         return int(value)
     more = sch.get("additionalProperties")
