@@ -94,6 +94,11 @@ def test_integral_numbers_are_integers_exactly_and_free_objects_keep_their_form(
     for big in ("10e4299", "1e4300", "1" + "0" * 4300 + ".0"):
         with pytest.raises(ValueError):
             loads_manifest('{"kind":"segment","first_step":' + big + "}")
+    # a free object's number written without fraction or exponent is an integer too (spec 10), and as limited
+    assert loads_manifest('{"kind":"run","config":{"n":' + "9" * 4300 + "}}")["config"]["n"] == 10**4300 - 1
+    for kind, member in (("run", "config"), ("settings", "settings")):
+        with pytest.raises(ValueError):
+            loads_manifest('{"kind":"%s","%s":{"n":-%s}}' % (kind, member, "1" * 4301))
 
 
 def _file(tmp_path: Path, shape: bytes) -> tuple[Path, int]:
