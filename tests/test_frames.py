@@ -475,3 +475,24 @@ def test_csv_manifests_are_written_beside_and_renamed_like_the_tables(tmp_path, 
     assert [dst for _, dst in renamed] == ["spines.csv", "steps.csv", "scalars.csv", "manifests.json"]
     assert all(src.startswith(f".{dst}.tmp") for src, dst in renamed)
     assert sorted(os.listdir(tmp_path / "csv")) == ["manifests.json", "scalars.csv", "spines.csv", "steps.csv"]
+
+
+def test_quantiles_of_every_phase_say_their_phase(tmp_path, pd) -> None:
+    p = tmp_path / "g.thist"
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        g = w.site("g", "param_grad")
+        for step in range(2):
+            w.observe(g, step, np.full(10, 1.0), phase="pre_clip")
+            w.observe(g, step, np.full(10, 0.1), phase="post_clip")
+    with trainhist.open(p) as h:
+        every = frames.quantiles(h, "g", "param_grad", phase="*", q=[0.5])
+        one = {ph: frames.quantiles(h, "g", "param_grad", phase=ph, q=[0.5]) for ph in ("pre_clip", "post_clip")}
+    assert list(every.columns[:5]) == ["phase", "segment", "step", "span", "micro"]
+    assert list(every["phase"].cat.categories) == list(trainhist.model.Phase.NAMES)
+    assert every["phase"].astype(str).tolist() == ["pre_clip", "post_clip"] * 2
+    assert every["step"].tolist() == [0, 0, 1, 1]
+    for ph, df in one.items():
+        assert (df["phase"] == ph).all()
+        mine = every[every["phase"] == ph].reset_index(drop=True)
+        pd.testing.assert_frame_equal(mine, df)
+    assert every.loc[every["phase"] == "pre_clip", "approx_q0.5"].iloc[0] > 0.5 > every["approx_q0.5"].iloc[1]

@@ -281,9 +281,9 @@ def scalars(h: History, *, names: str | Iterable[str] | None = None) -> "pd.Data
 
 def quantiles(h: History, path: str, stream: str = "activation", facet: str | None = None, *,
               q: Iterable[float] = (0.05, 0.5, 0.95), phase: str | None = None) -> "pd.DataFrame":
-    """APPROXIMATE quantiles of one site, derived from its sketches (one row per sketched row): ``segment``,
-    ``step``, ``span``, ``micro``, then ``approx_q<q>`` per asked quantile (``approx_q0.05``, ...), ``rel_bound``
-    and ``zeros_estimated``.
+    """APPROXIMATE quantiles of one site, derived from its sketches (one row per sketched row): ``phase`` (a
+    categorical, as in :func:`spines`), ``segment``, ``step``, ``span``, ``micro``, then ``approx_q<q>`` per asked
+    quantile (``approx_q0.05``, ...), ``rel_bound`` and ``zeros_estimated``.
 
     Each quantile is the geometric middle of the sketch bin that holds it (:func:`trainhist.figures
     .quantiles_from_sketch`, as the site figure draws them): within ``rel_bound`` (one bin width,
@@ -291,7 +291,8 @@ def quantiles(h: History, path: str, stream: str = "activation", facet: str | No
     no finite value, or where the quantile falls in an under- or overflow band (outside the grid's window: no bin
     places it). ``zeros_estimated``: the sketch covers only part of a coarsened row, whose zeros among the sketched
     values are then estimated in proportion (the bound assumes they are right). The exact ``min``/``max`` are in
-    :func:`spines`. ``phase`` as :meth:`History.spine`."""
+    :func:`spines`. ``phase`` as :meth:`History.spine` (``"*"``: the rows of every phase, in file order, told apart
+    by the ``phase`` column)."""
     pd = _pandas()
     from .figures import quantile_bound, sketch_row_quantiles
 
@@ -306,6 +307,7 @@ def quantiles(h: History, path: str, stream: str = "activation", facet: str | No
     sk = h.sketch(path, stream, facet, phase=phase)
     at, values, partial = sketch_row_quantiles(s, sk, qs)
     df = pd.DataFrame({
+        "phase": _categorical(pd, s.phase[at], Phase.NAMES),  # (as in spines: phase="*" gives every phase's rows)
         "segment": s.segment[at].astype(np.int64), "step": s.step[at].astype(np.int64),
         "span": s.span[at].astype(np.uint32), "micro": s.micro[at].astype(np.uint32),
         **{n: values[:, j] for j, n in enumerate(names)},
