@@ -76,6 +76,9 @@ def test_integral_numbers_are_integers_exactly_and_free_objects_keep_their_form(
     run = loads_manifest('{"kind":"run","config":{"lr":1.0,"n":2,"xs":[0.5,1e0]}}')
     assert run["config"] == {"lr": 1.0, "n": 2, "xs": [0.5, 1.0]} and type(run["config"]["lr"]) is float
     assert json.dumps(run["config"], sort_keys=True) == '{"lr": 1.0, "n": 2, "xs": [0.5, 1.0]}'
+    # dumped from their values, not their text (spec 9, 10): -0 is the integer 0, -0.0 and -0e0 the binary64 -0.0
+    run = loads_manifest('{"kind":"run","config":{"a":-0,"b":-0.0,"c":-0e0,"d":1E2}}')
+    assert json.dumps(run["config"], sort_keys=True) == '{"a": 0, "b": -0.0, "c": -0.0, "d": 100.0}'
     with pytest.raises(TrainhistError) as ei:
         validate_manifest(loads_manifest('{"kind":"writer","writer_id":"' + "a" * 32 + '","run_id":"' + "b" * 32
                                          + '","rank":2.5,"world_size":4,"host":null,"created":"t"}'))
