@@ -496,3 +496,33 @@ def test_quantiles_of_every_phase_say_their_phase(tmp_path, pd) -> None:
         mine = every[every["phase"] == ph].reset_index(drop=True)
         pd.testing.assert_frame_equal(mine, df)
     assert every.loc[every["phase"] == "pre_clip", "approx_q0.5"].iloc[0] > 0.5 > every["approx_q0.5"].iloc[1]
+
+
+def test_quantiles_are_the_lower_quantile_of_the_finite_values(tmp_path, pd) -> None:
+    # the documented definition: the value of rank max(1, ceil(q n)) of the n finite values (numpy's inverted_cdf),
+    # not an interpolation; NaN and ±inf are no values; q=0 and 1 the least and greatest
+    p = tmp_path / "q.thist"
+    data = [np.array([1.0, 100.0]), np.array([-300.0, 1e-3, 0.0, 0.0, 7.0, 50.0, 900.0]),
+            10.0 ** np.arange(-5, 5), np.array([3.0, np.nan, np.inf, -np.inf, 40.0, 0.5])]
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        s = w.site("a", "activation")
+        for step, x in enumerate(data):
+            w.observe(s, step, x)
+    qs = (0.0, 0.1, 0.25, 0.3, 0.5, 0.6, 0.7, 0.75, 0.9, 1.0)
+    with trainhist.open(p) as h:
+        df = frames.quantiles(h, "a", q=qs)
+    bound = df["rel_bound"].iloc[0]
+    for row, x in enumerate(data):
+        f = np.sort(x[np.isfinite(x)])
+        for q in qs:
+            got = df[f"approx_q{q:g}"].iloc[row]
+            want = f[max(1, math.ceil(q * len(f))) - 1]
+            assert want == np.quantile(f, q, method="inverted_cdf")
+            assert abs(got - want) <= bound * abs(want), (row, q, got, want)
+    assert abs(df["approx_q0.5"].iloc[0] - 1.0) <= bound and np.quantile(data[0], 0.5) == 50.5  # (interpolated)
+    o = tmp_path / "over.thist"
+    with trainhist.HistoryWriter(o, **FAST) as w:
+        w.observe(w.site("a", "activation"), 0, np.array([1.0, 2.0**17]))  # (beyond the window's 2**16)
+    with trainhist.open(o) as h:
+        over = frames.quantiles(h, "a", q=(0.5, 1.0))
+    assert abs(over["approx_q0.5"].iloc[0] - 1.0) <= bound and math.isnan(over["approx_q1"].iloc[0])

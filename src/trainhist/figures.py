@@ -49,9 +49,12 @@ def quantiles_from_sketch(pos: np.ndarray, neg: np.ndarray, bands: np.ndarray, z
     """Quantiles per row, each the geometric middle of the bin that holds it (relative error < one bin width).
 
     Rows are sketches; ``zero`` is how many of the sketched values are zero (the spine's zero count when the
-    sketch covers its row). A quantile that falls in an under- or overflow band (outside the window
-    (2^-48, 2^16]) cannot be placed within a bin: it is NaN, never the window's edge. ``q = 0`` and ``1`` are the
-    lowest and highest occupied cells. Returns (rows, len(qs)); NaN for rows with nothing finite.
+    sketch covers its row). The quantile ``q`` of a row's ``n`` sketched values (finite ones: NaN and ±inf are in
+    no cell) is the lower, inverted-CDF one, with no interpolation: the cell of the value of rank
+    ``max(1, ceil(q * n))`` in ascending order, as ``numpy.quantile(..., method="inverted_cdf")``; so ``q = 0``
+    and ``1`` are the lowest and highest occupied cells. A quantile that falls in an under- or overflow band
+    (outside the window (2^-48, 2^16]) cannot be placed within a bin: it is NaN, never the window's edge. Returns
+    (rows, len(qs)); NaN for rows with nothing finite.
     """
     n = pos.shape[0]
     nb = nbins(scale)

@@ -285,14 +285,24 @@ def quantiles(h: History, path: str, stream: str = "activation", facet: str | No
     categorical, as in :func:`spines`), ``segment``, ``step``, ``span``, ``micro``, then ``approx_q<q>`` per asked
     quantile (``approx_q0.05``, ...), ``rel_bound`` and ``zeros_estimated``.
 
-    Each quantile is the geometric middle of the sketch bin that holds it (:func:`trainhist.figures
-    .quantiles_from_sketch`, as the site figure draws them): within ``rel_bound`` (one bin width,
-    ``2**(1/bins_per_octave) - 1``) of the true quantile of the sketched values, relative. NaN where the row holds
-    no finite value, or where the quantile falls in an under- or overflow band (outside the grid's window: no bin
-    places it). ``zeros_estimated``: the sketch covers only part of a coarsened row, whose zeros among the sketched
-    values are then estimated in proportion (the bound assumes they are right). The exact ``min``/``max`` are in
-    :func:`spines`. ``phase`` as :meth:`History.spine` (``"*"``: the rows of every phase, in file order, told apart
-    by the ``phase`` column)."""
+    Which quantile: the lower one, of the inverted CDF, with no interpolation. Of the row's ``n`` finite values
+    (zeros included; NaN and ±inf are not values here: :func:`spines` counts them in ``nan``, ``pinf``, ``ninf``),
+    ``approx_q<q>`` stands for the value ``x`` of rank ``max(1, ceil(q * n))`` in ascending order (``q * n`` in
+    float64), which is ``numpy.quantile(x[numpy.isfinite(x)], q, method="inverted_cdf")``: ``q = 0`` is the least
+    finite value, ``q = 1`` the greatest (the exact ones are ``min`` and ``max`` in :func:`spines`). numpy's and
+    pandas' default quantile (``linear``) interpolates between two values instead: of [1, 100] at ``q = 0.5`` it is
+    50.5, in neither value's bin; this one is 1 (given as 0.917, its bin's middle).
+
+    The answer is the geometric middle of the sketch bin that holds ``x`` (0 for a zero;
+    :func:`trainhist.figures.quantiles_from_sketch`, as the site figure draws them). ``rel_bound`` bounds its
+    error relative to ``x``, ``|approx - x| <= rel_bound * |x|``: one bin width, ``2**(1/bins_per_octave) - 1``
+    (0.189 at 4 bins per octave). NaN where the row holds no finite value, or where ``x`` is in an under- or
+    overflow band (magnitudes outside the grid's window (2**-48, 2**16]: no bin places it). ``zeros_estimated``:
+    the sketch covers only part of a coarsened row, whose zeros among the sketched values are then estimated in
+    proportion, and ``n`` and the rank with them (the bound assumes they are right).
+
+    ``q``: quantiles in [0, 1]; ``phase`` as :meth:`History.spine` (``"*"``: the rows of every phase, in file order,
+    told apart by the ``phase`` column)."""
     pd = _pandas()
     from .figures import quantile_bound, sketch_row_quantiles
 
