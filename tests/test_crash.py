@@ -528,3 +528,33 @@ def test_resealed_headers_caught_by_commit_and_salt(sample: tuple[bytes, dict, P
         read(p)
     assert (ei.value.offset, ei.value.code) == (FILE_HEADER_SIZE, "salt_mismatch")
     assert struct.unpack_from("<I", data, 28)[0] == crc32c(data[:28])
+
+
+def test_truncating_again_while_the_copy_reports_another_damaged_record(tmp_path: Path) -> None:
+    """crash-safety.md: a reader need not name the first damaged record of a file (the reference checks obs chunks
+    site by site), so a truncated copy can report an earlier damaged record; truncating again at the offset that one
+    names gives back the commits before it."""
+    p = tmp_path / "two.thist"
+    with HistoryWriter(p, fsync="never", codec="raw") as w:
+        a, b = w.site("a", "activation"), w.site("b", "activation")
+        w.observe(b, 0, np.array([1.0, 2.0]))  # site 1's chunk, in the first commit
+        w.commit()
+        w.observe(a, 1, np.array([3.0, 4.0]))  # site 0's chunk, in the second
+    data = bytearray(p.read_bytes())
+    chunks = [pos for pos, _, h in records(bytes(data)) if h.type == RecordType.OBS]
+    assert len(chunks) == 2
+    for pos in chunks:
+        length = struct.unpack_from("<I", data, pos + 4)[0]
+        data[pos + RECORD_HEADER_SIZE + length - 9] ^= 0x40
+    p.write_bytes(bytes(data))
+    named = []
+    while True:
+        try:
+            h, _ = read(p)
+            break
+        except CorruptError as e:
+            assert e.code == "bad_payload_crc"
+            named.append(e.offset)
+            p.write_bytes(p.read_bytes()[: e.offset])
+    assert named == [chunks[1], chunks[0]]  # site 0's chunk first, though it comes later in the file
+    assert h.recovery.status in ("clean", "torn") and h.committed_bytes <= chunks[0]

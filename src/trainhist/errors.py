@@ -150,5 +150,6 @@ def truncation_hint(offset: int) -> str:
     before it (spec/crash-safety.md: truncating the file at the offset the error names gives them back)."""
     return (f"; the commits before this record can be recovered: truncate a copy of the file to {offset} bytes, the "
             f"offset named here (e.g. truncate -s {offset} FILE), and read that: it keeps every commit before this "
-            "record and drops this record, its commit and every later one (spec/crash-safety.md; a machine that "
-            "lost power while the record was written leaves it so, and then nothing after it was committed)")
+            "record and drops this record, its commit and every later one; should the copy report another damaged "
+            "record, truncate it again at the offset that one names (spec/crash-safety.md; a machine that lost "
+            "power while the record was written leaves it so, and then nothing after it was committed)")
