@@ -526,3 +526,36 @@ def test_quantiles_are_the_lower_quantile_of_the_finite_values(tmp_path, pd) -> 
     with trainhist.open(o) as h:
         over = frames.quantiles(h, "a", q=(0.5, 1.0))
     assert abs(over["approx_q0.5"].iloc[0] - 1.0) <= bound and math.isnan(over["approx_q1"].iloc[0])
+
+
+def test_path_and_facet_are_categoricals_in_declaration_order(tmp_path, pq, pd) -> None:
+    p = tmp_path / "order.thist"
+    names = ["layers.10", "layers.2", "head", "layers.1"]  # (neither sorted nor natural order)
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        sites = [w.site(n, "activation", facet="out" if n == "head" else None) for n in names]
+        g = w.site("layers.2", "activation_grad", facet="in")  # (a path twice: one category)
+        lr = w.site("lr", "scalar")
+        for step in range(3):
+            for k, s in enumerate(sites):
+                w.observe(s, step, np.full(4, k + 1.0))
+            w.observe(g, step, np.ones(2))
+            w.scalar("loss", step, 0.5)
+            w.observe(lr, step, np.array([0.1]))
+    with trainhist.open(p) as h:
+        df = frames.spines(h)
+        acts = frames.spines(h, streams="activation", sites="layers.*")
+        sc = frames.scalars(h)
+        frames.to_parquet(h, tmp_path / "out")
+        frames.to_csv(h, tmp_path / "csv")
+    assert isinstance(df["path"].dtype, pd.CategoricalDtype) and isinstance(df["facet"].dtype, pd.CategoricalDtype)
+    assert list(df["path"].cat.categories) == names + ["lr", "loss"]  # (lr declared before loss's first scalar)
+    assert list(df["facet"].cat.categories) == ["out", "in"]
+    assert df["facet"].isna().sum() == len(df) - 6 and (df.loc[df["path"] == "head", "facet"] == "out").all()
+    assert list(acts["path"].cat.categories) == ["layers.10", "layers.2", "layers.1"]  # (the chosen sites')
+    assert list(acts.pivot(index="step", columns="path", values="mean").columns) == ["layers.10", "layers.2",
+                                                                                     "layers.1"]
+    assert list(sc["name"].cat.categories) == ["lr", "loss"] and sc["name"].tolist() == ["lr"] * 3 + ["loss"] * 3
+    for name, want in (("spines", df), ("scalars", sc)):  # (categories and their order survive Parquet)
+        pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "out" / f"{name}.parquet"), want)
+    back = pd.read_csv(tmp_path / "csv" / "spines.csv", keep_default_na=False, na_values=[""])
+    assert back["path"].tolist() == df["path"].tolist()

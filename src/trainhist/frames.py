@@ -141,11 +141,12 @@ def spines(h: History, *, streams: str | Iterable[str] | None = None, sites: str
     ``phases``: phase names (default all). A row says nothing of the steps it does not cover: a step with no row
     is not in the frame (:meth:`History.presence` answers ``not_scheduled`` or ``unknown`` for it).
 
-    Columns: ``path`` and ``facet`` (``string`` dtype, facet ``<NA>`` where the site has none); ``stream``,
-    ``phase``, ``presence`` and ``method`` (categoricals of the spec's names); ``segment``, ``step`` (int64),
-    ``span`` (uint32: the steps a coarsened row covers, 1 otherwise) and ``micro`` (uint32, as stored:
-    ``4294967295`` = ``trainhist.model.MICRO_ALL`` is a row of the whole step, others one micro-batch); then the
-    values:
+    Columns: ``path`` and ``facet`` (categoricals whose categories are the chosen sites' paths, and facets, in
+    declaration order, each once: ``pivot`` and plots keep the model's order; facet ``NaN`` where the site has
+    none); ``stream``, ``phase``, ``presence`` and ``method`` (categoricals of the spec's names); ``segment``,
+    ``step`` (int64), ``span`` (uint32: the steps a coarsened row covers, 1 otherwise) and ``micro`` (uint32, as
+    stored: ``4294967295`` = ``trainhist.model.MICRO_ALL`` is a row of the whole step, others one micro-batch);
+    then the values:
 
     - ``count``, ``nan``, ``pinf``, ``ninf``, ``zero``: exact ``UInt64`` (no rounding beyond 2**53), ``<NA>`` in
       rows that are not ``observed``;
@@ -197,8 +198,12 @@ def _spines(h: History, chosen: list[Site], phases: str | Iterable[str] | None) 
                                             ("presence", np.uint8), ("method", np.uint8), ("observed", bool),
                                             ("has_sketch", bool), *((x, np.uint64) for x in _COUNTS),
                                             *((x, np.float64) for x in _FLOATS))}
-    site_paths = np.array([s.path for s in chosen] or [""], object)
-    site_facets = np.array([s.facet for s in chosen] or [None], object)
+    # path and facet: categoricals whose categories are the chosen sites' names in declaration (site id) order,
+    # each once: a pivot or a plot keeps the model's order, and a row costs a code, not a string
+    paths = list(dict.fromkeys(s.path for s in chosen))
+    facets = list(dict.fromkeys(s.facet for s in chosen if s.facet is not None))
+    site_paths = np.array([paths.index(s.path) for s in chosen] or [-1], np.int64)
+    site_facets = np.array([-1 if s.facet is None else facets.index(s.facet) for s in chosen] or [-1], np.int64)
     site_streams = np.array([STREAMS.index(s.stream) for s in chosen] or [0], np.int64)
     missing = ~c["observed"]
     method_names = dict(SumMethod.NAMES)
@@ -209,9 +214,9 @@ def _spines(h: History, chosen: list[Site], phases: str | Iterable[str] | None) 
     for j, code in enumerate(method_names):
         method_index[code] = j
     data = {
-        "path": pd.array(site_paths[c["site"]], dtype="string"),
+        "path": _categorical(pd, site_paths[c["site"]], paths),
         "stream": _categorical(pd, site_streams[c["site"]], STREAMS),
-        "facet": pd.array(site_facets[c["site"]], dtype="string"),
+        "facet": _categorical(pd, site_facets[c["site"]], facets),
         "phase": _categorical(pd, c["phase"], Phase.NAMES),
         "segment": c["segment"].astype(np.int64),
         "step": c["step"].astype(np.int64),
@@ -251,15 +256,18 @@ def steps(h: History) -> "pd.DataFrame":
     })
 
 
-def _scalar_view(pd: Any, sp: "pd.DataFrame") -> "pd.DataFrame":
-    """The scalar sites' rows of a :func:`spines` frame, as :func:`scalars` gives them."""
+def _scalar_view(pd: Any, sp: "pd.DataFrame", chosen: list[Site]) -> "pd.DataFrame":
+    """The scalar sites' rows of a :func:`spines` frame of the sites ``chosen``, as :func:`scalars` gives them (the
+    categories of ``name``: the scalar sites' paths, in declaration order)."""
     sp = sp[sp["stream"] == "scalar"]
+    names = list(dict.fromkeys(s.path for s in chosen if s.stream == "scalar"))
     one = (sp["presence"] == "observed").to_numpy() & (sp["count"] == 1).fillna(False).to_numpy(bool)
     nan, pinf, ninf = ((sp[n] == 1).fillna(False).to_numpy(bool) for n in ("nan", "pinf", "ninf"))
     value = np.where(one, sp["min"].to_numpy(np.float64), np.nan)
     value = np.where(one & pinf, math.inf, np.where(one & ninf, -math.inf, np.where(one & nan, np.nan, value)))
     return pd.DataFrame({
-        "name": sp["path"].array, "segment": sp["segment"].to_numpy(), "step": sp["step"].to_numpy(),
+        "name": sp["path"].cat.set_categories(names).array, "segment": sp["segment"].to_numpy(),
+        "step": sp["step"].to_numpy(),
         "span": sp["span"].to_numpy(), "presence": sp["presence"].array, "value": value,
         "count": sp["count"].array, "mean": sp["mean"].to_numpy(), "min": sp["min"].to_numpy(),
         "max": sp["max"].to_numpy(),
@@ -268,15 +276,17 @@ def _scalar_view(pd: Any, sp: "pd.DataFrame") -> "pd.DataFrame":
 
 def scalars(h: History, *, names: str | Iterable[str] | None = None) -> "pd.DataFrame":
     """The run-level scalars (``HistoryWriter.scalar``: loss, learning rate, gradient norm), one row per stored row
-    of a scalar site: ``name``, ``segment``, ``step``, ``span``, ``presence``, ``value``, ``count``, ``mean``,
-    ``min``, ``max``. ``names``: fnmatch patterns (default all).
+    of a scalar site: ``name`` (a categorical of the chosen scalars' names in declaration order, as ``path`` in
+    :func:`spines`), ``segment``, ``step``, ``span``, ``presence``, ``value``, ``count``, ``mean``, ``min``,
+    ``max``. ``names``: fnmatch patterns (default all).
 
     ``value`` is the scalar where the row holds one value (``count`` 1: as recorded, NaN and ±inf included); NaN
     where it holds none (``presence`` not ``observed``) or several (a merged or coarsened row: ``count``, ``mean``,
     ``min`` and ``max`` describe them). A recorded NaN and a missing value are told apart by ``presence``. The same
     rows are in :func:`spines` (stream ``scalar``) with every spine column."""
     pd = _pandas()
-    return _scalar_view(pd, _spines(h, _sites(h, "scalar", names, scalar_names=True), None))
+    chosen = _sites(h, "scalar", names, scalar_names=True)
+    return _scalar_view(pd, _spines(h, chosen, None), chosen)
 
 
 def quantiles(h: History, path: str, stream: str = "activation", facet: str | None = None, *,
@@ -356,8 +366,9 @@ def _selection(streams: str | Iterable[str] | None, sites: str | Iterable[str] |
 def _tables(h: History, streams: list[str] | None, sites: list[str] | None,
             phases: list[str] | None) -> dict[str, "pd.DataFrame"]:
     pd = _pandas()
-    sp = spines(h, streams=streams, sites=sites, phases=phases)
-    return {"spines": sp, "steps": steps(h), "scalars": _scalar_view(pd, sp)}
+    chosen = _sites(h, streams, sites)
+    sp = _spines(h, chosen, phases)
+    return {"spines": sp, "steps": steps(h), "scalars": _scalar_view(pd, sp, chosen)}
 
 
 def _targets(out: str | os.PathLike, ext: str) -> tuple[Path | None, Path | None]:
