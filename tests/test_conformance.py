@@ -284,3 +284,31 @@ def test_ignore_pointers_follow_rfc_6901() -> None:
         except ValueError:
             ok = False
         assert items.is_valid(pointer) == ok, pointer
+
+
+def test_writer_ops_summary_sums_are_null_exactly_when_the_method_is_unknown(tmp_path: Path,
+                                                                               capsys: pytest.CaptureFixture) -> None:
+    """conformance/README.md, section 3: a summary's sum and sumsq are null exactly when its method is unknown; the
+    reference stored a known zero for null sums with a known method. Any other combination is refused (bad_ops)."""
+    from trainhist import conformance_impl as impl
+
+    ops = json.loads((VECTORS / "writer" / "unknown_sums" / "ops.json").read_text("utf-8"))
+    at = next(i for i, op in enumerate(ops["ops"]) if "summary" in op)
+    unknown = ops["ops"][at]["summary"]
+    assert unknown["method"] == "unknown" and unknown["sum"] is None and unknown["sumsq"] is None
+    for k, change in enumerate(({"method": "f64_accumulate"}, {"method": "exact"}, {"sum": "d:3p0"},
+                                {"sumsq": "d:1p0"}, {"method": "f64_accumulate", "sum": "d:3p0"},
+                                {"method": "no_such_method"})):
+        doc = json.loads(json.dumps(ops))
+        doc["ops"][at]["summary"] = {**unknown, **change}
+        path = tmp_path / f"ops{k}.json"
+        path.write_text(json.dumps(doc), "utf-8")
+        assert impl.main(["write", str(path), str(tmp_path / f"out{k}.thist")]) == impl.EXIT_INVALID, change
+        assert conf.error_code(capsys.readouterr().err) == "bad_ops", change
+    path = tmp_path / "ok.json"
+    path.write_text(json.dumps(ops), "utf-8")
+    assert impl.main(["write", str(path), str(tmp_path / "ok.thist")]) == impl.EXIT_OK
+    for bad in ({**ops, "format": "trainhist-writer-ops/2"}, {**ops, "ops": [{"op": "frobnicate"}]}):
+        path.write_text(json.dumps(bad), "utf-8")
+        assert impl.main(["write", str(path), str(tmp_path / "bad.thist")]) == impl.EXIT_INVALID
+        assert conf.error_code(capsys.readouterr().err) == "bad_ops"

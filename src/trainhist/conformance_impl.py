@@ -63,12 +63,28 @@ def parse_tagged(v: Any, kind: str) -> Any:
     raise ValueError(kind)
 
 
+def _bad_ops(message: str) -> Exception:
+    """The error of a writer-ops document that breaks a rule of conformance/README.md, section 3: ``write`` exits 1
+    with the code ``bad_ops``."""
+    from .errors import TrainhistError
+
+    return TrainhistError(message, code="bad_ops")
+
+
 def _summary(doc: dict) -> Any:
-    """A :class:`Summary` from the observed-row shape of the canonical dump."""
+    """A :class:`Summary` from the observed-row shape of the canonical dump; ``sum`` and ``sumsq`` are null exactly
+    when ``method`` is ``unknown`` (conformance/README.md, section 3), else the document is refused (``bad_ops``)."""
     from .grid import index_min, nbins
     from .summary import Sketch, Summary, SumMethod
 
     methods = {name: code for code, name in SumMethod.NAMES.items()}
+    method = doc.get("method", "exact")
+    if method not in methods:
+        raise _bad_ops(f"summary method {method!r} is not one of {', '.join(methods)}")
+    nulls = [doc["sum"] is None, doc["sumsq"] is None]
+    if nulls != [method == "unknown"] * 2:
+        raise _bad_ops(f"a summary's sum and sumsq are null exactly when its method is unknown (spec 5.4: its sums are "
+                       f"unknown), not sum {doc['sum']!r} and sumsq {doc['sumsq']!r} with method {method!r}")
     sk = None
     if doc.get("sketch") is not None:
         s = doc["sketch"]
@@ -87,14 +103,13 @@ def _summary(doc: dict) -> Any:
         count=parse_tagged(doc["count"], "u"), nan=parse_tagged(doc["nan"], "u"), pinf=parse_tagged(doc["pinf"], "u"),
         ninf=parse_tagged(doc["ninf"], "u"), zero=parse_tagged(doc["zero"], "u"),
         min=math.nan if mn is None else mn, max=math.nan if mx is None else mx,
-        sum=_sum(doc["sum"]), sumsq=_sum(doc["sumsq"]),
-        sum_method=methods[doc.get("method", "exact")], sketch=sk,
+        sum=_sum(doc["sum"]), sumsq=_sum(doc["sumsq"]), sum_method=methods[method], sketch=sk,
     )
 
 
 def _sum(v: Any) -> Any:
     """A sum of the canonical dump: a ``d:`` dyadic, or null where the row's sums are unknown (spec 5.4: stored as
-    zero)."""
+    zero; :func:`_summary` has checked that the method says so)."""
     from .dyadic import ZERO
 
     return ZERO if v is None else parse_tagged(v, "d")
@@ -109,7 +124,7 @@ def run_ops(doc: dict, out: str) -> None:
     from .writer import HistoryWriter
 
     if doc.get("format") != "trainhist-writer-ops/1":
-        raise ValueError(f"unknown ops format {doc.get('format')!r}")
+        raise _bad_ops(f"unknown ops format {doc.get('format')!r}")
     run, wr = doc["run"], doc["writer"]
     w = HistoryWriter(
         out, run_name=run.get("name"), run_id=run["run_id"], config=run.get("config") or {}, rank=wr["rank"],
@@ -170,7 +185,7 @@ def run_ops(doc: dict, out: str) -> None:
                 fs = op.get("first_step")
                 w.new_segment(None if fs is None else parse_tagged(fs, "i"), reason=op.get("reason", "manual"))
             else:
-                raise ValueError(f"op {i}: unknown op {kind!r}")
+                raise _bad_ops(f"op {i}: unknown op {kind!r}")
     finally:
         w.close()
 
