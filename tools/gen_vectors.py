@@ -584,6 +584,35 @@ FULL_OPS = [
 ]
 
 
+def no_finite_row0(cs: list[Col], exact: bytes, *, absent: bool = False) -> None:
+    """Row 0 of a chunk of the `exact` file made a row without finite values (every element NaN; with ``absent``, an
+    absent row without counts): min and max NaN, f64 sums +0.0, and both exact forms (sum_x, sumsq_x) ``exact``."""
+    import numpy as np
+
+    def row0(name: str, dt: str, value: Any) -> None:
+        v = np.frombuffer(col(cs, name).block, dt).copy()
+        v[0] = value
+        col(cs, name).block = v.tobytes()
+
+    if absent:  # row 0 becomes an absent row: no counts
+        for name in ("count", "nan", "pinf", "ninf"):
+            row0(name, "<u8", 0)
+        row0("presence", "<u1", 2)
+    else:
+        row0("nan", "<u8", np.frombuffer(col(cs, "count").block, "<u8")[0])
+    row0("zero", "<u8", 0)
+    row0("min", "<f8", math.nan)
+    row0("max", "<f8", math.nan)
+    for name in ("sum", "sumsq"):
+        row0(name, "<f8", 0.0)
+        n, b = col(cs, name + "_xn"), col(cs, name + "_x")
+        lens = np.frombuffer(n.block, "<u4").copy()
+        b.block = exact + b.block[int(lens[0]) :]
+        b.raw = len(b.block)
+        lens[0] = len(exact)
+        n.block = lens.tobytes()
+
+
 # -- the suite -----------------------------------------------------------------------------------------------------
 class Suite:
     def __init__(self, out: Path) -> None:
@@ -622,11 +651,24 @@ class Suite:
                                     "args": {"file": "input.thist"}, "expect": expect}, files)
         return None if error is not None else res
 
-    def writer(self, name: str, description: str, spec: list[str], doc: dict) -> bytes:
+    def writer(self, name: str, description: str, spec: list[str], doc: dict, *, error: str | None = None
+               ) -> bytes | None:
+        """A write case; with ``error``, one whose document the reference refuses with that code (exit 1)."""
+        ops = json.dumps(doc, indent=1, sort_keys=True) + "\n"
+        if error is not None:
+            try:
+                write_ops(doc)
+            except TrainhistError as e:
+                assert e.code == error, f"writer/{name}: expected [{error}], reference gives [{e.code}] {e}"
+            else:
+                raise AssertionError(f"writer/{name}: the reference writes the document")
+            self._case("writer", name, {"description": description, "spec": spec, "command": "write",
+                                        "args": {"ops": "ops.json"}, "expect": {"exit": 1, "error": error}},
+                       {"ops.json": ops.encode()})
+            return None
         data = write_ops(doc)
         rc, res = outcome(data)
         assert rc == 0, (name, res)
-        ops = json.dumps(doc, indent=1, sort_keys=True) + "\n"
         self._case("writer", name, {"description": description, "spec": spec, "command": "write",
                                     "args": {"ops": "ops.json"},
                                     "expect": {"exit": 0, "dump": "expected.json", "output": "expected.thist"}},
@@ -884,6 +926,9 @@ def gen_valid_edges(s: Suite, base: dict[str, bytes]) -> None:
         r.payload = edit(r.payload)
         return build(recs)[0]
 
+    one_row("exact_zero_no_finite", "an observed row without finite values whose f64 sums are +0.0 and whose exact "
+            "forms (sum_x, sumsq_x) hold the zero d:0p0 (e = 0, m = 0): its sums are zero by value, so rule 3 holds",
+            ["5.5", "5.3"], lambda m, cs: no_finite_row0(cs, struct.pack("<i", 0) + b"\x00"), src="exact")
     s.read(v, "manifest_duplicate_member", "a run manifest with `name` twice: the last value counts", ["9"],
            with_manifest("run", lambda b: b.replace(b'"name":"vector"', b'"name":"first","name":"vector2"')))
     s.read(v, "manifest_number_edges", "a run config holding the largest number whose binary64 is finite "
@@ -895,6 +940,16 @@ def gen_valid_edges(s: Suite, base: dict[str, bytes]) -> None:
            "2020-12, dumped as the integers 1 and 0", ["9", "10"],
            with_manifest("site", lambda b: b.replace(b'"spine":1', b'"spine":1.0').replace(b'"sketch":0',
                                                                                             b'"sketch":0e0')))
+    seg = first(parse(base["nosketch"]), RecordType.MANIFEST, "segment").payload
+    assert seg.count(b'"first_step":0,') == 1
+    dumped = s.read(v, "manifest_integer_1e400", "a segment first_step of 1e400: the integer 10^400, beyond every "
+                    "fixed-width type, read and dumped with all 401 digits", ["9", "10"],
+                    with_manifest("segment", lambda b: b.replace(b'"first_step":0,', b'"first_step":1e400,')))
+    assert dumped is not None and '"first_step":1' + "0" * 400 + "," in dumped
+    dumped = s.read(v, "manifest_zero_long_exponent", "a segment first_step of 0e5000: the integer 0, of one digit "
+                    "(a reader may refuse integers of more than 4300 digits, not this one), dumped 0", ["9", "10"],
+                    with_manifest("segment", lambda b: b.replace(b'"first_step":0,', b'"first_step":0e5000,')))
+    assert dumped is not None and '"first_step":0,' in dumped
     # every member the schemas type as integer, written as an integral float: read (and dumped) as the integer
     plain = write_ops(ops_doc([site("fc", shape=[4], dtype="float32", sample={"elements": 2, "of": 4, "seed": 7},
                                     cadence={"spine": 1, "sketch": 0}, order=3),
@@ -1099,6 +1154,22 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
             recs.insert(at + k, Rec(RecordType.MANIFEST, manifest(d)))
         s.read(c, name, desc, ["9", "2.4"], build(recs)[0], error="bad_segment_order")
 
+    recs = parse(basic)
+    recs += [Rec(RecordType.MANIFEST, manifest(dict(seg_doc, id=2**32 - 1, reason="manual", previous=0,
+                                                    first_step=None))), commit()]
+    s.read(c, "segment_id_all_ones", "a segment manifest (holding no chunk) whose id is 4294967295, 0xFFFFFFFF: a "
+           "commit entry's 'no segment', above the schema's maximum 2^32 - 2", ["9", "2.4"], build(recs)[0],
+           error="bad_manifest")
+    writer_doc = json.loads(first(parse(basic), RecordType.MANIFEST, "writer").payload)
+    s.read(c, "manifest_integer_fraction", "a writer manifest whose rank is 2.5: not an integer", ["9"],
+           with_manifest("writer", manifest(dict(writer_doc, rank=2.5))), error="bad_manifest")
+    seg_text = first(parse(basic), RecordType.MANIFEST, "segment").payload
+    assert seg_text.count(b'"first_step":0,') == 1
+    s.read(c, "manifest_integer_fraction_big", "a segment first_step of 9007199254740993.5: not an integer (through "
+           "binary64 it would be the integer 2^53 + 2)", ["9"],
+           with_manifest("segment", seg_text.replace(b'"first_step":0,', b'"first_step":9007199254740993.5,')),
+           error="bad_manifest")
+
     # chunk-level damage (each chunk re-framed with valid CRCs and commit entries)
     def chunk_case(name: str, desc: str, spec: list[str], error: str, fn: Callable, src: str = "basic",
                    rtype: int = RecordType.OBS, **kw: Any) -> None:
@@ -1286,6 +1357,17 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
                lambda m, cs: setattr(col(cs, "span"), "block", struct.pack("<I", 0)))
     chunk_case("sum_not_finite", "an observed row whose f64 sum is +inf with no exact sum_x value", ["5.3"],
                "bad_exact_value", lambda m, cs: setattr(col(cs, "sum"), "block", struct.pack("<d", math.inf)))
+    def unknown_sums(name: str, value: float) -> Callable:
+        def fn(m: dict, cs: list[Col]) -> None:
+            col(cs, "method").block = b"\xff"
+            col(cs, name).block = struct.pack("<d", value)
+        return fn
+
+    for vname, name, value, what in (("unknown_sums_inf", "sum", math.inf, "sum is +inf"),
+                                     ("unknown_sums_nan", "sumsq", math.nan, "sumsq is NaN")):
+        chunk_case(vname, f"an observed row with finite values whose method is unknown (its sums unknown) and whose "
+                   f"f64 {what} with no exact form: it holds no sum at all, refused as in any row whatever the method",
+                   ["5.3", "5.4"], "bad_exact_value", unknown_sums(name, value), src="nosketch")
     chunk_case("dtype_not_string", "a column entry whose dtype is the array [1, 2], not a string", ["7.4"],
                "bad_chunk", lambda m, cs: setattr(col(cs, "span"), "dt", [1, 2]))
     chunk_case("bad_row_counts", "nan + pinf + ninf + zero exceed count (nan = 2^64 - 1)", ["5.5", "5.1"], "bad_row",
@@ -1307,30 +1389,16 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
     chunk_case("bad_row_no_finite_sums", "an observed row whose every element is NaN (min and max NaN) but whose "
                "sums are not zero: no tensor gives it", ["5.5"], "bad_row", no_finite_sums, src="nosketch")
 
-    def no_finite_exact(m: dict, cs: list[Col], absent: bool = False) -> None:  # row 0 (of 4) becomes all NaN
-        def row0(name: str, dt: str, value: Any) -> None:
-            v = np.frombuffer(col(cs, name).block, dt).copy()
-            v[0] = value
-            col(cs, name).block = v.tobytes()
+    def unknown_no_finite(m: dict, cs: list[Col]) -> None:
+        no_finite_sums(m, cs)
+        col(cs, "method").block = b"\xff"
 
-        if absent:  # row 0 becomes an absent row: no counts
-            for name in ("count", "nan", "pinf", "ninf"):
-                row0(name, "<u8", 0)
-            row0("presence", "<u1", 2)
-        else:
-            row0("nan", "<u8", np.frombuffer(col(cs, "count").block, "<u8")[0])
-        row0("zero", "<u8", 0)
-        row0("min", "<f8", math.nan)
-        row0("max", "<f8", math.nan)
-        tiny = struct.pack("<i", -1100) + b"\x01"  # 2^-1100: the f64 column rounds it to +0.0
-        for name in ("sum", "sumsq"):
-            row0(name, "<f8", 0.0)
-            n, b = col(cs, name + "_xn"), col(cs, name + "_x")
-            lens = np.frombuffer(n.block, "<u4").copy()
-            b.block = tiny + b.block[int(lens[0]) :]
-            b.raw = len(b.block)
-            lens[0] = len(tiny)
-            n.block = lens.tobytes()
+    chunk_case("bad_row_unknown_sums_no_finite", "an observed row without finite values (every element NaN) whose "
+               "method is unknown and whose sums (-1.5, 7.25) are not zero: the sums of no value are 0, whatever the "
+               "method", ["5.5", "5.4"], "bad_row", unknown_no_finite, src="nosketch")
+
+    def no_finite_exact(m: dict, cs: list[Col], absent: bool = False) -> None:  # row 0 (of 4) becomes all NaN
+        no_finite_row0(cs, struct.pack("<i", -1100) + b"\x01", absent=absent)  # 2^-1100: the f64 sum rounds it to +0.0
 
     chunk_case("bad_row_no_finite_exact_sums", "an observed row whose every element is NaN, with f64 sums +0.0 "
                "but exact forms (sum_x, sumsq_x) holding 2^-1100: its sums are not zero", ["5.5", "5.3"],
@@ -1490,6 +1558,13 @@ def gen_writer(s: Suite) -> None:
                       {"op": "observe", "site": 0, "step": I(0), "summary": UNKNOWN_SUMS_SUMMARY},
                       obs(0, 1, [1.0, 2.0**-80], sketch=False), COMMIT]))
 
+    s.writer("summary_null_sums_known_method", "a precomputed row whose sums are null (unknown) but whose method is "
+             "f64_accumulate: an invalid document, sums being null exactly when the method is unknown", ["5.4"],
+             ops_doc([site("x", cadence={"spine": 1, "sketch": 0}),
+                      {"op": "observe", "site": 0, "step": I(0),
+                       "summary": dict(UNKNOWN_SUMS_SUMMARY, method="f64_accumulate")}, COMMIT]),
+             error="bad_ops")
+
 
 RUN_ID_B = "0" * 31 + "4"
 WRITER_ID_B = "0" * 31 + "5"
@@ -1624,6 +1699,23 @@ def gen_merge(s: Suite, base: dict[str, bytes]) -> None:
     _derived_case(s, m, "unknown_sums_stored", "the canonical form of valid/unknown_sums_stored: rows whose method "
                   "is unknown hold zero sums and no exact form (11.9), whatever the input stored", ["11.9", "5.4"],
                   {"input-0.thist": base["unknown_sums_stored"]}, {"inputs": ["input-0.thist"]})
+    replicas = []
+    for k, wid in enumerate((WRITER_ID, WRITER_ID_4)):
+        recs = parse(write_ops(ops_doc([site("w", "param", sharing="replica", cadence={"spine": 1, "sketch": 0}),
+                                        obs(0, 0, [1.0, 2.0], sketch=False), COMMIT],
+                                       writer_id=wid, rank=k, world_size=2)))
+
+        def unknown_stored(m: dict, cs: list[Col], k: int = k) -> None:
+            col(cs, "method").block = b"\xff"
+            if k:  # (the other rank stores other sums: 5 and 13 instead of 3 and 5)
+                col(cs, "sum").block, col(cs, "sumsq").block = struct.pack("<d", 5.0), struct.pack("<d", 13.0)
+
+        edit_chunk(first(recs, RecordType.OBS), unknown_stored)
+        replicas.append(build(recs)[0])
+    _derived_case(s, m, "replica_unknown_sums", "replica rows whose method is unknown and whose stored sums differ "
+                  "(3, 5 and 5, 13): unknown sums are read as zero, so the rows are identical and kept once, not "
+                  "refused as replica_divergence", ["11.5", "5.4"],
+                  {"input-0.thist": replicas[0], "input-1.thist": replicas[1]}, {"inputs": two})
     s.read("valid", "derived_merged", "a merged file: tally columns, segment origin, no `created` in segments",
            ["11.4", "11.9", "2.6"], merged)
 
