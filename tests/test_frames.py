@@ -559,3 +559,48 @@ def test_path_and_facet_are_categoricals_in_declaration_order(tmp_path, pq, pd) 
         pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "out" / f"{name}.parquet"), want)
     back = pd.read_csv(tmp_path / "csv" / "spines.csv", keep_default_na=False, na_values=[""])
     assert back["path"].tolist() == df["path"].tolist()
+
+
+def test_output_paths_are_checked_and_their_errors_name_them(tmp_path, pd, pq, capsys) -> None:
+    p = tmp_path / "rich.thist"
+    write_rich(p)
+
+    def refused(out, code="bad_output", fmt="parquet"):
+        with trainhist.open(p) as h, pytest.raises(trainhist.errors.TrainhistError) as e:
+            (frames.to_parquet if fmt == "parquet" else frames.to_csv)(h, out)
+        assert e.value.code == code, e.value
+        assert ".tmp" not in str(e.value)  # (the temporary file beside the output is never named)
+        return e.value
+
+    # a missing parent folder is refused, for a file as for a directory (merge's check), nothing is created
+    for out, fmt in ((tmp_path / "nope" / "x.parquet", "parquet"), (tmp_path / "nope" / "x.csv", "csv"),
+                     (tmp_path / "nope" / "dir", "parquet"), (tmp_path / "nope" / "dir", "csv")):
+        e = refused(out, fmt=fmt)
+        assert str(out) in str(e) and f"the folder {tmp_path / 'nope'} does not exist" in str(e)
+        assert "create it first" in str(e) and isinstance(e, UsageError)
+    assert not (tmp_path / "nope").exists()
+    # an empty path, as the command line refuses it; a suffix of no format
+    assert "'' is not a path" in str(refused(""))
+    e = refused(tmp_path / "run.pq")
+    assert "ends in .pq" in str(e) and "end the path with /" in str(e) and not (tmp_path / "run.pq").exists()
+    os.mkdir(tmp_path / "d.parquet")
+    assert "is a directory" in str(refused(tmp_path / "d.parquet"))
+    # ... but a path ending in / is a directory, whatever its name; an existing one with a dot too
+    with trainhist.open(p) as h:
+        assert [e.path for e in frames.to_parquet(h, f"{tmp_path / 'tables.v2'}{os.sep}")][0] == \
+            tmp_path / "tables.v2" / "spines.parquet"
+        assert frames.to_parquet(h, tmp_path / "tables.v2")[0].path == tmp_path / "tables.v2" / "spines.parquet"
+        assert frames.to_parquet(h, str(tmp_path / "d.parquet") + "/")[0].path.parent == tmp_path / "d.parquet"
+    # a file of the directory that is a directory: merge's check, per file
+    os.makedirs(tmp_path / "t" / "steps.parquet")
+    assert "steps.parquet exists and is not a regular file" in str(refused(tmp_path / "t"))
+    # a folder that takes no files: output_unwritable on the output's path (a TrainhistError, not a UsageError)
+    if os.path.isdir("/proc/self"):
+        for out in ("/proc/trainhist-x.parquet", "/proc/trainhist-dir"):
+            e = refused(out, code="output_unwritable")
+            assert e.path == out and not isinstance(e, UsageError) and "/proc exists but takes no new files" in str(e)
+        assert main(["export", str(p), "-o", "/proc/trainhist-x.parquet"]) == 1
+        err = capsys.readouterr().err
+        assert "[output_unwritable] /proc/trainhist-x.parquet: cannot write the output" in err and ".tmp" not in err
+    assert main(["export", str(p), "-o", str(tmp_path / "nope" / "x.parquet")]) == 2
+    assert f"[bad_output] output {tmp_path / 'nope' / 'x.parquet'}: the folder" in capsys.readouterr().err

@@ -320,8 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "(needs pip install 'trainhist[export]')")
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.add_argument("-o", "--output", required=True, metavar="OUT", type=_path,
-                   help="a directory (created if needed) for spines, steps and scalars (and manifests.json for csv); "
-                   "a path ending in .parquet or .csv gets the spines alone")
+                   help="a directory for spines, steps and scalars (and manifests.json for csv), created if missing "
+                   "(its parent folder must exist); a path ending in .parquet or .csv gets the spines alone; another "
+                   "suffix is refused (end a directory's name with / when it has a dot)")
     c.add_argument("--format", choices=("parquet", "csv"), default="parquet", help="file format (default parquet)")
     c.add_argument("--streams", nargs="+", metavar="STREAM", help="only these streams (activation, param, ...)")
     c.add_argument("--sites", nargs="+", metavar="PATTERN", help="only sites whose path matches one of these fnmatch "

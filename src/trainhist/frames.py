@@ -14,6 +14,7 @@ them the functions raise :class:`~trainhist.errors.UsageError` ``needs_export``.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import json
 import math
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
 import numpy as np
 
 from . import __version__
-from .errors import UsageError
+from .errors import TrainhistError, UsageError
 from .model import STREAMS, U64_UNKNOWN, Applied, Clipped, GradBasis, Phase, Presence
 from .reader import History, Site
 from .summary import SumMethod
@@ -371,63 +372,132 @@ def _tables(h: History, streams: list[str] | None, sites: list[str] | None,
     return {"spines": sp, "steps": steps(h), "scalars": _scalar_view(pd, sp, chosen)}
 
 
-def _targets(out: str | os.PathLike, ext: str) -> tuple[Path | None, Path | None]:
-    """(single file, directory): a path ending in ``ext`` is one file of the spines, anything else a directory."""
-    p = Path(out)
+_TABLES = ("spines", "steps", "scalars")  #: the tables a directory gets, in this order
+
+
+def _check_file(target: Path, h: History) -> None:
+    """merge's check of an output file (:func:`trainhist.merge._check_output`: its folder exists, it is no
+    directory, device or pipe, it is not the history read), with what to do when the folder is missing."""
+    from .merge import _check_output
+
+    try:
+        _check_output(str(target), [h.path])
+    except UsageError as e:
+        if e.code == "bad_output" and not target.absolute().parent.is_dir():
+            raise UsageError(f"{e.message}: create it first, or write elsewhere (export creates no parent folder; "
+                             "only a directory OUT itself, when missing)", code=e.code, path=e.path) from None
+        raise
+
+
+def _targets(out: str | os.PathLike, ext: str, h: History) -> tuple[Path | None, Path | None]:
+    """(single file, directory), checked before anything is written: a path ending in ``ext`` is one file of the
+    spines; one ending in a path separator, or without a suffix, or naming an existing directory (not one ending in
+    ``.parquet`` or ``.csv``) is a directory (created if missing; its parent folder must exist); any other suffix
+    is refused (``run.pq``: a file name, but no format's)."""
+    text = os.fspath(out)
+    if not isinstance(text, str) or not text:
+        raise UsageError(f"output {text!r} is not a path: name a directory for the tables, or a file ending in {ext} "
+                         "for the spines alone", code="bad_output")
+    p = Path(text)
     other = {".parquet": ".csv", ".csv": ".parquet"}[ext]
-    if p.suffix.lower() == other:  # (a typo of the format, not a directory's name)
+    suffix = "" if text.endswith(("/", os.sep)) else p.suffix.lower()  # (ending in /: a directory, whatever its name)
+    if suffix == other:  # (a typo of the format, not a directory's name)
         raise UsageError(f"{p} ends in {other}, but the tables are written as {ext[1:]}: name a {ext} file or a "
                          "directory, or choose the other format", code="bad_output")
-    if p.suffix.lower() == ext:
+    if suffix == ext:
         if p.is_dir():
-            raise UsageError(f"{p} is a directory: name a new {ext} file, or the directory without the suffix",
-                             code="bad_output")
+            raise UsageError(f"{p} is a directory: name a new {ext} file, or end the path with / to write the tables "
+                             "into that directory", code="bad_output")
+        _check_file(p, h)
         return p, None
+    if suffix and not p.is_dir():
+        raise UsageError(f"{p} ends in {p.suffix}, which is neither {ext} (the spines alone) nor a directory: name "
+                         f"a {ext} file, or a directory (end the path with / for a new directory whose name has a "
+                         "dot)", code="bad_output")
     if p.exists() and not p.is_dir():
         raise UsageError(f"{p} is a file: pass a directory (created if needed) for the tables, or a path ending in "
                          f"{ext} for the spines alone", code="bad_output")
+    if p.is_dir():  # (each file it gets: no directory, device or pipe of that name, not the history read)
+        for name in _TABLES + (("manifests.json",) if ext == ".csv" else ()):
+            _check_file(p / (name if name.endswith(".json") else f"{name}{ext}"), h)
+    else:
+        _check_file(p, h)  # (its folder exists)
     return None, p
 
 
+def _unwritable(e: OSError, path: Path, directory: bool = False) -> TrainhistError:
+    """``e``, raised while writing the file ``path`` (or its temporary file beside it) or creating the
+    ``directory`` ``path``, in the output's terms: the temporary file's name is an implementation detail the user
+    never named."""
+    reason = os.strerror(e.errno) if isinstance(e.errno, int) and e.errno else (e.strerror or type(e).__name__)
+    parent = path.absolute().parent
+    if e.errno == errno.ENOENT and parent.is_dir():
+        reason += f" (the folder {parent} exists but takes no new files, as a virtual file system such as /proc does)"
+    what = ("cannot create the output directory" if directory else "cannot write the output (each file is written "
+            "beside its name, then renamed over it; nothing was left there)")
+    return TrainhistError(f"{what}: {reason}. Write to a folder with room that you may write to",
+                          code="output_unwritable", path=str(path))
+
+
 def _jobs(single: Path | None, folder: Path | None, tables: dict, ext: str) -> list[tuple[str, Path]]:
-    """(table name, file) of each table to write (:func:`_targets`' answer); a folder is created if needed."""
+    """(table name, file) of each table to write (:func:`_targets`' answer); a missing folder is created (its
+    parent exists: :func:`_targets` checked it)."""
     if single is not None:
         return [("spines", single)]
     assert folder is not None
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(exist_ok=True)
+    except OSError as e:
+        raise _unwritable(e, folder, directory=True) from None
     return [(name, folder / f"{name}{ext}") for name in tables]
 
 
 def _replace(path: Path, write: Any) -> None:
     """``write(tmp)`` a temporary file beside ``path``, then rename it over ``path``: a reader of ``path`` sees the
-    old file or the whole new one, never a part; the temporary file is removed if writing fails."""
+    old file or the whole new one, never a part; the temporary file is removed if writing fails, and an error of
+    the file system names ``path`` (``output_unwritable``), never the temporary file."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         write(tmp)
         os.replace(tmp, path)
+    except OSError as e:
+        raise _unwritable(e, path) from None
     finally:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # (it was never created where nothing may be created)
 
 
 def to_parquet(h: History, out: str | os.PathLike, *, streams: str | Iterable[str] | None = None,
                sites: str | Iterable[str] | None = None, phases: str | Iterable[str] | None = None,
                compression: str = "zstd") -> list[Exported]:
-    """Write the history as Parquet: a directory ``out`` (created if needed) gets ``spines.parquet``,
-    ``steps.parquet`` and ``scalars.parquet`` (:func:`spines`, :func:`steps`, :func:`scalars`; the scalars of the
-    chosen streams and sites); a path ending in ``.parquet`` gets the spines alone. Every file carries the
-    history's manifests as key-value metadata (``trainhist.runs``, ``trainhist.writers``, ``trainhist.segments``,
-    ``trainhist.settings``, ``trainhist.sites``, ``trainhist.recovery``, ``trainhist.source``,
-    ``trainhist.selection``: JSON; ``trainhist.table``, ``trainhist.version``), and reads back with
-    ``pandas.read_parquet`` as the frame it was written from (dtypes, NA and categories included; an empty table's
-    categoricals come back without categories: Parquet keeps no dictionary without rows). Each file is written
-    beside its name, then renamed over it. ``compression``: ``zstd`` (default), ``snappy``, ``gzip``, ``brotli``,
+    """Write the history as Parquet: a directory ``out`` gets ``spines.parquet``, ``steps.parquet`` and
+    ``scalars.parquet`` (:func:`spines`, :func:`steps`, :func:`scalars`; the scalars of the chosen streams and
+    sites); a path ending in ``.parquet`` gets the spines alone.
+
+    ``out`` is a directory when it has no suffix, ends in ``/`` (whatever its name) or names an existing
+    directory; it is created when missing, but no folder above it is: the folder that holds ``out`` (a directory
+    or a file) must exist. Another suffix (``run.pq``, ``x.csv``), an empty path, a missing folder above ``out``,
+    an existing directory named ``x.parquet`` (write ``x.parquet/`` to fill it), a file named as a directory, or an
+    output file that is a directory, device or pipe or the history itself are refused before anything is written
+    (:class:`UsageError` ``bad_output`` or ``output_is_input``, merge's check of its output); a file that cannot be
+    written (a read-only folder, a full disk, /proc) raises :class:`TrainhistError` ``output_unwritable`` on its
+    path. Each file is written beside its name, then renamed over it.
+
+    Every file carries the history's manifests as key-value metadata (``trainhist.runs``, ``trainhist.writers``,
+    ``trainhist.segments``, ``trainhist.settings``, ``trainhist.sites``, ``trainhist.recovery``,
+    ``trainhist.source``, ``trainhist.selection``: JSON; ``trainhist.table``, ``trainhist.version``), and reads
+    back with ``pandas.read_parquet`` as the frame it was written from (dtypes, NA and categories included; an
+    empty table's categoricals come back without categories: Parquet keeps no dictionary without rows).
+    ``compression``: ``zstd`` (default), ``snappy``, ``gzip``, ``brotli``,
     ``lz4`` or ``none``; another is refused (``bad_argument``) before anything is written."""
     pa = _parquet()
     import pyarrow.parquet as pq
 
     compression = _compression(pa, compression)
     selection = _selection(streams, sites, phases)  # (lists: a generator is read once, here)
-    single, folder = _targets(out, ".parquet")
+    single, folder = _targets(out, ".parquet", h)
     tables = _tables(h, **selection)
     meta = _manifests(h, selection)
     jobs = _jobs(single, folder, tables, ".parquet")
@@ -444,14 +514,15 @@ def to_parquet(h: History, out: str | os.PathLike, *, streams: str | Iterable[st
 
 def to_csv(h: History, out: str | os.PathLike, *, streams: str | Iterable[str] | None = None,
            sites: str | Iterable[str] | None = None, phases: str | Iterable[str] | None = None) -> list[Exported]:
-    """Write the history as CSV: a directory ``out`` (created if needed) gets ``spines.csv``, ``steps.csv``,
-    ``scalars.csv`` and ``manifests.json`` (the metadata :func:`to_parquet` stores in its files); a path ending in
-    ``.csv`` gets the spines alone. A missing value is an empty field (never 0); floats are written in their
-    shortest round-trip form and counts as exact integers. CSV keeps no dtypes: read the spines back with
-    ``dtype={"count": "UInt64", ...}`` to keep counts beyond 2**53 exact."""
+    """Write the history as CSV: a directory ``out`` gets ``spines.csv``, ``steps.csv``, ``scalars.csv`` and
+    ``manifests.json`` (the metadata :func:`to_parquet` stores in its files); a path ending in ``.csv`` gets the
+    spines alone; ``out`` as :func:`to_parquet` takes it (a directory is created when missing, never a folder above
+    it). Each file is written beside its name, then renamed over it. A missing value is an empty field (never 0);
+    floats are written in their shortest round-trip form and counts as exact integers. CSV keeps no dtypes: read
+    the spines back with ``dtype={"count": "UInt64", ...}`` to keep counts beyond 2**53 exact."""
     _pandas()
     selection = _selection(streams, sites, phases)  # (lists: a generator is read once, here)
-    single, folder = _targets(out, ".csv")
+    single, folder = _targets(out, ".csv", h)
     tables = _tables(h, **selection)
     jobs = _jobs(single, folder, tables, ".csv")
     written = []
