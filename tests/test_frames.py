@@ -604,3 +604,15 @@ def test_output_paths_are_checked_and_their_errors_name_them(tmp_path, pd, pq, c
         assert "[output_unwritable] /proc/trainhist-x.parquet: cannot write the output" in err and ".tmp" not in err
     assert main(["export", str(p), "-o", str(tmp_path / "nope" / "x.parquet")]) == 2
     assert f"[bad_output] output {tmp_path / 'nope' / 'x.parquet'}: the folder" in capsys.readouterr().err
+
+
+def test_cli_export_help_says_where_the_file_goes(tmp_path, pq, pd, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "1000")  # (one line per paragraph: no wrapping inside the words checked)
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Name FILE before the options, or after --" in text and "FILE goes before the options or after --" in text
+    p = tmp_path / "rich.thist"
+    write_rich(p)
+    assert main(["export", "-o", str(tmp_path / "out"), "--sites", "enc.*", "--", str(p)]) == 0  # (as it says)
+    assert (tmp_path / "out" / "spines.parquet").exists()

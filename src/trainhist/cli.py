@@ -317,7 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print every finding as JSON (kind, step, site, text)")
     c.set_defaults(func=_cmd_triage, subparser=c)
     c = sub.add_parser("export", help="the spines, step truth and scalars as Parquet or CSV tables for pandas "
-                       "(needs pip install 'trainhist[export]')")
+                       "(needs pip install 'trainhist[export]')",
+                       description="The spines, step truth and scalars as Parquet or CSV tables for pandas (needs "
+                       "pip install 'trainhist[export]'). Name FILE before the options, or after --: --streams, "
+                       "--sites and --phases take every word that follows them (trainhist export run.thist -o out "
+                       "--sites 'enc.*'; or trainhist export -o out --sites 'enc.*' -- run.thist).")
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.add_argument("-o", "--output", required=True, metavar="OUT", type=_path,
                    help="a directory for spines, steps and scalars (and manifests.json for csv), created if missing "
@@ -326,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--format", choices=("parquet", "csv"), default="parquet", help="file format (default parquet)")
     c.add_argument("--streams", nargs="+", metavar="STREAM", help="only these streams (activation, param, ...)")
     c.add_argument("--sites", nargs="+", metavar="PATTERN", help="only sites whose path matches one of these fnmatch "
-                   "patterns ('encoder.*'; quote them for the shell)")
+                   "patterns ('encoder.*'; quote them for the shell; FILE goes before the options or after --)")
     c.add_argument("--phases", nargs="+", metavar="PHASE", help="only rows of these phases (default, pre_clip, "
                    "post_clip)")
     c.set_defaults(func=_cmd_export, subparser=c)
