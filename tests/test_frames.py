@@ -616,3 +616,25 @@ def test_cli_export_help_says_where_the_file_goes(tmp_path, pq, pd, capsys, monk
     write_rich(p)
     assert main(["export", "-o", str(tmp_path / "out"), "--sites", "enc.*", "--", str(p)]) == 0  # (as it says)
     assert (tmp_path / "out" / "spines.parquet").exists()
+
+
+def test_every_metadata_key_is_documented_as_written(tmp_path, pq, pd) -> None:
+    import re
+
+    p = tmp_path / "rich.thist"
+    write_rich(p)
+    with trainhist.open(p) as h:
+        f = frames.to_parquet(h, tmp_path / "s.parquet")[0].path
+        doc = json.loads(frames.to_csv(h, tmp_path / "csv")[-1].path.read_text())
+    meta = {k.decode(): v.decode() for k, v in pq.read_schema(f).metadata.items() if k.startswith(b"trainhist.")}
+    documented = set(re.findall(r"``(trainhist\.[a-z]+)``", frames.__doc__))
+    guide = (Path(SRC).parent / "docs" / "guide.md").read_text()
+    assert set(meta) == documented and all(f"`{k}`" in guide for k in meta)
+    plain = {"trainhist.table", "trainhist.version"}  # (documented as plain text; every other key as JSON)
+    assert meta["trainhist.table"] == "spines" and meta["trainhist.version"] == trainhist.__version__
+    for k in set(meta) - plain:
+        json.loads(meta[k])
+    recovery = json.loads(meta["trainhist.recovery"])
+    assert recovery == {"status": "clean", "committed_bytes": p.stat().st_size, "dropped_bytes": 0, "reason": None}
+    assert all(f'"{field}"' in frames.__doc__ and f"`{field}`" in guide for field in recovery)
+    assert set(doc) == set(meta) - {"trainhist.table"} and doc["trainhist.version"] == trainhist.__version__

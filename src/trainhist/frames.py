@@ -8,6 +8,24 @@
 - :func:`quantiles`: quantiles of one site DERIVED from its sketches, with their relative bound (approximate).
 - :func:`to_parquet`, :func:`to_csv`: the three tables as files, with the run, writer, segment and site manifests.
 
+The metadata of the files: every Parquet file holds these keys in its schema's key-value metadata
+(``pyarrow.parquet.read_schema(path).metadata``: bytes keys and values, UTF-8 text), beside pandas' ``pandas`` and
+pyarrow's ``ARROW:schema``:
+
+- plain text: ``trainhist.table`` (the file's table: ``spines``, ``steps`` or ``scalars``) and
+  ``trainhist.version`` (the version of trainhist that exported it, not the file format's);
+- JSON (``json.loads`` it): ``trainhist.source`` (a string: the history's path as it was opened);
+  ``trainhist.runs``, ``trainhist.writers``, ``trainhist.segments``, ``trainhist.sites`` and
+  ``trainhist.settings`` (lists of the history's manifests as the reader gives them: :attr:`History.runs`,
+  ``History.writers``, each segment's and each site's ``manifest``, ``History.settings``; every site of the
+  file, whatever the selection); ``trainhist.selection`` (``{"streams": ..., "sites": ..., "phases": ...}``: the
+  names and patterns asked for, each a list, or null for all); ``trainhist.recovery`` (how the history was read:
+  ``{"status": "clean" | "torn", "committed_bytes": the bytes read (the committed prefix), "dropped_bytes": the
+  bytes of a torn tail left out (0 when clean), "reason": why they were (null when clean)}``).
+
+:func:`to_csv`'s ``manifests.json`` is one JSON object of the same keys but ``trainhist.table``, their JSON
+decoded (``trainhist.version`` is its text).
+
 pandas and pyarrow are imported by the functions that use them, never by ``import trainhist`` or the reader; without
 them the functions raise :class:`~trainhist.errors.UsageError` ``needs_export``.
 """
@@ -487,9 +505,10 @@ def to_parquet(h: History, out: str | os.PathLike, *, streams: str | Iterable[st
 
     Every file carries the history's manifests as key-value metadata (``trainhist.runs``, ``trainhist.writers``,
     ``trainhist.segments``, ``trainhist.settings``, ``trainhist.sites``, ``trainhist.recovery``,
-    ``trainhist.source``, ``trainhist.selection``: JSON; ``trainhist.table``, ``trainhist.version``), and reads
-    back with ``pandas.read_parquet`` as the frame it was written from (dtypes, NA and categories included; an
-    empty table's categoricals come back without categories: Parquet keeps no dictionary without rows).
+    ``trainhist.source``, ``trainhist.selection``: JSON; ``trainhist.table``, ``trainhist.version``: plain text;
+    the module's documentation says what each holds), and reads back with ``pandas.read_parquet`` as the frame it
+    was written from (dtypes, NA and categories included; an empty table's categoricals come back without
+    categories: Parquet keeps no dictionary without rows).
     ``compression``: ``zstd`` (default), ``snappy``, ``gzip``, ``brotli``,
     ``lz4`` or ``none``; another is refused (``bad_argument``) before anything is written."""
     pa = _parquet()
