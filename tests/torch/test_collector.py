@@ -2005,8 +2005,8 @@ def test_gradients_reaching_an_earlier_steps_output_are_left_out(tmp_path):
 
 
 def test_several_backward_passes_through_one_output_are_each_recorded_and_said(tmp_path):
-    """Two backward passes through one forward (retain_graph): each pass's gradient of an output is an observation
-    of its own (counts add over the passes, as the spec says), and a warning says that the row is not their sum."""
+    """Two backward passes through one forward (retain_graph): the step's row of an output's gradient combines both
+    passes' gradients (counts add, as spec 2.2 says), and a warning says that it is not their sum."""
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
     path = tmp_path / "passes.thist"

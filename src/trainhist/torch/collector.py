@@ -1293,9 +1293,9 @@ class Collector:
         passes[0] += 1
         if passes[0] == 2:
             self._warn_once("passes", f"trainhist: several backward passes in step {st.step} reached the output of "
-                            f"{key[1]!r} (retain_graph, torch.autograd.grad): activation_grad records each pass's "
-                            "gradient as an observation of its own, so its counts add over the passes; it is not "
-                            "their sum")
+                            f"{key[1]!r} (retain_graph, torch.autograd.grad): its activation_grad row combines "
+                            "every pass's gradient (counts and sums add, min/max extend: spec 11.2); it does not "
+                            "describe the gradient summed over the passes")
         self._reduce(key, grad, alias=True)
 
     def _param_names(self, params: Iterable[torch.Tensor] | None) -> list[str]:
