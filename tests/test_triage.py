@@ -450,3 +450,45 @@ def test_cli_triage_json_gives_every_finding(tmp_path, capsys) -> None:
     assert out["findings"][0] == {"kind": "first_nonfinite", "step": 1, "site": "h.0",
                                   "text": "the first non-finite value was in `h.0` forward (activation) at step 1 "
                                           "(1 NaN)"}
+
+
+def test_a_coarsened_file_recorded_at_a_cadence_keeps_its_bracket(tmp_path) -> None:
+    """A site recorded every 10 steps, coarsened into 5-step windows: its window before the first non-finite one
+    holds one observation (its first step), yet it was read as covering the whole window, so the bracket was lost.
+    Where the window is the cadence itself (the file cannot tell which steps a window observed), it is said."""
+    ok = np.ones(4, np.float32)
+    for cadence, said in ((10, "steps 11..19 were not observed"), (5, "which of its steps were observed is not")):
+        p, c = tmp_path / f"c{cadence}.thist", tmp_path / f"c{cadence}.c5.thist"
+        with trainhist.HistoryWriter(p) as w:
+            a = w.site("h.0", "activation", cadence_spine=cadence)
+            for step in range(40):
+                if step % cadence == 0:
+                    w.observe(a, step, _bad() if step >= 20 else ok)
+                w.scalar("loss", step, float("nan") if step >= 17 else 1.0)
+                w.step_truth(step, applied=True)
+        trainhist.coarsen(p, c, steps=5)
+        with trainhist.open(c) as h:
+            t = triage(h)
+        (f,) = [f for f in t.findings if f.kind == "first_nonfinite_site"]
+        assert f.step == 20 and said in f.text, (cadence, f.text)
+
+
+def test_overflow_windows_of_a_coarsened_file_are_told_apart(tmp_path) -> None:
+    """Coarsened windows whose every step the loss scaler skipped keep no loss scale (the scales differed), so their
+    overflowed gradients were the headline again; a segment that records a loss scale ran under a scaler."""
+    p, c = tmp_path / "amp.thist", tmp_path / "amp.c5.thist"
+    ok = np.ones(4, np.float32)
+    with trainhist.HistoryWriter(p) as w:
+        a = w.site("h.0", "activation", order=0)
+        g = w.site("h.0", "activation_grad", order=0)
+        for step in range(20):
+            overflow = step < 10
+            w.observe(a, step, _bad() if step == 17 else ok)
+            w.observe(g, step, _bad("inf") if overflow else ok)
+            w.step_truth(step, applied=not overflow, loss_scale=2.0 ** (30 - min(step, 10)))
+    trainhist.coarsen(p, c, steps=5)
+    with trainhist.open(c) as h:
+        t = triage(h)
+    assert t.first_nonfinite.step == 15 and "forward" in t.first_nonfinite.text
+    (f,) = [f for f in t.findings if f.kind == "scaler_overflow"]
+    assert "2 coarsened windows skipped by the loss scaler" in f.text and "not kept by the window" in f.text

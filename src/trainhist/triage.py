@@ -146,6 +146,20 @@ class _Event(NamedTuple):
     before: int | None
     before_end: int | None
     span: int = 1
+    before_bad: bool = False  # (the previous observation held non-finite values itself: a scaler's overflow)
+
+
+def _observed_end(step: int, span: int, site: Site) -> int:
+    """The step after the last one a row observed: a one-step row its step; a coarsened row of a site recorded at a
+    cadence ``c`` larger than the window, which the window divides (spec 11.7 keeps ``c`` then), observed only the
+    multiples of ``c`` inside it, so the steps after the last of them were not observed; any other row its whole
+    window (whether it observed every step of it is not recorded)."""
+    c = site.cadence_spine
+    if span > 1 and c > span and c % span == 0:  # (c == span: kept, or made the window by 11.7; not known)
+        last = (step + span - 1) // c * c
+        if last >= step:
+            return last + 1
+    return step + span
 
 
 def _gap(e: _Event) -> bool:
@@ -174,9 +188,14 @@ def _site_finding(e: _Event, segments: int) -> Finding:
         covered = "" if e.before_end == e.before + 1 else f" (covering steps {e.before}..{e.before_end - 1})"
         why = ("(its rows there are missing or carry no numbers: see below)" if e.site.cadence_spine == 1 else
                "(record every step to pin it)")
-        where += (f"; its previous observation, at step {e.before}{covered}, was finite and steps {e.before_end}.."
+        held = "held only a loss scaler's overflow" if e.before_bad else "was finite"
+        where += (f"; its previous observation, at step {e.before}{covered}, {held} and steps {e.before_end}.."
                   f"{e.step - 1} were not observed there, so the values may have turned non-finite earlier, or first "
                   f"upstream of this site {why}")
+    elif e.before is not None and e.before_end - e.before > 1:  # (a coarsened window just before: not pinned)
+        held = "held only a loss scaler's overflow" if e.before_bad else "was finite"
+        where += (f"; its previous row, steps {e.before}–{e.before_end - 1} (a coarsened window), {held}, but which "
+                  "of its steps were observed is not recorded, so the values may have turned non-finite inside it")
     return Finding("first_nonfinite_site", e.step, e.site.path, where)
 
 
@@ -184,9 +203,9 @@ def _site_finding(e: _Event, segments: int) -> Finding:
 _SCALED = ("activation_grad", "param_grad", "param_delta")
 
 
-def _overflow(e: _Event, skipped: set[tuple[int, int]]) -> bool:
+def _overflow(e: _Event, skipped: set[tuple[int, int, int]]) -> bool:
     """Whether ``e`` is a gradient's overflow at a step the loss scaler skipped (expected with a GradScaler)."""
-    if (e.segment, e.step) not in skipped or e.span != 1:
+    if (e.segment, e.step, e.span) not in skipped:  # (a coarsened window: when every step of it was skipped)
         return False
     return e.site.stream in _SCALED or (e.site.stream == "scalar" and e.site.path.startswith("grad_norm"))
 
@@ -218,6 +237,8 @@ def triage(h: History) -> Triage:
     orders = site_orders(h)
     rows = h.step_truth_rows()
     coarse = any(r["span"] != 1 for r in rows)
+    # a coarsened step-truth row covers a window of steps: counted as windows, as `trainhist info` counts them
+    unit = "step" if not coarse else "coarsened window"
     table: dict[int, np.ndarray] = {}  # segment -> its step-truth steps (one-step rows)
     for r in rows:
         table.setdefault(r["segment"], []).append(r["step"])  # type: ignore[attr-defined]
@@ -245,7 +266,8 @@ def triage(h: History) -> Triage:
                     before = None if prev is None else int(step[prev])
                     events.append(_Event(int(g), int(step[i]), PASS_ORDER[site.stream], order, phase, site,
                                          int(s.nan[i]), int(s.pinf[i] + s.ninf[i]), before,
-                                         None if prev is None else before + int(span[prev]), int(span[i])))
+                                         None if prev is None else _observed_end(before, int(span[prev]), site),
+                                         int(span[i]), prev is not None and bool(bad[prev])))
             fails = np.flatnonzero(s.presence == Presence.FAILED)
             if fails.size:
                 failed[_label(site, phase)] = list(zip(s.step[fails].tolist(), s.span[fails].tolist()))
@@ -264,8 +286,10 @@ def triage(h: History) -> Triage:
                 if lost.size and g in seen:  # (a site with no row in a segment may not have existed there)
                     no_row.append((int(lost[0]), orders[site.id], int(lost.size), _label(site, "default")))
     # gradients that overflowed at steps the loss scaler skipped: expected, reported apart from the rest
-    scaler_skipped = {(r["segment"], r["step"]) for r in rows
-                      if r["applied"] == "skipped" and r["loss_scale"] is not None and r["span"] == 1}
+    # (a segment whose rows record a loss scale ran under a scaler: a coarsened window of differing scales keeps none)
+    scaled = {r["segment"] for r in rows if r["loss_scale"] is not None}
+    scaler_skipped = {(r["segment"], r["step"], r["span"]) for r in rows
+                      if r["applied"] == "skipped" and (r["loss_scale"] is not None or r["segment"] in scaled)}
     overflows = [e for e in events if _overflow(e, scaler_skipped)]
     events = [e for e in events if not _overflow(e, scaler_skipped)]
     # within a step: forward, then backward, the pre-clip gradients before the post-clip ones, then the update
@@ -316,13 +340,14 @@ def triage(h: History) -> Triage:
         if note is not None:
             report.findings.append(Finding("ranks", None, None, note))
     if overflows:
-        at = sorted({(e.segment, e.step) for e in overflows})
-        scale = next((r["loss_scale"] for r in rows if (r["segment"], r["step"]) == at[0]), None)
-        where = f"step {at[0][1]}" + (f" (segment {at[0][0]})" if n_segments > 1 else "")
+        at = sorted({(e.segment, e.step, e.span) for e in overflows})
+        scale = next((r["loss_scale"] for r in rows if (r["segment"], r["step"], r["span"]) == at[0]), None)
+        where = _steps(at[0][1], at[0][2]) + (f" (segment {at[0][0]})" if n_segments > 1 else "")
+        kept = "its loss scale not kept by the window" if scale is None else f"loss scale {scale:g}"
         report.findings.append(Finding("scaler_overflow", at[0][1], None,
-                                       f"{_n(len(at), 'step')} skipped by the loss scaler held non-finite gradients "
+                                       f"{_n(len(at), unit)} skipped by the loss scaler held non-finite gradients "
                                        f"(an overflow, expected with a GradScaler: no update was applied), first at "
-                                       f"{where} (loss scale {scale:g}); they are not counted above"))
+                                       f"{where} ({kept}); they are not counted above"))
     for label, steps in failed.items():
         report.findings.append(Finding("failed", steps[0][0], label,
                                        f"the reduction failed for {label} at {_n(len(steps), 'row')}, first at "
@@ -340,8 +365,6 @@ def triage(h: History) -> Triage:
                                        f"{_n(sum(x[2] for x in no_row), 'due step')} of {_n(len(no_row), 'site')} "
                                        "in the step table have no row at all (read as unknown: nothing was written "
                                        f"for them, a failed write say), first {label} at step {step}"))
-    # a coarsened step-truth row covers a window of steps: counted as windows, as `trainhist info` counts them
-    unit = "step" if not coarse else "coarsened window"
     skipped = [(r["step"], r["span"], r["segment"]) for r in rows if r["applied"] == "skipped"]
     if skipped:  # (the first in time: segment, then step)
         step, span, seg = min(skipped, key=lambda x: (x[2], x[0]))
