@@ -7,6 +7,9 @@ what was found, where, and how to fix it.
 
 from __future__ import annotations
 
+import errno
+import os
+
 __all__ = [
     "TrainhistError",
     "FormatError",
@@ -98,46 +101,42 @@ class ReadOnlyError(TrainhistError):
     code = "read_only"
 
 
-class NotFoundError(TrainhistError, FileNotFoundError):
+class _PathError(TrainhistError):
+    """A trainhist error that is also the :class:`OSError` the operating system would have raised for its path:
+    ``errno`` (:attr:`ERRNO`), ``strerror`` and ``filename`` set as it sets them, and ``str()`` the trainhist
+    message (not OSError's "[Errno 2] ...")."""
+
+    ERRNO = errno.EINVAL
+
+    def __init__(self, message: str, *, code: str | None = None, path: str | None = None,
+                 offset: int | None = None) -> None:
+        super().__init__(message, code=code, path=path, offset=offset)
+        self.errno, self.strerror, self.filename = self.ERRNO, os.strerror(self.ERRNO), self.path
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class NotFoundError(_PathError, FileNotFoundError):
     """The path names no file (code ``not_found``). Also a :class:`FileNotFoundError` (``errno`` ENOENT,
     ``filename`` the path), so that ``except FileNotFoundError`` keeps catching it."""
 
     code = "not_found"
-
-    def __init__(self, message: str, *, code: str | None = None, path: str | None = None,
-                 offset: int | None = None) -> None:
-        import errno
-        import os
-
-        super().__init__(message, code=code, path=path, offset=offset)
-        self.errno, self.strerror, self.filename = errno.ENOENT, os.strerror(errno.ENOENT), self.path
-
-    def __str__(self) -> str:  # (the trainhist message, not OSError's "[Errno 2] ...")
-        return str(self.args[0])
+    ERRNO = errno.ENOENT
 
 
-class NotAFileError(TrainhistError, OSError):
+class NotAFileError(_PathError, OSError):
     """The path names a directory, pipe, socket or device where a regular file is needed (code ``not_a_file``).
     Also an :class:`OSError` (an :class:`IsADirectoryError` for a directory: see :func:`not_a_file`), with ``errno``
     and ``filename`` set as the OS error would have them."""
 
     code = "not_a_file"
 
-    def __init__(self, message: str, *, code: str | None = None, path: str | None = None,
-                 offset: int | None = None) -> None:
-        import errno
-        import os
-
-        super().__init__(message, code=code, path=path, offset=offset)
-        number = errno.EISDIR if isinstance(self, IsADirectoryError) else errno.EINVAL
-        self.errno, self.strerror, self.filename = number, os.strerror(number), self.path
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
 
 class DirectoryError(NotAFileError, IsADirectoryError):
     """A :class:`NotAFileError` whose path is a directory."""
+
+    ERRNO = errno.EISDIR
 
 
 def not_a_file(message: str, *, path: str, directory: bool) -> NotAFileError:

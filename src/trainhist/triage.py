@@ -184,16 +184,15 @@ def _site_finding(e: _Event, segments: int) -> Finding:
     """
     where = (f"the first site with non-finite values is {_label(e.site, e.phase)} at {_at(e, segments)} "
              f"({_what(e.nan, e.inf)})")
+    held = "held only a loss scaler's overflow" if e.before_bad else "was finite"
     if _gap(e):
         covered = "" if e.before_end == e.before + 1 else f" (covering steps {e.before}..{e.before_end - 1})"
         why = ("(its rows there are missing or carry no numbers: see below)" if e.site.cadence_spine == 1 else
                "(record every step to pin it)")
-        held = "held only a loss scaler's overflow" if e.before_bad else "was finite"
         where += (f"; its previous observation, at step {e.before}{covered}, {held} and steps {e.before_end}.."
                   f"{e.step - 1} were not observed there, so the values may have turned non-finite earlier, or first "
                   f"upstream of this site {why}")
     elif e.before is not None and e.before_end - e.before > 1:  # (a coarsened window just before: not pinned)
-        held = "held only a loss scaler's overflow" if e.before_bad else "was finite"
         where += (f"; its previous row, steps {e.before}–{e.before_end - 1} (a coarsened window), {held}, but which "
                   "of its steps were observed is not recorded, so the values may have turned non-finite inside it")
     return Finding("first_nonfinite_site", e.step, e.site.path, where)

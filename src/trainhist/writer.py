@@ -163,15 +163,12 @@ def _check_summary(s: Summary) -> None:
         raise UsageError(_impossible("Summary", msg))
 
 
-def _refuse_impossible(what: str, counts: np.ndarray, ranges: np.ndarray, sums: np.ndarray | None = None) -> None:
-    """Refuse rows (``counts``: count, NaN, +inf, -inf, zero; ``ranges``: min, max; ``sums``: sum, sumsq, zero or
-    not, or None to leave them out) that break spec 5.5's rules for an observed row, with readers' own test
-    (:func:`~trainhist.model.row_problem`)."""
+def _refuse_impossible(what: str, counts: np.ndarray, ranges: np.ndarray) -> None:
+    """Refuse rows (``counts``: count, NaN, +inf, -inf, zero; ``ranges``: min, max) that break spec 5.5's rules
+    for an observed row, with readers' own test (:func:`~trainhist.model.row_problem`)."""
     n = counts.shape[1]
-    if sums is None:
-        sums = np.zeros((2, n))
     cols = dict(zip(("count", "nan", "pinf", "ninf", "zero"), counts), min=ranges[0], max=ranges[1],
-                presence=np.full(n, Presence.OBSERVED, np.uint8), sum=sums[0], sumsq=sums[1])
+                presence=np.full(n, Presence.OBSERVED, np.uint8), sum=np.zeros(n), sumsq=np.zeros(n))
     problem = row_problem(cols)
     if problem is not None:
         row, msg = problem
@@ -676,10 +673,13 @@ class HistoryWriter:
             if not isinstance(site, SiteHandle) or self._sites.get((site.path, site.stream, site.facet)) != site:
                 raise UsageError(f"{site!r} is not a site of this writer: get one from HistoryWriter.site()")
 
+    def _as_step(self, step: int) -> int:
+        """``step`` checked as an i64 step (the common case, the step of the last row, taken as it is)."""
+        return step if type(step) is int and step == self._last_step else _whole("step", step, *_I64)
+
     def _row_step(self, step: int) -> int:
         """``step`` as an int, once the rows of an earlier step are done with (an automatic commit may follow)."""
-        if type(step) is not int or step != self._last_step:
-            step = _whole("step", step, *_I64)
+        step = self._as_step(step)
         if step != self._last_step:
             self._at_step(step)
         if self._segment_manifest is not None and self._segment_manifest["first_step"] is None:
@@ -696,8 +696,7 @@ class HistoryWriter:
         code = _PHASE_CODES.get(phase) if type(phase) is str else None
         if code is None:
             code = Phase.code(phase)
-        if type(step) is not int or step != self._last_step:
-            step = _whole("step", step, *_I64)
+        step = self._as_step(step)
         sid = site.id
         if micro == MICRO_ALL:
             whole = sid < self._whole_has.shape[1]
@@ -795,8 +794,7 @@ class HistoryWriter:
             codes = [Phase.code(p) for p in phases]  # type: ignore[union-attr] -- (raises for an unknown phase)
         for site in sites:
             self._check_site(site)
-        if type(step) is not int or step != self._last_step:
-            step = _whole("step", step, *_I64)
+        step = self._as_step(step)
         ids = np.fromiter(map(_id_of, sites), np.int64, n)
         ph = np.zeros(n, np.int64) if codes is None else np.asarray(codes, np.int64)
         self._grow_whole(int(ids.max()) + 1)

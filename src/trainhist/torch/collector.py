@@ -1658,10 +1658,10 @@ class Collector:
             return
         t = st.truth
         before, after = dev.get((st.step, "_scale_before")), dev.get((st.step, "_scale_after"))
-        applied, skipped_params = self._applied(st, before, after)
+        applied, held = self._applied(st, before, after)
         if t.applied is not None:
             applied = t.applied
-            skipped_params = dict.fromkeys(self._params, "skipped") if applied is False else {}
+            held = dict.fromkeys(self._params, "skipped") if applied is False else {}
         loss_scale = t.loss_scale if t.loss_scale is not None else dev.get((st.step, "loss_scale"))
         basis = t.grad_basis
         if basis is None and len(st.bases) == 1:
@@ -1690,7 +1690,7 @@ class Collector:
         batch: list[tuple[object, str, int]] = []  # (handle, phase, row in d): one writer call for all of them
         for s, phase, key, h in self._emit_plan(st):
             i = spine_rows.get(key)
-            if i is not None and (s.stream != "param_delta" or s.path not in skipped_params):
+            if i is not None and (s.stream != "param_delta" or s.path not in held):
                 if grad_sq is not None and s.stream == "param_grad" and s.path in self._norm_params:
                     if cols is None:
                         cols = (d.count.tolist(), d.nan.tolist(), (d.pinf + d.ninf).tolist(),  # type: ignore[union-attr]
@@ -1711,7 +1711,7 @@ class Collector:
                     sumsq = math.inf if summ.sum_method == SumMethod.UNKNOWN else summ.sumsq.to_float()
                     grad_sq = _add_sumsq(grad_sq, summ.count, summ.nan, summ.pinf + summ.ninf, sumsq)
             self._emit_batch(st, batch)  # (first: a site's rows stay in the order of its phases)
-            self._emit(st, s, phase, key, summ, skipped_params.get(s.path))
+            self._emit(st, s, phase, key, summ, held.get(s.path))
         self._emit_batch(st, batch)
         if not (st.interrupted or st.blind):
             for stream, runs in self._absent_steps.items():
@@ -1723,11 +1723,11 @@ class Collector:
             for key in st.counts:
                 i = spine_rows.get(key)
                 if i is not None:
-                    if i in bad and (key[0] != "param_delta" or key[1] not in skipped_params):
+                    if i in bad and (key[0] != "param_delta" or key[1] not in held):
                         self.first_nonfinite = (st.step, key[1], key[0], key[2])
                         break
                     continue
-                summ = self._summary(st, data, key) if key[0] != "param_delta" or key[1] not in skipped_params \
+                summ = self._summary(st, data, key) if key[0] != "param_delta" or key[1] not in held \
                     else None
                 if summ is not None and summ.finite != summ.count:
                     self.first_nonfinite = (st.step, key[1], key[0], key[2])
