@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import warnings
@@ -390,6 +391,43 @@ def test_nan_injected_by_another_forward_hook_is_attributed_to_its_module(tmp_pa
     h = trainhist.open(path)
     nan = {n: int(h.spine(n, "activation").nan[0]) for n in ("0", "1", "2", "3", "4")}
     assert nan["0"] == nan["1"] == 0 and nan["2"] == 1 and nan["3"] == 1
+    assert col.first_nonfinite == (0, "2", "activation", None)
+
+
+def test_nan_hook_registered_inside_a_step_is_attributed_to_its_module(tmp_path):
+    """A hook registered after the step began (prepended, with kwargs, or plain) still runs before the recorder's,
+    so its NaN is seen at the module it hooks; the user's hooks keep their own order."""
+    model = mlp()
+    path = tmp_path / "n.thist"
+    col = Collector(model, path, streams=("activation",), every=1)
+    col.attach()
+    seen = []
+
+    def inject(module, args, out):
+        out = out.clone()
+        out[0, 0] = math.nan
+        return out
+
+    def look(module, args, kwargs, out):
+        seen.append(bool(torch.isnan(out).any()))
+
+    for step, how in enumerate(({}, {"prepend": True}, {"with_kwargs": True, "always_call": True})):
+        with col.step(step):
+            hs = [model[2].register_forward_hook(inject, **{k: v for k, v in how.items() if k == "prepend"})]
+            if how.get("with_kwargs"):
+                hs.append(model[2].register_forward_hook(look, **how))
+            copy.deepcopy(model)  # (a copy made inside the step keeps working)
+            model(torch.randn(2, 8))
+            for h in hs:
+                h.remove()
+    with col.step(3):
+        model(torch.randn(2, 8))
+    col.close()
+    assert seen == [True]
+    assert not model[2]._forward_hooks and not model[2]._forward_pre_hooks  # (the collector's are removed)
+    h = trainhist.open(path)
+    nan = {n: h.spine(n, "activation").nan.tolist() for n in ("1", "2", "3")}
+    assert nan == {"1": [0, 0, 0, 0], "2": [1, 1, 1, 0], "3": [1, 1, 1, 0]}
     assert col.first_nonfinite == (0, "2", "activation", None)
 
 

@@ -356,6 +356,15 @@ def _no_forward(m: torch.nn.Module) -> bool:
 _WIDE_INTS = tuple(getattr(torch, n) for n in ("int64", "uint64") if hasattr(torch, n))
 
 
+def _keep_last(hid: int, module: torch.nn.Module, args: tuple) -> None:
+    """A forward pre-hook: make forward hook ``hid`` the module's last before its hooks run, so that it sees the
+    final output even when another hook was registered after it, inside a step too (a NaN injected for a test is
+    then seen at the module that made it, not at the one that consumes it)."""
+    hooks = module._forward_hooks
+    if hid in hooks and next(reversed(hooks)) != hid:
+        hooks.move_to_end(hid)
+
+
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
@@ -668,6 +677,8 @@ class Collector:
                 h = m.register_forward_hook(torch.compiler.disable(partial(self._on_forward, path)))
                 self._hooks.append(h)
                 self._fwd_handles.append((m, h.id))
+                if not self._compiled:  # (compiled code: reordered at step entry alone, no break at each start)
+                    self._hooks.append(m.register_forward_pre_hook(torch.compiler.disable(partial(_keep_last, h.id))))
             if self._compiled:  # (to see a forward that the compiled code ran without the hooks above)
                 self._hooks.append(self.model.register_forward_hook(self._on_outer))
         for opt in opts:
@@ -904,9 +915,8 @@ class Collector:
                             f"({'results' if ftz else 'inputs'} only: not torch.set_flush_denormal, which trainhist "
                             "switches off while it reduces); sums over subnormal values may miss their stated bound")
         self._ledger.reset()
-        for m, hid in self._fwd_handles:  # run last: see the module's final output
-            if m._forward_hooks and next(reversed(m._forward_hooks)) != hid:
-                m._forward_hooks.move_to_end(hid)
+        for m, hid in self._fwd_handles:  # run last: see the module's final output (_keep_last: at each call too)
+            _keep_last(hid, m, ())
         self._state = st
         self._place_completed()  # (a forward cut short in the previous step)
         if not self._steps_entered:
