@@ -592,3 +592,51 @@ def test_the_mean_line_says_how_its_sums_were_taken_and_what_it_leaves_out(tmp_p
         ax = site_figure(h, "fc").axes[0]
     labels = [str(ln.get_label()) for ln in ax.lines]
     assert "mean (from sums: f64_accumulate, bounded (spec 5.4); 1 row with unknown sums left out)" in labels
+
+
+def test_plot_command_draws_the_contact_sheet_or_the_named_sites(tmp_path, capsys) -> None:
+    """`trainhist plot`: the contact sheet by default; with --site, a figure and a waterfall per stream and phase
+    (the phase in the name where the site has several), narrowed by --stream/--phase; names checked first."""
+    from trainhist.cli import main
+
+    p = _history(tmp_path)
+    out = tmp_path / "figs"
+    assert main(["plot", str(p), "-o", str(out), "--per-page", "4"]) == 0
+    pages = capsys.readouterr().out.split()
+    assert [x.rsplit("/", 1)[1] for x in pages] == ["contact_sheet_p1.png", "contact_sheet_p2.png"]
+    assert all((out / f"contact_sheet_p{k}.png").stat().st_size > 1000 for k in (1, 2))
+    assert main(["plot", str(p), "-o", str(out), "--site", "h.0", "--site", "h.3", "--stream", "activation"]) == 0
+    names = sorted(x.rsplit("/", 1)[1] for x in capsys.readouterr().out.split())
+    assert names == [f"h.{k}.activation.{kind}.png" for k in (0, 3) for kind in ("site", "waterfall")]
+    assert main(["plot", str(p), "-o", str(out), "--site", "h.0", "--stream", "param_grad"]) == 0
+    names = sorted(x.rsplit("/", 1)[1] for x in capsys.readouterr().out.split())
+    assert names == [f"h.0.param_grad.{ph}.{kind}.png" for ph in ("post_clip", "pre_clip")
+                     for kind in ("site", "waterfall")]
+    assert main(["plot", str(p), "-o", str(out), "--site", "h.0", "--phase", "post_clip"]) == 0
+    assert capsys.readouterr().out.split()[0].endswith("h.0.param_grad.post_clip.site.png")
+    assert all(f.stat().st_size > 1000 for f in out.iterdir())
+    drawn = sorted(out.iterdir())
+    for bad, code, says in ((["--site", "h.9"], "unknown_site", "no site path 'h.9' in this file; closest: ['h.4'"),
+                            (["--site", "h.1", "--site", "h.0", "--stream", "param"], "unknown_site",
+                             "site 'h.1' has no stream 'param': it has ['activation']"),
+                            (["--site", "h.1", "--phase", "pre_clip"], "unknown_phase",
+                             "site 'h.1' has no rows in phase 'pre_clip': it has ['activation default']")):
+        assert main(["plot", str(p), "-o", str(out), *bad]) == 2
+        err = capsys.readouterr().err
+        assert f"[{code}]" in err and says in err, err
+    assert sorted(out.iterdir()) == drawn  # (a refused name draws nothing, not even the names before it)
+    torn = tmp_path / "torn.thist"
+    torn.write_bytes(p.read_bytes() + b"\x01\x02\x03")
+    assert main(["plot", str(torn), "-o", str(tmp_path / "t"), "--site", "h.2", "--stream", "activation"]) == 3
+    assert "only the committed prefix was drawn" in capsys.readouterr().out
+
+
+def test_plot_command_without_matplotlib_says_what_to_install(tmp_path, capsys, monkeypatch) -> None:
+    import sys
+
+    from trainhist.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["plot", str(_history(tmp_path)), "-o", str(tmp_path / "figs")]) == 2
+    err = capsys.readouterr().err
+    assert "[needs_viz]" in err and "pip install 'trainhist[viz]'" in err and not (tmp_path / "figs").exists()

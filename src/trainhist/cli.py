@@ -15,6 +15,7 @@ import numpy as np
 
 from . import __version__
 from .errors import TrainhistError, UsageError
+from .model import Phase
 from .reader import History, open_history
 
 __all__ = ["main", "EXIT_OK", "EXIT_INVALID", "EXIT_USAGE", "EXIT_TORN"]
@@ -247,6 +248,71 @@ def _cmd_export(args: argparse.Namespace) -> int:
         return _status(h)
 
 
+def _file_part(text: str) -> str:
+    """``text`` with every character other than letters, digits, ``.``, ``_`` and ``-`` replaced by ``_``."""
+    return "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "_" for c in text)
+
+
+def _plot_targets(h: History, args: argparse.Namespace) -> list[tuple[object, str, bool]]:
+    """The (site, phase, phase named in the file name) each ``--site`` path asks for, narrowed by ``--stream``,
+    ``--facet`` and ``--phase``; a path or filter that selects nothing is refused, naming what there is."""
+    import difflib
+
+    targets = []
+    for path in args.site:
+        sites = [s for s in h.sites if s.path == path]
+        if not sites:
+            close = difflib.get_close_matches(path, sorted({s.path for s in h.sites}), 5)
+            raise UsageError(f"no site path {path!r} in this file; closest: {close or 'none'} (trainhist info "
+                             f"{h.path} --sites lists them)", code="unknown_site", path=h.path)
+        kept = [s for s in sites if (args.stream is None or s.stream == args.stream)
+                and (args.facet is None or (s.facet or "") == args.facet)]
+        if not kept:
+            there = sorted(f"{s.stream}{'' if s.facet is None else ' facet ' + repr(s.facet)}" for s in sites)
+            want = " ".join(w for w in (args.stream and f"stream {args.stream!r}",
+                                        args.facet is not None and f"facet {args.facet!r}") if w)
+            raise UsageError(f"site {path!r} has no {want}: it has {there}", code="unknown_site", path=h.path)
+        found = []
+        for s in kept:
+            rows = h.spine(s.path, s.stream, s.facet, phase="*")
+            phases = [Phase.name(int(c)) for c in np.unique(rows.columns["phase"])] or ["default"]
+            found += [f"{s.stream} {ph}" for ph in phases]
+            if args.phase is not None:
+                phases = [args.phase] if args.phase in phases else []
+            targets.extend((s, ph, len(phases) > 1 or args.phase is not None) for ph in phases)
+        if args.phase is not None and not any(t[0].path == path for t in targets):
+            raise UsageError(f"site {path!r} has no rows in phase {args.phase!r}: it has {found}",
+                             code="unknown_phase", path=h.path)
+    return targets
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    try:
+        from .figures import contact_sheet, site_figure, waterfall
+        import matplotlib  # noqa: F401 -- (the figures module imports it when drawing)
+    except ImportError as e:
+        raise UsageError(f"figures need matplotlib: pip install 'trainhist[viz]' ({e})", code="needs_viz") from None
+    with open_history(args.file) as h:
+        out = Path(args.output)
+        if not args.site:
+            for page in contact_sheet(h, out, per_page=args.per_page):
+                print(page)
+        else:
+            targets = _plot_targets(h, args)  # (every name is checked before a figure is drawn)
+            out.mkdir(parents=True, exist_ok=True)
+            for s, phase, named in targets:
+                stem = ".".join(_file_part(x) for x in (s.path, s.stream, s.facet, phase if named else None)
+                                if x is not None)
+                for kind, draw in (("site", site_figure), ("waterfall", waterfall)):
+                    draw(h, s.path, s.stream, s.facet, phase=phase, out=out / f"{stem}.{kind}.png")
+                    print(out / f"{stem}.{kind}.png")
+        if h.recovery.status != "clean":
+            print(f"  note: {h.path}: {h.recovery.describe()}; only the committed prefix was drawn")
+        return _status(h)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     try:
         from .torch.demo import main as demo_main
@@ -334,6 +400,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--phases", nargs="+", metavar="PHASE", help="only rows of these phases (default, pre_clip, "
                    "post_clip)")
     c.set_defaults(func=_cmd_export, subparser=c)
+    c = sub.add_parser("plot", help="figures as PNG files: a contact sheet of every site, or the quantile fan and "
+                       "the waterfall of named sites (needs pip install 'trainhist[viz]')")
+    c.add_argument("file", type=_path, help="a trainhist history (.thist)")
+    c.add_argument("-o", "--output", required=True, metavar="DIR", type=_path,
+                   help="folder for the PNG files (created if missing; files of the same names are replaced)")
+    c.add_argument("--site", action="append", metavar="PATH",
+                   help="a site path (as trainhist info --sites lists it; repeat for several): its figure and "
+                   "waterfall for each of its streams, facets and phases, instead of the contact sheet")
+    c.add_argument("--stream", metavar="STREAM", help="with --site: only this stream (activation, param_grad, ...)")
+    c.add_argument("--facet", metavar="NAME", help="with --site: only this facet ('' for the site's own tensor)")
+    c.add_argument("--phase", choices=Phase.NAMES, help="with --site: only rows of this phase")
+    c.add_argument("--per-page", type=int_arg(1, 400, "a number of tiles"), default=24,
+                   help="contact sheet tiles per page (default 24)")
+    c.set_defaults(func=_cmd_plot, subparser=c)
     c = sub.add_parser("demo", help="train a small built-in model and write, triage and plot its history",
                        add_help=False)
     c.add_argument("rest", nargs=argparse.REMAINDER)
