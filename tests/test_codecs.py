@@ -173,7 +173,8 @@ def test_unknown_codec_6() -> None:
 
 def test_valid_edge_blocks() -> None:
     # a constant u8 column of 2**64-1, a w=8 block spanning the whole u64 range, patched with no exception
-    assert dec(hand(4, [("c", "u8", 3, struct.pack("<Q", 2**64 - 1), 32)]), U8).column("c", 4).tolist() == [2**64 - 1] * 4
+    chunk = hand(4, [("c", "u8", 3, struct.pack("<Q", 2**64 - 1), 32)])
+    assert dec(chunk, U8).column("c", 4).tolist() == [2**64 - 1] * 4
     blk = struct.pack("<q", -(2**63)) + struct.pack("<4Q", 0, 2**64 - 1, 1, 2**63)
     assert dec(hand(4, [("c", "i8", 3, blk, 32)]), I8).column("c", 4).tolist() == [-(2**63), 2**63 - 1, -(2**63) + 1, 0]
     assert dec(hand(4, [("c", "u8", 5, bytes([0, 1, 254, 3]), 32)]), U8).column("c", 4).tolist() == [0, 1, 254, 3]

@@ -58,8 +58,9 @@ mant = st.one_of(_special_m, st.integers(-(1 << 70), 1 << 70), st.integers(-(1 <
 expo = st.one_of(st.integers(-80, 80), st.integers(-1200, 1100), st.sampled_from([-1074, -1075, -1126, 971, 1023]))
 dyadic = st.builds(canon, mant, expo)
 flt = st.floats(allow_nan=False, allow_infinity=False).map(Dyadic.from_float)
-value = st.one_of(dyadic, flt, st.sampled_from([Dyadic(0, 0), Dyadic(1, -1074), Dyadic(-1, -1074),
-                                                Dyadic.from_float(2.0**-1022), Dyadic.from_float(1.7976931348623157e308)]))
+_edges = [Dyadic(0, 0), Dyadic(1, -1074), Dyadic(-1, -1074), Dyadic.from_float(2.0**-1022),
+          Dyadic.from_float(1.7976931348623157e308)]
+value = st.one_of(dyadic, flt, st.sampled_from(_edges))
 
 
 def ref_sum(vals: list[Dyadic]) -> Dyadic:

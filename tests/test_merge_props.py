@@ -22,7 +22,6 @@ import uuid
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -31,6 +30,8 @@ from trainhist.dump import canonical
 from trainhist.dyadic import Dyadic
 from trainhist.errors import MergeError
 from trainhist.summary import Sketch, Summary, summarize
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 
 merge_mod = importlib.import_module("trainhist.merge")  # the module (trainhist.merge is also the function)
 

@@ -175,7 +175,8 @@ def test_deflate_chunks_of_a_batch_are_decoded_once(tmp_path: Path, monkeypatch:
     import trainhist.reader as reader_mod
 
     p = tmp_path / "s.thist"
-    with HistoryWriter(p, codec="shuffle", commit_every=5, **{k: v for k, v in FAST.items() if k != "commit_every"}) as w:
+    opts = {k: v for k, v in FAST.items() if k != "commit_every"}
+    with HistoryWriter(p, codec="shuffle", commit_every=5, **opts) as w:
         s = w.site("a", "activation")
         for step in range(40):
             w.observe(s, step, np.random.default_rng(step).standard_normal(300).astype(np.float32))

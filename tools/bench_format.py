@@ -222,7 +222,8 @@ def machine() -> str:
     import msgpack
 
     return (f"{cpu}, {os.cpu_count()} logical CPUs{mem}; {platform.platform()}; Python {platform.python_version()}, "
-            f"numpy {np.__version__}, msgpack {'.'.join(map(str, msgpack.version))}, crc32c {getattr(crc32c, '__version__', '?')}, "
+            f"numpy {np.__version__}, msgpack {'.'.join(map(str, msgpack.version))}, "
+            f"crc32c {getattr(crc32c, '__version__', '?')}, "
             f"zlib {zlib.ZLIB_RUNTIME_VERSION}; trainhist {trainhist.__version__} at git {rev or '?'}")
 
 
@@ -344,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     p(f"| writer, precomputed summaries, sketch off | {fmt(w_off, ' obs/s')} | | |\n")
     p(f"| writer, numpy values (4096 x float32, reduced here) | {fmt(w_val, ' obs/s')} | | |\n\n")
     p("## Details\n\n")
-    p(f"- small files: {a.sites} sites x {a.steps} steps = {n_small} observations, commit every {COMMIT_EVERY} steps (the writer's default); "
+    p(f"- small files: {a.sites} sites x {a.steps} steps = {n_small} observations, "
+      f"commit every {COMMIT_EVERY} steps (the writer's default); "
       f"{size_on / 1e6:.2f} MB with sketches, {size_off / 1e6:.2f} MB without\n")
     p(f"- full scan of the big file: rows/s = {grows / (gsize / 1e6 / scan_m):.3g} (wall), "
       f"{grows / (gsize / 1e6 / statistics.median(big_scan_cpu)):.3g} (per CPU second); 1-minute load average "

@@ -99,7 +99,10 @@ def _encode_for(arr: np.ndarray, dt: str, lo: int | None = None, w: int | None =
     base = struct.pack("<q" if signed else "<Q", lo)
     if w == 0:
         return base
-    off = arr.astype(np.int64, copy=False) - np.int64(lo) if signed else arr.astype(np.uint64, copy=False) - np.uint64(lo)
+    if signed:
+        off = arr.astype(np.int64, copy=False) - np.int64(lo)
+    else:
+        off = arr.astype(np.uint64, copy=False) - np.uint64(lo)
     return base + off.astype(_FOR_WIDTHS[w]).tobytes()
 
 
