@@ -184,6 +184,35 @@ def test_observe_checks_the_site_as_before(tmp_path: Path) -> None:
         w.observe(a, 3, np.ones(3))
 
 
+def test_observe_refuses_a_summary_of_wrong_field_types_before_writing(tmp_path: Path) -> None:
+    """A hand-built Summary whose fields the file cannot hold (float sums, a non-canonical dyadic, a method code of
+    no method, a sketch of the wrong shape) is refused at observe() with ``bad_summary``, naming the field and how
+    to build one; it used to be taken, then fail the commit at close() (TypeError) and leave a torn file."""
+    good = Summary(count=3, min=1.0, max=3.0, sum=Dyadic.from_float(6.0), sumsq=Dyadic.from_float(14.0))
+    n = grid.nbins(grid.NATIVE_SCALE)
+    bad = {
+        "sum": dict(sum=6.0, sumsq=Dyadic.from_float(14.0)),
+        "sumsq": dict(sumsq=Dyadic(14, 0)),  # (14 * 2**0 is Dyadic(7, 1): not canonical, the file would be corrupt)
+        "sum_method": dict(sum_method=7),
+        "min": dict(min="1"),
+        "count": dict(count=3.0),
+        "sketch": dict(sketch=Sketch(grid.NATIVE_SCALE, np.zeros(n, np.float64), np.zeros(n, np.uint64))),
+    }
+    path = tmp_path / "s.thist"
+    with HistoryWriter(path, **FAST) as w:
+        a = w.site("a", "activation")
+        for field, change in bad.items():
+            with pytest.raises(UsageError, match=rf"fields of the wrong type or form: {field} \(") as e:
+                w.observe(a, 0, summary=Summary(**{**good.__dict__, **change}))
+            assert e.value.code == "bad_summary"
+            assert "Dyadic.from_float" in str(e.value) and "trainhist.summarize" in str(e.value)
+        w.observe(a, 0, summary=good)  # (step 0 again: nothing of the refused calls was recorded)
+    h = trainhist.open(path)
+    assert h.verify()["rows"] == 1 and h.recovery.status == "clean"
+    sp = h.spine("a", "activation")
+    assert (sp.sum.tolist(), sp.sumsq.tolist(), sp.mean.tolist()) == ([6.0], [14.0], [2.0])
+
+
 def _table(r: random.Random, n: int, sketch: bool = False) -> SpineTable:
     """``n`` spine rows around the edges: no finite value, zero sums of either sign, overflowed sums (an unknown
     bound), float32 bounds, counts beyond 2**53; with ``sketch``, key counts too (every finite non-zero value

@@ -139,12 +139,86 @@ class _Spines:
         return Sketch.from_key_counts(self.keys[i])  # type: ignore[index]
 
 
+_SUMMARY_TYPES = (
+    "count, nan, pinf, ninf and zero: int in [0, 2**64); min and max: float (NaN when no value is finite); sum and "
+    "sumsq: trainhist.dyadic.Dyadic, the exact value m * 2**e in canonical form (Dyadic.from_float(x), "
+    "Dyadic.make(m, e)); sum_method: a trainhist.SumMethod code (EXACT, F64, F32 or UNKNOWN); sketch: None or a "
+    "trainhist.Sketch of scale 0, 1 or 2 whose pos and neg are integer arrays of grid.nbins(scale) counts")
+
+
+_U64_END = 2**64
+_NBINS = {scale: grid.nbins(scale) for scale in (0, 1, 2)}  #: the in-window bins per sign of each scale (spec 6)
+
+
+def _is_count(c: object) -> bool:
+    """Whether ``c`` is an int (numpy's too, not a bool) a u64 column holds."""
+    return (type(c) is int or isinstance(c, np.integer)) and 0 <= c < _U64_END  # type: ignore[operator]
+
+
+def _is_real(v: object) -> bool:
+    """Whether ``v`` is a real number (a Python or numpy float or int, not a bool) a min or max can be."""
+    return type(v) is float or isinstance(v, (int, np.floating, np.integer)) and not isinstance(v, bool)
+
+
+def _is_dyadic(d: object) -> bool:
+    """Whether ``d`` is a canonical :class:`Dyadic` of int parts whose exponent an i32 holds (spec 5.3)."""
+    if not isinstance(d, Dyadic) or type(d.m) is not int or type(d.e) is not int:
+        return False
+    return (d.m & 1 == 1 or d.m == d.e == 0) and -(2**31) <= d.e < 2**31
+
+
+def _is_sketch(k: object) -> bool:
+    """Whether ``k`` is None or a :class:`Sketch` the writer can store: scale 0, 1 or 2, ``grid.nbins(scale)``
+    non-negative integer counts per sign in numpy arrays, band counts a u64 holds."""
+    if k is None:
+        return True
+    if not isinstance(k, Sketch) or type(k.scale) is not int or k.scale not in _NBINS:
+        return False
+    shape = (_NBINS[k.scale],)
+    for side in (k.pos, k.neg):
+        if type(side) is not np.ndarray or side.shape != shape:
+            return False
+        kind = side.dtype.kind
+        if kind != "u" and (kind != "i" or side.min() < 0):
+            return False
+    return _is_count(k.under_pos) and _is_count(k.under_neg) and _is_count(k.over_pos) and _is_count(k.over_neg)
+
+
+def _summary_type_problems(s: Summary) -> list[str]:
+    """The fields of ``s`` whose type (or form) the file cannot hold, each as ``name (type value)``; none for a
+    Summary such as :func:`~trainhist.summarize` makes (the common case takes the shortest path)."""
+    if (_is_count(s.count) and _is_count(s.nan) and _is_count(s.pinf) and _is_count(s.ninf) and _is_count(s.zero)
+            and _is_real(s.min) and _is_real(s.max) and _is_dyadic(s.sum) and _is_dyadic(s.sumsq)
+            and _is_method(s.sum_method) and _is_sketch(s.sketch)):
+        return []
+    checks = ((_is_count, _COUNTS), (_is_real, ("min", "max")), (_is_dyadic, ("sum", "sumsq")),
+              (_is_method, ("sum_method",)), (_is_sketch, ("sketch",)))
+    bad = [f for ok, fields in checks for f in fields if not ok(getattr(s, f))]
+    return [f"{f} ({type(getattr(s, f)).__name__} {_short(getattr(s, f))})" for f in bad]
+
+
+def _is_method(m: object) -> bool:
+    """Whether ``m`` is the code of a sum method this writer writes (spec 5.4; 3 to 254 are reserved)."""
+    return (type(m) is int or isinstance(m, np.integer)) and m in SumMethod.NAMES
+
+
+def _short(v: object) -> str:
+    """``repr(v)``, cut to 60 characters (a sketch's arrays are long)."""
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
 def _check_summary(s: Summary) -> None:
-    """Refuse a caller's :class:`Summary` that no tensor could give (spec 5.5), which readers would refuse: written,
-    it would make its site unreadable."""
+    """Refuse a caller's :class:`Summary` whose fields the file cannot hold (``bad_summary``), or that no tensor
+    could give (spec 5.5), which readers would refuse: written, it would fail the commit or make its site
+    unreadable."""
+    problems = _summary_type_problems(s)
+    if problems:
+        raise UsageError(
+            f"a Summary with fields of the wrong type or form: {'; '.join(problems)}. Each field must be: "
+            f"{_SUMMARY_TYPES}. Build one with trainhist.summarize(values), or by hand with Dyadic.from_float for "
+            "the sums; nothing of this call was recorded", code="bad_summary")
     counts = (s.count, s.nan, s.pinf, s.ninf, s.zero)
-    if not all(isinstance(c, (int, np.integer)) and not isinstance(c, bool) and 0 <= c < 2**64 for c in counts):
-        raise UsageError(f"a Summary's counts must be integers in [0, 2**64), got {counts}")
     # spec 5.5's rules for one observed row, in plain Python (numpy's per-call cost on one row was most of
     # observe(summary=)'s time); the same test as model.row_problem, whose messages it gives
     count, nan, pinf, ninf, zero = (int(c) for c in counts)
