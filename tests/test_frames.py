@@ -561,6 +561,24 @@ def test_path_and_facet_are_categoricals_in_declaration_order(tmp_path, pq, pd) 
     assert back["path"].tolist() == df["path"].tolist()
 
 
+def test_a_categorical_of_no_categories_survives_parquet(tmp_path, pq, pd) -> None:
+    """Where no site has a facet, ``facet`` is a categorical without categories, every value missing: Parquet kept
+    it as a column of nulls, read back as ``object``; it reads back as the categorical it was."""
+    p = tmp_path / "plain.thist"
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        a = w.site("enc", "activation")
+        for step in range(2):
+            w.observe(a, step, np.ones(3))
+            w.scalar("loss", step, 0.5)
+    with trainhist.open(p) as h:
+        df = frames.spines(h)
+        frames.to_parquet(h, tmp_path / "out")
+    assert isinstance(df["facet"].dtype, pd.CategoricalDtype) and len(df["facet"].cat.categories) == 0
+    back = pd.read_parquet(tmp_path / "out" / "spines.parquet")
+    assert isinstance(back["facet"].dtype, pd.CategoricalDtype) and back["facet"].isna().all()
+    pd.testing.assert_frame_equal(back, df)
+
+
 def test_output_paths_are_checked_and_their_errors_name_them(tmp_path, pd, pq, capsys) -> None:
     p = tmp_path / "rich.thist"
     write_rich(p)

@@ -487,6 +487,18 @@ def _replace(path: Path, write: Any) -> None:
             pass  # (it was never created where nothing may be created)
 
 
+def _text_dictionaries(pa: Any, table: Any) -> Any:
+    """``table`` with each dictionary column of no values (a categorical without categories: every value missing,
+    as ``facet`` where no site has one) typed as a dictionary of strings, which Parquet stores and pandas reads
+    back as a categorical (a dictionary of nulls is stored as a null column, read back as ``object``). Every
+    categorical of the frames holds text."""
+    for i, field in enumerate(table.schema):
+        if pa.types.is_dictionary(field.type) and pa.types.is_null(field.type.value_type):
+            text = pa.dictionary(field.type.index_type, pa.string(), field.type.ordered)
+            table = table.set_column(i, field.with_type(text), table.column(i).cast(text))
+    return table
+
+
 def to_parquet(h: History, out: str | os.PathLike, *, streams: str | Iterable[str] | None = None,
                sites: str | Iterable[str] | None = None, phases: str | Iterable[str] | None = None,
                compression: str = "zstd") -> list[Exported]:
@@ -523,7 +535,7 @@ def to_parquet(h: History, out: str | os.PathLike, *, streams: str | Iterable[st
     written = []
     for name, path in jobs:
         df = tables[name]
-        table = pa.Table.from_pandas(df, preserve_index=False)
+        table = _text_dictionaries(pa, pa.Table.from_pandas(df, preserve_index=False))
         extra = {k.encode(): v.encode() for k, v in {**meta, "trainhist.table": name}.items()}
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), **extra})
         _replace(path, lambda tmp: pq.write_table(table, tmp, compression=compression))
