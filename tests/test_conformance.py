@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from trainhist import conformance as conf
+from trainhist.errors import UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 VECTORS = ROOT / "conformance" / "vectors"
@@ -202,6 +203,25 @@ def test_no_vectors_is_a_usage_error(tmp_path: Path) -> None:
     assert conf.run_suite(conf.default_impl(), tmp_path, out=out) == []
     assert out.getvalue().strip() == "0 passed, 0 failed"
     assert conf.main(None, str(tmp_path / "nowhere"), False) == conf.EXIT_USAGE
+
+
+def test_an_implementation_that_cannot_run_stops_before_any_case(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command that does not exist used to fail every case (195 lines of 'cannot run'); it is one UsageError
+    (exit 2) naming the command and the OS error, and no case runs."""
+    p = _cli("--impl", "thist-no-such-program --flag")
+    assert p.returncode == conf.EXIT_USAGE, p.stdout + p.stderr
+    assert "[bad_impl] cannot run the implementation thist-no-such-program --flag: [Errno 2] No such file or " \
+           "directory: 'thist-no-such-program' (no such program on PATH)" in p.stderr
+    assert "FAIL" not in p.stdout and "passed" not in p.stdout
+    script = tmp_path / "my-thist"
+    script.write_text("#!/bin/sh\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=r"\[Errno 13\] Permission denied: './my-thist' \(.* is not executable") as e:
+        conf.resolve_impl(["./my-thist"])
+    assert e.value.code == "bad_impl"
+    script.chmod(0o755)  # a relative path is the caller's, not the cases' temporary directory's
+    assert conf.resolve_impl(["./my-thist", "-v"]) == [str(script), "-v"]
 
 
 @pytest.mark.parametrize("cid", ["writer/basic", "merge/two_ranks", "coarsen/steps2"])

@@ -9,11 +9,13 @@ produces (write, merge, coarsen) are judged by the reference reader.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CATEGORIES", "OPTIONAL", "Case", "Result", "load_cases", "run_case", "run_suite", "main",
+__all__ = ["CATEGORIES", "OPTIONAL", "Case", "Result", "load_cases", "run_case", "run_suite", "main", "resolve_impl",
            "default_impl", "default_vectors", "error_code", "error_offset", "json_equal", "pointer_tokens"]
 
 CATEGORIES = ("valid", "invalid", "truncated", "forward-compat", "writer", "merge", "coarsen")
@@ -317,6 +319,36 @@ def run_suite(impl: list[str], vectors: Path, *, strict: bool = False, pattern: 
     return results
 
 
+def resolve_impl(cmd: list[str]) -> list[str]:
+    """``cmd`` with its program as an absolute path, checked once before any case runs: the cases run in
+    temporary directories, where a relative path (``./my-thist``) would name nothing. A program that is not
+    there or cannot be run is a :class:`~trainhist.errors.UsageError` (``bad_impl``) naming it and the OS error,
+    instead of every case failing with it."""
+    from .errors import UsageError
+
+    if not cmd:
+        raise UsageError("--impl is empty: expected a command line such as './my-thist' or 'java -jar th.jar'",
+                         code="bad_impl")
+    prog = cmd[0]
+    on_path = os.sep not in prog and not (os.altsep and os.altsep in prog)
+    found = shutil.which(prog) if on_path else os.path.abspath(prog)
+    if found is not None and os.path.isfile(found) and os.access(found, os.X_OK):
+        return [found, *cmd[1:]]
+    if found is None:
+        code, why = errno.ENOENT, "no such program on PATH"
+    elif not os.path.exists(found):
+        code, why = errno.ENOENT, f"no file {found}"
+    elif os.path.isdir(found):
+        code, why = errno.EACCES, f"{found} is a directory"
+    else:
+        code, why = errno.EACCES, f"{found} is not executable: chmod +x it, or give its interpreter"
+    raise UsageError(
+        f"cannot run the implementation {shlex.join(cmd)}: {OSError(code, os.strerror(code), prog)} ({why}); "
+        "expected a command the runner can start: a program on PATH, a path to an executable file (./my-thist), or "
+        "an interpreter and its script ('python /abs/my_thist.py': the cases run in an empty temporary directory, "
+        "so paths among the arguments must be absolute). No case was run", code="bad_impl")
+
+
 def main(impl: str | None, vectors: str | None, strict: bool, pattern: str | None = None,
          timeout: float = 120.0, jobs: int | None = None) -> int:
     """The ``trainhist conformance`` command: exit 0 when nothing failed, 1 otherwise, 2 on bad usage."""
@@ -326,11 +358,12 @@ def main(impl: str | None, vectors: str | None, strict: bool, pattern: str | Non
               "of a trainhist checkout)", file=sys.stderr)
         return EXIT_USAGE
     cmd = shlex.split(impl) if impl else default_impl()
+    run = resolve_impl(cmd)
     env_note = "" if impl else " (reference implementation)"
     print(f"implementation: {shlex.join(cmd)}{env_note}\nvectors: {os.fspath(vdir)}\n"
           f"grading: {'strict' if strict else 'lenient'}")
     jobs = jobs if jobs else min(8, os.cpu_count() or 1)
-    results = run_suite(cmd, vdir, strict=strict, pattern=pattern, timeout=timeout, jobs=jobs)
+    results = run_suite(run, vdir, strict=strict, pattern=pattern, timeout=timeout, jobs=jobs)
     if not results:
         print("trainhist: error [usage] no cases matched", file=sys.stderr)
         return EXIT_USAGE
