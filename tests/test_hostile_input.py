@@ -518,6 +518,45 @@ def test_replica_rows_coarsened_to_different_windows_are_refused_not_added(tmp_p
     assert ei.value.code == "incompatible_span" and "count the replicated tensor twice" in str(ei.value)
 
 
+@pytest.mark.parametrize("batch_rows", [4, 10**6])
+def test_replica_rows_of_different_spans_are_refused_across_sweep_batches(tmp_path, monkeypatch, batch_rows):
+    """The check of spec 11.5 ran inside one sweep batch of the merge: once the overlapping rows fell in two
+    batches (inputs of more than BATCH_ROWS rows) they were added, and the output counted the replica twice."""
+    import sys
+
+    merge_mod = sys.modules["trainhist.merge"]
+    monkeypatch.setattr(merge_mod, "BATCH_ROWS", batch_rows)
+    run = "ab" * 16
+    a0, b, ok = tmp_path / "a0.thist", tmp_path / "b.thist", tmp_path / "ok.thist"
+    with trainhist.HistoryWriter(a0, run_id=run, rank=0, world_size=2) as w:
+        s = w.site("emb", "param", sharing="replica")
+        for st in list(range(10, 20)) + list(range(40, 50)):
+            w.observe(s, st, np.ones(1))
+    a = tmp_path / "a.thist"
+    trainhist.coarsen(a0, a, steps=10)  # rows (10, span 10) and (40, span 10), in one chunk
+    for path, late in ((b, range(41, 50)), (ok, range(50, 55))):
+        with trainhist.HistoryWriter(path, run_id=run, rank=1, world_size=2) as w:
+            s = w.site("emb", "param", sharing="replica")
+            for st in [x for x in range(30) if not 10 <= x < 20]:
+                w.observe(s, st, np.ones(1))
+            w.commit()  # (a chunk of its own: a later sweep batch than A's chunk, with BATCH_ROWS small)
+            for st in late:
+                w.observe(s, st, np.ones(1))
+    with pytest.raises(TrainhistError) as ei:
+        trainhist.merge([a, b], tmp_path / "m.thist")
+    assert ei.value.code == "incompatible_span" and "step 40 (span 10) and step 41 (span 1)" in str(ei.value)
+    assert not (tmp_path / "m.thist").exists()
+    # rows of several steps that overlap nothing in a later batch pass, with the same bytes whatever the batches
+    trainhist.merge([a, ok], tmp_path / "m2.thist")
+    sp = trainhist.open(tmp_path / "m2.thist").spine("emb", "param")
+    assert list(zip(sp.step.tolist(), sp.span.tolist())) == (
+        [(x, 1) for x in range(10)] + [(10, 10)] + [(x, 1) for x in range(20, 30)] + [(40, 10)]
+        + [(x, 1) for x in range(50, 55)])
+    monkeypatch.setattr(merge_mod, "BATCH_ROWS", 10**6 if batch_rows == 4 else 4)
+    trainhist.merge([a, ok], tmp_path / "m3.thist")
+    assert (tmp_path / "m3.thist").read_bytes() == (tmp_path / "m2.thist").read_bytes()
+
+
 def test_cli_merge_of_a_torn_input_exits_3_and_triage_shows_windows(tmp_path, capsys):
     """merge and coarsen exited 0 on a torn input (verify, info and triage exit 3); the triage named a coarsened
     window by its first step only ("at step 10" for a NaN at step 13)."""

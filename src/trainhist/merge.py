@@ -810,24 +810,58 @@ class _Engine:
         blank(res, out["presence"] != Presence.OBSERVED)  # spec 2.6: a row that is not observed has no numbers
         return res
 
-    def _refuse_overlapping_replicas(self, r: Rows, where: str) -> None:
+    def _refuse_overlapping_replicas(self, r: Rows, where: str, reach: dict | None = None) -> None:
         """Replica rows kept once per (step, span) must not cover the same steps under different spans: inputs
         coarsened to different windows hold the same tensor's observations twice, and adding them would count it
-        twice (spec 11.5)."""
+        twice (spec 11.5).
+
+        ``reach`` carries the check from one sweep batch to the next (:meth:`_site`): per (phase, micro), the row
+        of the earlier batches whose steps reach furthest, as ``(phase, micro) -> (end, step, span, src)`` (``end``:
+        its last step as an offset from -2**63, at most 2**64 - 1). A later batch holds only later steps
+        (:meth:`_sweep`), so a row of it overlaps an earlier row exactly when it starts within that furthest reach;
+        only rows of more than one step reach into a later batch."""
         c = r.cols
-        if len(r) < 2 or not (c["span"] != 1).any():
+        wide = c["span"] != 1
+        if not wide.any() and not reach:
+            return  # (one-step rows alone, and nothing earlier reaching beyond its own step)
+        ph, mi, st, sp, src = c["phase"], c["micro"], c["step"], c["span"].astype(np.uint64), c["src"]
+        if reach:  # the earlier batches' furthest rows, before this batch's (their steps are all earlier)
+            held = list(reach.items())
+            ph = np.concatenate([np.array([k[0] for k, _ in held], ph.dtype), ph])
+            mi = np.concatenate([np.array([k[1] for k, _ in held], mi.dtype), mi])
+            st = np.concatenate([np.array([v[1] for _, v in held], st.dtype), st])
+            sp = np.concatenate([np.array([v[2] for _, v in held], np.uint64), sp])
+            src = np.concatenate([np.array([v[3] for _, v in held], src.dtype), src])
+        if len(st) >= 2:
+            o = np.lexsort((st, mi, ph))
+            ph, mi, st, sp, src = ph[o], mi[o], st[o], sp[o], src[o]
+            gap = st[1:].view(np.uint64) - st[:-1].view(np.uint64)  # (sorted: the true distance, even across 0)
+            over = (ph[1:] == ph[:-1]) & (mi[1:] == mi[:-1]) & (gap < sp[:-1])
+            if over.any():
+                i = int(np.flatnonzero(over)[0])
+                raise MergeError(
+                    f"{where}: replica rows at step {int(st[i])} (span {int(sp[i])}) and step {int(st[i + 1])} "
+                    f"(span {int(sp[i + 1])}) cover the same steps: the inputs were coarsened to different windows, "
+                    "and adding them would count the replicated tensor twice; coarsen every input to the same number "
+                    "of steps first", code="incompatible_span", path=self.paths[int(src[i + 1])])
+        if reach is None:
             return
-        o = np.lexsort((c["step"], c["micro"], c["phase"]))
-        ph, mi, st, sp = c["phase"][o], c["micro"][o], c["step"][o], c["span"][o].astype(np.uint64)
-        gap = st[1:].view(np.uint64) - st[:-1].view(np.uint64)  # (sorted: the true distance, even across 0)
-        over = (ph[1:] == ph[:-1]) & (mi[1:] == mi[:-1]) & (gap < sp[:-1])
-        if over.any():
-            i = int(np.flatnonzero(over)[0])
-            raise MergeError(
-                f"{where}: replica rows at step {int(st[i])} (span {int(sp[i])}) and step {int(st[i + 1])} (span "
-                f"{int(sp[i + 1])}) cover the same steps: the inputs were coarsened to different windows, and adding "
-                "them would count the replicated tensor twice; coarsen every input to the same number of steps first",
-                code="incompatible_span", path=self.paths[int(c["src"][o[i + 1]])])
+        w = np.flatnonzero(sp > 1)
+        if not w.size:
+            return
+        key = st[w].view(np.uint64) ^ np.uint64(1 << 63)  # (order-preserving offsets from -2**63)
+        end = key + np.minimum(sp[w] - np.uint64(1), ~key)  # its last step, saturated at the largest step
+        o = np.lexsort((end, mi[w], ph[w]))
+        gp, gm = ph[w][o], mi[w][o]
+        lasts = np.flatnonzero(np.r_[(gp[1:] != gp[:-1]) | (gm[1:] != gm[:-1]), True])  # each group's furthest
+        for j in o[lasts].tolist():
+            i, k = int(w[j]), (int(ph[w[j]]), int(mi[w[j]]))
+            e = int(end[j])
+            if k not in reach or e > reach[k][0]:
+                reach[k] = (e, int(st[i]), int(sp[i]), int(src[i]))
+        top = int(st.max().view(np.uint64) ^ np.uint64(1 << 63))  # (later batches start after this batch's steps)
+        for k in [k for k, v in reach.items() if v[0] < top]:
+            del reach[k]  # (reaches no later step)
 
     def _replica(self, r: Rows, starts: np.ndarray, sizes: np.ndarray, where: str) -> Rows:
         """Keep one row of each group of replica rows; they must be identical (or, on request, are reported)."""
@@ -882,14 +916,16 @@ class _Engine:
                 [int(c[k][i:i + 1].view(np.uint64)[0]) for k in ("min", "max", "sum", "sumsq")],
                 [_exact_key(x.get(i)) for x in (r.sum_x, r.sumsq_x)], bool(r.has_sk[i]), sk)
 
-    def _combine(self, r: Rows, sharing: str, where: str) -> Rows:
+    def _combine(self, r: Rows, sharing: str, where: str, reach: dict | None = None) -> Rows:
+        """Combine the rows of one sweep batch of a site and segment; ``reach``: the state that carries the check of
+        replica spans from batch to batch (:meth:`_refuse_overlapping_replicas`)."""
         c = r.cols
         if sharing == "replica" or self.N == 1:
             order, starts, sizes = _groups([c["step"], c["span"], c["phase"], c["micro"]])
             if sharing == "replica":
                 r = r.take(order)
                 r = self._replica(r, starts, sizes, where) if (sizes > 1).any() else r
-                self._refuse_overlapping_replicas(r, where)
+                self._refuse_overlapping_replicas(r, where, reach)
             elif (sizes > 1).any():
                 r = self._add(r, order, starts, sizes, where)
             else:
@@ -993,8 +1029,9 @@ class _Engine:
         for seg in sorted(per_seg):
             where = f"site {_site_name(self.site_keys[out_site])}, segment {seg}"
             buf: list[Rows] = []
+            reach: dict = {}  # (replica rows of earlier batches that reach into later ones: spec 11.5)
             for batch in self._sweep(per_seg[seg]):
-                r = self._combine(self._decode_batch(batch, out_site), sharing, where)
+                r = self._combine(self._decode_batch(batch, out_site), sharing, where, reach)
                 buf.append(r)
                 buf = self._emit_obs(records, buf, out_site, seg, final=False)
             self._emit_obs(records, buf, out_site, seg, final=True)
