@@ -45,6 +45,7 @@ import torch
 from ..errors import UsageError
 from ..model import Applied, Clipped
 from ..summary import SumMethod
+from ..writer import _real, _whole
 from .plan import (
     ROOT,
     STREAMS,
@@ -131,6 +132,19 @@ class StepTruth:
     samples: int | None = None
 
     def __post_init__(self) -> None:
+        # what the file can hold, checked now, not as a refused row at the end of the step (a tensor: read then)
+        u64 = (1 << 64) - 2  # (the largest known count: 2^64 - 1 is unknown)
+        for name, lo, hi in (("micro_batches", 1, (1 << 32) - 1), ("tokens", 0, u64), ("samples", 0, u64)):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, torch.Tensor):
+                object.__setattr__(self, name, _whole(name, v, lo, hi))
+        for name in ("loss_scale", "clip_threshold"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, torch.Tensor):
+                x = _real(name, v)
+                if not (math.isfinite(x) and x >= 0):
+                    raise UsageError(f"{name} must be a finite number >= 0, got {v!r}", code="bad_value")
+                object.__setattr__(self, name, x)
         if self.grad_basis not in (None, *_GRAD_BASES):
             raise UsageError(f"grad_basis must be 'scaled', 'unscaled' or None, got {self.grad_basis!r}")
         # applied / clipped: a bool, None, anything with a truth value (a 0-dim tensor such as found_inf == 0), or
@@ -160,6 +174,9 @@ class _Step:
     batched: list[str] = field(default_factory=list)  # param_delta of these: _DeltaBatch (CPU kernel) this step
     dev_scalars: list[tuple[int, str, tuple]] = field(default_factory=list)
     host_scalars: list[tuple[int, str, float]] = field(default_factory=list)
+    # the loop's own scalars (col.scalars), kept apart from the collector's: same names are resolved at writing
+    user_dev: list[tuple[int, str, tuple]] = field(default_factory=list)
+    user_host: list[tuple[int, str, float]] = field(default_factory=list)
     micro: int = 0
     norm_done: bool = False
     clip_seen: bool = False
@@ -167,6 +184,8 @@ class _Step:
     bases: set[str | None] = field(default_factory=set)
     unscaled: bool = False
     opt_called: bool = False
+    orphans_read: bool = False  # the gradients of parameters in no attached optimizer were read
+    ran_before: bool = False  # the model ran between the previous step and this one
     scaler_updated: bool = False
     pending: PendingTransfer | None = None
     decoded: dict[tuple, object] = field(default_factory=dict)
@@ -365,6 +384,21 @@ def _keep_last(hid: int, module: torch.nn.Module, args: tuple) -> None:
         hooks.move_to_end(hid)
 
 
+def _scalar_value(name: str, v: object) -> float | torch.Tensor:
+    """A scalar given to :meth:`Collector.scalars` as a float, or a one-element tensor (read at the step's transfer,
+    never synced); anything else (text, several elements) is refused now, with :class:`UsageError`."""
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1 or v.is_complex():
+            raise UsageError(f"scalar {name!r} must be a single real number; got a tensor of shape {tuple(v.shape)} "
+                             f"and dtype {v.dtype} (reduce it first, e.g. loss.mean())", code="bad_scalar")
+        return v
+    a = np.asarray(v) if not isinstance(v, (str, bytes)) else None
+    if a is None or a.size != 1 or a.dtype.kind not in "biuf":
+        raise UsageError(f"scalar {name!r} must be a single real number (int, float, bool, a one-element array or "
+                         f"tensor); got {type(v).__name__} {v!r:.60}", code="bad_scalar")
+    return float(a.reshape(-1)[0])
+
+
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
@@ -463,6 +497,12 @@ class Collector:
         units = fsdp1_units(model)
         self._fsdp1 = {id(m) for m in units}
         self._fsdp1_class = type(units[0]) if units else None
+        # where each parameter is held, to follow one the loop replaces by another of its kind (see _follow_params);
+        # FSDP1 swaps its units' parameters itself: not followed
+        self._owners = {} if units or self._flat else {
+            n: (m, leaf) for path, m in self.inner.named_modules() for leaf, p in m._parameters.items()
+            if (n := clean_name(f"{path}.{leaf}" if path else leaf)) in self._params and self._params[n] is p
+            and type(p) is torch.nn.Parameter}
         first: dict[int, str] = {id(p): n for n, p in self._params.items()}  # shared parameters: recorded once,
         aliases = {clean_name(n): first[id(p)] for n, p in self.inner.named_parameters(remove_duplicate=False)
                    if clean_name(n) not in self._params and id(p) in first}  # under their first name
@@ -511,6 +551,7 @@ class Collector:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._scaler: object | None = None
         self._scaler_orig: dict[str, object] = {}
+        self._scaler_wrapped: set[str] = set()  # the scaler methods that were instance attributes when wrapped
         dev = next((p.device for p in self.inner.parameters()), torch.device("cpu"))
         self._ledger = Ledger(dev)
         self._lag = 1 if self._ledger.device.type == "cuda" else 0
@@ -521,6 +562,10 @@ class Collector:
         self._discovery: dict | None = None
         self._pending: list[_Step] = []
         self._late: list[tuple[int, str, torch.Tensor]] = []
+        self._ran_outside = False  # the model ran since the last step ended, outside any step
+        # each parameter's gradient as the last step left it (the tensor, weakly, and its version): a gradient
+        # found unchanged at the end of a step with no optimizer step is the earlier step's, not this one's
+        self._grads_left: dict[str, tuple[weakref.ref, int]] = {}
         self._warned: set[object] = set()
         self._dtypes: dict[tuple, str] = {}  # (path, stream, facet) -> dtype name, as first seen
         self._typed: set[tuple] = set()  # keys whose site has its dtype in _dtypes
@@ -577,7 +622,8 @@ class Collector:
             self._completed.setdefault(path)
             facets = list(flatten_output(output))
             self._discovery[path] = [(f, tuple(t.shape), _dtype_name(t)) for f, t in facets]
-            self._gradless.update((path, f) for f, t in facets if not t.requires_grad)
+            if torch.is_grad_enabled():  # (under no_grad nothing requires a gradient: that says nothing of training)
+                self._gradless.update((path, f) for f, t in facets if not t.requires_grad)
             for f, t in facets:
                 with contextlib.suppress(RuntimeError):  # (an inference tensor has no version counter)
                     self._versions.append((path, f, t, t._version))
@@ -691,6 +737,7 @@ class Collector:
             self._scaler = scaler
             for name in ("unscale_", "step", "update"):
                 self._scaler_orig[name] = getattr(scaler, name)
+            self._scaler_wrapped = {n for n in self._scaler_orig if n in scaler.__dict__}
             scaler.unscale_ = self._scaler_unscale
             scaler.step = self._scaler_step
             scaler.update = self._scaler_update
@@ -713,6 +760,24 @@ class Collector:
                             f"was made ({', '.join(sorted(set(added))[:5])}{', ...' if len(set(added)) > 5 else ''}): "
                             "they are not recorded, and the gradient norms recorded since leave them out; make the "
                             "Collector after the model is complete")
+
+    def _follow_params(self, step: int) -> None:
+        """Record from a parameter the loop replaced by a new one of the same shape, dtype and device
+        (``module.weight = nn.Parameter(...)``): its sites go on with the new tensor, and a warning says so; any
+        other replacement is left to :meth:`_check_params`'s warning."""
+        params = self._params
+        for n, (m, leaf) in self._owners.items():
+            new = m._parameters.get(leaf)
+            old = params[n]
+            if new is old or type(new) is not torch.nn.Parameter:
+                continue
+            if (new.shape, new.dtype, new.device) != (old.shape, old.dtype, old.device):
+                continue
+            params[n] = new
+            self._made_with.add(id(new))
+            self._warn_once(("rebound", n), f"trainhist: parameter {n!r} was replaced by a new tensor before step "
+                            f"{step}; its sites record the new one from this step on (an optimizer made before "
+                            "still steps the old one unless given the new one)")
 
     def _open(self) -> None:
         if self._writer is not None:
@@ -865,6 +930,10 @@ class Collector:
         """Call the writer; an error is warned about once and never propagates into training."""
         try:
             return fn(*args, **kwargs)  # type: ignore[operator]
+        except UsageError as e:  # (a value the file refuses, e.g. a scalar row twice: not a failing disk)
+            self._warn_once(("refused", e.code), f"trainhist: the history refused a value, which is not recorded "
+                            f"({e}); training continues")
+            return None
         except Exception as e:  # noqa: BLE001 -- a broken disk must not kill the training run
             self._writer_error(e)
             return None
@@ -896,7 +965,7 @@ class Collector:
                             "there (a rollback; pass new_segment=True to say so). Several forwards of one step are "
                             "micro-batches inside one col.step(), not a col.step() each")
         if new_segment:
-            self._drain()
+            self._write_late()  # (the scalars given after the last step belong to the segment it ended)
             self._safe(self._writer.new_segment, int(step), "resume")
             for steps in self._absent_steps.values():
                 steps.clear()
@@ -918,10 +987,12 @@ class Collector:
         for m, hid in self._fwd_handles:  # run last: see the module's final output (_keep_last: at each call too)
             _keep_last(hid, m, ())
         self._state = st
+        st.ran_before, self._ran_outside = self._ran_outside, False
         self._place_completed()  # (a forward cut short in the previous step)
         if not self._steps_entered:
             self._steps_entered = True
             self._check_params()
+        self._follow_params(st.step)
         if st.due["param_delta"]:
             with _no_flush():  # (float64 parameters are cast to float32: a flush would change subnormals)
                 self._snapshot(st)
@@ -930,8 +1001,11 @@ class Collector:
         clip_mod = torch.nn.utils.clip_grad
         inner = getattr(clip_mod, "_clip_grads_with_norm_", None)
         orig_clip = (torch.nn.utils.clip_grad_norm_, clip_mod.clip_grad_norm_)
+        norm_fn = getattr(clip_mod, "_get_total_norm", None) if inner is not None else None
         if inner is not None:
             clip_mod._clip_grads_with_norm_ = partial(self._clip_with_norm, inner)
+            if norm_fn is not None:
+                clip_mod._get_total_norm = partial(self._clip_norm, norm_fn)
         else:  # (an older torch: the public name only)
             torch.nn.utils.clip_grad_norm_ = clip_mod.clip_grad_norm_ = partial(self._clip, orig_clip[0])
         fsdp = self._fsdp1_class
@@ -952,6 +1026,8 @@ class Collector:
         finally:
             if inner is not None:
                 clip_mod._clip_grads_with_norm_ = inner
+            if norm_fn is not None:
+                clip_mod._get_total_norm = norm_fn
             torch.nn.utils.clip_grad_norm_, clip_mod.clip_grad_norm_ = orig_clip
             if fsdp_clip is not None:
                 fsdp.clip_grad_norm_ = fsdp_clip  # type: ignore[union-attr]
@@ -970,6 +1046,10 @@ class Collector:
                 and not any(k[0] == "activation" and k[1] != ROOT for k in st.counts)):
             st.blind = True  # the compiled code runs no hook added after it was compiled: nothing was seen
             self._warn_once("compiled", _COMPILED_BLIND)
+        if st.micro == 0 and st.ran_before and not st.outer:
+            self._warn_once("fwd_outside", f"trainhist: the model ran before step {st.step} began and not inside it: "
+                            "its module rows read absent (did not run); run the forward inside the `with "
+                            "col.step(...)` block")
         if st.interrupted:  # gradients of a backward cut short are not the step's: their rows are unknown
             st.host_scalars.append((st.step, "step_interrupted", 1.0))
             if st.due["param_grad"]:
@@ -978,6 +1058,8 @@ class Collector:
                 st.grad_done.update(st.unknown)
         else:
             self._capture_grads("default", None, at_exit=True)  # (those no clip and no optimizer step took)
+            self._grads_left = {n: (weakref.ref(g), g._version) for n, p in self._params.items()
+                                if (g := p.grad) is not None and type(g) is torch.Tensor}
         if st.clipped_any is not None:
             self._put_scalar(st, st.step, "_clipped", st.clipped_any)
         if st.due["param"]:
@@ -1005,9 +1087,9 @@ class Collector:
             key = ("late", i)
             with _no_flush():  # (a cast to float64 must keep a subnormal)
                 self._ledger.scalar(key).copy_(t.reshape(-1)[:1])
-            st.dev_scalars.append((s, name, key))
+            st.user_dev.append((s, name, key))
         self._late = []
-        if st.counts or st.dev_scalars:  # (with no lag, the step is decoded before the ledger is touched again)
+        if st.counts or st.dev_scalars or st.user_dev:  # (with no lag, decoded before the ledger is touched again)
             st.pending = self._ledger.transfer(copy=self._lag > 0)
         self._pending.append(st)
 
@@ -1023,8 +1105,13 @@ class Collector:
         else:
             st.host_scalars.append((step, name, float(value)))  # type: ignore[arg-type]
 
-    def scalars(self, step: int, **values: float | torch.Tensor) -> None:
-        """Record run-level scalars (loss, lr, ...); tensors are read at the next single transfer, never synced."""
+    def scalars(self, step: int, **values: float | torch.Tensor | None) -> None:
+        """Record run-level scalars (loss, lr, ...); tensors are read at the next single transfer, never synced.
+
+        Each value is one real number (a one-element tensor or array too; None: nothing recorded); anything else
+        raises :class:`UsageError` ``bad_scalar``. A name given twice for a step keeps the last value, and a name
+        the collector records itself (``grad_norm``, ``step_time``, ...) keeps the collector's, with a warning.
+        """
         if self._closed:
             raise UsageError("the collector is closed: scalars() after close() would be lost")
         with _no_flush():  # (a subnormal value is neither zero nor flushed in a cast)
@@ -1043,19 +1130,47 @@ class Collector:
 
     def _scalars(self, step: int, values: dict[str, float | torch.Tensor]) -> None:
         st = self._state
-        for name, v in values.items():
+        # (all checked before any is kept; None: nothing to record)
+        given = {name: _scalar_value(name, v) for name, v in values.items() if v is not None}
+        for name, v in given.items():
             v = self._plain_scalar(name, v)  # type: ignore[assignment]
             if v is None:
                 continue
             if isinstance(v, torch.Tensor):
                 if st is not None and st.step == step:
-                    self._put_scalar(st, step, name, v)
+                    key = ("user", len(st.user_dev))
+                    with _no_flush():  # (a cast to float64 must keep a subnormal)
+                        self._ledger.scalar(key).copy_(v.detach().reshape(1))
+                    st.user_dev.append((step, name, key))
                 else:
                     self._late.append((int(step), name, v.detach()))
             elif st is not None and st.step == step:
-                st.host_scalars.append((step, name, float(v)))
+                st.user_host.append((step, name, v))
             else:
-                self._safe(self._writer.scalar, name, int(step), float(v))
+                if self._writer is None:  # (before attach(): the file is opened now)
+                    self._open()
+                self._safe(self._writer.scalar, name, int(step), v)
+
+    def _write_scalars(self, own: dict[tuple[int, str], float], given: list[tuple[int, str, float]]) -> None:
+        """Write the collector's scalars (``own``) and the loop's (``given``, in the order given): of one name
+        given twice for a step the last is kept, and one the collector records itself keeps the collector's; a
+        warning says so, once for each name."""
+        mine: dict[tuple[int, str], float] = {}
+        for s, name, v in given:
+            if (s, name) in mine:
+                self._warn_once(("scalar_twice", name), f"trainhist: scalar {name!r} was given more than once for "
+                                f"step {s} (per micro-batch?): the last value is recorded; give the step's value once")
+            mine[(s, name)] = v
+        for k, v in mine.items():
+            if k in own:
+                self._warn_once(("scalar_own", k[1]), f"trainhist: scalar {k[1]!r} is one the collector records "
+                                f"itself (step {k[0]}): its own value is kept and the one given is not; give yours "
+                                "another name")
+            else:
+                own[k] = v
+        w = self._writer
+        for (s, name), v in own.items():
+            self._safe(w.scalar, name, s, v)
 
     # -- reductions -----------------------------------------------------------------------------------------
     def _reduce(self, key: tuple, t: torch.Tensor, alias: bool = False) -> None:
@@ -1266,6 +1381,8 @@ class Collector:
     def _on_forward(self, path: str, module: torch.nn.Module, args: tuple, output: object) -> None:
         st = self._state
         if st is None:
+            if path == ROOT:  # (a forward between steps: an evaluation, or a training forward outside the step)
+                self._ran_outside = True
             return
         in_backward = _graph_task_id() != -1
         if not in_backward:
@@ -1333,15 +1450,16 @@ class Collector:
         st = self._state
         if st is None:
             return
+        cleared = at_exit and not st.opt_called
+        stale = self._stale_grads() if cleared else set()
         if phase == "default" and not st.norm_done:
             if st.clip_seen:  # some gradients were clipped, not all: the norm of what the optimizer gets
-                self._total_grad_norm(st, "grad_norm_post_clip" + self._norm_suffix)
-            elif not (st.due["param_grad"] and self._all_trainable_selected()):
-                self._total_grad_norm(st, "grad_norm" + self._norm_suffix)
+                self._total_grad_norm(st, "grad_norm_post_clip" + self._norm_suffix, stale)
+            elif not (st.due["param_grad"] and self._all_trainable_selected()):  # (else: from the spines)
+                self._total_grad_norm(st, "grad_norm" + self._norm_suffix, stale)
         if not st.due["param_grad"]:
             return
         items = []
-        cleared = at_exit and not st.opt_called
         missing = 0
         for name in self._param_names(params):
             if phase == "default" and name in st.clipped_names:
@@ -1350,6 +1468,8 @@ class Collector:
             if key in st.grad_done:
                 continue
             st.grad_done.add(key)
+            if name in stale:  # (no backward reached it this step: absent)
+                continue
             p = self._params[name]
             g = p.grad
             if g is None and local_tensor(p).numel() == 0:  # (no part of it on this rank: FSDP1 drops its gradient)
@@ -1368,7 +1488,18 @@ class Collector:
         if items:
             st.bases.add(self._basis(st))
 
-    def _total_grad_norm(self, st: _Step, name: str) -> None:
+    def _stale_grads(self) -> set[str]:
+        """Parameters whose gradient is the very tensor, unchanged, that the previous step left: at the end of a
+        step with no optimizer step, an earlier step's gradient (an evaluation step; the loop clears gradients at
+        the start of the next training step), not this step's."""
+        stale = set()
+        for n, (ref, version) in self._grads_left.items():
+            g = ref()
+            if g is not None and g is self._params[n].grad and g._version == version:
+                stale.add(n)
+        return stale
+
+    def _total_grad_norm(self, st: _Step, name: str, skip: set[str] = frozenset()) -> None:
         """The global gradient norm as a device scalar, on steps where the param_grad spines do not give it.
 
         One batched reduction over every trainable parameter's gradient (``torch.nn.utils.get_total_norm``, the
@@ -1376,7 +1507,8 @@ class Collector:
         shows a non-finite gradient at the step it happens, whatever the per-site cadence.
         """
         grads = [local_tensor(p.grad) for n, p in self._params.items()
-                 if p.requires_grad and p.grad is not None and n in self._norm_params]
+                 if p.requires_grad and p.grad is not None and n in self._norm_params and n not in skip]
+        grads = [g.coalesce().values() if g.is_sparse else g for g in grads]  # (sparse: repeated indexes add)
         if not grads:
             return
         st.norm_done = True
@@ -1384,7 +1516,7 @@ class Collector:
             norm = torch.nn.utils.get_total_norm(grads, 2.0)
             self._put_scalar(st, st.step, name, norm.detach().to(torch.float64))
         except Exception as e:  # noqa: BLE001 -- a scalar must not stop training
-            self._warn_once("grad_norm", f"trainhist: the global gradient norm failed: {e!r}")
+            self._warn_once("grad_norm", f"trainhist: the global gradient norm failed: {e!r:.300}")
 
     def _clip(self, orig: object, parameters: object, max_norm: float, *args: object, **kwargs: object) -> object:
         """``clip_grad_norm_`` on a torch without ``_clip_grads_with_norm_``: the norm is what it returns."""
@@ -1396,6 +1528,21 @@ class Collector:
         loop reached it."""
         return self._around_clip(lambda ps: orig(ps, max_norm, total_norm, *args, **kwargs), parameters, max_norm,
                                  total_norm)
+
+    def _clip_norm(self, orig: Callable[..., torch.Tensor], tensors: object, *args: object,
+                   **kwargs: object) -> torch.Tensor:
+        """torch's ``_get_total_norm`` as ``clip_grad_norm_`` calls it: when it raises (``error_if_nonfinite``:
+        a non-finite norm, before any clip), the gradients it was given are read first, in phase ``default`` (no
+        clip took them), so that the non-finite values are recorded even if the loop then clears them."""
+        try:
+            return orig(tensors, *args, **kwargs)
+        except Exception:
+            ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)  # type: ignore[arg-type]
+            ids = {id(t) for t in ts}
+            params = [p for p in self._params.values() if p.grad is not None and id(p.grad) in ids]
+            if params and self._state is not None:
+                self._guarded(self._capture_grads, "default", params)
+            raise
 
     def _clip_fsdp1(self, unit: torch.nn.Module, orig: Callable[..., torch.Tensor], max_norm: float,
                     norm_type: float = 2.0) -> torch.Tensor:
@@ -1414,10 +1561,14 @@ class Collector:
         if st is None:
             return call(parameters)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)  # type: ignore[arg-type]
+        ours = {id(p) for p in self._params.values()}
+        if not any(id(p) in ours for p in params):  # (another model's clip: not this history's step)
+            return call(params)
+        mixed = not all(id(p) in ours for p in params)  # (its norm is then of other models' gradients too)
         self._guarded(self._capture_grads, "pre_clip", params)
         out = call(params)
         self._guarded(self._capture_grads, "post_clip", params)
-        self._guarded(self._clipped, st, params, max_norm, out if norm is None else norm, whole)
+        self._guarded(self._clipped, st, params, max_norm, out if norm is None else norm, whole, mixed)
         return out
 
     def _guarded(self, fn: Callable[..., None], *args: object) -> None:
@@ -1430,10 +1581,11 @@ class Collector:
                             "training continues")
 
     def _clipped(self, st: _Step, params: list[torch.Tensor], max_norm: float, norm: object,
-                 whole: bool | None = None) -> None:
+                 whole: bool | None = None, mixed: bool = False) -> None:
         """After a clip of ``params``: their rows are pre/post-clip ones; the global norms are the clip's own when
         it took every trainable parameter (a clip of some of them leaves the others' gradients as they are).
-        ``whole``: whether a plain tensor ``norm`` is the whole model's (None: unless the gradients are sharded)."""
+        ``whole``: whether a plain tensor ``norm`` is the whole model's (None: unless the gradients are sharded);
+        ``mixed``: the clip took other models' parameters too, so its norm is no norm of this model's."""
         st.clip_seen = True
         ids = {id(p) for p in params}
         st.clipped_names.update(n for n, p in self._params.items() if id(p) in ids)
@@ -1447,7 +1599,7 @@ class Collector:
             whole = replicated(norm)
             norm = norm.to_local()
         norm = norm.detach()
-        every = all(id(p) in ids for p in self._params.values() if p.requires_grad)
+        every = not mixed and all(id(p) in ids for p in self._params.values() if p.requires_grad)
         if whole:  # (of a rank's part of the gradients, the norm does not say whether clip scaled them)
             coef = max_norm / (norm + 1e-6)  # clip_grad_norm_'s own coefficient, in its dtype
             clipped = (coef < 1).to(torch.float64)
@@ -1506,6 +1658,10 @@ class Collector:
     def _on_opt_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         st = self._state
         if st is None:
+            if not self._closed:
+                self._warn_once("opt_outside", "trainhist: an attached optimizer stepped outside col.step(): that "
+                                "update is not recorded, and the step before it reads as not applied (skipped); "
+                                "call optimizer.step() inside the `with col.step(...)` block")
             return
         st.opt_called = True
         oi = self._opt_index(opt)
@@ -1515,7 +1671,7 @@ class Collector:
             st.lrs[oi] = [lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
                           for lr in (g.get("lr") for g in opt.param_groups)]
         if not _closure(args, kwargs):  # (a closure computes the gradients inside the step: read after it)
-            self._capture_grads("default", [p for g in opt.param_groups for p in g["params"]])
+            self._capture_grads("default", self._stepped_params(st, opt))
 
     def _on_opt_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         st = self._state
@@ -1527,7 +1683,18 @@ class Collector:
         if oi is not None:
             st.opt_state[oi] = "maybe" if maybe else "stepped"
         if _closure(args, kwargs):  # the gradients of the closure's last evaluation (LBFGS evaluates it repeatedly)
-            self._capture_grads("default", [p for g in opt.param_groups for p in g["params"]])
+            self._capture_grads("default", self._stepped_params(st, opt))
+
+    def _stepped_params(self, st: _Step, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The parameters whose gradients are read when ``opt`` steps: its own, and at the step's first optimizer
+        step those of no attached optimizer (one the loop steps unattached: the loop may clear its gradients
+        before the step ends, so they are read while the gradients are in use)."""
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if not st.orphans_read:
+            st.orphans_read = True
+            attached = {id(p) for o in self._optimizers for g in o.param_groups for p in g["params"]}
+            params += [p for p in self._params.values() if id(p) not in attached]
+        return params
 
     def _scaler_unscale(self, optimizer: object) -> object:
         out = self._scaler_orig["unscale_"](optimizer)  # type: ignore[operator]
@@ -1661,9 +1828,10 @@ class Collector:
         dev: dict[tuple[int, str], float] = {}
         for s, name, key in st.dev_scalars:
             dev[(s, name)] = st.pending.scalar(data, key)  # type: ignore[union-attr,arg-type]
+        given = [(s, name, st.pending.scalar(data, key)) for s, name, key in st.user_dev]  # type: ignore[union-attr]
+        given += st.user_host
         if st.late_only:
-            for (s, name), v in dev.items():
-                self._safe(w.scalar, name, s, v)
+            self._write_scalars({}, given)
             self._safe(w.commit)
             return
         t = st.truth
@@ -1748,11 +1916,9 @@ class Collector:
         elapsed = next((v for s, n, v in st.host_scalars if n == "step_time" and s == st.step), None)
         if tokens is not None and elapsed:
             st.host_scalars.append((st.step, "tokens_per_s", tokens / elapsed))
-        for (s, name), v in dev.items():
-            if not name.startswith("_"):
-                self._safe(w.scalar, name, s, v)
-        for s, name, v in st.host_scalars:
-            self._safe(w.scalar, name, s, v)
+        own = {k: v for k, v in dev.items() if not k[1].startswith("_")}  # (internal values: not scalars)
+        own.update({(s, name): v for s, name, v in st.host_scalars})
+        self._write_scalars(own, given)
         self._since_commit += 1
         if self._since_commit >= self.commit_every:
             self._since_commit = 0
@@ -1881,11 +2047,21 @@ class Collector:
             raise UsageError("the collector is closed")
         if self._state is not None:
             raise UsageError(f"commit() inside step {self._state.step}: call it between steps")
-        self._drain()
+        self._write_late()
         self._since_commit = 0
         if self._writer is not None:
             self._safe(self._writer.commit)
         self._check_params()
+
+    def _write_late(self) -> None:
+        """Write every finished step, and the tensor scalars given after the last one (otherwise read at the next
+        step's transfer), with one more transfer for those."""
+        self._drain()
+        if self._late:
+            self._ledger.reset()
+            st = _Step(step=-1, truth=StepTruth(), due=dict.fromkeys(STREAMS, False), sketch={}, t0=0.0, late_only=True)
+            self._transfer(st)
+            self._drain()
 
     def close(self) -> None:
         """Write what is pending, remove every hook, restore the scaler, and close the writer. Idempotent."""
@@ -1900,19 +2076,27 @@ class Collector:
             finally:
                 self._state = None
         self._closed = True
-        self._drain()
-        if self._late:  # tensor scalars given after the last step: one more transfer
-            self._ledger.reset()
-            st = _Step(step=-1, truth=StepTruth(), due=dict.fromkeys(STREAMS, False), sketch={}, t0=0.0, late_only=True)
-            self._transfer(st)
-            self._drain()
+        self._write_late()
         for h in self._hooks:
             h.remove()
         self._hooks, self._fwd_handles = [], []
-        if self._scaler is not None:
+        if self._scaler is not None:  # (only where ours is still the method: another collector's wraps ours)
+            sc, mine = self._scaler, {"unscale_": self._scaler_unscale, "step": self._scaler_step,
+                                      "update": self._scaler_update}
             for name in self._scaler_orig:
-                with contextlib.suppress(AttributeError):
-                    delattr(self._scaler, name)
+                if sc.__dict__.get(name) != mine[name]:
+                    continue
+                owner = self  # (what we wrapped: past the wrappers of collectors closed since, to the first live one)
+                while True:
+                    orig, inst = owner._scaler_orig[name], name in owner._scaler_wrapped
+                    under = getattr(orig, "__self__", None)
+                    if not (inst and isinstance(under, Collector) and under._closed):
+                        break
+                    owner = under
+                if inst:  # (a method set on the instance: a live collector's, or the loop's own)
+                    setattr(sc, name, orig)
+                else:
+                    delattr(sc, name)
         if self._writer is not None and self._plan is not None:
             self._register_sites()  # (the planned sites no step recorded: declared, with no rows)
         if self._writer is not None and (self.path is not None):
