@@ -111,7 +111,7 @@ def test_plan_table_reports_elements_and_bytes():
     assert p.find("attn.q_proj.weight", "param_delta", None).sample == {"elements": 10, "of": 16, "seed": 0}
     assert p.find("head.bias", "param_delta", None).sample is None
     table = p.format_table()
-    assert "elements/step" in table and "bytes/step" in table and "aux.1" in table
+    assert "elements/step" in table and "raw bytes/step" in table and "aux.1" in table
     assert table.splitlines()[-1].startswith("TOTAL")
     assert p.bytes_per_step() > 0 and p.elements_per_step() == sum(s.elements_per_step() for s in p.sites)
 

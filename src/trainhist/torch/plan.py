@@ -375,7 +375,7 @@ class Plan:
 
     def format_table(self) -> str:
         """A text table: per site and stream, elements reduced per step and raw bytes written per step."""
-        head = ("site", "stream", "facet", "shape", "dtype", "elements/step", "bytes/step", "every", "sketch")
+        head = ("site", "stream", "facet", "shape", "dtype", "elements/step", "raw bytes/step", "every", "sketch")
         rows = []
         for s in self.sites:
             eps = s.elements_per_step()
