@@ -656,3 +656,23 @@ def test_every_metadata_key_is_documented_as_written(tmp_path, pq, pd) -> None:
     assert recovery == {"status": "clean", "committed_bytes": p.stat().st_size, "dropped_bytes": 0, "reason": None}
     assert all(f'"{field}"' in frames.__doc__ and f"`{field}`" in guide for field in recovery)
     assert set(doc) == set(meta) - {"trainhist.table"} and doc["trainhist.version"] == trainhist.__version__
+
+
+def test_quantiles_of_a_row_whose_sketch_holds_part_of_its_values_carry_no_bound(tmp_path) -> None:
+    """Two ranks' rows merged, one sketched and one not: the merged sketch holds rank 0's values alone. Its q0.95
+    was 1.09 against a true 1089.9 with the 0.19 bound claimed; the row's share and a NaN bound say so now."""
+    run = "cd" * 16
+    paths = []
+    for rank, (scale, sketch) in enumerate(((1.0, True), (1000.0, False))):
+        p = tmp_path / f"r{rank}.thist"
+        with trainhist.HistoryWriter(p, run_id=run, rank=rank, world_size=2) as w:
+            w.observe(w.site("x", "activation"), 0, scale * np.linspace(1, 1.1, 100), sketch=sketch)
+        paths.append(p)
+    trainhist.merge(paths, tmp_path / "m.thist")
+    with trainhist.open(tmp_path / "m.thist") as h:
+        df = frames.quantiles(h, "x", q=(0.5, 0.95))
+    assert df["sketch_share"].tolist() == [0.5] and df["zeros_estimated"].tolist() == [True]
+    assert np.isnan(df["rel_bound"].iloc[0]) and "1 of 1 rows" in df.attrs["approximate"]
+    with trainhist.open(paths[0]) as h:  # (a whole sketch: share 1, the bound stated)
+        df = frames.quantiles(h, "x")
+    assert df["sketch_share"].tolist() == [1.0] and df["rel_bound"].iloc[0] == pytest.approx(2 ** 0.25 - 1)

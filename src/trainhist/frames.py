@@ -312,7 +312,7 @@ def quantiles(h: History, path: str, stream: str = "activation", facet: str | No
               q: Iterable[float] = (0.05, 0.5, 0.95), phase: str | None = None) -> "pd.DataFrame":
     """APPROXIMATE quantiles of one site, derived from its sketches (one row per sketched row): ``phase`` (a
     categorical, as in :func:`spines`), ``segment``, ``step``, ``span``, ``micro``, then ``approx_q<q>`` per asked
-    quantile (``approx_q0.05``, ...), ``rel_bound`` and ``zeros_estimated``.
+    quantile (``approx_q0.05``, ...), ``rel_bound``, ``sketch_share`` and ``zeros_estimated``.
 
     Which quantile: the lower one, of the inverted CDF, with no interpolation. Of the row's ``n`` finite values
     (zeros included; NaN and ±inf are not values here: :func:`spines` counts them in ``nan``, ``pinf``, ``ninf``),
@@ -326,9 +326,12 @@ def quantiles(h: History, path: str, stream: str = "activation", facet: str | No
     :func:`trainhist.figures.quantiles_from_sketch`, as the site figure draws them). ``rel_bound`` bounds its
     error relative to ``x``, ``|approx - x| <= rel_bound * |x|``: one bin width, ``2**(1/bins_per_octave) - 1``
     (0.189 at 4 bins per octave). NaN where the row holds no finite value, or where ``x`` is in an under- or
-    overflow band (magnitudes outside the grid's window (2**-48, 2**16]: no bin places it). ``zeros_estimated``:
-    the sketch covers only part of a coarsened row, whose zeros among the sketched values are then estimated in
-    proportion, and ``n`` and the rank with them (the bound assumes they are right).
+    overflow band (magnitudes outside the grid's window (2**-48, 2**16]: no bin places it). ``sketch_share``: the
+    share of the row's non-zero finite values its sketch holds, 1.0 but where the sketch covers only part of the
+    row (a coarsened window with sketches at a sparser cadence; a merged row whose inputs did not all have one,
+    spec 11.2). The quantiles of such a row are those of the values its sketch holds, a sample of the row's: no
+    bound holds for the row's own quantiles, so ``rel_bound`` is NaN there. ``zeros_estimated``: such a row's
+    zeros among the sketched values are estimated in proportion (``sketch_share < 1``).
 
     ``q``: quantiles in [0, 1]; ``phase`` as :meth:`History.spine` (``"*"``: the rows of every phase, in file order,
     told apart by the ``phase`` column)."""
@@ -345,16 +348,21 @@ def quantiles(h: History, path: str, stream: str = "activation", facet: str | No
     s = h.spine(path, stream, facet, phase=phase)
     sk = h.sketch(path, stream, facet, phase=phase)
     at, values, partial = sketch_row_quantiles(s, sk, qs)
+    covered = (sk.pos.sum(axis=1) + sk.neg.sum(axis=1) + sk.bands.sum(axis=1)).astype(np.float64)
+    nonzero = (s.finite[at] - s.zero[at]).astype(np.float64)
     df = pd.DataFrame({
         "phase": _categorical(pd, s.phase[at], Phase.NAMES),  # (as in spines: phase="*" gives every phase's rows)
         "segment": s.segment[at].astype(np.int64), "step": s.step[at].astype(np.int64),
         "span": s.span[at].astype(np.uint32), "micro": s.micro[at].astype(np.uint32),
         **{n: values[:, j] for j, n in enumerate(names)},
-        "rel_bound": np.full(len(at), quantile_bound(sk.scale)),
+        "rel_bound": np.where(partial, np.nan, quantile_bound(sk.scale)),
+        "sketch_share": np.where(partial, covered / np.maximum(nonzero, 1.0), 1.0),
         "zeros_estimated": partial.astype(bool),
     })
     df.attrs["approximate"] = (f"quantiles derived from the sketch at {2**sk.scale} bins per octave: each within "
-                               f"{quantile_bound(sk.scale):.4f} relative of the true one (rel_bound)")
+                               f"{quantile_bound(sk.scale):.4f} relative of the true one (rel_bound), except in "
+                               f"{int(partial.sum())} of {len(at)} rows whose sketch holds only part of the row's "
+                               "values (sketch_share < 1): no bound, rel_bound NaN")
     return df
 
 
