@@ -295,6 +295,26 @@ def test_merged_row_equals_summary_of_concatenation(parts, width):
         h.close()
 
 
+def test_coarsen_keeps_the_writers_cadence(tmp_path):
+    """Cadence 3 coarsened by 2 became cadence 2 (every window due), so window [4, 6), which holds no step the writer
+    planned, read unknown. The cadence is kept (spec 11.7): that window reads not_scheduled, as steps 4 and 5 did."""
+    p, c = tmp_path / "p.th", tmp_path / "c.th"
+    with trainhist.HistoryWriter(p, fsync="never") as w:
+        s = w.site("x", "activation", cadence_spine=3, cadence_sketch=3)
+        for step in range(12):
+            if step % 3 == 0:
+                w.observe(s, step, np.ones(4))
+            w.step_truth(step, applied=True)
+    trainhist.coarsen(p, c, steps=2)
+    with trainhist.open(p) as h0, trainhist.open(c) as h1:
+        assert (h1.sites[0].cadence_spine, h1.sites[0].cadence_sketch) == (3, 3)
+        assert h1.spine("x").step.tolist() == [0, 2, 6, 8]
+        want = h0.presence("x", steps=range(12))
+        got = h1.presence("x", steps=range(12))
+        assert [got[k] for k in (4, 5, 10, 11)] == [want[k] for k in (4, 5, 10, 11)] == ["not_scheduled"] * 4
+        assert all(got[k] == "observed" for k in (0, 1, 2, 3, 6, 7, 8, 9))  # (a row covers its window)
+
+
 # -- semantics and refusals -----------------------------------------------------------------------------------
 def _two(d: Dir, fn0, fn1, run: str | None = None) -> list[str]:
     run = run or uuid.uuid4().hex

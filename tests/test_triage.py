@@ -457,12 +457,13 @@ def test_a_coarsened_file_recorded_at_a_cadence_keeps_its_bracket(tmp_path) -> N
     holds one observation (its first step), yet it was read as covering the whole window, so the bracket was lost.
     Where the window is the cadence itself (the file cannot tell which steps a window observed), it is said."""
     ok = np.ones(4, np.float32)
-    for cadence, said in ((10, "steps 11..19 were not observed"), (5, "which of its steps were observed is not")):
+    for cadence, said in ((10, "steps 11..19 were not observed"), (5, "which of its steps were observed is not"),
+                          (6, "at step 15 (covering steps 15..18), was finite and steps 19..19 were not observed")):
         p, c = tmp_path / f"c{cadence}.thist", tmp_path / f"c{cadence}.c5.thist"
         with trainhist.HistoryWriter(p) as w:
             a = w.site("h.0", "activation", cadence_spine=cadence)
             for step in range(40):
-                if step % cadence == 0:
+                if step % cadence == 0:  # (6: the window of 5 does not divide it; the file keeps it, spec 11.7)
                     w.observe(a, step, _bad() if step >= 20 else ok)
                 w.scalar("loss", step, float("nan") if step >= 17 else 1.0)
                 w.step_truth(step, applied=True)
@@ -492,3 +493,38 @@ def test_overflow_windows_of_a_coarsened_file_are_told_apart(tmp_path) -> None:
     assert t.first_nonfinite.step == 15 and "forward" in t.first_nonfinite.text
     (f,) = [f for f in t.findings if f.kind == "scaler_overflow"]
     assert "2 coarsened windows skipped by the loss scaler" in f.text and "not kept by the window" in f.text
+
+
+def test_a_coarsened_window_without_a_row_reads_and_triages_as_its_input(tmp_path) -> None:
+    """A cadence-1 site with no row at steps 4..7 (a failed write) read unknown there, and triage reported it; coarsened
+    by 4 the site took cadence 4, so the window [4, 8) read unknown at step 4 and not_scheduled at 5..7, and triage
+    skipped coarsened files. The file keeps the writers' cadence now (spec 11.7): the window reads step by step as
+    the input did (2.6), and triage reports the window."""
+    p, c = tmp_path / "p.thist", tmp_path / "c.thist"
+    with trainhist.HistoryWriter(p) as w:
+        s = w.site("x", "activation")
+        for st in range(12):
+            if not 4 <= st < 8:
+                w.observe(s, st, np.ones(2))
+            w.step_truth(st, applied=True)
+    trainhist.coarsen(p, c, steps=4)
+    with trainhist.open(p) as h0, trainhist.open(c) as h1:
+        assert h1.sites[0].cadence_spine == 1
+        want = h0.presence("x", steps=range(12))
+        assert h1.presence("x", steps=range(4, 8)) == {k: "unknown" for k in range(4, 8)} == \
+            {k: want[k] for k in range(4, 8)}
+        f = next(f for f in triage(h1).findings if f.kind == "rows_missing")
+    assert f.step == 4 and "1 coarsened window with a due step of 1 site" in f.text and "steps 4–7" in f.text
+    # a window that holds no due step (cadence 8: step 8 is due, 4..7 are not) is no finding, and reads not_scheduled
+    q, d = tmp_path / "q.thist", tmp_path / "d.thist"
+    with trainhist.HistoryWriter(q) as w:
+        s = w.site("x", "activation", cadence_spine=8)
+        for st in range(16):
+            if st % 8 == 0:
+                w.observe(s, st, np.ones(2))
+            w.step_truth(st, applied=True)
+    trainhist.coarsen(q, d, steps=4)
+    with trainhist.open(d) as h:
+        assert h.presence("x", steps=range(4, 8)) == {k: "not_scheduled" for k in range(4, 8)}
+        assert not any(f.kind == "rows_missing" for f in triage(h).findings)
+

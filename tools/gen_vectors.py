@@ -1747,6 +1747,13 @@ def gen_coarsen(s: Suite) -> None:
                       {"op": "observe", "site": 0, "step": I(1), "summary": UNKNOWN_SUMS_SUMMARY},
                       obs(0, 2, [0.5], sketch=False), obs(0, 3, [2.0**-80], sketch=False), COMMIT]))},
                   {"input": "input.thist", "steps": 2, "bins_per_octave": 4})
+    _derived_case(s, c, "cadence_kept", "a site recorded every 3 steps, coarsened by 2: it keeps cadence 3 (the "
+                  "steps its writer planned), so window [4, 6), which holds no due step and has no row, reads "
+                  "not_scheduled", ["11.7", "2.6"],
+                  {"input.thist": write_ops(ops_doc([site("x", cadence={"spine": 3, "sketch": 3})]
+                                                    + [obs(0, st, [1.0]) for st in (0, 3, 6, 9)]
+                                                    + [truth(st) for st in range(12)] + [COMMIT]))},
+                  {"input": "input.thist", "steps": 2, "bins_per_octave": 4})
     s.read("valid", "derived_coarsened", "a coarsened file: spans of 2 steps, a steps chunk with a `span` column, "
            "scale-1 sketches", ["11.7", "2.3", "7.6"],
            derive(c, one, {"input": "input.thist", "steps": 2, "bins_per_octave": 2})[2])

@@ -190,11 +190,6 @@ def _agree(values: list) -> Any:
     return first if all(v == first for v in values[1:]) else None
 
 
-def _window_cadence(c: int, n: int) -> int:
-    """Cadence of a site after coarsening by ``n`` steps: exact when ``n`` divides it, else every window is due."""
-    return c if c % n == 0 else n
-
-
 def _sum_u64(a: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """Group sums of unsigned 64-bit counts along axis 0, and the groups (mask) whose sum overflows, if any."""
     s = np.add.reduceat(a, starts, axis=0)
@@ -543,13 +538,14 @@ class _Engine:
                         "by every writer (merge the files whose settings agree)", code="incompatible_sites",
                         path=other[0].path,
                     )
+            # (the cadences of the steps the writers planned: a coarsened file keeps them, spec 11.7)
             spine = math.gcd(*[d["cadence"]["spine"] for d in docs])
             sketch = math.gcd(*[d["cadence"]["sketch"] for d in docs])
             shape = _agree([None if d.get("shape") is None else list(d["shape"]) for d in docs])
             doc = {
                 "kind": "site", "id": new_id, "path": key[0], "stream": key[1], "facet": key[2], "shape": shape,
                 "dtype": _agree([d.get("dtype") for d in docs]), "sharing": docs[0]["sharing"],
-                "cadence": {"spine": _window_cadence(spine, self.N), "sketch": _window_cadence(sketch, self.N)},
+                "cadence": {"spine": spine, "sketch": sketch},
                 "sample": docs[0].get("sample"), "order": _agree([d.get("order") for d in docs]),
             }
             self.site_docs.append(doc)

@@ -1130,8 +1130,11 @@ class History:
 
         A row gives its own presence; with no row, a step the writer recorded (a step-truth row, or a step inside
         a coarsened step-truth window) whose site cadence says "not due" is ``not_scheduled``, and anything else
-        is ``unknown``. A gap is never turned into a number. The work grows with the rows and the asked steps,
-        never with a row's span. ``segment``: one segment's rows only; needed when a resumed run recorded some
+        is ``unknown`` (spec 2.6). The rule goes step by step inside a coarsened window too: a coarsened file keeps
+        the cadence its writers planned (spec 11.7), so a window without a row reads as its input read those steps;
+        in a merged file the cadence is the gcd of the inputs' (spec 11.5), so a step it makes due that no input
+        planned reads ``unknown``. A gap is never turned into a number. The work grows with the rows and the asked
+        steps, never with a row's span. ``segment``: one segment's rows only; needed when a resumed run recorded some
         steps again in a later segment (spec 2.4: two segments are never one history), else ``segment_ambiguous``.
         """
         if steps is not None and (isinstance(steps, (str, bytes)) or not all(

@@ -151,15 +151,37 @@ class _Event(NamedTuple):
 
 def _observed_end(step: int, span: int, site: Site) -> int:
     """The step after the last one a row observed: a one-step row its step; a coarsened row of a site recorded at a
-    cadence ``c`` larger than the window, which the window divides (spec 11.7 keeps ``c`` then), observed only the
-    multiples of ``c`` inside it, so the steps after the last of them were not observed; any other row its whole
-    window (whether it observed every step of it is not recorded)."""
+    cadence ``c`` larger than the window (spec 11.7 keeps the writers' cadence) observed only the multiples of ``c``
+    inside it, so the steps after the last of them were not observed; any other row its whole window (whether it
+    observed every step of it is not recorded)."""
     c = site.cadence_spine
-    if span > 1 and c > span and c % span == 0:  # (c == span: kept, or made the window by 11.7; not known)
+    if span > 1 and c > span:  # (c == span: the writers' cadence, or the window of an earlier rule; not known)
         last = (step + span - 1) // c * c
         if last >= step:
             return last + 1
     return step + span
+
+
+def _due_without_row(entries: tuple[np.ndarray, np.ndarray], rows: list[tuple[np.ndarray, np.ndarray]],
+                     cadence: int) -> list[tuple[int, int]]:
+    """The step-truth rows (``entries``: arrays of steps and spans) of one segment that hold a step due at
+    ``cadence`` and that no row of the site (``rows``: arrays of steps and spans) covers any step of, as
+    ``(step, span)``. Vectorized on i64 where no value comes near its limits, else on exact integers (steps may lie
+    anywhere in the i64 range, a coarsened window may reach past its end, and a cadence may be any integer)."""
+    a, n = entries
+    step = np.concatenate([x for x, _ in rows])
+    span = np.concatenate([y for _, y in rows]).astype(np.int64)
+    lim = 1 << 61
+    safe = cadence < lim and all(v.size == 0 or (int(v.min()) > -lim and int(v.max()) < lim) for v in (a, step))
+    dt = np.int64 if safe else object
+    a, n, step, span = (v.astype(dt) for v in (a, n, step, span))
+    due = (a + n - 1) // cadence * cadence >= a  # (a multiple of the cadence among its steps)
+    o = np.argsort(step, kind="stable")
+    starts, reach = step[o], np.maximum.accumulate((step + span)[o]) if o.size else step
+    i = np.searchsorted(starts, a + n, side="left")  # the rows that start before its end: does one reach into it?
+    covered = (i > 0) & (reach[np.maximum(i - 1, 0)] > a) if o.size else np.zeros(a.size, bool)
+    lost = np.flatnonzero(due & ~covered.astype(bool))
+    return [(int(a[k]), int(n[k])) for k in lost.tolist()]
 
 
 def _gap(e: _Event) -> bool:
@@ -238,13 +260,15 @@ def triage(h: History) -> Triage:
     coarse = any(r["span"] != 1 for r in rows)
     # a coarsened step-truth row covers a window of steps: counted as windows, as `trainhist info` counts them
     unit = "step" if not coarse else "coarsened window"
-    table: dict[int, np.ndarray] = {}  # segment -> its step-truth steps (one-step rows)
+    table: dict[int, list[tuple[int, int]]] = {}  # segment -> its step-truth rows (step, span)
     for r in rows:
-        table.setdefault(r["segment"], []).append(r["step"])  # type: ignore[attr-defined]
-    table = {g: np.array(v, dtype=np.int64) for g, v in table.items()}
-    no_row: list[tuple[int, int, int, str]] = []  # (first step, site order, due steps without a row, label)
+        table.setdefault(r["segment"], []).append((r["step"], r["span"]))
+    tables = {g: (np.array([a for a, _ in v], np.int64), np.array([n for _, n in v], np.int64))
+              for g, v in table.items()}
+    # (first step, its span, site order, due steps without a row, due windows without a row, label)
+    no_row: list[tuple[int, int, int, int, int, str]] = []
     for site in h.sites:
-        seen: dict[int, list[np.ndarray]] = {}  # segment -> steps with a row (any phase)
+        seen: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}  # segment -> (step, span) of its rows, any phase
         for phase in ("default", "pre_clip", "post_clip"):
             s = h.spine(site.path, site.stream, site.facet, phase=phase)
             if not len(s):
@@ -254,7 +278,7 @@ def triage(h: History) -> Triage:
             order = orders[site.id]
             step, span, seg = s.step, s.span.astype(np.int64), s.segment
             for g in np.unique(seg).tolist():
-                seen.setdefault(int(g), []).append(step[seg == g])
+                seen.setdefault(int(g), []).append((step[seg == g], span[seg == g]))
             for g in np.unique(seg[bad]).tolist():
                 mine = np.flatnonzero(obs & (seg == g))
                 mine = mine[np.argsort(step[mine], kind="stable")]  # the segment's observed rows by step
@@ -277,13 +301,18 @@ def triage(h: History) -> Triage:
                     i = int(at[np.argmin(s.step[at])])
                     missing.setdefault(name, []).append((int(s.step[i]), order, int(s.span[i]), int(at.size),
                                                          _label(site, phase)))
-        # due steps of the step table with no row of this site at all (nothing was written: a failed write, say)
-        if site.stream != "scalar" and site.cadence_spine and not coarse:
-            for g, steps in table.items():
-                due = steps[steps % site.cadence_spine == 0]
-                lost = np.setdiff1d(due, np.concatenate(seen[g]) if g in seen else np.zeros(0, np.int64))
-                if lost.size and g in seen:  # (a site with no row in a segment may not have existed there)
-                    no_row.append((int(lost[0]), orders[site.id], int(lost.size), _label(site, "default")))
+        # due steps of the step table with no row of this site at all (nothing was written: a failed write, say);
+        # a coarsened step-truth window is due when the site's cadence (the writers', spec 11.7) makes a step of it
+        # due, and has a row when a row of the site covers a step of it
+        if site.stream != "scalar" and site.cadence_spine:
+            for g, entries in tables.items():
+                if g not in seen:  # (a site with no row in a segment may not have existed there)
+                    continue
+                lost = _due_without_row(entries, seen[g], site.cadence_spine)
+                if lost:
+                    steps_, windows = sum(n == 1 for _, n in lost), sum(n > 1 for _, n in lost)
+                    first = min(lost)
+                    no_row.append((first[0], first[1], orders[site.id], steps_, windows, _label(site, "default")))
     # gradients that overflowed at steps the loss scaler skipped: expected, reported apart from the rest
     # (a segment whose rows record a loss scale ran under a scaler: a coarsened window of differing scales keeps none)
     scaled = {r["segment"] for r in rows if r["loss_scale"] is not None}
@@ -359,11 +388,17 @@ def triage(h: History) -> Triage:
                                        f"{_n(len(found), 'site/phase pair')} "
                                        f"{why[name]}, first {label} at {_steps(step, span)}"))
     if no_row:
-        step, _, _, label = min(no_row)
+        step, span, _, _, _, label = min(no_row)
+        n_steps, n_windows = sum(x[3] for x in no_row), sum(x[4] for x in no_row)
+        what = " and ".join(x for x in (_n(n_steps, "due step") if n_steps else "",
+                                        _n(n_windows, "coarsened window") + " with a due step" if n_windows else "")
+                            if x)
+        have = "has" if n_steps + n_windows == 1 else "have"
+        why = "nothing was written for them, a failed write say"
+        read = "their due steps read" if n_windows else "read"
         report.findings.append(Finding("rows_missing", step, None,
-                                       f"{_n(sum(x[2] for x in no_row), 'due step')} of {_n(len(no_row), 'site')} "
-                                       "in the step table have no row at all (read as unknown: nothing was written "
-                                       f"for them, a failed write say), first {label} at step {step}"))
+                                       f"{what} of {_n(len(no_row), 'site')} in the step table {have} no row at "
+                                       f"all ({read} as unknown: {why}), first {label} at {_steps(step, span)}"))
     skipped = [(r["step"], r["span"], r["segment"]) for r in rows if r["applied"] == "skipped"]
     if skipped:  # (the first in time: segment, then step)
         step, span, seg = min(skipped, key=lambda x: (x[2], x[0]))
