@@ -295,6 +295,110 @@ def test_merged_row_equals_summary_of_concatenation(parts, width):
         h.close()
 
 
+# mixed cadences: shards recording one site at different cadences, with their own step tables and missing rows
+cadenced = st.lists(st.tuples(st.sampled_from([1, 2, 3, 4, 6]), st.sets(st.integers(-3, 12), max_size=10),
+                              st.sets(st.integers(-3, 12), max_size=10), st.integers(0, 3)), min_size=2, max_size=4)
+
+
+def write_cadenced(d: str, spec: list, run_id: str) -> list[str]:
+    """Shards of site ``x`` at the drawn cadence: a row at every step of ``rows`` that the cadence makes due (and at
+    a step it does not, when ``extra`` says so: a cadence does not restrict the rows, spec 2.2), step truth at
+    ``truth``; the due steps of the step table without a row are missing rows."""
+    paths = []
+    for rank, (k, rows, truth_steps, extra) in enumerate(spec):
+        p = os.path.join(d, f"cad{rank}.th")
+        with trainhist.HistoryWriter(p, run_id=run_id, rank=rank, world_size=len(spec), fsync="never", host="h",
+                                     commit_every=3) as w:
+            s = w.site("x", "activation", cadence_spine=k, cadence_sketch=k)
+            for step in sorted(rows):
+                if step % k == 0 or step % 4 == extra:
+                    w.observe(s, step, np.full(2, float(rank + 1)))
+            for step in sorted(truth_steps):
+                w.step_truth(step, applied=True, tokens=rank + 1)
+        paths.append(p)
+    return paths
+
+
+@settings(max_examples=EXAMPLES["partition"], **SETTINGS)
+@given(spec=cadenced, tree_seed=st.integers(0, 10**6), n=st.sampled_from([2, 3, 4, 6]))
+def test_mixed_cadences_merge_in_any_grouping_and_coarsen_commutes(spec, tree_seed, n):
+    """Merging shards of different cadences is associative and commutative bit for bit, and commutes with coarsening
+    (spec 11.5, 11.7); a step that some shard had due and in its step table, with no row in any shard, reads unknown
+    in the merge, never not_scheduled (a missing row is never hidden)."""
+    rng = np.random.default_rng(tree_seed)
+    with Dir() as d:
+        paths = write_cadenced(d.path, spec, uuid.uuid4().hex)
+        flat = read(d.merge(paths))
+        a, rest = paths[0], paths[1:]
+        assert read(d.merge([d.merge([a, rest[0]])] + rest[1:])) == flat  # merge(merge(a, b), c)
+        assert read(d.merge([a, d.merge(rest)])) == flat  # merge(a, merge(b, c))
+        assert read(d.merge([paths[i] for i in rng.permutation(len(paths))])) == flat
+        m = d.merge(paths)
+        assert read(d.coarsen(m, steps=n)) == read(d.merge([d.coarsen(p, steps=n) for p in paths]))
+        h = trainhist.open(m)
+        assert h.sites[0].cadence_spine == math.gcd(*[k for k, _, _, _ in spec])
+        got = h.presence("x", steps=range(-3, 13))
+        rows = set(h.spine("x").step.tolist()) if h.sites and len(h.spine("x")) else set()
+        for step in range(-3, 13):
+            due_somewhere = any(step % k == 0 and step in t for k, _, t, _ in spec)
+            if step not in rows and due_somewhere:
+                assert got[step] == "unknown", (step, got[step])
+        h.close()
+
+
+def test_mixed_cadences_three_inputs_any_grouping(tmp_path):
+    """Cadences 2, 3 and 1 (the third rank misses its row at step 1): every grouping gives the same bytes, the
+    merged cadence is 1, no row is written for a step no input planned, and step 1, due on the third rank and
+    missing there, reads unknown (a not_scheduled row written by merge(a, b) would have hidden it, spec 11.5)."""
+    run = uuid.uuid4().hex
+    paths = []
+    for rank, k in enumerate((2, 3, 1)):
+        p = tmp_path / f"r{rank}.th"
+        with trainhist.HistoryWriter(p, run_id=run, rank=rank, world_size=3, fsync="never") as w:
+            s = w.site("x", "activation", cadence_spine=k, cadence_sketch=k)
+            for step in range(12):
+                if step % k == 0 and (rank, step) != (2, 1):
+                    w.observe(s, step, np.ones(2))
+                w.step_truth(step, applied=True)
+        paths.append(str(p))
+    with Dir() as d:
+        a, b, c = paths
+        flat = read(d.merge(paths))
+        for tree in ([d.merge([a, b]), c], [a, d.merge([b, c])], [d.merge([a, c]), b], [c, b, a]):
+            assert read(d.merge(tree)) == flat
+        h = trainhist.open(d.merge(paths))
+        assert h.sites[0].cadence_spine == 1 and 1 not in h.spine("x").step.tolist()
+        assert h.presence("x", steps=[1])[1] == "unknown"
+        assert (h.spine("x").presence == 1).all()  # (observed rows only: nothing was added)
+        h.close()
+
+
+def test_merge_reports_differing_cadences(tmp_path):
+    """Guide section 5 promises a note for a rank with another cadence; the report said nothing when the writers
+    wrote no settings manifest. It lists the site, each cadence with its files, the merged cadence and whether that
+    makes due steps no input planned (spec 11.5), and a note says so."""
+    run = uuid.uuid4().hex
+    files = {}
+    for rank, k in enumerate((2, 3, 4)):
+        p = tmp_path / f"r{rank}.th"
+        with trainhist.HistoryWriter(p, run_id=run, rank=rank, world_size=3, fsync="never") as w:
+            w.observe(w.site("x", "activation", cadence_spine=k, cadence_sketch=k), 0, np.ones(2))
+            w.observe(w.site("y", "activation", cadence_spine=2 * (rank > 0) or 2), 0, np.ones(2))
+        files[k] = str(p)
+    rep = trainhist.merge([files[2], files[3]], tmp_path / "m.th")
+    [cm] = rep.cadence_mismatches
+    assert cm["site"] == "x [activation]" and cm["merged"] == {"spine": 1, "sketch": 1}
+    assert cm["unplanned_steps_due"] is True
+    assert cm["cadences"] == [{"spine": 2, "sketch": 2, "files": [files[2]]}, {"spine": 3, "sketch": 3,
+                                                                              "files": [files[3]]}]
+    assert len(rep.notes) == 1 and "different cadences" in rep.notes[0] and "no input's spine cadence (2, 3)" in \
+        rep.notes[0]
+    rep = trainhist.merge([files[2], files[4]], tmp_path / "m2.th")  # 2 divides 4: no step is due that none planned
+    assert [c["unplanned_steps_due"] for c in rep.cadence_mismatches] == [False]
+    assert "only some inputs made due" in rep.notes[0]
+    assert trainhist.merge([files[3]], tmp_path / "m3.th").cadence_mismatches == []
+
+
 def test_coarsen_keeps_the_writers_cadence(tmp_path):
     """Cadence 3 coarsened by 2 became cadence 2 (every window due), so window [4, 6), which holds no step the writer
     planned, read unknown. The cadence is kept (spec 11.7): that window reads not_scheduled, as steps 4 and 5 did."""

@@ -528,3 +528,26 @@ def test_a_coarsened_window_without_a_row_reads_and_triages_as_its_input(tmp_pat
         assert h.presence("x", steps=range(4, 8)) == {k: "not_scheduled" for k in range(4, 8)}
         assert not any(f.kind == "rows_missing" for f in triage(h).findings)
 
+
+def test_steps_a_merged_cadence_makes_due_are_not_called_failed_writes_alone(tmp_path) -> None:
+    """Ranks recording a site every 2 and every 3 steps merge into cadence 1 (their gcd, spec 11.5): steps 1, 5, 7
+    and 11, which no rank planned, read unknown (the file cannot say which steps each rank planned), and triage
+    said only "nothing was written for them, a failed write say". It names the other cause in a merge now."""
+    run = "ef" * 16
+    paths = []
+    for rank, k in ((0, 2), (1, 3)):
+        p = tmp_path / f"r{rank}.thist"
+        with trainhist.HistoryWriter(p, run_id=run, rank=rank, world_size=2) as w:
+            s = w.site("x", "activation", cadence_spine=k, cadence_sketch=k)
+            for st in range(12):
+                if st % k == 0:
+                    w.observe(s, st, np.ones(4))
+                w.step_truth(st, applied=True)
+        paths.append(p)
+    m = tmp_path / "m.thist"
+    trainhist.merge(paths, m)
+    with trainhist.open(m) as h:
+        pr = h.presence("x", steps=range(12))
+        assert [k for k, v in pr.items() if v == "unknown"] == [1, 5, 7, 11]
+        f = next(f for f in triage(h).findings if f.kind == "rows_missing")
+    assert f.step == 1 and "4 due steps" in f.text and "none of the writers planned" in f.text and "11.5" in f.text

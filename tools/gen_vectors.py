@@ -1716,6 +1716,14 @@ def gen_merge(s: Suite, base: dict[str, bytes]) -> None:
                   "(3, 5 and 5, 13): unknown sums are read as zero, so the rows are identical and kept once, not "
                   "refused as replica_divergence", ["11.5", "5.4"],
                   {"input-0.thist": replicas[0], "input-1.thist": replicas[1]}, {"inputs": two})
+    cad = [[site("x", cadence={"spine": k, "sketch": k})] + [obs(0, st, [1.0]) for st in range(0, 12, k)]
+           + [truth(st) for st in range(12)] + [COMMIT] for k in (2, 3)]
+    _derived_case(s, m, "cadences_differ", "a site recorded every 2 steps on one rank and every 3 on the other: the "
+                  "merged cadence is their gcd, 1, and no row is written for steps 1, 5, 7 and 11, which no input "
+                  "planned (a reader reads them unknown)", ["11.5", "2.6"],
+                  {"input-0.thist": write_ops(ops_doc(cad[0])),
+                   "input-1.thist": write_ops(ops_doc(cad[1], writer_id=WRITER_ID_4, rank=1, world_size=2))},
+                  {"inputs": two})
     s.read("valid", "derived_merged", "a merged file: tally columns, segment origin, no `created` in segments",
            ["11.4", "11.9", "2.6"], merged)
 

@@ -101,6 +101,11 @@ class MergeReport:
     #: output segments whose writers recorded with different settings (a rank with another cadence or site
     #: selection): their rows combine what each writer recorded, e.g. one rank's rows alone where only it recorded
     settings_mismatches: list[dict] = field(default_factory=list)
+    #: sites whose inputs recorded them at different cadences (spec 11.5): the merged cadence is their greatest
+    #: common divisor; ``unplanned_steps_due`` when it makes due steps that no input's cadence made due
+    cadence_mismatches: list[dict] = field(default_factory=list)
+    #: what a person should know about the result, one sentence each (the command line prints them as notes)
+    notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -548,12 +553,43 @@ class _Engine:
                 "cadence": {"spine": spine, "sketch": sketch},
                 "sample": docs[0].get("sample"), "order": _agree([d.get("order") for d in docs]),
             }
+            self._note_cadences(key, members, spine, sketch)
             self.site_docs.append(doc)
             self.site_sharing.append(doc["sharing"])
             for src, site in members:
                 self.site_map[(src.idx, site.id)] = new_id
             self.site_members.append(members)
         self.report.sites = len(keys)
+
+    def _note_cadences(self, key: tuple, members: list[tuple[_Source, Any]], spine: int, sketch: int) -> None:
+        """Report a site whose inputs differ in cadence (spec 11.5): the merged cadence is their greatest common
+        divisor, which makes due steps no input planned when no input's cadence divides all the others'."""
+        found: dict[tuple[int, int], list[str]] = {}
+        for src, site in members:
+            c = site.manifest["cadence"]
+            found.setdefault((c["spine"], c["sketch"]), []).append(src.path)
+        if len(found) < 2:
+            return
+        spines = sorted({k[0] for k in found})
+        # a step no input planned is due when the gcd is no input's own cadence (0, never, plans nothing)
+        unplanned = spine != 0 and spine not in spines
+        self.report.cadence_mismatches.append({
+            "site": _site_name(key), "merged": {"spine": spine, "sketch": sketch}, "unplanned_steps_due": unplanned,
+            "cadences": [{"spine": k[0], "sketch": k[1], "files": sorted(v)} for k, v in sorted(found.items())],
+        })
+        said = "; ".join(f"{k[0]}/{k[1]} in {', '.join(sorted(v)[:2])}" + (f" and {len(v) - 2} more" if len(v) > 2
+                                                                            else "")
+                         for k, v in sorted(found.items()))
+        text = (f"site {_site_name(key)} was recorded at different cadences (spine/sketch: {said}); the merged "
+                f"cadence is {spine}/{sketch}, their greatest common divisor")
+        if unplanned:
+            text += (f": it makes due steps that no input's spine cadence ({', '.join(map(str, spines))}) made due "
+                     "(spec 11.5), which read as unknown where they have no row; coarsen the inputs to a multiple of "
+                     "every cadence first to avoid that")
+        else:
+            text += (": a row at a step that only some inputs made due holds those inputs' observations alone "
+                     "(spec 11.1)")
+        self.report.notes.append(text)
 
     def _plan_segments(self) -> None:
         groups: dict[tuple, list[tuple[_Source, Any, list[str], list[str]]]] = {}

@@ -267,6 +267,8 @@ def triage(h: History) -> Triage:
               for g, v in table.items()}
     # (first step, its span, site order, due steps without a row, due windows without a row, label)
     no_row: list[tuple[int, int, int, int, int, str]] = []
+    merged = {g.id for g in h.segments if len((g.manifest.get("origin") or {}).get("writers", ())) > 1}
+    in_merge = False  # (a due step without a row in a segment that merges several writers)
     for site in h.sites:
         seen: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}  # segment -> (step, span) of its rows, any phase
         for phase in ("default", "pre_clip", "post_clip"):
@@ -313,6 +315,7 @@ def triage(h: History) -> Triage:
                     steps_, windows = sum(n == 1 for _, n in lost), sum(n > 1 for _, n in lost)
                     first = min(lost)
                     no_row.append((first[0], first[1], orders[site.id], steps_, windows, _label(site, "default")))
+                    in_merge |= g in merged
     # gradients that overflowed at steps the loss scaler skipped: expected, reported apart from the rest
     # (a segment whose rows record a loss scale ran under a scaler: a coarsened window of differing scales keeps none)
     scaled = {r["segment"] for r in rows if r["loss_scale"] is not None}
@@ -395,6 +398,10 @@ def triage(h: History) -> Triage:
                             if x)
         have = "has" if n_steps + n_windows == 1 else "have"
         why = "nothing was written for them, a failed write say"
+        if in_merge:  # (spec 11.5: the merged cadence, the gcd of the writers', can make due steps none planned)
+            why += ("; in this merge of several writers, also steps that the merged cadence makes due and that none "
+                    "of the writers planned, where they recorded the site at different cadences: spec 11.5, and the "
+                    "merge report lists such sites")
         read = "their due steps read" if n_windows else "read"
         report.findings.append(Finding("rows_missing", step, None,
                                        f"{what} of {_n(len(no_row), 'site')} in the step table {have} no row at "
