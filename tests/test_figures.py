@@ -413,7 +413,7 @@ def test_skipped_steps_and_boundaries_beyond_a_float_axis_are_left_out_and_said(
 def test_steps_no_float_axis_can_hold_are_refused_and_every_later_segment_is_a_boundary(tmp_path):
     """Rows at steps near 2^63 were drawn across the whole axis or at negative steps (the ends overflowed): a figure
     refuses steps beyond 2^52 with a typed error. A merged file of two runs kept apart has two segments that both
-    'start': the second is drawn as a boundary too (only resumed segments were)."""
+    'start': the second is marked too (only resumed segments were), as the start of another run."""
     from trainhist.errors import UsageError
 
     p = tmp_path / "big.thist"
@@ -448,7 +448,35 @@ def test_steps_no_float_axis_can_hold_are_refused_and_every_later_segment_is_a_b
         assert [g.reason for g in h.segments] == ["start", "start"]
         fig = site_figure(h, "a")
         labels = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
-        assert "segment boundary" in labels
+        assert any("[cdcdcdcd] (another run) from here" in t for t in labels), labels
+
+
+def test_two_runs_kept_apart_are_drawn_both_and_not_as_a_resume(tmp_path):
+    """Two runs merged without --across-runs are two segments over the same steps (spec 11.3): the waterfall hid
+    the first run's rows as 'rows of a segment a resume replayed' and marked a segment boundary. Now each run has a
+    panel of its own, nothing is said to be replayed, and the site figure names the other run."""
+    paths = []
+    for k, (rid, scale) in enumerate((("ab" * 16, 1.0), ("cd" * 16, 1000.0))):
+        q = tmp_path / f"r{k}.thist"
+        with trainhist.HistoryWriter(q, run_id=rid, run_name=f"seed{k}") as w:
+            a = w.site("a", "activation")
+            for st in range(10):
+                w.observe(a, st, np.full(8, scale))
+        paths.append(q)
+    trainhist.merge(paths, tmp_path / "m.thist")
+    with trainhist.open(tmp_path / "m.thist") as h:
+        fig = waterfall(h, "a")
+        titles = [ax.get_title().replace("\n", " ") for ax in fig.axes if ax.get_title()]
+        assert not any("replayed" in t for t in titles), titles
+        assert "run 'seed0' [abababab]: segment 0" in titles[0]
+        assert "run 'seed1' [cdcdcdcd] (another run): segment 1" in titles[1]
+        meshes = [ax.collections[0] for ax in fig.axes if ax.get_title()]  # (the panels, not their colour bars)
+        assert len(meshes) == 2  # (both runs drawn, each over steps 0..9)
+        for mesh in meshes:
+            assert mesh.get_coordinates()[0, :, 0].tolist() == [x - 0.5 for x in range(11)]
+        assert not any(line.get_linestyle() == "--" for ax in fig.axes for line in ax.lines)  # (no boundary)
+        t = site_figure(h, "a").axes[0].get_title().replace("\n", " ")
+        assert "2 runs kept apart (spec 11.3), drawn over the same steps: 'seed0' [abababab]; 'seed1' [cdcdcdcd]" in t
 
 
 def _sparse_sketches(tmp_path):

@@ -551,3 +551,32 @@ def test_steps_a_merged_cadence_makes_due_are_not_called_failed_writes_alone(tmp
         assert [k for k, v in pr.items() if v == "unknown"] == [1, 5, 7, 11]
         f = next(f for f in triage(h).findings if f.kind == "rows_missing")
     assert f.step == 1 and "4 due steps" in f.text and "none of the writers planned" in f.text and "11.5" in f.text
+
+
+def test_a_segment_of_another_run_is_not_called_a_resume(tmp_path) -> None:
+    """Two runs merged without --across-runs: triage said segment 1 'starts at step 0, after an earlier segment: the
+    history is not continuous there', as for a resume. It says which run the segment is, another run."""
+    paths = []
+    for k, rid in enumerate(("ab" * 16, "cd" * 16)):
+        q = tmp_path / f"r{k}.thist"
+        with trainhist.HistoryWriter(q, run_id=rid, run_name=f"seed{k}") as w:
+            a = w.site("a", "activation")
+            for st in range(4):
+                w.observe(a, st, np.array([np.nan if (k, st) == (1, 2) else 1.0]))
+                w.step_truth(st, applied=True)
+            if k == 0:
+                w.new_segment(2, reason="resume")
+                w.observe(a, 2, np.ones(1))
+        paths.append(q)
+    m = tmp_path / "m.thist"
+    trainhist.merge(paths, m)
+    with trainhist.open(m) as h:
+        t = triage(h)
+    seg = [f for f in t.findings if f.kind in ("segment", "segment_run")]
+    assert [f.kind for f in seg] == ["segment", "segment_run"]
+    assert "segment 1 (resume) starts at step 2, after segment 0" in seg[0].text  # (run seed0's own resume)
+    assert seg[1].text.startswith("segment 2 is run 'seed1' [cdcdcdcd] (another run), from step 0: a history of its "
+                                  "own that the merge kept apart from run 'seed0' [abababab]")
+    assert "not continuous" not in seg[1].text
+    f = next(f for f in t.findings if f.kind == "first_nonfinite")
+    assert f.step == 2 and "segment 2" in f.text

@@ -246,14 +246,22 @@ def _vmarks(ax, start: np.ndarray, end: np.ndarray, label: str, **style: object)
                        transform=ax.get_xaxis_transform(), color=style.get("color"), alpha=0.12, lw=0)
 
 
-def _boundaries(ax, h: History, step: np.ndarray, segment: np.ndarray, **style: object) -> int:
-    """A dashed vertical line at the first step of every segment after the first: its manifest's ``first_step``,
-    or, where the writer did not know it, the first step of its rows in this series (``step``, ``segment``).
-    Returns how many boundaries lie beyond +-2^52, where no float axis holds them: those are not drawn."""
+def _boundaries(ax, h: History, step: np.ndarray, segment: np.ndarray, segments: list[int] | None = None,
+                **style: object) -> int:
+    """A dashed vertical line at the first step of every segment after the first (of ``segments``; None: every
+    segment): its manifest's ``first_step``, or, where the writer did not know it, the first step of its rows in
+    this series (``step``, ``segment``). A segment that starts another run's history (a merge kept two runs apart,
+    spec 11.3) is no boundary of one history: its line says which run begins there, a history of its own drawn
+    over the same steps. Returns how many lines lie beyond +-2^52, where no float axis holds them: those are not
+    drawn."""
+    from .triage import other_runs, run_label
+
     k = beyond = 0
-    first = min((g.id for g in h.segments), default=None)
-    for g in h.segments:
-        if g.id == first:  # (every other segment follows one, whatever its reason: two runs kept apart too)
+    mine_ = [g for g in h.segments if segments is None or g.id in segments]
+    first = min((g.id for g in mine_), default=None)
+    other = other_runs(h)
+    for g in mine_:
+        if g.id == first:  # (every other segment follows one, whatever its reason)
             continue
         at = g.first_step
         if at is None:
@@ -263,6 +271,11 @@ def _boundaries(ax, h: History, step: np.ndarray, segment: np.ndarray, **style: 
             at = int(mine.min())
         if abs(at) > _DRAWABLE:
             beyond += 1
+            continue
+        if g.id in other:
+            ax.axvline(at, **{"color": "C3", "ls": "-.", "lw": 1.2, **style},
+                       label=f"run {run_label(h, other[g.id])} (another run) from here: drawn over the same steps, "
+                       "not a continuation")
             continue
         ax.axvline(at, **{"color": "k", "ls": "--", "lw": 1.2, **style},
                    label="segment boundary" if k == 0 else None)
@@ -396,9 +409,15 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
               borderaxespad=0)  # (beside the values, which it would hide)
     fig.tight_layout()
     spans = s.span > 1
+    from .triage import run_label, segment_runs
+
+    runs = segment_runs(h)
+    mine = list(dict.fromkeys(runs.get(g, ()) for g in np.unique(s.segment).tolist()))
     _set_title(ax, _site_title(s.site, phase) + (f" · {int(spans.sum())} rows are coarsened windows of up to "
                                                  f"{int(s.span.max())} steps, each drawn over its window"
-                                                 if spans.any() else ""), 12)
+                                                 if spans.any() else "")
+               + (f" · {len(mine)} runs kept apart (spec 11.3), drawn over the same steps: "
+                  + "; ".join(run_label(h, r) for r in mine) if len(mine) > 1 else ""), 12)
     if out is not None:
         fig.savefig(out, dpi=120)
         plt.close(fig)
@@ -444,7 +463,9 @@ _BLOCK = 4096  #: sketch rows made dense at a time when their counts are added i
 
 def _not_replayed(step: np.ndarray, span: np.ndarray, segment: np.ndarray) -> np.ndarray:
     """Rows to draw where a resumed segment replays steps: where a later segment has rows, an earlier one's rows
-    from the later one's first step on are not drawn (summing them into a column would mix two runs)."""
+    from the later one's first step on are not drawn (summing them into a column would mix two runs). The rows
+    are those of one run's segments: a merge that kept two runs apart has segments of another run, which replay
+    nothing, and :func:`waterfall` draws them in a panel of their own."""
     keep = np.ones(step.size, bool)
     for g in np.unique(segment).tolist():
         later = segment > g
@@ -569,14 +590,56 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
     """Steps × signed-log2 bins heat map of the stored sketch counts (log color), bands shown apart; a long
     history's rows are added into at most about :data:`_MAX_COLUMNS` columns, and the figure says so."""
     plt = _mpl()
-    from matplotlib import patheffects
 
     sk = h.sketch(path, stream, facet, phase=phase)
     s = _by_step(h.spine(path, stream, facet, phase=phase))
-    first, end = _extent(s)  # (steps no figure can draw are refused before one is made)
+    _extent(s)  # (steps no figure can draw are refused before one is made)
+    from .triage import run_label, segment_runs
+
+    # the histories of different runs that a merge kept apart (spec 11.3): one panel each, over the same steps
+    runs = segment_runs(h)
+    present = sorted(set(np.unique(s.segment).tolist()) | set(np.unique(sk.columns["segment"]).tolist()))
+    groups: dict[tuple, list[int]] = {}
+    for g in present:
+        groups.setdefault(runs.get(g, ()), []).append(g)
+    panels = sorted(groups.values()) or [[]]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 4 if len(panels) == 1 else 3.2 * len(panels)),
+                             sharex=True, squeeze=False)
+    for i, (ax, segs) in enumerate(zip(axes[:, 0], panels)):
+        title = _site_title(s.site, phase) if i == 0 else ""
+        if len(panels) > 1:
+            title += (" · " if title else "") + (f"run {run_label(h, runs[segs[0]])}"
+                                                 + (" (another run)" if i else "") + f": segment"
+                                                 f"{'s' if len(segs) > 1 else ''} {', '.join(map(str, segs))}")
+        ss = _rows(s, np.isin(s.segment, segs)) if len(panels) > 1 else s
+        sks = _sketch_rows(sk, np.isin(sk.columns["segment"], segs)) if len(panels) > 1 else sk
+        _waterfall_axes(fig, ax, h, ss, sks, title, segs if len(panels) > 1 else None, last=i == len(panels) - 1)
+    if out is not None:
+        fig.savefig(out, dpi=120)
+        plt.close(fig)
+    return fig
+
+
+def _rows(s: SpineSeries, sel: np.ndarray) -> SpineSeries:
+    """The rows ``sel`` of ``s`` (a mask), exact sums included."""
+    o = np.flatnonzero(sel)
+    columns = {k: v[o] for k, v in s.columns.items()}
+    return SpineSeries(s.site, columns, {k: x.take(o, columns[k]) for k, x in s._x.items()})
+
+
+def _sketch_rows(sk: SketchSeries, sel: np.ndarray) -> SketchSeries:
+    """The rows ``sel`` of ``sk`` (a mask)."""
+    return SketchSeries(sk.site, {k: v[sel] for k, v in sk.columns.items()}, sk._sparse.take(sel))
+
+
+def _waterfall_axes(fig, ax, h: History, s: SpineSeries, sk: SketchSeries, title: str, segments: list[int] | None,
+                    last: bool = True) -> None:
+    """Draw the waterfall of ``s`` and ``sk`` (the rows of one run's segments, ``segments``; None: every row) on
+    ``ax`` and set its title."""
+    from matplotlib import patheffects
+
+    first, end = _extent(s)
     drawn = _not_replayed(first, end - first, s.segment)  # (the spine rows a resume did not replay)
-    fig, ax = plt.subplots(figsize=(8, 4))
-    title = _site_title(s.site, phase)
     width = 1
     if len(sk):
         nb = nbins(sk.scale)
@@ -637,7 +700,7 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
                   + (f" · {replaced} rows of a segment a resume replayed not drawn" if replaced else "")
                   + (f" · {inside} row{' without numbers lies' if inside == 1 else 's without numbers lie'} in "
                      "columns that hold sketches: not marked here (see site_figure's strip)" if inside else ""))
-        beyond = _boundaries(ax, h, sk.columns["step"], sk.columns["segment"], lw=1.5,
+        beyond = _boundaries(ax, h, sk.columns["step"], sk.columns["segment"], segments=segments, lw=1.5,
                              path_effects=[patheffects.withStroke(linewidth=3.5, foreground="w")])
         title += f" · {beyond} segment boundaries beyond +-2^52 not drawn" if beyond else ""
         ax.text(0.01, 0.01, f"outside the window (2^-48, 2^16]: {outside} values in the under/overflow bands",
@@ -656,7 +719,8 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
                 transform=ax.get_xaxis_transform(), label=f"non-finite values at {int(nf.sum())} rows (NaN "
                 f"{int(s.nan[nf].sum())}, +inf {int(s.pinf[nf].sum())}, -inf {int(s.ninf[nf].sum())}; not in "
                 "the sketch)")
-    ax.set_xlabel("step")
+    if last:
+        ax.set_xlabel("step")
     ax.set_ylabel("signed magnitude bin")
     if ax.get_legend_handles_labels()[0]:  # (below the image, which it would hide)
         handles, labels = ax.get_legend_handles_labels()
@@ -664,10 +728,6 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
                   bbox_to_anchor=(0.5, -0.2), ncols=2)
     fig.tight_layout()
     _set_title(ax, title)
-    if out is not None:
-        fig.savefig(out, dpi=120)
-        plt.close(fig)
-    return fig
 
 
 def _rank_key(h: History, site: Site, orders: dict[int, int]) -> tuple:

@@ -15,7 +15,7 @@ import numpy as np
 from .model import Presence
 from .reader import History, Site
 
-__all__ = ["Finding", "Triage", "triage", "PASS_ORDER"]
+__all__ = ["Finding", "Triage", "triage", "PASS_ORDER", "segment_runs", "run_label", "other_runs"]
 
 # Within one step, the order in which a training step produces its streams: a NaN in an earlier pass explains the
 # later ones. Backward runs through the modules in reverse, so activation gradients are ranked in the reverse of
@@ -75,7 +75,7 @@ class Finding:
     """One thing a person should look at."""
 
     kind: str  # first_nonfinite(_site, _segment), model_finite, nonfinite, ranks, scaler_overflow, failed,
-    # rows_absent/_skipped/_unknown/_missing, skipped_step, interrupted, unknown_applied, segment
+    # rows_absent/_skipped/_unknown/_missing, skipped_step, interrupted, unknown_applied, segment, segment_run
     step: int | None
     site: str | None
     text: str
@@ -231,6 +231,33 @@ def _overflow(e: _Event, skipped: set[tuple[int, int, int]]) -> bool:
     return e.site.stream in _SCALED or (e.site.stream == "scalar" and e.site.path.startswith("grad_norm"))
 
 
+def segment_runs(h: History) -> dict[int, tuple[str, ...]]:
+    """Segment id -> the runs whose history it records (spec 11.3): a derived file's segment names them in its
+    ``origin``, a writer's segment is its writer's run (else the file's first run). A merge keeps the segments of
+    different runs apart unless asked (``across_runs``): a segment whose runs differ from the previous segment's
+    starts another run's history, not a resume of the previous one."""
+    run_of = {w.get("writer_id"): w.get("run_id") for w in h.writers}
+    default = h.runs[0]["run_id"] if h.runs else None
+    out = {}
+    for g in h.segments:
+        o = g.manifest.get("origin") or {}
+        out[g.id] = tuple(sorted(o["runs"])) if o.get("runs") else (run_of.get(g.writer_id, default),)
+    return out
+
+
+def run_label(h: History, runs: tuple[str, ...]) -> str:
+    """How a person knows a run: its name with the start of its id (``'seed1' [dabe6a17]``), else its id's start."""
+    names = {d["run_id"]: d.get("name") for d in h.runs}
+    return " + ".join(f"{names[r]!r} [{r[:8]}]" if names.get(r) else f"[{(r or 'unknown')[:8]}]" for r in runs)
+
+
+def other_runs(h: History) -> dict[int, tuple[str, ...]]:
+    """The segments that start another run's history (:func:`segment_runs`): id -> that run."""
+    runs = segment_runs(h)
+    ids = sorted(runs)
+    return {b: runs[b] for a, b in zip(ids, ids[1:]) if runs[b] != runs[a]}
+
+
 def _ranks_note(h: History) -> str | None:
     """What the file's writers say about ranks, where it matters to where a value came from."""
     ranks = sorted({(w.get("rank"), w.get("world_size")) for w in h.writers if w.get("world_size", 1) > 1},
@@ -354,10 +381,12 @@ def triage(h: History) -> Triage:
                                            "no recorded site of the model held a non-finite value, only run-level "
                                            "scalars: look at how they are computed (a loss's log(0), say), or at "
                                            "what was not recorded"))
+        other = other_runs(h)
         for g in sorted({e.segment for e in events} - {e0.segment}):  # (a resumed run's own first failure)
             eg = next(e for e in events if e.segment == g)
+            run = f" (run {run_label(h, other[g])}, another run)" if g in other else ""
             report.findings.append(Finding("first_nonfinite_segment", eg.step, eg.site.path,
-                                           f"in segment {g}, the first non-finite value was in "
+                                           f"in segment {g}{run}, the first non-finite value was in "
                                            f"{_label(eg.site, eg.phase)} at {_steps(eg.step, eg.span)} "
                                            f"({_what(eg.nan, eg.inf)})"))
         sites_hit = {(e.site.id, e.phase) for e in events}
@@ -428,10 +457,17 @@ def triage(h: History) -> Triage:
         report.findings.append(Finding("unknown_applied", None, None,
                                        f"{unknown} of {_n(len(rows), unit)} {'does' if unknown == 1 else 'do'} not "
                                        "say whether the update was applied"))
+    runs, other = segment_runs(h), other_runs(h)
     for g in h.segments:
-        if g.reason != "start" or g.id > 0:  # (a segment after another, whatever its writers called it)
+        at = f"step {g.first_step}" if g.first_step is not None else "an unknown step"
+        if g.id in other:  # (a merge kept two runs apart: neither a resume nor a gap in one history)
+            before = runs[max(k for k in runs if k < g.id)]
+            report.findings.append(Finding("segment_run", g.first_step, None,
+                                           f"segment {g.id} is run {run_label(h, other[g.id])} (another run), from "
+                                           f"{at}: a history of its own that the merge kept apart from run "
+                                           f"{run_label(h, before)} (no --across-runs), not a resume of it"))
+        elif g.reason != "start" or g.id > 0:  # (a segment after another, whatever its writers called it)
             after = f"segment {g.previous}" if g.previous is not None else "an earlier segment"
-            at = f"step {g.first_step}" if g.first_step is not None else "an unknown step"
             report.findings.append(Finding("segment", g.first_step, None,
                                            f"segment {g.id} ({g.reason}) starts at {at}, after {after}: the "
                                            "history is not continuous there"))
