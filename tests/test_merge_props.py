@@ -553,6 +553,29 @@ def test_replica_divergence_error_and_report():
         assert trainhist.open(d.merge([c, e2])).spine("emb", "param").count.tolist() == [4] * 5
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_replica_divergences_beyond_the_listed_ones_are_counted(monkeypatch, workers):
+    """The report listed at most MAX_DIVERGENCES replica divergences and said nothing of the others: it counts them
+    all (divergences_total, in --json too)."""
+    monkeypatch.setattr(merge_mod, "MAX_DIVERGENCES", 3)
+    with Dir() as d:
+        def fn(v):
+            def f(w):
+                for name in ("e1", "e2"):
+                    s = w.site(name, "param", sharing="replica")
+                    for step in range(4):
+                        w.observe(s, step, np.array([v]))
+            return f
+
+        a, b = _two(d, fn(1.0), fn(2.0))
+        rep = trainhist.merge([a, b], d.out(), replica_divergence="report", workers=workers)
+        assert rep.divergences_total == 8 and len(rep.divergences) == 3
+        assert [(x["where"].split(",")[0], x["step"]) for x in rep.divergences] == [("site e1 [param]", 0),
+                                                                                    ("site e1 [param]", 1),
+                                                                                    ("site e1 [param]", 2)]
+        assert rep.as_dict()["divergences_total"] == 8
+
+
 def test_count_overflow_refused_and_boundary_exact():
     with Dir() as d:
         def big(c):

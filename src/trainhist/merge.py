@@ -94,7 +94,10 @@ class MergeReport:
     bytes_out: int = 0
     seconds: float = 0.0
     workers: int = 1  #: processes that built the sites (1: this one)
+    #: replica divergences (spec 11.5, ``replica_divergence="report"``): the first ``MAX_DIVERGENCES`` in site order
     divergences: list[dict] = field(default_factory=list)
+    #: how many replica divergences there were in all (``divergences`` lists at most ``MAX_DIVERGENCES`` of them)
+    divergences_total: int = 0
     #: segments whose inputs disagree on their first step: ranks that numbered their segments differently (a resume
     #: that died before its first commit on one of them) have their steps split across two output segments
     segment_mismatches: list[dict] = field(default_factory=list)
@@ -932,6 +935,7 @@ class _Engine:
                         "replicated tensor must be identical on every rank; pass replica_divergence='report' to "
                         "keep one and list the divergence)", code="replica_divergence", path=b,
                     )
+                self.report.divergences_total += 1
                 if len(self.report.divergences) < MAX_DIVERGENCES:
                     self.report.divergences.append({"where": where, "step": step, "files": sorted({a, b}),
                                                     "row": row, "fields": names})
@@ -1051,6 +1055,7 @@ class _Engine:
         """The obs records of one output site, segment by segment, in step order, and what went into them."""
         rows_in = self.report.rows_in
         divergences = len(self.report.divergences)
+        total = self.report.divergences_total
         per_seg: dict[int, list] = {}
         for s, site in self.site_members[out_site]:
             for e in s.obs.get(site.id, []):
@@ -1068,7 +1073,8 @@ class _Engine:
                 buf = self._emit_obs(records, buf, out_site, seg, final=False)
             self._emit_obs(records, buf, out_site, seg, final=True)
         return {"records": records, "rows_in": self.report.rows_in - rows_in,
-                "divergences": self.report.divergences[divergences:]}
+                "divergences": self.report.divergences[divergences:],
+                "divergences_total": self.report.divergences_total - total}
 
     def _write_site(self, w: CanonicalWriter, res: dict) -> None:
         """Append a built site's records (payloads in hand, or in a worker's spool file) and commit them."""
@@ -1193,6 +1199,7 @@ class _Engine:
                         self.report.rows_in += res["rows_in"]
                         room = MAX_DIVERGENCES - len(self.report.divergences)
                         self.report.divergences.extend(res["divergences"][:max(room, 0)])
+                        self.report.divergences_total += res["divergences_total"]
                         self._write_site(w, res)
                         if w.bytes_written - synced >= SYNC_BYTES:  # while the workers build the next sites
                             w.sync_data()
@@ -1270,6 +1277,7 @@ def _worker_init(spools: str) -> None:
     assert _ENGINE is not None
     _ENGINE.pool = _Pool(FD_POOL)  # descriptors of its own (pread needs no shared offset, but keep them apart)
     _ENGINE.report.divergences = []
+    _ENGINE.report.divergences_total = 0
     _SPOOL.clear()
     _SPOOL["dir"] = spools
 
