@@ -554,9 +554,11 @@ def test_replica_divergence_error_and_report():
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_replica_divergences_beyond_the_listed_ones_are_counted(monkeypatch, workers):
+def test_replica_divergences_beyond_the_listed_ones_are_counted(monkeypatch, capsys, workers):
     """The report listed at most MAX_DIVERGENCES replica divergences and said nothing of the others: it counts them
-    all (divergences_total, in --json too)."""
+    all (divergences_total, in --json too), and the command line says how many more there were."""
+    from trainhist import cli
+
     monkeypatch.setattr(merge_mod, "MAX_DIVERGENCES", 3)
     with Dir() as d:
         def fn(v):
@@ -574,6 +576,10 @@ def test_replica_divergences_beyond_the_listed_ones_are_counted(monkeypatch, wor
                                                                                     ("site e1 [param]", 1),
                                                                                     ("site e1 [param]", 2)]
         assert rep.as_dict()["divergences_total"] == 8
+        cli._print_report(rep, False)
+        out = capsys.readouterr().out
+        assert out.count("replica divergence:") == 3 and "... and 5 more replica divergences (8 in all; the first " \
+            "3 are listed)" in out
 
 
 def test_count_overflow_refused_and_boundary_exact():
