@@ -534,6 +534,37 @@ def test_unknown_ignorable_record_type_skipped(base: tuple[Path, bytes, tuple], 
         assert len(h.ignored_records) == 1 and h.spine("x").step.tolist()[-1] == 50 and h.recovery.status == "clean"
 
 
+@pytest.mark.parametrize("damage", ["payload", "padding", None])
+def test_merge_checks_an_ignorable_record_as_verify_does(base: tuple[Path, bytes, tuple], tmp_path: Path,
+                                                         damage: str | None) -> None:
+    """An input with a committed ignorable record whose payload fails its CRC (or whose padding is not zero):
+    `trainhist verify` refuses it as corrupt, yet merge accepted it. Spec 11 checks every input as verify does:
+    merge refuses it with verify's code and offset (it copies nothing of the record), and merges it when sound."""
+    p, data, want = base
+    out, offs = append_committed(data, [(1000, 1, b"x" * 13)])
+    bad = bytearray(out)
+    if damage == "payload":
+        bad[offs[0] + RECORD_HEADER_SIZE] ^= 1
+    elif damage == "padding":
+        bad[offs[0] + RECORD_HEADER_SIZE + 13] = 1  # (13 bytes, then 3 of padding)
+    q = tmp_path / "ign.thist"
+    q.write_bytes(bytes(bad))
+    if damage is None:
+        rep = trainhist.merge([q], tmp_path / "m.thist")
+        assert rep.inputs[0]["status"] == "clean" and content(tmp_path / "m.thist") == want
+        return
+    with trainhist.open(q) as h, pytest.raises(CorruptError) as v:
+        h.verify()
+    code = "bad_payload_crc" if damage == "payload" else "bad_padding"
+    assert (v.value.code, v.value.offset) == (code, offs[0])
+    for workers in (1, 2):
+        with pytest.raises(CorruptError) as ei:
+            trainhist.merge([q], tmp_path / "m.thist", workers=workers)
+        assert (ei.value.code, ei.value.offset, ei.value.path) == (code, offs[0], str(q))
+        assert str(ei.value) == str(v.value)
+        assert not (tmp_path / "m.thist").exists()
+
+
 @pytest.mark.parametrize("cut", ["uncommitted", "header_only", "inside_header"])
 def test_append_after_crash_before_first_commit(tmp_path: Path, cut: str) -> None:
     """A run that died before its first commit (an early OOM) can be resumed: nothing was readable, so the

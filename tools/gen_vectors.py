@@ -1518,6 +1518,12 @@ def gen_forward(s: Suite, base: dict[str, bytes]) -> None:
     data = build(recs)[0]
     s.read(fc, "unknown_ignorable_record", "a committed record of unknown type 1000 with the ignorable flag: skipped "
            "and listed in ignored_records", ["4.2", "10"], data)
+    d = bytearray(data)
+    d[build(recs)[1][k] + 32 + 5] ^= 0x01
+    base["damaged_ignorable_record"] = bytes(d)
+    s.read(fc, "damaged_ignorable_record", "forward-compat/unknown_ignorable_record with a byte of the ignorable "
+           "record's payload changed: the file's data is readable, but a full check refuses it", ["4.2", "8"],
+           bytes(d), error="bad_payload_crc")
     recs[k] = Rec(1000, b"a record from the future", flags=0)
     s.read(fc, "unknown_required_record", "a committed record of unknown type 1000 without the ignorable flag",
            ["4.2"], build(recs)[0], error="unknown_record_type")
@@ -1685,6 +1691,11 @@ def gen_merge(s: Suite, base: dict[str, bytes]) -> None:
                       f"(invalid/{name}: {what} whose exact sums hold 2^-1100 behind f64 columns of +0.0) is "
                       "refused with the reader's code, not merged into a file readers refuse", ["11", "5.5", "5.3"],
                       {"input-0.thist": base[f"invalid/{name}"]}, {"inputs": ["input-0.thist"]}, error="bad_row")
+    _derived_case(s, m, "invalid_input_ignorable_record", "an input whose committed ignorable record fails its "
+                  "payload CRC (forward-compat/damaged_ignorable_record) is refused as a full check refuses it, "
+                  "though merge copies nothing of that record", ["11", "4.2", "8"],
+                  {"input-0.thist": base["damaged_ignorable_record"]}, {"inputs": ["input-0.thist"]},
+                  error="bad_payload_crc")
     unknown = [[site("x", cadence={"spine": 1, "sketch": 0}), obs(0, 0, [1.0, 2.0**-80], sketch=False),
                 obs(0, 1, [0.5], sketch=False), COMMIT],
                [site("x", cadence={"spine": 1, "sketch": 0}),

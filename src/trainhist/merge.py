@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import pickle
 import shutil
+import struct
 import tempfile
 import time
 from collections import OrderedDict
@@ -51,15 +52,15 @@ from .dyadic import fits_float
 from .exactvec import group_sum
 from .fastpath import kernels
 from . import errors
-from .errors import MergeError, TrainhistError, UsageError
-from .framing import RECORD_HEADER_SIZE
+from .errors import CorruptError, MergeError, TrainhistError, UsageError
+from .framing import RECORD_HEADER_SIZE, pad8
 from .grid import nbins
 from .model import CANONICAL_NAN, CANONICAL_NAN_BITS, MICRO_ALL, U64_UNKNOWN, Phase, Presence
 from .batchdecode import Fallback, all_patched, check_chunk, gather, join, layout, upper_bound
 from .chunk import _INT_CODES, _RANGE, DTYPES, Codec
 from .framing import crc32c
 from .model import OBS_COLUMNS, SKETCH_COLUMNS, TALLY_COLUMNS
-from .reader import History
+from .reader import History, payload_problem
 from .summary import SumMethod
 
 __all__ = ["merge", "canonicalize", "MergeReport", "BATCH_ROWS", "FD_POOL"]
@@ -133,6 +134,9 @@ class _Source:
             self.segments = list(h.segments)
             self.obs = {sid: list(es) for sid, es in h._obs.items()}
             self.steps = list(h._steps)
+            # committed records of an unknown ignorable type: (offset, type, payload length, payload CRC32C)
+            self.ignored = [(off, rtype, *struct.unpack_from("<I", h._view, off + 4),
+                             *struct.unpack_from("<I", h._view, off + 24)) for off, rtype in h.ignored_records]
         finally:
             h.close()
         self.run_of_writer = {w["writer_id"]: w["run_id"] for w in self.writers}
@@ -638,6 +642,19 @@ class _Engine:
         self.report.segments = len(keys)
 
     # -- reading -------------------------------------------------------------------------------------------
+    def _check_ignored(self) -> None:
+        """Check the committed records of an unknown ignorable type of every input as ``trainhist verify`` does
+        (spec 11: every input is checked as verify checks it; 8: their CRC and padding), in the order verify
+        checks them (after the obs chunks, before the steps chunks): a damaged one refuses the input with
+        verify's code and offset, though merge copies nothing of it."""
+        for src in self.sources:
+            for off, rtype, length, pcrc in src.ignored:
+                data = self.pool.pread(src.path, length + pad8(length), off + RECORD_HEADER_SIZE)
+                problem = payload_problem(data, length, pcrc, rtype, off)
+                if problem is not None:
+                    raise CorruptError(problem[1], code=problem[0], path=src.path, offset=off)
+
+
     def _payload(self, src: _Source, e: Any) -> memoryview:
         data = self.pool.pread(src.path, e.length, e.offset + RECORD_HEADER_SIZE)
         return check_payload(data, e.payload_crc, src.path, e.offset)
@@ -1215,6 +1232,7 @@ class _Engine:
         else:
             for out_site in sites:
                 self._write_site(w, self._site(out_site))
+        self._check_ignored()
         # step truth, segment by segment
         per_seg = {}
         for s in self.sources:

@@ -527,6 +527,18 @@ def _open_regular(path: str) -> Any:
         raise
 
 
+def payload_problem(data: bytes | memoryview, length: int, payload_crc: int, rtype: int,
+                    pos: int) -> tuple[str, str] | None:
+    """(code, message) if ``data`` (a record's payload and its padding; the record at offset ``pos``) fails its CRC
+    or holds non-zero padding, else None."""
+    if crc32c(data[:length]) != payload_crc:
+        return ("bad_payload_crc", f"payload CRC32C mismatch in {RecordType.NAMES.get(rtype, rtype)} record"
+                + truncation_hint(pos))
+    if any(data[length:]):
+        return ("bad_padding", "record padding bytes are not zero")
+    return None
+
+
 def _bad(msg: str, code: str, path: str, offset: int) -> CorruptError:
     return CorruptError(msg, code=code, path=path, offset=offset)
 
@@ -637,12 +649,7 @@ class History:
     def _check_payload(self, pos: int, length: int, payload_crc: int, rtype: int) -> tuple[str, str] | None:
         """(code, message) if the payload CRC or padding of the record at ``pos`` is wrong."""
         start = pos + RECORD_HEADER_SIZE
-        if crc32c(self._view[start : start + length]) != payload_crc:
-            return ("bad_payload_crc", f"payload CRC32C mismatch in {RecordType.NAMES.get(rtype, rtype)} record"
-                    + truncation_hint(pos))
-        if any(self._view[start + length : start + length + pad8(length)]):
-            return ("bad_padding", "record padding bytes are not zero")
-        return None
+        return payload_problem(self._view[start : start + length + pad8(length)], length, payload_crc, rtype, pos)
 
     def _apply_commit(self, pos: int, length: int, seq: int, pending: list[tuple[int, int, int, int, int]]) -> None:
         path = self.path
