@@ -582,6 +582,27 @@ def test_replica_divergences_beyond_the_listed_ones_are_counted(monkeypatch, cap
             "3 are listed)" in out
 
 
+def test_coarsen_and_merge_of_diverging_replicas_under_report_differ_as_spec_11_7_says():
+    """Spec 11.7's one exception to coarsen(merge) == merge(coarsen): replica rows that differ, merged with
+    replica_divergence="report" (its example: 1 and 2 at step 0, 5 and 4 at step 1, by 2: sums 5 and 6)."""
+    with Dir() as d:
+        def fn(vals):
+            def f(w):
+                s = w.site("emb", "param", sharing="replica")
+                for step, v in enumerate(vals):
+                    w.observe(s, step, np.array([v]))
+            return f
+
+        a, b = _two(d, fn((1.0, 5.0)), fn((2.0, 4.0)))
+        lhs = d.coarsen(d.merge([a, b], replica_divergence="report"), steps=2)
+        rhs = d.merge([d.coarsen(a, steps=2), d.coarsen(b, steps=2)], replica_divergence="report")
+        sums = [trainhist.open(p).spine("emb", "param").sum.tolist() for p in (lhs, rhs)]
+        assert sums == [[5.0], [6.0]]
+        c, e = _two(d, fn((1.0, 5.0)), fn((1.0, 5.0)))  # (no divergence: equal again)
+        assert read(d.coarsen(d.merge([c, e], replica_divergence="report"), steps=2)) == \
+            read(d.merge([d.coarsen(c, steps=2), d.coarsen(e, steps=2)], replica_divergence="report"))
+
+
 def test_count_overflow_refused_and_boundary_exact():
     with Dir() as d:
         def big(c):
