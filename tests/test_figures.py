@@ -179,8 +179,13 @@ def test_quantile_edges_bands_and_partly_sketched_windows(tmp_path):
             w.observe(s, st, np.array([3.0, 3.0]) if st == 0 else np.array([3.0, 0.0]), sketch=st == 0)
     trainhist.coarsen(p, tmp_path / "c.thist", steps=4)
     with trainhist.open(tmp_path / "c.thist") as h:
-        med = [ln for ln in site_figure(h, "a").axes[0].lines if "median" in str(ln.get_label())]
-        assert med and abs(med[0].get_ydata()[0] - 3.0) < 0.6 and "zeros estimated" in med[0].get_label()
+        ax = site_figure(h, "a").axes[0]
+        med = [ln for ln in ax.lines if "median" in str(ln.get_label())]
+        assert med and abs(med[0].get_ydata()[0] - 3.0) < 0.6
+        legend = " ".join(" ".join(t.get_text().split()) for t in ax.get_legend().get_texts())
+        # (a sketch of part of the row: no bound is claimed for it, and the legend says so)
+        assert "at 0 of 1 sketched rows; at the other 1 the sketch holds only part of the row's values" in legend
+        assert "zeros estimated, no bound for the row's" in legend
 
 
 def _pieces(line) -> list[np.ndarray]:

@@ -380,14 +380,18 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
                           lw=3)
         width = quantile_bound(sk.scale)
         _plot_rows(ax, start[f], end[f], q[f, 2], joined, color="C0", lw=1.5,
-                   label="median (derived from sketch"
-                   + ("; partly sketched windows: zeros estimated" if partial.any() else "") + ")")
+                   label="median (derived from sketch)")
         from matplotlib.lines import Line2D
 
-        notes.append(Line2D([], [], ls="none", label=f"every derived quantile (p5 to p95): within ±{width:.0%} "
-                            f"relative (one bin at {2**sk.scale} bins/octave)"
-                            + (f"; drawn only at the {f.size} of {int(obs.sum())} rows with values that have a "
-                               "sketch, never joined across a row without one" if unsketched.any() else "")))
+        npart = int(partial.sum())
+        notes.append(Line2D([], [], ls="none", label=(
+            f"every derived quantile (p5 to p95): within ±{width:.0%} relative (one bin at {2**sk.scale} "
+            "bins/octave)" if not npart else
+            f"derived quantiles (p5 to p95): within ±{width:.0%} relative (one bin at {2**sk.scale} bins/octave) "
+            f"at {len(at) - npart} of {len(at)} sketched rows; at the other {npart} the sketch holds only part of "
+            "the row's values: quantiles of that part, zeros estimated, no bound for the row's")
+            + (f"; drawn only at the {f.size} of {int(obs.sum())} rows with values that have a "
+               "sketch, never joined across a row without one" if unsketched.any() else "")))
     _marks(ax, h, s)
     if obs.any():
         lin = max(1e-12, float(np.nanmax(np.abs(np.r_[s.min[obs], s.max[obs], 1e-12]))) * 1e-3)
