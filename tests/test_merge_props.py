@@ -603,6 +603,64 @@ def test_coarsen_and_merge_of_diverging_replicas_under_report_differ_as_spec_11_
             read(d.merge([d.coarsen(c, steps=2), d.coarsen(e, steps=2)], replica_divergence="report"))
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_rows_of_different_spans_over_the_same_steps_are_noted(capsys, workers):
+    """A shard coarsened by 4 merged with a raw one gave rows of spans 1 and 4 over the same steps (they do not
+    combine, spec 11.1) with no word in the report. The report lists each site and segment where that happens
+    (and the step truth), the first pair of rows, and a note says so; inputs of one window give none."""
+    from trainhist import cli
+
+    with Dir() as d:
+        def f(w):
+            for name in ("x", "y"):
+                s = w.site(name, "activation")
+                for step in range(8):
+                    w.observe(s, step, np.ones(4))
+            for step in range(8):
+                w.step_truth(step, applied=True, tokens=1)
+
+        a, b = _two(d, f, f)
+        ac = d.coarsen(a, steps=4)
+        rep = trainhist.merge([ac, b], d.out(), workers=workers)
+        assert [(x["where"], x["rows"]) for x in rep.span_overlaps] == [
+            ("site x [activation], segment 0", [[0, 1], [0, 4]]), ("site y [activation], segment 0", [[0, 1], [0, 4]]),
+            ("step truth of segment 0", [[0, 1], [0, 4]])]
+        assert [x["file"] for x in rep.span_overlaps[:2]] == [ac, ac]
+        (note,) = rep.notes
+        assert note.startswith("rows of different spans cover the same steps in 2 site/segment pairs and the step "
+                               "truth of 1 segment (first: site x [activation], segment 0, a row at step 0 spanning 1")
+        cli._print_report(rep, False)
+        assert "  note: rows of different spans cover the same steps" in capsys.readouterr().out
+        for inputs in ([a, b], [ac, d.coarsen(b, steps=4)]):
+            rep = trainhist.merge(inputs, d.out(), workers=workers)
+            assert rep.span_overlaps == [] and rep.notes == []
+
+
+@pytest.mark.parametrize("batch_rows", [1, 10**6])
+def test_rows_of_different_spans_are_noted_across_sweep_batches(monkeypatch, batch_rows):
+    """The window (4, span 4) of one input and the rows 5..7 of the other fall in two sweep batches when BATCH_ROWS
+    is small: the overlap is found all the same."""
+    monkeypatch.setattr(merge_mod, "BATCH_ROWS", batch_rows)
+    with Dir() as d:
+        def fa(w):
+            s = w.site("x", "activation")
+            for step in range(4, 8):
+                w.observe(s, step, np.ones(2))
+
+        def fb(w):
+            s = w.site("x", "activation")
+            for step in (0, 1, 2, 3, None, 5, 6, 7):
+                if step is None:
+                    w.commit()  # (chunks [0, 3] and [5, 7] around the other input's window)
+                else:
+                    w.observe(s, step, np.ones(2))
+
+        a, b = _two(d, fa, fb)
+        rep = trainhist.merge([d.coarsen(a, steps=4), b], d.out())
+        assert [(x["where"], x["rows"]) for x in rep.span_overlaps] == [("site x [activation], segment 0",
+                                                                         [[4, 4], [5, 1]])]
+
+
 def test_count_overflow_refused_and_boundary_exact():
     with Dir() as d:
         def big(c):

@@ -108,6 +108,9 @@ class MergeReport:
     #: sites whose inputs recorded them at different cadences (spec 11.5): the merged cadence is their greatest
     #: common divisor; ``unplanned_steps_due`` when it makes due steps that no input's cadence made due
     cadence_mismatches: list[dict] = field(default_factory=list)
+    #: sites and segments whose merged rows cover the same steps under different spans (an input coarsened,
+    #: another not, spec 11.1): the first such pair of rows of each, and the file of the later one
+    span_overlaps: list[dict] = field(default_factory=list)
     #: what a person should know about the result, one sentence each (the command line prints them as notes)
     notes: list[str] = field(default_factory=list)
 
@@ -862,20 +865,21 @@ class _Engine:
         blank(res, out["presence"] != Presence.OBSERVED)  # spec 2.6: a row that is not observed has no numbers
         return res
 
-    def _refuse_overlapping_replicas(self, r: Rows, where: str, reach: dict | None = None) -> None:
-        """Replica rows kept once per (step, span) must not cover the same steps under different spans: inputs
-        coarsened to different windows hold the same tensor's observations twice, and adding them would count it
-        twice (spec 11.5).
+    def _overlapping_spans(self, r: Rows, reach: dict | None = None) -> tuple[int, int, int, int, int] | None:
+        """The first two rows of ``r`` (after the rows of earlier batches that ``reach`` holds) of one phase and
+        micro-batch whose steps overlap under different spans, as ``(step, span, step, span, src of the later)``,
+        or None: rows of one identity are combined already, so two rows that overlap have different spans (an
+        input coarsened to a window, another not, or to another window).
 
-        ``reach`` carries the check from one sweep batch to the next (:meth:`_site`): per (phase, micro), the row
-        of the earlier batches whose steps reach furthest, as ``(phase, micro) -> (end, step, span, src)`` (``end``:
-        its last step as an offset from -2**63, at most 2**64 - 1). A later batch holds only later steps
-        (:meth:`_sweep`), so a row of it overlaps an earlier row exactly when it starts within that furthest reach;
-        only rows of more than one step reach into a later batch."""
+        ``reach`` carries the check from one sweep batch to the next (:meth:`_site`), and is updated: per (phase,
+        micro), the row of the earlier batches whose steps reach furthest, as ``(phase, micro) -> (end, step, span,
+        src)`` (``end``: its last step as an offset from -2**63, at most 2**64 - 1). A later batch holds only later
+        steps (:meth:`_sweep`), so a row of it overlaps an earlier row exactly when it starts within that furthest
+        reach; only rows of more than one step reach into a later batch."""
         c = r.cols
         wide = c["span"] != 1
         if not wide.any() and not reach:
-            return  # (one-step rows alone, and nothing earlier reaching beyond its own step)
+            return None  # (one-step rows alone, and nothing earlier reaching beyond its own step)
         ph, mi, st, sp, src = c["phase"], c["micro"], c["step"], c["span"].astype(np.uint64), c["src"]
         if reach:  # the earlier batches' furthest rows, before this batch's (their steps are all earlier)
             held = list(reach.items())
@@ -884,6 +888,7 @@ class _Engine:
             st = np.concatenate([np.array([v[1] for _, v in held], st.dtype), st])
             sp = np.concatenate([np.array([v[2] for _, v in held], np.uint64), sp])
             src = np.concatenate([np.array([v[3] for _, v in held], src.dtype), src])
+        hit = None
         if len(st) >= 2:
             o = np.lexsort((st, mi, ph))
             ph, mi, st, sp, src = ph[o], mi[o], st[o], sp[o], src[o]
@@ -891,29 +896,50 @@ class _Engine:
             over = (ph[1:] == ph[:-1]) & (mi[1:] == mi[:-1]) & (gap < sp[:-1])
             if over.any():
                 i = int(np.flatnonzero(over)[0])
-                raise MergeError(
-                    f"{where}: replica rows at step {int(st[i])} (span {int(sp[i])}) and step {int(st[i + 1])} "
-                    f"(span {int(sp[i + 1])}) cover the same steps: the inputs were coarsened to different windows, "
-                    "and adding them would count the replicated tensor twice; coarsen every input to the same number "
-                    "of steps first", code="incompatible_span", path=self.paths[int(src[i + 1])])
+                hit = (int(st[i]), int(sp[i]), int(st[i + 1]), int(sp[i + 1]), int(src[i + 1]))
         if reach is None:
-            return
+            return hit
         w = np.flatnonzero(sp > 1)
-        if not w.size:
-            return
-        key = st[w].view(np.uint64) ^ np.uint64(1 << 63)  # (order-preserving offsets from -2**63)
-        end = key + np.minimum(sp[w] - np.uint64(1), ~key)  # its last step, saturated at the largest step
-        o = np.lexsort((end, mi[w], ph[w]))
-        gp, gm = ph[w][o], mi[w][o]
-        lasts = np.flatnonzero(np.r_[(gp[1:] != gp[:-1]) | (gm[1:] != gm[:-1]), True])  # each group's furthest
-        for j in o[lasts].tolist():
-            i, k = int(w[j]), (int(ph[w[j]]), int(mi[w[j]]))
-            e = int(end[j])
-            if k not in reach or e > reach[k][0]:
-                reach[k] = (e, int(st[i]), int(sp[i]), int(src[i]))
+        if w.size:
+            key = st[w].view(np.uint64) ^ np.uint64(1 << 63)  # (order-preserving offsets from -2**63)
+            end = key + np.minimum(sp[w] - np.uint64(1), ~key)  # its last step, saturated at the largest step
+            o = np.lexsort((end, mi[w], ph[w]))
+            gp, gm = ph[w][o], mi[w][o]
+            lasts = np.flatnonzero(np.r_[(gp[1:] != gp[:-1]) | (gm[1:] != gm[:-1]), True])  # each group's furthest
+            for j in o[lasts].tolist():
+                i, k = int(w[j]), (int(ph[w[j]]), int(mi[w[j]]))
+                e = int(end[j])
+                if k not in reach or e > reach[k][0]:
+                    reach[k] = (e, int(st[i]), int(sp[i]), int(src[i]))
         top = int(st.max().view(np.uint64) ^ np.uint64(1 << 63))  # (later batches start after this batch's steps)
         for k in [k for k, v in reach.items() if v[0] < top]:
             del reach[k]  # (reaches no later step)
+        return hit
+
+    def _refuse_overlapping_replicas(self, r: Rows, where: str, reach: dict | None = None) -> None:
+        """Replica rows kept once per (step, span) must not cover the same steps under different spans: inputs
+        coarsened to different windows hold the same tensor's observations twice, and adding them would count it
+        twice (spec 11.5). ``reach``: see :meth:`_overlapping_spans`."""
+        hit = self._overlapping_spans(r, reach)
+        if hit is not None:
+            a, n, b, m, src = hit
+            raise MergeError(
+                f"{where}: replica rows at step {a} (span {n}) and step {b} (span {m}) cover the same steps: the "
+                "inputs were coarsened to different windows, and adding them would count the replicated tensor "
+                "twice; coarsen every input to the same number of steps first", code="incompatible_span",
+                path=self.paths[src])
+
+    def _note_overlapping_spans(self, r: Rows, where: str, reach: dict, seen: list) -> None:
+        """Shard rows of different spans over the same steps (an input coarsened, another not) do not combine
+        (spec 11.1): the merged series then holds a window and one-step rows over the same steps. The first such
+        pair of a site and segment goes to the report (``span_overlaps``; ``seen``: whether it has one already)."""
+        if seen:
+            return
+        hit = self._overlapping_spans(r, reach)
+        if hit is not None:
+            a, n, b, m, src = hit
+            seen.append(True)
+            self.report.span_overlaps.append({"where": where, "rows": [[a, n], [b, m]], "file": self.paths[src]})
 
     def _replica(self, r: Rows, starts: np.ndarray, sizes: np.ndarray, where: str) -> Rows:
         """Keep one row of each group of replica rows; they must be identical (or, on request, are reported)."""
@@ -969,9 +995,10 @@ class _Engine:
                 [int(c[k][i:i + 1].view(np.uint64)[0]) for k in ("min", "max", "sum", "sumsq")],
                 [_exact_key(x.get(i)) for x in (r.sum_x, r.sumsq_x)], bool(r.has_sk[i]), sk)
 
-    def _combine(self, r: Rows, sharing: str, where: str, reach: dict | None = None) -> Rows:
-        """Combine the rows of one sweep batch of a site and segment; ``reach``: the state that carries the check of
-        replica spans from batch to batch (:meth:`_refuse_overlapping_replicas`)."""
+    def _combine(self, r: Rows, sharing: str, where: str, reach: dict | None = None, noted: list | None = None
+                 ) -> Rows:
+        """Combine the rows of one sweep batch of a site and segment; ``reach`` and ``noted``: the state that carries
+        the check of overlapping spans from batch to batch (:meth:`_overlapping_spans`)."""
         c = r.cols
         if sharing == "replica" or self.N == 1:
             order, starts, sizes = _groups([c["step"], c["span"], c["phase"], c["micro"]])
@@ -984,6 +1011,8 @@ class _Engine:
             else:
                 r = r.take(order)
             if self.N == 1:
+                if sharing != "replica" and reach is not None and noted is not None:
+                    self._note_overlapping_spans(r, where, reach, noted)
                 return r
             c = r.cols
         n = self.N
@@ -1073,6 +1102,7 @@ class _Engine:
         rows_in = self.report.rows_in
         divergences = len(self.report.divergences)
         total = self.report.divergences_total
+        overlaps = len(self.report.span_overlaps)
         per_seg: dict[int, list] = {}
         for s, site in self.site_members[out_site]:
             for e in s.obs.get(site.id, []):
@@ -1083,15 +1113,17 @@ class _Engine:
         for seg in sorted(per_seg):
             where = f"site {_site_name(self.site_keys[out_site])}, segment {seg}"
             buf: list[Rows] = []
-            reach: dict = {}  # (replica rows of earlier batches that reach into later ones: spec 11.5)
+            reach: dict = {}  # (rows of earlier batches that reach into later ones: spec 11.5, 11.1)
+            noted: list = []  # (the segment's overlapping spans are in the report)
             for batch in self._sweep(per_seg[seg]):
-                r = self._combine(self._decode_batch(batch, out_site), sharing, where, reach)
+                r = self._combine(self._decode_batch(batch, out_site), sharing, where, reach, noted)
                 buf.append(r)
                 buf = self._emit_obs(records, buf, out_site, seg, final=False)
             self._emit_obs(records, buf, out_site, seg, final=True)
         return {"records": records, "rows_in": self.report.rows_in - rows_in,
                 "divergences": self.report.divergences[divergences:],
-                "divergences_total": self.report.divergences_total - total}
+                "divergences_total": self.report.divergences_total - total,
+                "span_overlaps": self.report.span_overlaps[overlaps:]}
 
     def _write_site(self, w: CanonicalWriter, res: dict) -> None:
         """Append a built site's records (payloads in hand, or in a worker's spool file) and commit them."""
@@ -1217,6 +1249,7 @@ class _Engine:
                         room = MAX_DIVERGENCES - len(self.report.divergences)
                         self.report.divergences.extend(res["divergences"][:max(room, 0)])
                         self.report.divergences_total += res["divergences_total"]
+                        self.report.span_overlaps.extend(res["span_overlaps"])
                         self._write_site(w, res)
                         if w.bytes_written - synced >= SYNC_BYTES:  # while the workers build the next sites
                             w.sync_data()
@@ -1252,12 +1285,46 @@ class _Engine:
                 buf_s.append(self._combine_steps(StepRows.concat(parts), where, files))
             r = StepRows.concat(buf_s) if buf_s else None
             if r is not None and len(r):
+                if self.N == 1:
+                    self._note_step_spans(r, where)
                 for p in range(0, len(r), CHUNK_ROWS):
                     part = r.take(slice(p, p + CHUNK_ROWS))
                     payload, lo, hi = encode_steps(part, seg, self.codec)
                     w.steps(payload, seg, len(part), lo, hi)
                     self.report.step_rows_out += len(part)
         w.commit()
+        self._note_spans()
+
+    def _note_step_spans(self, r: StepRows, where: str) -> None:
+        """Report the first step-truth rows of one segment (``r``: in step order) that cover the same steps under
+        different spans (an input coarsened, another not): they do not combine (spec 11.6)."""
+        st, sp = r.cols["step"], r.cols["span"].astype(np.uint64)
+        if len(st) < 2 or not (sp != 1).any():
+            return
+        over = (st[1:].view(np.uint64) - st[:-1].view(np.uint64)) < sp[:-1]
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            self.report.span_overlaps.append({"where": where, "rows": [[int(st[i]), int(sp[i])],
+                                                                       [int(st[i + 1]), int(sp[i + 1])]],
+                                              "file": None})
+
+    def _note_spans(self) -> None:
+        """A note on rows of different spans over the same steps (``span_overlaps``), when there are any."""
+        found = self.report.span_overlaps
+        if not found:
+            return
+        (a, n), (b, m) = found[0]["rows"]
+        sites = sum(not x["where"].startswith("step truth") for x in found)
+        steps = len(found) - sites
+        where = " and ".join(x for x in (f"{sites} site/segment pair{'' if sites == 1 else 's'}" if sites else "",
+                                         f"the step truth of {steps} segment{'' if steps == 1 else 's'}"
+                                         if steps else "") if x)
+        self.report.notes.append(
+            f"rows of different spans cover the same steps in {where} (first: {found[0]['where']}, a row at step {a} "
+            f"spanning {n} and one at step {b} spanning {m}): an input was coarsened to windows and another was not "
+            "(or to other windows). Such rows do not combine (spec 11.1, 11.6): those steps' observations are split "
+            "between a window and the rows inside it, each holding its own inputs' alone; coarsen every input to "
+            "one window first to combine them")
 
 
 # -- worker processes ----------------------------------------------------------------------------------------
@@ -1296,6 +1363,7 @@ def _worker_init(spools: str) -> None:
     _ENGINE.pool = _Pool(FD_POOL)  # descriptors of its own (pread needs no shared offset, but keep them apart)
     _ENGINE.report.divergences = []
     _ENGINE.report.divergences_total = 0
+    _ENGINE.report.span_overlaps = []
     _SPOOL.clear()
     _SPOOL["dir"] = spools
 
