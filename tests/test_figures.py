@@ -674,3 +674,19 @@ def test_plot_command_without_matplotlib_says_what_to_install(tmp_path, capsys, 
     assert main(["plot", str(_history(tmp_path)), "-o", str(tmp_path / "figs")]) == 2
     err = capsys.readouterr().err
     assert "[needs_viz]" in err and "pip install 'trainhist[viz]'" in err and not (tmp_path / "figs").exists()
+
+
+def test_plot_command_keeps_figures_of_names_that_read_the_same_apart(tmp_path, capsys) -> None:
+    """Facets 'a b' and 'a_b' (or 'α' and 'β') made one file name: the second figure replaced the first, with both
+    paths printed. A file given as -o is a usage error (2), as export's is."""
+    from trainhist.cli import main
+
+    p = tmp_path / "f.thist"
+    with trainhist.HistoryWriter(p) as w:
+        for facet in ("a b", "a_b", "α", "β"):
+            w.observe(w.site("x", "activation", facet=facet), 0, np.arange(4.0))
+    assert main(["plot", str(p), "-o", str(tmp_path / "o"), "--site", "x"]) == 0
+    printed = capsys.readouterr().out.split()
+    assert len(printed) == 8 == len(set(printed)) == len(list((tmp_path / "o").iterdir()))
+    assert main(["plot", str(p), "-o", str(p), "--site", "x"]) == 2
+    assert "[bad_output]" in capsys.readouterr().err

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import zlib
 from typing import Callable
 
 import numpy as np
@@ -254,9 +255,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
         return _status(h)
 
 
-def _file_part(text: str) -> str:
-    """``text`` with every character other than letters, digits, ``.``, ``_`` and ``-`` replaced by ``_``."""
-    return "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "_" for c in text)
+def _file_stem(parts: list[str]) -> str:
+    """A file name stem for a figure of ``parts`` (path, stream, facet, phase): joined by ``.``, every character
+    other than ASCII letters, digits, ``.``, ``_`` and ``-`` replaced by ``_``; where that changed a name, a
+    checksum of the names follows, so that two names that read the same (``a b``, ``a_b``) get two files."""
+    safe = ["".join(c if c.isascii() and (c.isalnum() or c in "._-") else "_" for c in x) for x in parts]
+    stem = ".".join(safe)
+    if safe != parts:
+        stem += f"-{zlib.crc32(chr(0).join(parts).encode()):08x}"
+    return stem
 
 
 def _plot_targets(h: History, args: argparse.Namespace) -> list[tuple[object, str, bool]]:
@@ -300,8 +307,11 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         import matplotlib  # noqa: F401 -- (the figures module imports it when drawing)
     except ImportError as e:
         raise UsageError(f"figures need matplotlib: pip install 'trainhist[viz]' ({e})", code="needs_viz") from None
+    out = Path(args.output)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"-o {out}: a file is there; the figures go to a folder (a new or an existing one)",
+                         code="bad_output")
     with open_history(args.file) as h:
-        out = Path(args.output)
         if not args.site:
             for page in contact_sheet(h, out, per_page=args.per_page):
                 print(page)
@@ -309,8 +319,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
             targets = _plot_targets(h, args)  # (every name is checked before a figure is drawn)
             out.mkdir(parents=True, exist_ok=True)
             for s, phase, named in targets:
-                stem = ".".join(_file_part(x) for x in (s.path, s.stream, s.facet, phase if named else None)
-                                if x is not None)
+                stem = _file_stem([x for x in (s.path, s.stream, s.facet, phase if named else None) if x is not None])
                 for kind, draw in (("site", site_figure), ("waterfall", waterfall)):
                     draw(h, s.path, s.stream, s.facet, phase=phase, out=out / f"{stem}.{kind}.png")
                     print(out / f"{stem}.{kind}.png")

@@ -184,8 +184,8 @@ class _Step:
     bases: set[str | None] = field(default_factory=set)
     unscaled: bool = False
     opt_called: bool = False
-    orphans_read: bool = False  # the gradients of parameters in no attached optimizer were read
     ran_before: bool = False  # the model ran between the previous step and this one
+    attached: set[int] | None = None  # ids of the attached optimizers' parameters (when asked, see _unattached)
     scaler_updated: bool = False
     pending: PendingTransfer | None = None
     decoded: dict[tuple, object] = field(default_factory=dict)
@@ -384,6 +384,10 @@ def _keep_last(hid: int, module: torch.nn.Module, args: tuple) -> None:
         hooks.move_to_end(hid)
 
 
+#: the writer's codes for a value it refuses (the rest of the call's rows are written): not a failing writer
+_REFUSED_VALUES = frozenset({"bad_value", "duplicate_row", "bad_summary", "bad_manifest_value", "unknown_name"})
+
+
 def _scalar_value(name: str, v: object) -> float | torch.Tensor:
     """A scalar given to :meth:`Collector.scalars` as a float, or a one-element tensor (read at the step's transfer,
     never synced); anything else (text, several elements) is refused now, with :class:`UsageError`."""
@@ -499,6 +503,7 @@ class Collector:
         self._fsdp1_class = type(units[0]) if units else None
         # where each parameter is held, to follow one the loop replaces by another of its kind (see _follow_params);
         # FSDP1 swaps its units' parameters itself: not followed
+        self._param_ids = {id(p) for p in self._params.values()}
         self._owners = {} if units or self._flat else {
             n: (m, leaf) for path, m in self.inner.named_modules() for leaf, p in m._parameters.items()
             if (n := clean_name(f"{path}.{leaf}" if path else leaf)) in self._params and self._params[n] is p
@@ -562,6 +567,8 @@ class Collector:
         self._discovery: dict | None = None
         self._pending: list[_Step] = []
         self._late: list[tuple[int, str, torch.Tensor]] = []
+        self._late_host: list[tuple[int, str, float]] = []  # (numbers given after their step: written with _late)
+        self._written: dict[str, int] = {}  # each scalar's last step written in this segment
         self._ran_outside = False  # the model ran since the last step ended, outside any step
         # each parameter's gradient as the last step left it (the tensor, weakly, and its version): a gradient
         # found unchanged at the end of a step with no optimizer step is the earlier step's, not this one's
@@ -765,19 +772,24 @@ class Collector:
         """Record from a parameter the loop replaced by a new one of the same shape, dtype and device
         (``module.weight = nn.Parameter(...)``): its sites go on with the new tensor, and a warning says so; any
         other replacement is left to :meth:`_check_params`'s warning."""
-        params = self._params
+        params, followed = self._params, []
         for n, (m, leaf) in self._owners.items():
             new = m._parameters.get(leaf)
             old = params[n]
-            if new is old or type(new) is not torch.nn.Parameter:
-                continue
+            if new is old or type(new) is not torch.nn.Parameter or id(new) in self._param_ids:
+                continue  # (unchanged; removed or not a plain parameter; one held under another name: tied now)
             if (new.shape, new.dtype, new.device) != (old.shape, old.dtype, old.device):
                 continue
             params[n] = new
+            self._param_ids.discard(id(old))
+            self._param_ids.add(id(new))
             self._made_with.add(id(new))
-            self._warn_once(("rebound", n), f"trainhist: parameter {n!r} was replaced by a new tensor before step "
-                            f"{step}; its sites record the new one from this step on (an optimizer made before "
-                            "still steps the old one unless given the new one)")
+            followed.append(n)
+        if followed:
+            self._warn_once(("rebound", step), f"trainhist: {len(followed)} parameter(s) were replaced by new tensors "
+                            f"before step {step} ({', '.join(followed[:3])}{', ...' if len(followed) > 3 else ''}); "
+                            "their sites record the new ones from this step on (an optimizer made before still steps "
+                            "the old ones unless given the new ones)")
 
     def _open(self) -> None:
         if self._writer is not None:
@@ -930,12 +942,12 @@ class Collector:
         """Call the writer; an error is warned about once and never propagates into training."""
         try:
             return fn(*args, **kwargs)  # type: ignore[operator]
-        except UsageError as e:  # (a value the file refuses, e.g. a scalar row twice: not a failing disk)
-            self._warn_once(("refused", e.code), f"trainhist: the history refused a value, which is not recorded "
-                            f"({e}); training continues")
-            return None
         except Exception as e:  # noqa: BLE001 -- a broken disk must not kill the training run
-            self._writer_error(e)
+            if isinstance(e, UsageError) and e.code in _REFUSED_VALUES:  # (a value the file cannot hold: no disk)
+                self._warn_once(("refused", e.code), f"trainhist: the history refused a value, which is not "
+                                f"recorded ({e}); training continues")
+            else:
+                self._writer_error(e)
             return None
 
     def _writer_error(self, e: Exception) -> None:
@@ -967,6 +979,7 @@ class Collector:
         if new_segment:
             self._write_late()  # (the scalars given after the last step belong to the segment it ended)
             self._safe(self._writer.new_segment, int(step), "resume")
+            self._written.clear()
             for steps in self._absent_steps.values():
                 steps.clear()
         st = _Step(
@@ -989,10 +1002,10 @@ class Collector:
         self._state = st
         st.ran_before, self._ran_outside = self._ran_outside, False
         self._place_completed()  # (a forward cut short in the previous step)
+        self._follow_params(st.step)
         if not self._steps_entered:
             self._steps_entered = True
             self._check_params()
-        self._follow_params(st.step)
         if st.due["param_delta"]:
             with _no_flush():  # (float64 parameters are cast to float32: a flush would change subnormals)
                 self._snapshot(st)
@@ -1089,6 +1102,8 @@ class Collector:
                 self._ledger.scalar(key).copy_(t.reshape(-1)[:1])
             st.user_dev.append((s, name, key))
         self._late = []
+        st.user_host += self._late_host
+        self._late_host = []
         if st.counts or st.dev_scalars or st.user_dev:  # (with no lag, decoded before the ledger is touched again)
             st.pending = self._ledger.transfer(copy=self._lag > 0)
         self._pending.append(st)
@@ -1146,10 +1161,8 @@ class Collector:
                     self._late.append((int(step), name, v.detach()))
             elif st is not None and st.step == step:
                 st.user_host.append((step, name, v))
-            else:
-                if self._writer is None:  # (before attach(): the file is opened now)
-                    self._open()
-                self._safe(self._writer.scalar, name, int(step), v)
+            else:  # (after its step: written after that step's own rows, as tensors are)
+                self._late_host.append((int(step), name, v))
 
     def _write_scalars(self, own: dict[tuple[int, str], float], given: list[tuple[int, str, float]]) -> None:
         """Write the collector's scalars (``own``) and the loop's (``given``, in the order given): of one name
@@ -1166,10 +1179,14 @@ class Collector:
                 self._warn_once(("scalar_own", k[1]), f"trainhist: scalar {k[1]!r} is one the collector records "
                                 f"itself (step {k[0]}): its own value is kept and the one given is not; give yours "
                                 "another name")
+            elif self._written.get(k[1]) == k[0]:  # (given after its step, whose row of that name is written)
+                self._warn_once(("scalar_after", k[1]), f"trainhist: scalar {k[1]!r} was given for step {k[0]} "
+                                "after that step's value of it was recorded: the later one is not recorded")
             else:
                 own[k] = v
-        w = self._writer
-        for (s, name), v in own.items():
+        w, written = self._writer, self._written
+        for (s, name), v in sorted(own.items(), key=lambda kv: kv[0][0]):  # (an earlier step's late ones first)
+            written[name] = s
             self._safe(w.scalar, name, s, v)
 
     # -- reductions -----------------------------------------------------------------------------------------
@@ -1461,6 +1478,7 @@ class Collector:
             return
         items = []
         missing = 0
+        orphans: list[str] = []
         for name in self._param_names(params):
             if phase == "default" and name in st.clipped_names:
                 continue
@@ -1479,6 +1497,14 @@ class Collector:
             elif cleared:
                 st.unknown.add(key)
                 missing += 1
+            elif at_exit and self._unattached(st, name, p):  # (its optimizer, not attached, stepped: the loop may have
+                st.unknown.add(key)  # cleared its gradient since, as it clears the attached ones' after theirs)
+                orphans.append(name)
+        if orphans:
+            self._warn_once("orphans", f"trainhist: parameters no attached optimizer holds ({', '.join(orphans[:3])}"
+                            f"{', ...' if len(orphans) > 3 else ''}) had no gradient at the end of step {st.step}: "
+                            "recorded unknown (the loop may have cleared it); attach every optimizer "
+                            "(attach(optimizer=[opt1, opt2])) so that gradients are read when each one steps")
         if missing and not items and not self._optimizers:
             self._warn_once("no_grads", "trainhist: no parameter had a gradient at the end of the step and no "
                             "optimizer is attached, so gradients cannot be read when the optimizer uses them (the "
@@ -1487,6 +1513,16 @@ class Collector:
         self._reduce_many(items)
         if items:
             st.bases.add(self._basis(st))
+
+    def _unattached(self, st: _Step, name: str, p: torch.Tensor) -> bool:
+        """Whether no attached optimizer holds ``p``, a parameter of the model (an optimizer the loop steps without
+        attaching it); not one the model no longer holds (replaced, tied to another)."""
+        owner = self._owners.get(name)
+        if not self._optimizers or (owner is not None and owner[0]._parameters.get(owner[1]) is not p):
+            return False
+        if st.attached is None:
+            st.attached = {id(q) for o in self._optimizers for g in o.param_groups for q in g["params"]}
+        return id(p) not in st.attached
 
     def _stale_grads(self) -> set[str]:
         """Parameters whose gradient is the very tensor, unchanged, that the previous step left: at the end of a
@@ -1561,15 +1597,25 @@ class Collector:
         if st is None:
             return call(parameters)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)  # type: ignore[arg-type]
-        ours = {id(p) for p in self._params.values()}
+        ours = self._param_ids
         if not any(id(p) in ours for p in params):  # (another model's clip: not this history's step)
             return call(params)
         mixed = not all(id(p) in ours for p in params)  # (its norm is then of other models' gradients too)
+        own = mixed and not st.norm_done and self._clips_all(params)
+        if own:  # (this model's own norm, before and after the clip: the clip's is of more than this model)
+            self._guarded(self._total_grad_norm, st, "grad_norm" + self._norm_suffix)
         self._guarded(self._capture_grads, "pre_clip", params)
         out = call(params)
         self._guarded(self._capture_grads, "post_clip", params)
+        if own:
+            self._guarded(self._total_grad_norm, st, "grad_norm_post_clip" + self._norm_suffix)
         self._guarded(self._clipped, st, params, max_norm, out if norm is None else norm, whole, mixed)
         return out
+
+    def _clips_all(self, params: list[torch.Tensor]) -> bool:
+        """Whether ``params`` holds every trainable parameter of this model."""
+        ids = {id(p) for p in params}
+        return all(id(p) in ids for p in self._params.values() if p.requires_grad)
 
     def _guarded(self, fn: Callable[..., None], *args: object) -> None:
         """``fn(*args)``, recording, inside a call of the loop's (a clip): an error is warned about once and never
@@ -1599,7 +1645,7 @@ class Collector:
             whole = replicated(norm)
             norm = norm.to_local()
         norm = norm.detach()
-        every = not mixed and all(id(p) in ids for p in self._params.values() if p.requires_grad)
+        every = not mixed and self._clips_all(params)
         if whole:  # (of a rank's part of the gradients, the norm does not say whether clip scaled them)
             coef = max_norm / (norm + 1e-6)  # clip_grad_norm_'s own coefficient, in its dtype
             clipped = (coef < 1).to(torch.float64)
@@ -1671,7 +1717,7 @@ class Collector:
             st.lrs[oi] = [lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
                           for lr in (g.get("lr") for g in opt.param_groups)]
         if not _closure(args, kwargs):  # (a closure computes the gradients inside the step: read after it)
-            self._capture_grads("default", self._stepped_params(st, opt))
+            self._capture_grads("default", [p for g in opt.param_groups for p in g["params"]])
 
     def _on_opt_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         st = self._state
@@ -1683,18 +1729,7 @@ class Collector:
         if oi is not None:
             st.opt_state[oi] = "maybe" if maybe else "stepped"
         if _closure(args, kwargs):  # the gradients of the closure's last evaluation (LBFGS evaluates it repeatedly)
-            self._capture_grads("default", self._stepped_params(st, opt))
-
-    def _stepped_params(self, st: _Step, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-        """The parameters whose gradients are read when ``opt`` steps: its own, and at the step's first optimizer
-        step those of no attached optimizer (one the loop steps unattached: the loop may clear its gradients
-        before the step ends, so they are read while the gradients are in use)."""
-        params = [p for g in opt.param_groups for p in g["params"]]
-        if not st.orphans_read:
-            st.orphans_read = True
-            attached = {id(p) for o in self._optimizers for g in o.param_groups for p in g["params"]}
-            params += [p for p in self._params.values() if id(p) not in attached]
-        return params
+            self._capture_grads("default", [p for g in opt.param_groups for p in g["params"]])
 
     def _scaler_unscale(self, optimizer: object) -> object:
         out = self._scaler_orig["unscale_"](optimizer)  # type: ignore[operator]
@@ -1882,7 +1917,7 @@ class Collector:
                 continue
             summ = self._summary(st, data, key)
             if s.stream == "param_grad" and grad_sq is not None and s.path in self._norm_params:
-                if key in st.failed:
+                if key in st.failed or key in st.unknown:  # (a gradient not read: no norm of the whole model)
                     grad_sq = None
                 elif summ is not None:
                     grads += 1
@@ -2057,7 +2092,9 @@ class Collector:
         """Write every finished step, and the tensor scalars given after the last one (otherwise read at the next
         step's transfer), with one more transfer for those."""
         self._drain()
-        if self._late:
+        if self._late or self._late_host:
+            if self._writer is None:  # (scalars given before attach() and any step)
+                self._open()
             self._ledger.reset()
             st = _Step(step=-1, truth=StepTruth(), due=dict.fromkeys(STREAMS, False), sketch={}, t0=0.0, late_only=True)
             self._transfer(st)
