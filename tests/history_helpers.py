@@ -109,3 +109,20 @@ def damage_column(payload: bytearray, cols: dict, damage: str) -> None:
         struct.pack_into("<q", payload, off, struct.unpack_from("<q", payload, off)[0] + 1)
     else:
         raise ValueError(damage)
+
+
+def coarsened_sparse(tmp_path: Path, path: str, name: str) -> Path:
+    """A site ``path`` observed every 8 steps over 16 steps (step truth at every step), coarsened by 4 into
+    ``name``: windows 4..7 and 12..15 hold no due step (they read not_scheduled)."""
+    import trainhist
+
+    q = tmp_path / f"{name}.raw.thist"
+    with HistoryWriter(q) as w:
+        s = w.site(path, "activation", cadence_spine=8)
+        for st in range(16):
+            if st % 8 == 0:
+                w.observe(s, st, np.ones(2))
+            w.step_truth(st, applied=True)
+    out = tmp_path / name
+    trainhist.coarsen(q, out, steps=4)
+    return out

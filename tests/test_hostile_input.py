@@ -700,16 +700,9 @@ def test_presence_keeps_segments_apart_and_knows_the_steps_of_a_coarsened_window
         assert h.presence("x", steps=[5], segment=0) == {5: "failed"}
         assert h.presence("x", steps=[5], segment=1) == {5: "observed"}
         assert h.presence("x", steps=[1], segment=1) == {1: "unknown"}
-    c = tmp_path / "c.thist"
-    q = tmp_path / "q.thist"
-    with trainhist.HistoryWriter(q) as w:
-        s = w.site("y", "activation", cadence_spine=8)
-        for st in range(16):
-            if st % 8 == 0:
-                w.observe(s, st, np.ones(2))
-            w.step_truth(st, applied=True)
-    trainhist.coarsen(q, c, steps=4)
-    with trainhist.open(c) as h:
+    from history_helpers import coarsened_sparse
+
+    with trainhist.open(coarsened_sparse(tmp_path, "y", "c.thist")) as h:
         assert h.presence("y", steps=range(4, 8)) == dict.fromkeys(range(4, 8), "not_scheduled")
 
 

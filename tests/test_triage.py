@@ -516,15 +516,9 @@ def test_a_coarsened_window_without_a_row_reads_and_triages_as_its_input(tmp_pat
         f = next(f for f in triage(h1).findings if f.kind == "rows_missing")
     assert f.step == 4 and "1 coarsened window with a due step of 1 site" in f.text and "steps 4–7" in f.text
     # a window that holds no due step (cadence 8: step 8 is due, 4..7 are not) is no finding, and reads not_scheduled
-    q, d = tmp_path / "q.thist", tmp_path / "d.thist"
-    with trainhist.HistoryWriter(q) as w:
-        s = w.site("x", "activation", cadence_spine=8)
-        for st in range(16):
-            if st % 8 == 0:
-                w.observe(s, st, np.ones(2))
-            w.step_truth(st, applied=True)
-    trainhist.coarsen(q, d, steps=4)
-    with trainhist.open(d) as h:
+    from history_helpers import coarsened_sparse
+
+    with trainhist.open(coarsened_sparse(tmp_path, "x", "d.thist")) as h:
         assert h.presence("x", steps=range(4, 8)) == {k: "not_scheduled" for k in range(4, 8)}
         assert not any(f.kind == "rows_missing" for f in triage(h).findings)
 
