@@ -117,3 +117,41 @@ def test_merge_report_of_small_inputs_gives_bytes_and_time_not_zero_throughput(t
     line = capsys.readouterr().out.splitlines()[0]
     size = (tmp_path / "r0.thist").stat().st_size
     assert "MB/s" not in line and f"({size} input bytes in " in line and " 1 site, 1 segment, 2 rows in" in line
+
+
+def _cadence_shard(path, cadence: int, writer: str, steps: int = 12):
+    """One shard of run '11..1' recording `x` every ``cadence`` steps, with step truth at every step."""
+    with trainhist.HistoryWriter(path, run_id="1" * 32, writer_id=writer, fsync="never") as w:
+        s = w.site("x", "activation", cadence_spine=cadence, cadence_sketch=cadence)
+        for st in range(steps):
+            if st % cadence == 0:
+                w.observe(s, st, np.array([1.0, 2.0]))
+            w.step_truth(st, applied=True)
+    return str(path)
+
+
+def test_merge_of_inputs_coarsened_to_a_multiple_of_their_cadences_does_not_advise_coarsening(tmp_path, capsys):
+    """Inputs at cadences 2 and 3, both coarsened by 6 (their lcm), merged: every step reads observed, yet the
+    report said `unplanned_steps_due` and the note advised coarsening the inputs to a multiple of every cadence,
+    which they were. The inputs' windows are taken into account now; uncoarsened inputs still get the advice."""
+    a, b = _cadence_shard(tmp_path / "a.th", 2, "b" * 32), _cadence_shard(tmp_path / "b.th", 3, "c" * 32)
+    ac, bc = str(tmp_path / "a6.th"), str(tmp_path / "b6.th")
+    trainhist.coarsen(a, ac, steps=6)
+    trainhist.coarsen(b, bc, steps=6)
+    rep = trainhist.merge([ac, bc], tmp_path / "m6.th")
+    [cm] = rep.cadence_mismatches
+    assert cm["merged"]["spine"] == 1 and cm["unplanned_steps_due"] is False
+    [note] = rep.notes
+    assert "coarsen the inputs" not in note and "coarsened windows (6 steps)" in note
+    with trainhist.open(tmp_path / "m6.th") as h:
+        assert set(h.presence("x", steps=range(12)).values()) == {"observed"}
+    assert main(["merge", ac, bc, "-o", str(tmp_path / "m6cli.th")]) == 0
+    assert "coarsen the inputs" not in capsys.readouterr().out
+    # (windows narrower than an input's cadence, and rows of one step, leave steps no input planned: still said)
+    a4 = str(tmp_path / "a4.th")
+    trainhist.coarsen(_cadence_shard(tmp_path / "a8.th", 8, "d" * 32), a4, steps=4)
+    rep = trainhist.merge([a4, _cadence_shard(tmp_path / "b12.th", 12, "e" * 32)], tmp_path / "m4.th")
+    assert [c["unplanned_steps_due"] for c in rep.cadence_mismatches] == [True]
+    rep = trainhist.merge([a, b], tmp_path / "m.th")
+    assert [c["unplanned_steps_due"] for c in rep.cadence_mismatches] == [True]
+    assert "coarsen the inputs to a multiple of every cadence first (6 steps, say)" in rep.notes[0]

@@ -143,6 +143,26 @@ class _Source:
         finally:
             h.close()
         self.run_of_writer = {w["writer_id"]: w["run_id"] for w in self.writers}
+        self._step_window: int | None = None
+
+    def step_window(self) -> int:
+        """The narrowest span of the file's step-truth rows: the width of its windows when it was coarsened, 1 when
+        some row spans one step or the file has no step truth (read once, only for a site of differing cadences)."""
+        if self._step_window is None:
+            width = 0
+            h = History(self.path)
+            try:
+                for e in h._steps:
+                    ch = h.chunk(e)
+                    if not ch.has("span"):  # (a chunk without the column: every row spans one step)
+                        width = 1
+                        break
+                    col = ch.column("span", e.rows)
+                    width = int(col.min()) if not width else min(width, int(col.min()))
+            finally:
+                h.close()
+            self._step_window = max(width, 1)
+        return self._step_window
 
     def segment_origin(self, g: Any) -> tuple[list[str], int, list[str]]:
         """(runs, source segment number, leaf writers) of one of this file's segments."""
@@ -192,6 +212,23 @@ def _same_file(a: str, b: str) -> bool:
         return a == b or os.path.samefile(a, b)
     except OSError:
         return False
+
+
+def _unplanned_due(spine: int, cads: list[tuple[int, int]]) -> bool:
+    """Whether the merged spine cadence ``spine`` makes due a step that lies, in every input, in a window holding no
+    step that input had due: ``cads`` holds each input's (spine cadence, window width), windows aligned at multiples
+    of their width (1: rows of one step). A window at least as wide as its input's cadence always holds one (any
+    ``w`` consecutive steps hold a multiple of ``c <= w``); otherwise one period of every cadence and width is
+    checked, and past ``2**16`` steps due the answer is the one for rows of one step (no window helps)."""
+    if spine == 0 or any(c and w >= c for c, w in cads):
+        return False
+    period = math.lcm(spine, *[c for c, _ in cads if c], *[w for _, w in cads])
+    if period // spine > 1 << 16:
+        return spine not in {c for c, _ in cads}
+    for s in range(0, period, spine):
+        if not any(c and ((s // w) * w + w - 1) // c * c >= (s // w) * w for c, w in cads):
+            return True
+    return False
 
 
 def _site_name(key: tuple) -> str:
@@ -573,7 +610,8 @@ class _Engine:
 
     def _note_cadences(self, key: tuple, members: list[tuple[_Source, Any]], spine: int, sketch: int) -> None:
         """Report a site whose inputs differ in cadence (spec 11.5): the merged cadence is their greatest common
-        divisor, which makes due steps no input planned when no input's cadence divides all the others'."""
+        divisor, which makes due steps no input planned when no input's cadence divides all the others', unless the
+        inputs' rows are windows (coarsened, 11.7) that hold a step their input had due around every such step."""
         found: dict[tuple[int, int], list[str]] = {}
         for src, site in members:
             c = site.manifest["cadence"]
@@ -581,8 +619,14 @@ class _Engine:
         if len(found) < 2:
             return
         spines = sorted({k[0] for k in found})
-        # a step no input planned is due when the gcd is no input's own cadence (0, never, plans nothing)
+        # a step no input planned is due when the gcd is no input's own cadence (0, never, plans nothing) ...
         unplanned = spine != 0 and spine not in spines
+        windows: list[int] = []
+        if unplanned:  # ... and it reads so only where no input's window around it holds a step that input had due
+            cads = sorted({(site.manifest["cadence"]["spine"], max(src.step_window(), self.N))
+                           for src, site in members})
+            windows = sorted({w for _, w in cads if w > 1})
+            unplanned = _unplanned_due(spine, cads)
         self.report.cadence_mismatches.append({
             "site": _site_name(key), "merged": {"spine": spine, "sketch": sketch}, "unplanned_steps_due": unplanned,
             "cadences": [{"spine": k[0], "sketch": k[1], "files": sorted(v)} for k, v in sorted(found.items())],
@@ -592,10 +636,15 @@ class _Engine:
                          for k, v in sorted(found.items()))
         text = (f"site {_site_name(key)} was recorded at different cadences (spine/sketch: {said}); the merged "
                 f"cadence is {spine}/{sketch}, their greatest common divisor")
+        lcm = math.lcm(*[c for c in spines if c]) if any(spines) else 0
         if unplanned:
             text += (f": it makes due steps that no input's spine cadence ({', '.join(map(str, spines))}) made due "
                      "(spec 11.5), which read as unknown where they have no row; coarsen the inputs to a multiple of "
-                     "every cadence first to avoid that")
+                     f"every cadence first ({lcm} steps, say) to avoid that")
+        elif windows:
+            text += (f": the steps it makes due that no input's spine cadence ({', '.join(map(str, spines))}) made "
+                     f"due lie inside the inputs' coarsened windows ({', '.join(map(str, windows))} steps), each "
+                     "holding a step its input had due, so they read as those windows do (spec 11.5)")
         else:
             text += (": a row at a step that only some inputs made due holds those inputs' observations alone "
                      "(spec 11.1)")
