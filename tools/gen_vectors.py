@@ -1773,6 +1773,15 @@ def gen_coarsen(s: Suite) -> None:
                                                     + [obs(0, st, [1.0]) for st in (0, 3, 6, 9)]
                                                     + [truth(st) for st in range(12)] + [COMMIT]))},
                   {"input": "input.thist", "steps": 2, "bins_per_octave": 4})
+    _derived_case(s, c, "skipped_in_window", "a param_delta site whose update was skipped at step 1 of 4: the window "
+                  "[0, 4) is observed with the three updates' numbers (observed + skipped = observed, tally "
+                  "n_skipped 1), not skipped without numbers", ["11.7", "11.4"],
+                  {"input.thist": write_ops(ops_doc([site("w", "param_delta", cadence={"spine": 1, "sketch": 1}),
+                                                     obs(0, 0, [0.5, -0.25]),
+                                                     {"op": "mark", "site": 0, "step": I(1), "presence": "skipped"},
+                                                     obs(0, 2, [0.125]), obs(0, 3, [2.0])]
+                                                    + [truth(st) for st in range(4)] + [COMMIT]))},
+                  {"input": "input.thist", "steps": 4, "bins_per_octave": 4})
     s.read("valid", "derived_coarsened", "a coarsened file: spans of 2 steps, a steps chunk with a `span` column, "
            "scale-1 sketches", ["11.7", "2.3", "7.6"],
            derive(c, one, {"input": "input.thist", "steps": 2, "bins_per_octave": 2})[2])

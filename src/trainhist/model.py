@@ -148,7 +148,7 @@ STEPS_OPTIONAL_COLUMNS = {"span": "u4"}
 
 #: Presence precedence when rows combine (spec 2.6, 11.4): the state of highest precedence with a non-zero tally
 #: wins. Indexed by presence code: unknown, observed, absent, not_scheduled, failed, skipped.
-PRIORITY = (4, 2, 1, 0, 5, 3)
+PRIORITY = (4, 3, 1, 0, 5, 2)  # failed > unknown > observed > skipped > absent > not_scheduled
 _BY_PRIORITY = sorted(range(len(PRIORITY)), key=lambda c: -PRIORITY[c])
 
 
