@@ -574,3 +574,28 @@ def test_a_segment_of_another_run_is_not_called_a_resume(tmp_path) -> None:
     assert "not continuous" not in seg[1].text
     f = next(f for f in t.findings if f.kind == "first_nonfinite")
     assert f.step == 2 and "segment 2" in f.text
+
+
+def test_a_merge_of_writers_at_one_cadence_does_not_blame_unplanned_steps(tmp_path) -> None:
+    """Two cadence-1 shards, each without a row at step 4, merged: triage added to the missing row 'steps that none
+    of the writers planned', a cause that needs writers of different cadences, which the rows here rule out (a row
+    at step 1 was due to a writer at cadence 1). Said only where it can apply: not here, still for cadences 2, 3
+    (test above), and for cadences 4 and 6 merged to 2, where the lost step 2 is no multiple of a recorded one."""
+    def shards(ks, lost, name):
+        paths = []
+        for rank, k in enumerate(ks):
+            p = tmp_path / f"{name}{rank}.thist"
+            with trainhist.HistoryWriter(p, run_id="12" * 16, rank=rank, world_size=len(ks), fsync="never") as w:
+                s = w.site("x", "activation", cadence_spine=k, cadence_sketch=k)
+                for st in range(12):
+                    if st % k == 0 and st not in lost:
+                        w.observe(s, st, np.ones(2))
+                    w.step_truth(st, applied=True)
+            paths.append(p)
+        trainhist.merge(paths, tmp_path / f"{name}.thist")
+        with trainhist.open(tmp_path / f"{name}.thist") as h:
+            return next(f for f in triage(h).findings if f.kind == "rows_missing")
+    f = shards((1, 1), {4}, "same")
+    assert f.step == 4 and "failed write" in f.text and "planned" not in f.text and "11.5" not in f.text
+    f = shards((4, 6), (), "gcd2")
+    assert f.step == 2 and "possibly also steps that none of the writers planned" in f.text

@@ -184,6 +184,30 @@ def _due_without_row(entries: tuple[np.ndarray, np.ndarray], rows: list[tuple[np
     return [(int(a[k]), int(n[k])) for k in lost.tolist()]
 
 
+def _maybe_unplanned(lost: list[tuple[int, int]], rows: list[tuple[np.ndarray, np.ndarray]], cadence: int) -> bool:
+    """Whether a due step without a row (``lost``: (step, span)) of a merged site could be one that no writer
+    planned (spec 11.5): the merged cadence ``cadence`` is the gcd of the writers' cadences, each a multiple ``k``
+    of it, and a writer's row of one step at ``q * cadence`` says that some writer's ``k`` divides ``q`` (0 says
+    nothing), so a lost step at ``m * cadence`` was planned when some such ``q`` divides ``m`` (step 0 always was).
+    A row at ``±cadence`` says a writer recorded the site at the merged cadence itself. For a coarsened window or
+    past a few hundred lost steps, the answer is yes (it may be); only the 4096 smallest ``q`` are tried."""
+    parts = [x[n == 1] for x, n in rows]
+    if not 0 < cadence < 1 << 62 or len(lost) > 256 or any(n != 1 for _, n in lost):
+        return True
+    one = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+    one = one[(one != 0) & (one % cadence == 0)]
+    qs = np.unique(np.abs(one // cadence))  # (sorted: the smallest first)
+    qs = qs[qs > 0].tolist()
+    if qs[:1] == [1]:
+        return False
+    small = qs[:4096]
+    for a, _ in lost:
+        m = abs(a) // cadence
+        if m and not any(m % q == 0 for q in small):
+            return True
+    return False
+
+
 def _gap(e: _Event) -> bool:
     """Whether the site was unobserved on some step just before its first non-finite row (a cadence gap)."""
     return e.before_end is not None and e.before_end < e.step
@@ -342,7 +366,7 @@ def triage(h: History) -> Triage:
                     steps_, windows = sum(n == 1 for _, n in lost), sum(n > 1 for _, n in lost)
                     first = min(lost)
                     no_row.append((first[0], first[1], orders[site.id], steps_, windows, _label(site, "default")))
-                    in_merge |= g in merged
+                    in_merge |= g in merged and _maybe_unplanned(lost, seen[g], site.cadence_spine)
     # gradients that overflowed at steps the loss scaler skipped: expected, reported apart from the rest
     # (a segment whose rows record a loss scale ran under a scaler: a coarsened window of differing scales keeps none)
     scaled = {r["segment"] for r in rows if r["loss_scale"] is not None}
@@ -428,9 +452,10 @@ def triage(h: History) -> Triage:
         have = "has" if n_steps + n_windows == 1 else "have"
         why = "nothing was written for them, a failed write say"
         if in_merge:  # (spec 11.5: the merged cadence, the gcd of the writers', can make due steps none planned)
-            why += ("; in this merge of several writers, also steps that the merged cadence makes due and that none "
-                    "of the writers planned, where they recorded the site at different cadences: spec 11.5, and the "
-                    "merge report lists such sites")
+            why += ("; in this merge of several writers, possibly also steps that none of the writers planned: if "
+                    "they recorded the site at different cadences, the merged cadence, their greatest common divisor, "
+                    "makes due steps that no writer's did (spec 11.5; the merge's report lists such sites as "
+                    "cadence_mismatches), which this file cannot tell apart")
         read = "their due steps read" if n_windows else "read"
         report.findings.append(Finding("rows_missing", step, None,
                                        f"{what} of {_n(len(no_row), 'site')} in the step table {have} no row at "
