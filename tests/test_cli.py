@@ -155,3 +155,27 @@ def test_merge_of_inputs_coarsened_to_a_multiple_of_their_cadences_does_not_advi
     rep = trainhist.merge([a, b], tmp_path / "m.th")
     assert [c["unplanned_steps_due"] for c in rep.cadence_mismatches] == [True]
     assert "coarsen the inputs to a multiple of every cadence first (6 steps, say)" in rep.notes[0]
+
+
+def test_info_names_each_segments_run_and_counts_steps_not_replays(tmp_path, capsys) -> None:
+    """Two runs merged apart (no --across-runs): info printed 'segment 1: from step 0 (start)' without the run and
+    '20 of them again in a later segment', which reads as a replay. Each segment names its run now, and the steps
+    both runs recorded are counted as such; a resumed run that went back still counts its steps seen again."""
+    paths = []
+    for name, rid, n in (("runA", "a" * 32, 20), ("runB", "b" * 32, 25)):
+        p = tmp_path / f"{name}.thist"
+        with trainhist.HistoryWriter(p, run_id=rid, run_name=name, fsync="never") as w:
+            s = w.site("x", "activation")
+            for st in range(n):
+                w.observe(s, st, np.array([1.0, 2.0]))
+                w.step_truth(st, applied=True)
+        paths.append(str(p))
+    trainhist.merge(paths, tmp_path / "ab.thist")
+    assert main(["info", str(tmp_path / "ab.thist")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "segment   0: run 'runA' [aaaaaaaa], from step 0 (start)" in out
+    assert "segment   1: run 'runB' [bbbbbbbb], from step 0 (start)" in out
+    [steps] = [ln for ln in out if ln.startswith("steps")]
+    assert "(20 in segments of different runs)" in steps and "again" not in steps
+    assert main(["info", paths[0]]) == 0  # (one run: no run named on its segment line)
+    assert "segment   0: from step 0 (start)" in capsys.readouterr().out.splitlines()

@@ -86,6 +86,23 @@ def _status(h: History) -> int:
     return EXIT_TORN if h.recovery.status == "torn" else EXIT_OK
 
 
+def _repeated_steps(steps: np.ndarray, segments: np.ndarray, seg_runs: dict[int, tuple[str, ...]]) -> str:
+    """What `info` says of steps that more than one segment has step truth for: how many steps (not rows) appear
+    in several segments of one run (a resume that went back), and how many in segments of different runs (a merge
+    that kept runs apart), or ""."""
+    seen: dict[int, set[tuple[int, tuple[str, ...]]]] = {}
+    for st, g in set(zip(steps.tolist(), segments.tolist())):
+        seen.setdefault(st, set()).add((g, seg_runs.get(g, ())))
+    again = sum(len(v) > 1 and len({r for _, r in v}) < len(v) for v in seen.values())  # (two segments of a run)
+    others = sum(len({r for _, r in v}) > 1 for v in seen.values())
+    if not again and not others:
+        return ""
+    if not others:
+        return f" ({again} of them again in a later segment)"
+    runs = f"{others} in segments of different runs"
+    return f" ({again} of them again in a later segment of their run, {runs})" if again else f" ({runs})"
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     with open_history(args.file) as h:
         run = h.run
@@ -103,17 +120,22 @@ def _cmd_info(args: argparse.Namespace) -> int:
             print(f"run       {run.get('name')!r} ({run.get('run_id')}){more}")
         for w in h.writers:
             print(f"writer    {w['writer_id']} rank {w['rank']}/{w['world_size']} on {w['host']}")
+        from .triage import run_label, segment_runs
+
+        seg_runs = segment_runs(h)
+        several = len(set(seg_runs.values())) > 1  # (a merge kept several runs' histories apart: name each one's)
         for g in h.segments:
             prev = "" if g.previous is None else f", after segment {g.previous}"
-            print(f"segment   {g.id}: from step {g.first_step} ({g.reason}{prev})")
+            run_of = f"run {run_label(h, seg_runs[g.id])}, " if several and g.id in seg_runs else ""
+            print(f"segment   {g.id}: {run_of}from step {g.first_step} ({g.reason}{prev})")
         steps = h.steps["step"]
         if steps.size:
             span = h.steps["span"]  # (1 for every row of a file that was never coarsened)
             last = int((steps + (span.astype(np.int64) - 1)).max())
             what = "with step truth" if (span == 1).all() else "windows with step truth (coarsened)"
             distinct = int(np.unique(steps).size)
-            again = f" ({steps.size - distinct} of them again in a later segment)" if distinct < steps.size else ""
-            print(f"steps     {distinct} {what}{again}, {int(steps.min())}..{last}")
+            print(f"steps     {distinct} {what}{_repeated_steps(steps, h.steps['segment'], seg_runs)}, "
+                  f"{int(steps.min())}..{last}")
         chunks = [e for es in h._obs.values() for e in es]  # (from the commit entries: nothing decoded)
         if chunks:
             print(f"rows      {sum(e.rows for e in chunks)} starting at steps {min(e.step_min for e in chunks)}.."
