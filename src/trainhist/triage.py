@@ -218,17 +218,25 @@ def _steps(step: int, span: int) -> str:
     return f"step {step}" if span <= 1 else f"steps {step}–{step + span - 1}"
 
 
-def _at(e: _Event, segments: int) -> str:
-    return _steps(e.step, e.span) + (f" (segment {e.segment})" if segments > 1 else "")
+def _seg(g: int, segments: int, runs: dict[int, str] | None = None) -> str:
+    """How a finding places something in segment ``g``: nothing when the file has one segment, else the segment,
+    and its run when the file holds several runs (``runs``: segment -> run label, empty unless it does)."""
+    if segments <= 1:
+        return ""
+    return f" (segment {g}, run {runs[g]})" if runs and g in runs else f" (segment {g})"
 
 
-def _site_finding(e: _Event, segments: int) -> Finding:
+def _at(e: _Event, segments: int, runs: dict[int, str] | None = None) -> str:
+    return _steps(e.step, e.span) + _seg(e.segment, segments, runs)
+
+
+def _site_finding(e: _Event, segments: int, runs: dict[int, str] | None = None) -> Finding:
     """The first site-level non-finite observation, bracketed by the site's previous (finite) observation.
 
     With spines at a cadence the site first seen non-finite may be downstream of the origin, so the finding says
     which steps were not observed rather than attributing the origin to it.
     """
-    where = (f"the first site with non-finite values is {_label(e.site, e.phase)} at {_at(e, segments)} "
+    where = (f"the first site with non-finite values is {_label(e.site, e.phase)} at {_at(e, segments, runs)} "
              f"({_what(e.nan, e.inf)})")
     held = "held only a loss scaler's overflow" if e.before_bad else "was finite"
     if _gap(e):
@@ -306,6 +314,8 @@ def triage(h: History) -> Triage:
     # presence -> (first step, site order, span, rows, site label) per site
     missing: dict[str, list[tuple[int, int, int, int, str]]] = {}
     n_segments = len(h.segments)
+    seg_runs = segment_runs(h)  # (a file holding several runs names each place's run: segment -> its label)
+    run_of = {g: run_label(h, r) for g, r in seg_runs.items()} if len(set(seg_runs.values())) > 1 else {}
     orders = site_orders(h)
     rows = h.step_truth_rows()
     coarse = any(r["span"] != 1 for r in rows)
@@ -386,7 +396,7 @@ def triage(h: History) -> Triage:
             named = ", ".join(f"{_label(e.site, e.phase)} ({_what(e.nan, e.inf)})" for e in window[:4])
             more = f" and {len(window) - 4} more" if len(window) > 4 else ""
             report.findings.append(Finding("first_nonfinite", e0.step, None,
-                                           f"the first non-finite values were within {_at(e0, n_segments)}, a "
+                                           f"the first non-finite values were within {_at(e0, n_segments, run_of)}, a "
                                            "coarsened window (which site and pass came first inside it is not "
                                            f"recorded), in {named}{more}"))
         else:
@@ -396,10 +406,10 @@ def triage(h: History) -> Triage:
                          + (" ..." if len(also) > 4 else "")) if e0.site.stream == "scalar" and also else ""
             report.findings.append(Finding("first_nonfinite", e0.step, e0.site.path,
                                            f"the first non-finite value was in {_label(e0.site, e0.phase)} at "
-                                           f"{_at(e0, n_segments)} ({_what(e0.nan, e0.inf)}){also_text}"))
+                                           f"{_at(e0, n_segments, run_of)} ({_what(e0.nan, e0.inf)}){also_text}"))
         first_site = next((e for e in events if e.site.stream != "scalar"), None)
         if first_site is not None and (e0.site.stream == "scalar" or _gap(first_site)):
-            report.findings.append(_site_finding(first_site, n_segments))
+            report.findings.append(_site_finding(first_site, n_segments, run_of))
         elif first_site is None:
             report.findings.append(Finding("model_finite", None, None,
                                            "no recorded site of the model held a non-finite value, only run-level "
@@ -414,7 +424,7 @@ def triage(h: History) -> Triage:
                                            f"{_label(eg.site, eg.phase)} at {_steps(eg.step, eg.span)} "
                                            f"({_what(eg.nan, eg.inf)})"))
         sites_hit = {(e.site.id, e.phase) for e in events}
-        first_at, last_at = _at(events[0], n_segments), _at(events[-1], n_segments)
+        first_at, last_at = _at(events[0], n_segments, run_of), _at(events[-1], n_segments, run_of)
         report.findings.append(Finding("nonfinite", None, None,
                                        f"{_n(len(events), 'observation')} on {_n(len(sites_hit), 'site/phase pair')} "
                                        f"held non-finite values, "
@@ -426,7 +436,7 @@ def triage(h: History) -> Triage:
     if overflows:
         at = sorted({(e.segment, e.step, e.span) for e in overflows})
         scale = next((r["loss_scale"] for r in rows if (r["segment"], r["step"], r["span"]) == at[0]), None)
-        where = _steps(at[0][1], at[0][2]) + (f" (segment {at[0][0]})" if n_segments > 1 else "")
+        where = _steps(at[0][1], at[0][2]) + _seg(at[0][0], n_segments, run_of)
         kept = "its loss scale not kept by the window" if scale is None else f"loss scale {scale:g}"
         report.findings.append(Finding("scaler_overflow", at[0][1], None,
                                        f"{_n(len(at), unit)} skipped by the loss scaler held non-finite gradients "
@@ -463,7 +473,7 @@ def triage(h: History) -> Triage:
     skipped = [(r["step"], r["span"], r["segment"]) for r in rows if r["applied"] == "skipped"]
     if skipped:  # (the first in time: segment, then step)
         step, span, seg = min(skipped, key=lambda x: (x[2], x[0]))
-        where = _steps(step, span) + (f" (segment {seg})" if n_segments > 1 else "")
+        where = _steps(step, span) + _seg(seg, n_segments, run_of)
         report.findings.append(Finding("skipped_step", step, None,
                                        f"{_n(len(skipped), unit)} applied no update (the optimizer step was "
                                        "skipped, "
@@ -471,7 +481,7 @@ def triage(h: History) -> Triage:
     if any(x.path == "step_interrupted" and x.stream == "scalar" for x in h.sites):
         sp = h.spine("step_interrupted", "scalar")
         i = int(np.lexsort((sp.step, sp.segment))[0])  # (the first in time)
-        seg = f" (segment {int(sp.segment[i])})" if n_segments > 1 else ""
+        seg = _seg(int(sp.segment[i]), n_segments, run_of)
         report.findings.append(Finding("interrupted", int(sp.step[i]), None,
                                        f"{_n(len(sp), 'step')} {'was' if len(sp) == 1 else 'were'} interrupted by "
                                        f"an exception in the training loop, first at "
