@@ -126,3 +126,18 @@ def coarsened_sparse(tmp_path: Path, path: str, name: str) -> Path:
     out = tmp_path / name
     trainhist.coarsen(q, out, steps=4)
     return out
+
+
+def two_runs(tmp_path: Path, nan_at: int | None = None) -> list[Path]:
+    """Two runs' files ('runA', 20 steps; 'runB', 25 steps) of one site "x", step truth at every step; runB holds a
+    NaN at step ``nan_at``."""
+    paths = []
+    for name, rid, n in (("runA", "a" * 32, 20), ("runB", "b" * 32, 25)):
+        p = tmp_path / f"{name}.thist"
+        with HistoryWriter(p, run_id=rid, run_name=name, fsync="never") as w:
+            s = w.site("x", "activation")
+            for st in range(n):
+                w.observe(s, st, np.array([1.0, np.nan if (name, st) == ("runB", nan_at) else 2.0]))
+                w.step_truth(st, applied=True)
+        paths.append(p)
+    return paths

@@ -161,15 +161,9 @@ def test_info_names_each_segments_run_and_counts_steps_not_replays(tmp_path, cap
     """Two runs merged apart (no --across-runs): info printed 'segment 1: from step 0 (start)' without the run and
     '20 of them again in a later segment', which reads as a replay. Each segment names its run now, and the steps
     both runs recorded are counted as such; a resumed run that went back still counts its steps seen again."""
-    paths = []
-    for name, rid, n in (("runA", "a" * 32, 20), ("runB", "b" * 32, 25)):
-        p = tmp_path / f"{name}.thist"
-        with trainhist.HistoryWriter(p, run_id=rid, run_name=name, fsync="never") as w:
-            s = w.site("x", "activation")
-            for st in range(n):
-                w.observe(s, st, np.array([1.0, 2.0]))
-                w.step_truth(st, applied=True)
-        paths.append(str(p))
+    from history_helpers import two_runs
+
+    paths = [str(p) for p in two_runs(tmp_path)]
     trainhist.merge(paths, tmp_path / "ab.thist")
     assert main(["info", str(tmp_path / "ab.thist")]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -604,16 +604,9 @@ def test_a_merge_of_writers_at_one_cadence_does_not_blame_unplanned_steps(tmp_pa
 def test_the_first_non_finite_value_names_its_run_in_a_file_of_several_runs(tmp_path) -> None:
     """In two runs merged apart, triage's first finding said 'at step 5 (segment 1)' without saying that segment 1
     is another run; it names the run there (and in the count of non-finite observations) now."""
-    paths = []
-    for name, rid, n in (("runA", "a" * 32, 20), ("runB", "b" * 32, 25)):
-        p = tmp_path / f"{name}.thist"
-        with trainhist.HistoryWriter(p, run_id=rid, run_name=name, fsync="never") as w:
-            s = w.site("x", "activation")
-            for st in range(n):
-                w.observe(s, st, np.array([1.0, np.nan if (name, st) == ("runB", 5) else 2.0]))
-                w.step_truth(st, applied=True)
-        paths.append(p)
-    trainhist.merge(paths, tmp_path / "ab.thist")
+    from history_helpers import two_runs
+
+    trainhist.merge(two_runs(tmp_path, nan_at=5), tmp_path / "ab.thist")
     with trainhist.open(tmp_path / "ab.thist") as h:
         found = {f.kind: f.text for f in triage(h).findings}
     assert "at step 5 (segment 1, run 'runB' [bbbbbbbb])" in found["first_nonfinite"]
