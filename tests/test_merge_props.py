@@ -818,3 +818,32 @@ def test_dump_of_merge_is_sum_of_inputs():
         assert row["count"] == "u:6" and row["nan"] == "u:1" and row["pinf"] == "u:1" and row["zero"] == "u:2"
         assert row["min"] == "f:c000000000000000" and row["max"] == "f:3ff0000000000000"
         assert row["sum"] == "d:-1p0" and row["sumsq"] == "d:5p0" and row["method"] == "exact"
+
+
+def test_a_window_derived_under_the_old_precedence_reads_as_written_and_is_not_combined(tmp_path, monkeypatch):
+    """Before 2026-11-30 skipped outranked observed (spec 11.4): such a window reads skipped, without numbers.
+    Today's reader refused it as bad_tally; it reads it as written now, and merge/coarsen refuse it
+    (legacy_precedence), since it holds none of its observed inputs' numbers."""
+    import trainhist.model as model
+
+    raw = tmp_path / "raw.thist"
+    with trainhist.HistoryWriter(raw) as w:
+        s = w.site("w", "param_delta")
+        for st in range(4):
+            if st == 1:
+                w.mark(s, st, "skipped")
+            else:
+                w.observe(s, st, np.ones(2))
+    with monkeypatch.context() as m:
+        m.setattr(model, "PRIORITY", (4, 2, 1, 0, 5, 3))
+        m.setattr(model, "_BY_PRIORITY", [4, 0, 5, 1, 2, 3])
+        trainhist.coarsen(raw, tmp_path / "old.thist", steps=4)
+    with trainhist.open(tmp_path / "old.thist") as h:
+        assert h.spine("w", "param_delta").presence_names == ["skipped"]
+    trainhist.coarsen(raw, tmp_path / "new.thist", steps=4)
+    with trainhist.open(tmp_path / "new.thist") as h:
+        s = h.spine("w", "param_delta")
+        assert s.presence_names == ["observed"] and s.count.tolist() == [6]
+    with pytest.raises(trainhist.errors.FormatError) as e:
+        trainhist.coarsen(tmp_path / "old.thist", tmp_path / "again.thist", steps=8)
+    assert e.value.code == "legacy_precedence"

@@ -38,6 +38,8 @@ from .model import (
     CANONICAL_NAN,
     PRIORITY,
     derive_presence,
+    legacy_skipped,
+    tally_disagrees,
     row_problem,
     sketch_problem,
     unknown_steps_code,
@@ -474,9 +476,14 @@ def decode_obs_columns(parts: list[ObsChunk], cols: dict[str, np.ndarray], tally
     tally[np.flatnonzero(implicit), cols["presence"][implicit].astype(np.intp)] = 1
     presence = derive_presence(tally)
     if explicit.any():
-        wrong = explicit & (presence != cols["presence"])
+        wrong = explicit & tally_disagrees(tally, cols["presence"])
         if wrong.any():
             raise fail(wrong, "presence column disagrees with the presence the tally columns imply", "bad_tally")
+        old = explicit & legacy_skipped(tally, cols["presence"])
+        if old.any():
+            raise fail(old, "row {row} is skipped with observed inputs, derived under the precedence before "
+                       "2026-11-30 (skipped above observed): it holds no numbers of those inputs, so it cannot be "
+                       "combined; merge or coarsen its inputs again", "legacy_precedence")
     problem = row_problem({**cols, "sk": sk["sk"]} if sk is not None else cols)
     if problem is not None:
         p, i = where(problem[0])

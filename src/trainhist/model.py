@@ -26,6 +26,8 @@ __all__ = [
     "STEPS_OPTIONAL_COLUMNS",
     "PRIORITY",
     "derive_presence",
+    "legacy_skipped",
+    "tally_disagrees",
     "row_problem",
     "sketch_problem",
     "unknown_steps_code",
@@ -150,6 +152,20 @@ STEPS_OPTIONAL_COLUMNS = {"span": "u4"}
 #: wins. Indexed by presence code: unknown, observed, absent, not_scheduled, failed, skipped.
 PRIORITY = (4, 3, 1, 0, 5, 2)  # failed > unknown > observed > skipped > absent > not_scheduled
 _BY_PRIORITY = sorted(range(len(PRIORITY)), key=lambda c: -PRIORITY[c])
+
+
+def tally_disagrees(tally: np.ndarray, presence: np.ndarray) -> np.ndarray:
+    """Rows whose ``presence`` is not the one their tally implies (spec 11.4, ``bad_tally``), save rows derived
+    under the precedence before 2026-11-30, which ranked ``skipped`` above ``observed``: ``skipped`` with observed
+    and skipped inputs and neither failed nor unknown ones (:func:`legacy_skipped`), which read as written."""
+    return (derive_presence(tally) != presence) & ~legacy_skipped(tally, presence)
+
+
+def legacy_skipped(tally: np.ndarray, presence: np.ndarray) -> np.ndarray:
+    """Rows derived under the old precedence that hold ``skipped`` where the tally now implies ``observed``: they
+    carry no numbers for their observed inputs, so no merge or coarsening can combine them (spec 11.4)."""
+    return ((presence == Presence.SKIPPED) & (tally[:, Presence.OBSERVED] > 0) & (tally[:, Presence.SKIPPED] > 0)
+            & (tally[:, Presence.FAILED] == 0) & (tally[:, Presence.UNKNOWN] == 0))
 
 
 def derive_presence(tally: np.ndarray) -> np.ndarray:

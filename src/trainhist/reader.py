@@ -65,7 +65,7 @@ from .framing import (
 from .model import (
     OBS_COLUMNS,
     PRIORITY,
-    derive_presence,
+    tally_disagrees,
     row_problem,
     sketch_problem,
     unknown_steps_code,
@@ -781,7 +781,7 @@ class History:
             if len(tnames) != len(TALLY_COLUMNS):
                 raise _bad(f"chunk has tally columns {tnames} but not all six", "bad_tally", path, e.offset)
             tally = np.stack([ch.column(n, e.rows) for n in TALLY_COLUMNS], axis=1).astype(np.uint64)
-            if (derive_presence(tally) != cols["presence"]).any():
+            if tally_disagrees(tally, cols["presence"]).any():
                 raise _bad("presence column disagrees with the presence the tally columns imply", "bad_tally",
                            path, e.offset)
         else:
@@ -950,7 +950,7 @@ class History:
                 raise _Fallback  # some chunks without (or with part of) the tally: the per-chunk path decides
             tally = np.stack([_gather(view, c, dt, rows) for c, dt in zip(tcols, TALLY_COLUMNS.values())],
                              axis=1).astype(np.uint64)
-            if (derive_presence(tally) != cols["presence"]).any():
+            if tally_disagrees(tally, cols["presence"]).any():
                 raise _Fallback
         else:
             tally = np.zeros((n, len(TALLY_COLUMNS)), np.uint64)
