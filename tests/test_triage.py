@@ -611,3 +611,22 @@ def test_the_first_non_finite_value_names_its_run_in_a_file_of_several_runs(tmp_
         found = {f.kind: f.text for f in triage(h).findings}
     assert "at step 5 (segment 1, run 'runB' [bbbbbbbb])" in found["first_nonfinite"]
     assert "all at step 5 (segment 1, run 'runB' [bbbbbbbb])" in found["nonfinite"]
+
+
+def test_a_window_that_absorbed_a_skipped_update_is_said(tmp_path) -> None:
+    """observed outranks skipped (spec 11.4): a 4-step window with one skipped update is observed, and triage said
+    'no ... skipped steps or gaps found' of a coarsened file without step truth. It names those rows now."""
+    raw = tmp_path / "r.thist"
+    with trainhist.HistoryWriter(raw) as w:
+        s = w.site("w", "param_delta")
+        for st in range(8):
+            if st in (1, 5):
+                w.mark(s, st, "skipped")
+            else:
+                w.observe(s, st, np.ones(2))
+    trainhist.coarsen(raw, tmp_path / "c.thist", steps=4)
+    with trainhist.open(tmp_path / "c.thist") as h:
+        t = triage(h)
+    [f] = [f for f in t.findings if f.kind == "rows_partly_skipped"]
+    assert f.step == 0 and "2 observed rows of 1 site/phase pair" in f.text and "steps 0–3" in f.text
+    assert "no non-finite values" not in t.format()

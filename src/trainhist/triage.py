@@ -75,7 +75,7 @@ class Finding:
     """One thing a person should look at."""
 
     kind: str  # first_nonfinite(_site, _segment), model_finite, nonfinite, ranks, scaler_overflow, failed,
-    # rows_absent/_skipped/_unknown/_missing, skipped_step, interrupted, unknown_applied, segment, segment_run
+    # rows_absent/_skipped/_unknown/_missing, rows_partly_skipped, skipped_step, interrupted, unknown_applied, segment, segment_run
     step: int | None
     site: str | None
     text: str
@@ -313,6 +313,7 @@ def triage(h: History) -> Triage:
     failed: dict[str, list[tuple[int, int]]] = {}  # site label -> (step, span) of its failed rows
     # presence -> (first step, site order, span, rows, site label) per site
     missing: dict[str, list[tuple[int, int, int, int, str]]] = {}
+    partly: list[tuple[int, int, int, int, str]] = []  # observed rows that combine skipped ones (derived files)
     n_segments = len(h.segments)
     seg_runs = segment_runs(h)  # (a file holding several runs names each place's run: segment -> its label)
     run_of = {g: run_label(h, r) for g, r in seg_runs.items()} if len(set(seg_runs.values())) > 1 else {}
@@ -364,6 +365,11 @@ def triage(h: History) -> Triage:
                     i = int(at[np.argmin(s.step[at])])
                     missing.setdefault(name, []).append((int(s.step[i]), order, int(s.span[i]), int(at.size),
                                                          _label(site, phase)))
+            if "n_skipped" in s.columns:  # (a derived row: observed with skipped inputs, spec 11.4)
+                at = np.flatnonzero((s.presence == Presence.OBSERVED) & (s.columns["n_skipped"] > 0))
+                if at.size:
+                    i = int(at[np.argmin(s.step[at])])
+                    partly.append((int(s.step[i]), order, int(s.span[i]), int(at.size), _label(site, phase)))
         # due steps of the step table with no row of this site at all (nothing was written: a failed write, say);
         # a coarsened step-truth window is due when the site's cadence (the writers', spec 11.7) makes a step of it
         # due, and has a row when a row of the site covers a step of it
@@ -453,6 +459,13 @@ def triage(h: History) -> Triage:
                                        f"{_n(sum(f[3] for f in found), 'row')} of "
                                        f"{_n(len(found), 'site/phase pair')} "
                                        f"{why[name]}, first {label} at {_steps(step, span)}"))
+    if partly:
+        step, _, span, _, label = min(partly)
+        report.findings.append(Finding("rows_partly_skipped", step, None,
+                                       f"{_n(sum(f[3] for f in partly), 'observed row')} of "
+                                       f"{_n(len(partly), 'site/phase pair')} combine steps or inputs that had nothing "
+                                       f"to observe (skipped), first {label} at {_steps(step, span)}: their numbers "
+                                       "are the other steps' or inputs' (n_skipped in the tally counts them)"))
     if no_row:
         step, span, _, _, _, label = min(no_row)
         n_steps, n_windows = sum(x[3] for x in no_row), sum(x[4] for x in no_row)
