@@ -75,7 +75,8 @@ class Finding:
     """One thing a person should look at."""
 
     kind: str  # first_nonfinite(_site, _segment), model_finite, nonfinite, ranks, scaler_overflow, failed,
-    # rows_absent/_skipped/_unknown/_missing, rows_partly_skipped, skipped_step, interrupted, unknown_applied, segment, segment_run
+    # rows_absent/_skipped/_unknown/_missing, rows_partly_skipped, skipped_step, interrupted, unknown_applied,
+    # segment, segment_run
     step: int | None
     site: str | None
     text: str
