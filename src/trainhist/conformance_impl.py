@@ -4,6 +4,7 @@
     python -m trainhist.conformance_impl write OPS.json OUT
     python -m trainhist.conformance_impl merge [--across-runs] OUT IN...
     python -m trainhist.conformance_impl coarsen IN OUT --steps N --bins-per-octave K
+    python -m trainhist.conformance_impl presence FILE QUERY.json
 
 Exit codes: 0 ok, 3 torn tail recovered (read), 1 invalid input (``[code]`` on stderr), 2 usage, 4 not supported,
 70 internal error (a bug: never a verdict on the input).
@@ -27,7 +28,8 @@ __all__ = ["main", "run_ops", "parse_tagged"]
 USAGE = """usage: IMPL read FILE
        IMPL write OPS.json OUT
        IMPL merge [--across-runs] OUT IN...
-       IMPL coarsen IN OUT --steps N --bins-per-octave K"""
+       IMPL coarsen IN OUT --steps N --bins-per-octave K
+       IMPL presence FILE QUERY.json"""
 
 
 # -- tagged values (spec section 10) ------------------------------------------------------------------------
@@ -243,12 +245,52 @@ def _coarsen(args: list[str]) -> int:
     return EXIT_OK
 
 
+def _bad_query(message: str) -> Exception:
+    """The error of a presence-query document that breaks conformance/README.md, section 5: exit 1, ``bad_query``."""
+    from .errors import TrainhistError
+
+    return TrainhistError(message, code="bad_query")
+
+
+def _presence(args: list[str]) -> int:
+    """Answer a presence-query document (conformance/README.md, section 5) with :meth:`History.presence`."""
+    from .reader import open_history
+
+    if len(args) != 2:
+        raise _Usage("presence takes FILE QUERY.json")
+    with open(args[1], encoding="utf-8") as f:
+        doc = json.load(f)
+    if not isinstance(doc, dict) or doc.get("format") != "trainhist-presence-query/1":
+        raise _bad_query(f"unknown presence-query format {doc.get('format') if isinstance(doc, dict) else doc!r}")
+    queries = doc.get("queries")
+    if not isinstance(queries, list):
+        raise _bad_query("a presence-query document has a list `queries`")
+    results = []
+    with open_history(args[0]) as h:
+        for i, q in enumerate(queries):
+            if not isinstance(q, dict) or not isinstance(q.get("path"), str):
+                raise _bad_query(f"query {i}: an object with a string `path`, not {q!r:.80}")
+            try:
+                steps = [parse_tagged(st, "i") for st in q["steps"]]
+            except (KeyError, TypeError, ValueError) as e:
+                raise _bad_query(f"query {i}: `steps` must be a list of i: tagged strings ({e})") from None
+            seg = q.get("segment")
+            if seg is not None and (isinstance(seg, bool) or not isinstance(seg, int)):
+                raise _bad_query(f"query {i}: `segment` must be an integer or null, not {seg!r}")
+            ans = h.presence(q["path"], q.get("stream", "activation"), q.get("facet"), steps=steps,
+                             phase=q.get("phase"), segment=seg)
+            results.append({f"i:{k}": name for k, name in ans.items()})
+    sys.stdout.write(json.dumps({"format": "trainhist-presence/1", "results": results}, sort_keys=True,
+                                ensure_ascii=True, separators=(",", ":")) + "\n")
+    return EXIT_OK
+
+
 class _Usage(Exception):
     pass
 
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {"read": _read, "write": _write, "merge": _merge,
-                                                   "coarsen": _coarsen}
+                                                   "coarsen": _coarsen, "presence": _presence}
 
 
 def main(argv: list[str] | None = None) -> int:
