@@ -1609,7 +1609,7 @@ def rank_file(rank: int, **kw: Any) -> bytes:
                              world_size=2, name="job"))
 
 
-def gen_merge(s: Suite, base: dict[str, bytes]) -> None:
+def gen_merge(s: Suite, base: dict[str, bytes]) -> dict[str, bytes]:
     m = "merge"
     r0, r1 = rank_file(0), rank_file(1)
     io = {"input-0.thist": r0, "input-1.thist": r1}
@@ -1729,7 +1729,8 @@ def gen_merge(s: Suite, base: dict[str, bytes]) -> None:
                   {"input-0.thist": replicas[0], "input-1.thist": replicas[1]}, {"inputs": two})
     cad = [[site("x", cadence={"spine": k, "sketch": k})] + [obs(0, st, [1.0]) for st in range(0, 12, k)]
            + [truth(st) for st in range(12)] + [COMMIT] for k in (2, 3)]
-    _derived_case(s, m, "cadences_differ", "a site recorded every 2 steps on one rank and every 3 on the other: the "
+    gcd_merged = _derived_case(
+                  s, m, "cadences_differ", "a site recorded every 2 steps on one rank and every 3 on the other: the "
                   "merged cadence is their gcd, 1, and no row is written for steps 1, 5, 7 and 11, which no input "
                   "planned (a reader reads them unknown)", ["11.5", "2.6"],
                   {"input-0.thist": write_ops(ops_doc(cad[0])),
@@ -1737,9 +1738,11 @@ def gen_merge(s: Suite, base: dict[str, bytes]) -> None:
                   {"inputs": two})
     s.read("valid", "derived_merged", "a merged file: tally columns, segment origin, no `created` in segments",
            ["11.4", "11.9", "2.6"], merged)
+    assert gcd_merged is not None
+    return {"merge/cadences_differ": gcd_merged}
 
 
-def gen_coarsen(s: Suite) -> None:
+def gen_coarsen(s: Suite) -> dict[str, bytes]:
     c = "coarsen"
     r0 = rank_file(0)
     one = {"input.thist": r0}
@@ -1766,25 +1769,151 @@ def gen_coarsen(s: Suite) -> None:
                       {"op": "observe", "site": 0, "step": I(1), "summary": UNKNOWN_SUMS_SUMMARY},
                       obs(0, 2, [0.5], sketch=False), obs(0, 3, [2.0**-80], sketch=False), COMMIT]))},
                   {"input": "input.thist", "steps": 2, "bins_per_octave": 4})
-    _derived_case(s, c, "cadence_kept", "a site recorded every 3 steps, coarsened by 2: it keeps cadence 3 (the "
+    kept = _derived_case(s, c, "cadence_kept", "a site recorded every 3 steps, coarsened by 2: it keeps cadence 3 (the "
                   "steps its writer planned), so window [4, 6), which holds no due step and has no row, reads "
                   "not_scheduled", ["11.7", "2.6"],
                   {"input.thist": write_ops(ops_doc([site("x", cadence={"spine": 3, "sketch": 3})]
                                                     + [obs(0, st, [1.0]) for st in (0, 3, 6, 9)]
                                                     + [truth(st) for st in range(12)] + [COMMIT]))},
                   {"input": "input.thist", "steps": 2, "bins_per_octave": 4})
+    skipped_in = write_ops(ops_doc([site("w", "param_delta", cadence={"spine": 1, "sketch": 1}),
+                                    obs(0, 0, [0.5, -0.25]),
+                                    {"op": "mark", "site": 0, "step": I(1), "presence": "skipped"},
+                                    obs(0, 2, [0.125]), obs(0, 3, [2.0])] + [truth(st) for st in range(4)] + [COMMIT]))
     _derived_case(s, c, "skipped_in_window", "a param_delta site whose update was skipped at step 1 of 4: the window "
                   "[0, 4) is observed with the three updates' numbers (observed + skipped = observed, tally "
-                  "n_skipped 1), not skipped without numbers", ["11.7", "11.4"],
-                  {"input.thist": write_ops(ops_doc([site("w", "param_delta", cadence={"spine": 1, "sketch": 1}),
-                                                     obs(0, 0, [0.5, -0.25]),
-                                                     {"op": "mark", "site": 0, "step": I(1), "presence": "skipped"},
-                                                     obs(0, 2, [0.125]), obs(0, 3, [2.0])]
-                                                    + [truth(st) for st in range(4)] + [COMMIT]))},
+                  "n_skipped 1), not skipped without numbers", ["11.7", "11.4"], {"input.thist": skipped_in},
                   {"input": "input.thist", "steps": 4, "bins_per_octave": 4})
+    # the same window as trainhist wrote it before 2026-11-30, when skipped outranked observed: presence skipped,
+    # no numbers (derived with that precedence in place, as the code of then did)
+    import trainhist.model as model
+
+    now = model.PRIORITY, model._BY_PRIORITY
+    model.PRIORITY = (4, 2, 1, 0, 5, 3)
+    model._BY_PRIORITY = sorted(range(6), key=lambda k: -model.PRIORITY[k])
+    try:
+        legacy = derive(c, {"input.thist": skipped_in}, {"input": "input.thist", "steps": 4, "bins_per_octave": 4})
+    finally:
+        model.PRIORITY, model._BY_PRIORITY = now
+    legacy_file = legacy[2]
+    s.read("valid", "legacy_skipped_window", "a window derived before 2026-11-30, when skipped outranked observed "
+           "(11.4): presence skipped, no numbers, its tally observed 3 and skipped 1; a reader accepts it as written",
+           ["11.4"], legacy_file)
+    _derived_case(s, c, "legacy_precedence", "that window cannot be combined: it holds none of its observed inputs' "
+                  "numbers (11.4)", ["11.4"], {"input.thist": legacy_file},
+                  {"input": "input.thist", "steps": 8, "bins_per_octave": 4}, error="legacy_precedence")
     s.read("valid", "derived_coarsened", "a coarsened file: spans of 2 steps, a steps chunk with a `span` column, "
            "scale-1 sketches", ["11.7", "2.3", "7.6"],
            derive(c, one, {"input": "input.thist", "steps": 2, "bins_per_octave": 2})[2])
+    assert kept is not None
+    return {"coarsen/cadence_kept": kept}
+
+
+def query(path: str, steps: list[int], *, stream: str = "activation", facet: str | None = None,
+          phase: str | None = None, segment: int | None = None) -> dict:
+    return {"path": path, "stream": stream, "facet": facet, "phase": phase, "segment": segment,
+            "steps": [I(st) for st in steps]}
+
+
+def presence_case(s: Suite, name: str, description: str, spec: list[str], data: bytes,
+                  queries: list[tuple[dict, dict[int, str]]]) -> None:
+    """A presence case: ``queries`` pairs a query with the answer spec 2.6 gives, stated here by hand and asserted
+    against the reference's ``IMPL presence`` (a disagreement fails the generation, it is never written)."""
+    import contextlib
+    import io
+
+    from trainhist.conformance_impl import main as impl_main
+
+    doc = {"format": "trainhist-presence-query/1", "queries": [q for q, _ in queries]}
+    qtext = json.dumps(doc, indent=1, sort_keys=True) + "\n"
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "f.thist").write_bytes(data)
+        (Path(d) / "q.json").write_text(qtext, "utf-8")
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            rc = impl_main(["presence", str(Path(d) / "f.thist"), str(Path(d) / "q.json")])
+    out = buf.getvalue()
+    assert rc == 0, f"presence/{name}: the reference exits {rc}"
+    want = {"format": "trainhist-presence/1", "results": [{I(k): v for k, v in a.items()} for _, a in queries]}
+    assert json.loads(out) == want, f"presence/{name}: spec 2.6 says {want}, the reference answers {out}"
+    assert out == json.dumps(want, sort_keys=True, separators=(",", ":")) + "\n"
+    s._case("presence", name, {"description": description, "spec": spec, "command": "presence",
+                               "args": {"file": "input.thist", "query": "query.json"},
+                               "expect": {"exit": 0, "dump": "expected.json"}},
+            {"input.thist": data, "query.json": qtext.encode(), "expected.json": out.encode()})
+
+
+def gen_presence(s: Suite, derived: dict[str, bytes]) -> None:
+    """Presence of a (site, step) as a reader answers it (spec 2.6): rows, cadence, recorded steps, precedence."""
+    # site x every 2 steps: rows at 0 and 2, none at 4 (due); step truth for 0 ... 5
+    cad = write_ops(ops_doc([site("x", cadence={"spine": 2, "sketch": 2}), obs(0, 0, [1.0]), obs(0, 2, [2.0])]
+                            + [truth(st) for st in range(6)] + [COMMIT]))
+    presence_case(s, "not_scheduled", "a recorded step (a step-truth row) that the site's cadence 2 does not "
+                  "make due, without a row, is not_scheduled; the rows' own steps are observed", ["2.6", "2.2"],
+                  cad, [(query("x", [0, 1, 2, 3, 5]), {0: "observed", 1: "not_scheduled", 2: "observed",
+                                                       3: "not_scheduled", 5: "not_scheduled"})])
+    presence_case(s, "due_without_row", "a recorded step that the cadence makes due but that has no row is "
+                  "unknown, never not_scheduled nor a number", ["2.6"], cad,
+                  [(query("x", [4]), {4: "unknown"})])
+    presence_case(s, "not_recorded", "steps the step-truth table does not hold are unknown, due or not (7, 8, "
+                  "-1, -2: past the run's end and before its start)", ["2.6", "2.7"], cad,
+                  [(query("x", [-2, -1, 7, 8]), {-2: "unknown", -1: "unknown", 7: "unknown", 8: "unknown"})])
+    marks = write_ops(ops_doc([site("x", cadence={"spine": 1, "sketch": 0}), obs(0, 0, [1.0], sketch=False)]
+                              + [{"op": "mark", "site": 0, "step": I(st), "presence": name}
+                                 for st, name in ((1, "absent"), (2, "failed"), (3, "skipped"), (4, "unknown"),
+                                                  (5, "not_scheduled"))]
+                              + [truth(st) for st in range(6)] + [COMMIT]))
+    presence_case(s, "marks", "a row's own presence is the answer: absent, failed, skipped, unknown and "
+                  "not_scheduled marks (the last at a step the cadence makes due)", ["2.6"], marks,
+                  [(query("x", list(range(6))), {0: "observed", 1: "absent", 2: "failed", 3: "skipped",
+                                                 4: "unknown", 5: "not_scheduled"})])
+    pairs = [("observed", "failed"), ("observed", "unknown"), ("skipped", "observed"), ("absent", "skipped"),
+             ("not_scheduled", "absent")]
+    ops: list[dict] = [site("x", cadence={"spine": 1, "sketch": 0})]
+    for st, pair in enumerate(pairs):
+        for mb, name in enumerate(pair):
+            ops.append(obs(0, st, [float(st + mb)], sketch=False, micro=U(mb)) if name == "observed" else
+                       {"op": "mark", "site": 0, "step": I(st), "presence": name, "micro": U(mb)})
+    ops += [truth(st, micro_batches=U(2)) for st in range(len(pairs))] + [COMMIT]
+    presence_case(s, "micro_batch_precedence", "two micro-batch rows of different presence at one step: the "
+                  "step's presence is the one of highest precedence, failed > unknown > observed > skipped > "
+                  "absent > not_scheduled", ["2.6", "11.4"], write_ops(ops_doc(ops)),
+                  [(query("x", list(range(len(pairs)))), {0: "failed", 1: "unknown", 2: "observed", 3: "skipped",
+                                                          4: "absent"})])
+    big = 1 << 53
+    extreme = write_ops(ops_doc([site("x", cadence={"spine": 2, "sketch": 0}), obs(0, big, [1.0], sketch=False)]
+                                + [truth(st) for st in (-3, big, big + 1, big + 2)] + [COMMIT]))
+    presence_case(s, "steps_beyond_2_53", "steps past 2^53 (exact integers: 2^53 + 1 read as a binary64 is "
+                  "2^53, which has a row) and a negative recorded step: 2^53 observed, 2^53 + 1 and -3 recorded and "
+                  "not due (not_scheduled), 2^53 + 2 due without a row and 2^53 + 3 not recorded (unknown)",
+                  ["2.6", "10"], extreme,
+                  [(query("x", [-3, big, big + 1, big + 2, big + 3]),
+                    {-3: "not_scheduled", big: "observed", big + 1: "not_scheduled", big + 2: "unknown",
+                     big + 3: "unknown"})])
+    presence_case(s, "coarsened_cadence_kept", "the output of coarsen/cadence_kept (cadence 3 kept, windows of "
+                  "2): a window row answers for every step of its span (0, 1, 2); window [4, 6) has no row and no "
+                  "due step, so 4 and 5 are not_scheduled, as in the input; so are 10 and 11, the window of the "
+                  "run's last steps; 12 is not recorded (unknown)", ["2.6", "2.3", "11.7"],
+                  derived["coarsen/cadence_kept"],
+                  [(query("x", [0, 1, 2, 4, 5, 10, 11, 12]),
+                    {0: "observed", 1: "observed", 2: "observed", 4: "not_scheduled", 5: "not_scheduled",
+                     10: "not_scheduled", 11: "not_scheduled", 12: "unknown"})])
+    presence_case(s, "merged_cadence_gcd", "the output of merge/cadences_differ (cadences 2 and 3, merged cadence "
+                  "1): steps 1, 5, 7 and 11, which no input planned, are due and without a row: unknown", ["2.6",
+                  "11.5"], derived["merge/cadences_differ"],
+                  [(query("x", [0, 1, 2, 3, 5, 7, 11]), {0: "observed", 1: "unknown", 2: "observed",
+                                                          3: "observed", 5: "unknown", 7: "unknown",
+                                                          11: "unknown"})])
+    seg = write_ops(ops_doc([site("x", cadence={"spine": 1, "sketch": 0})]
+                            + [obs(0, st, [1.0], sketch=False) for st in range(3)] + [truth(st) for st in range(3)]
+                            + [{"op": "new_segment", "first_step": I(1), "reason": "manual"},
+                               {"op": "mark", "site": 0, "step": I(1), "presence": "failed"}, truth(1), truth(2),
+                               COMMIT]))
+    presence_case(s, "segments", "a resumed run that recorded steps 1 and 2 again in segment 1: each segment "
+                  "answers alone (spec 2.4: two segments are never one history); in segment 1, step 1 is failed, "
+                  "step 2 due without a row (unknown) and step 0 not recorded (unknown)", ["2.6", "2.4"], seg,
+                  [(query("x", [0, 1, 2], segment=0), {0: "observed", 1: "observed", 2: "observed"}),
+                   (query("x", [0, 1, 2], segment=1), {0: "unknown", 1: "failed", 2: "unknown"})])
 
 
 def generate(out: Path) -> dict[str, int]:
@@ -1797,8 +1926,9 @@ def generate(out: Path) -> dict[str, int]:
     gen_truncated(s, base)
     gen_forward(s, base)
     gen_writer(s)
-    gen_merge(s, base)
-    gen_coarsen(s)
+    derived = gen_merge(s, base)
+    derived.update(gen_coarsen(s))
+    gen_presence(s, derived)
     return s.counts
 
 

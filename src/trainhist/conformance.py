@@ -26,8 +26,8 @@ from typing import Any
 __all__ = ["CATEGORIES", "OPTIONAL", "Case", "Result", "load_cases", "run_case", "run_suite", "main", "resolve_impl",
            "default_impl", "default_vectors", "error_code", "error_offset", "json_equal", "pointer_tokens"]
 
-CATEGORIES = ("valid", "invalid", "truncated", "forward-compat", "writer", "merge", "coarsen")
-OPTIONAL = frozenset({"writer", "merge", "coarsen"})
+CATEGORIES = ("valid", "invalid", "truncated", "forward-compat", "writer", "merge", "coarsen", "presence")
+OPTIONAL = frozenset({"writer", "merge", "coarsen", "presence"})
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_TORN, EXIT_UNSUPPORTED = 0, 1, 2, 3, 4
 _CODE = re.compile(r"\[([A-Za-z0-9_.-]+)\]")
 _OFFSET = re.compile(r"\boffset ([0-9]+)\b")
@@ -256,6 +256,8 @@ def run_case(case: Case, impl: list[str], *, strict: bool = False, timeout: floa
         elif cmd == "coarsen":
             argv = ["coarsen", str(case.dir / a["input"]), str(out), "--steps", str(a["steps"]),
                     "--bins-per-octave", str(a["bins_per_octave"])]
+        elif cmd == "presence":
+            argv = ["presence", str(case.dir / a["file"]), str(case.dir / a["query"])]
         else:
             return Result(case, "fail", f"unknown command {cmd!r} in case.json")
         rc, stdout, stderr = _invoke(impl, argv, timeout, tmp)
@@ -277,7 +279,7 @@ def run_case(case: Case, impl: list[str], *, strict: bool = False, timeout: floa
                               + (" (no `offset N` on stderr)" if where is None else ""))
             said = ([f"[{code}]"] if code else []) + ([f"offset {where}"] if where is not None else [])
             return Result(case, "pass", " ".join(said))
-        if cmd == "read":
+        if cmd in ("read", "presence"):  # (presence: stdout is the answer document, compared the same way)
             why = _compare_dump(stdout, case, strict)
             return Result(case, "fail" if why else "pass", why or "")
         if not out.is_file():
