@@ -332,3 +332,53 @@ def test_writer_ops_summary_sums_are_null_exactly_when_the_method_is_unknown(tmp
         path.write_text(json.dumps(bad), "utf-8")
         assert impl.main(["write", str(path), str(tmp_path / "bad.thist")]) == impl.EXIT_INVALID
         assert conf.error_code(capsys.readouterr().err) == "bad_ops"
+
+
+PRESENCE = """
+    import json, subprocess, sys
+    cmd = sys.argv[1:]
+    if cmd[0] == "presence" and MODE == "unsupported":
+        sys.exit(4)
+    if cmd[0] == "presence":                          # every asked step unknown, in the canonical form
+        doc = json.load(open(cmd[2]))
+        results = [{st: "unknown" for st in q["steps"]} for q in doc["queries"]]
+        print(json.dumps({"format": "trainhist-presence/1", "results": results}, sort_keys=True,
+                         separators=(",", ":")))
+        sys.exit(0)
+    p = subprocess.run([sys.executable, "-m", "trainhist.conformance_impl", *cmd])
+    sys.exit(p.returncode)
+"""
+
+
+@pytest.mark.parametrize("mode", ["unknown", "unsupported"])
+def test_presence_cases_fail_a_wrong_answer_and_skip_exit_4(tmp_path: Path, mode: str) -> None:
+    """The presence cases (spec 2.6) grade a reader's answers, not only its dump: an implementation that reads every
+    (site, step) as unknown fails them; one that declares the command unsupported (exit 4) has them skipped."""
+    impl = tmp_path / "presence.py"
+    impl.write_text(f"MODE = {mode!r}\n" + textwrap.dedent(PRESENCE))
+    cmd = [sys.executable, str(impl)]
+    cases = conf.load_cases(VECTORS, "presence/*")
+    assert len(cases) >= 6
+    for case in cases:
+        assert conf.run_case(case, conf.default_impl(), strict=True).status == "pass", case.id
+        for strict in (False, True):
+            r = conf.run_case(case, cmd, strict=strict)
+            want = json.loads((case.dir / "expected.json").read_text("utf-8"))["results"]
+            if mode == "unsupported":
+                assert r.status == "skip" and "exit 4" in r.detail, (case.id, r)
+            elif all(v == "unknown" for q in want for v in q.values()):  # (due_without_row, not_recorded)
+                assert r.status == "pass", (case.id, r)
+            else:
+                assert r.status == "fail" and "differs at /results/" in r.detail, (case.id, r)
+
+
+def test_case_schema_takes_the_presence_arguments() -> None:
+    import jsonschema
+
+    schema = json.loads((ROOT / "conformance" / "case.schema.json").read_text("utf-8"))
+    validator = jsonschema.Draft202012Validator(schema)
+    case = conf.load_cases(VECTORS, "presence/marks")[0].doc
+    assert validator.is_valid(case)
+    assert not validator.is_valid({**case, "args": {"file": "input.thist"}})
+    assert not validator.is_valid({**case, "category": "valid"})
+    assert not validator.is_valid({**case, "command": "read"})
