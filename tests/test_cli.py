@@ -155,6 +155,12 @@ def test_merge_of_inputs_coarsened_to_a_multiple_of_their_cadences_does_not_advi
     rep = trainhist.merge([a, b], tmp_path / "m.th")
     assert [c["unplanned_steps_due"] for c in rep.cadence_mismatches] == [True]
     assert "coarsen the inputs to a multiple of every cadence first (6 steps, say)" in rep.notes[0]
+    # (one input coarsened to its cadence, the other not: the first window ending before the second's steps, or
+    # another run's segment, leaves steps no input covering them planned; it said no such step, read unknown)
+    a4 = str(tmp_path / "a2by4.th")
+    trainhist.coarsen(a, a4, steps=4)
+    rep = trainhist.merge([a4, b], tmp_path / "m24.th")
+    assert [c["unplanned_steps_due"] for c in rep.cadence_mismatches] == [True]
 
 
 def test_info_names_each_segments_run_and_counts_steps_not_replays(tmp_path, capsys) -> None:

@@ -215,20 +215,13 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def _unplanned_due(spine: int, cads: list[tuple[int, int]]) -> bool:
-    """Whether the merged spine cadence ``spine`` makes due a step that lies, in every input, in a window holding no
-    step that input had due: ``cads`` holds each input's (spine cadence, window width), windows aligned at multiples
-    of their width (1: rows of one step). A window at least as wide as its input's cadence always holds one (any
-    ``w`` consecutive steps hold a multiple of ``c <= w``); otherwise one period of every cadence and width is
-    checked, and past ``2**16`` steps due the answer is the one for rows of one step (no window helps)."""
-    if spine == 0 or any(c and w >= c for c, w in cads):
-        return False
-    period = math.lcm(spine, *[c for c, _ in cads if c], *[w for _, w in cads])
-    if period // spine > 1 << 16:
-        return spine not in {c for c, _ in cads}
-    for s in range(0, period, spine):
-        if not any(c and ((s // w) * w + w - 1) // c * c >= (s // w) * w for c, w in cads):
-            return True
-    return False
+    """Whether the merged spine cadence ``spine`` may make due a step that no input had due: ``cads`` holds each
+    input's (spine cadence, window width), windows aligned at multiples of their width (1: rows of one step). Only
+    when every input's windows are at least as wide as its cadence does each window of each input hold a step it
+    had due (any ``w`` consecutive steps hold a multiple of ``c <= w``), so that every step an input covers is one
+    it planned; otherwise a step may lie where no input that covers it planned it (an input that plans it may end
+    earlier, or be another run's segment), and the answer is yes."""
+    return spine != 0 and not all(c and w >= c for c, w in cads)
 
 
 def _site_name(key: tuple) -> str:
