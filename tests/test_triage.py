@@ -630,3 +630,25 @@ def test_a_window_that_absorbed_a_skipped_update_is_said(tmp_path) -> None:
     [f] = [f for f in t.findings if f.kind == "rows_partly_skipped"]
     assert f.step == 0 and "2 observed rows of 1 site/phase pair" in f.text and "steps 0–3" in f.text
     assert "no non-finite values" not in t.format()
+
+
+def test_a_resume_of_runs_pooled_across_runs_is_a_resume_not_another_run(tmp_path, capsys) -> None:
+    """Runs A and B merged with --across-runs, B resumed at step 4: segment 1 holds B alone, after segment 0 of A+B.
+    Triage called it 'run B (another run) ... kept apart (no --across-runs), not a resume', and info counted its
+    steps as 'in segments of different runs'; segments that share a run continue each other."""
+    from trainhist.cli import main
+
+    for name, rid, parts in (("A", "a" * 32, [(0, 10)]), ("B", "b" * 32, [(0, 6), (4, 12)])):
+        for i, (lo, hi) in enumerate(parts):
+            with trainhist.HistoryWriter(tmp_path / name, run_id=rid, run_name=name, mode="a" if i else "w") as w:
+                s = w.site("x", "activation")
+                for st in range(lo, hi):
+                    w.observe(s, st, np.ones(2))
+                    w.step_truth(st, applied=True)
+    trainhist.merge([tmp_path / "A", tmp_path / "B"], tmp_path / "ABx", across_runs=True)
+    with trainhist.open(tmp_path / "ABx") as h:
+        texts = " | ".join(f.text for f in triage(h).findings)
+    assert "another run" not in texts and "segment 1 (resume) starts at step 4" in texts
+    assert main(["info", str(tmp_path / "ABx")]) == 0
+    [steps] = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("steps")]
+    assert "again in a later segment" in steps and "different runs" not in steps

@@ -7,6 +7,7 @@ prefix was used, 1 invalid or corrupt input (the error code, file and offset go 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import zlib
@@ -93,8 +94,9 @@ def _repeated_steps(steps: np.ndarray, segments: np.ndarray, seg_runs: dict[int,
     seen: dict[int, set[tuple[int, tuple[str, ...]]]] = {}
     for st, g in set(zip(steps.tolist(), segments.tolist())):
         seen.setdefault(st, set()).add((g, seg_runs.get(g, ())))
-    again = sum(len(v) > 1 and len({r for _, r in v}) < len(v) for v in seen.values())  # (two segments of a run)
-    others = sum(len({r for _, r in v}) > 1 for v in seen.values())
+    pairs = {st: [(set(a[1]), set(b[1])) for a, b in itertools.combinations(sorted(v), 2)] for st, v in seen.items()}
+    again = sum(any(a & b or a == b for a, b in p) for p in pairs.values())  # (segments sharing a run: a resume)
+    others = sum(any(not a & b and a != b for a, b in p) for p in pairs.values())
     if not again and not others:
         return ""
     if not others:

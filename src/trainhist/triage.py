@@ -285,10 +285,11 @@ def run_label(h: History, runs: tuple[str, ...]) -> str:
 
 
 def other_runs(h: History) -> dict[int, tuple[str, ...]]:
-    """The segments that start another run's history (:func:`segment_runs`): id -> that run."""
+    """The segments that start another run's history (:func:`segment_runs`): id -> that run. A segment sharing a
+    run with the one before it (a resume of runs pooled with --across-runs) continues it."""
     runs = segment_runs(h)
     ids = sorted(runs)
-    return {b: runs[b] for a, b in zip(ids, ids[1:]) if runs[b] != runs[a]}
+    return {b: runs[b] for a, b in zip(ids, ids[1:]) if not set(runs[b]) & set(runs[a])}
 
 
 def _ranks_note(h: History) -> str | None:
