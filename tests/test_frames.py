@@ -93,6 +93,8 @@ def reader_columns(h: trainhist.History) -> dict[str, list]:
             out["mean"].append(float(s.mean[i]) if known else math.nan)
             out["rms"].append(float(s.rms[i]) if known else math.nan)
             out["has_sketch"].append(bool(s.sk_row[i] >= 0))
+            for k in trainhist.model.TALLY_COLUMNS:  # (a row as written: 1 in its own state)
+                out[k].append(int(s.columns[k][i]))
     return out
 
 
@@ -676,3 +678,24 @@ def test_quantiles_of_a_row_whose_sketch_holds_part_of_its_values_carry_no_bound
     with trainhist.open(paths[0]) as h:  # (a whole sketch: share 1, the bound stated)
         df = frames.quantiles(h, "x")
     assert df["sketch_share"].tolist() == [1.0] and df["rel_bound"].iloc[0] == pytest.approx(2 ** 0.25 - 1)
+
+
+def test_spines_carry_the_tally_of_a_window_that_absorbed_a_skipped_update(tmp_path, pd) -> None:
+    """observed outranks skipped (spec 11.4): the frame said nothing of a window's skipped step (its count 6 where
+    a whole window has 8); the tally columns say it now, and a row as written has 1 in its own state."""
+    raw = tmp_path / "r.thist"
+    with trainhist.HistoryWriter(raw) as w:
+        s = w.site("w", "param_delta")
+        for st in range(4):
+            if st == 1:
+                w.mark(s, st, "skipped")
+            else:
+                w.observe(s, st, np.ones(2))
+    trainhist.coarsen(raw, tmp_path / "c.thist", steps=4)
+    with trainhist.open(tmp_path / "c.thist") as h:
+        row = frames.spines(h).iloc[0]
+    assert (row["presence"], row["count"], row["n_observed"], row["n_skipped"]) == ("observed", 6, 3, 1)
+    with trainhist.open(raw) as h:
+        df = frames.spines(h)
+    assert df["n_skipped"].tolist() == [0, 1, 0, 0] and df["n_observed"].tolist() == [1, 0, 1, 1]
+    assert str(df["n_skipped"].dtype) == "UInt64"

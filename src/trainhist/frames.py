@@ -44,7 +44,7 @@ import numpy as np
 
 from . import __version__
 from .errors import TrainhistError, UsageError
-from .model import STREAMS, U64_UNKNOWN, Applied, Clipped, GradBasis, Phase, Presence
+from .model import STREAMS, TALLY_COLUMNS, U64_UNKNOWN, Applied, Clipped, GradBasis, Phase, Presence
 from .reader import History, Site
 from .summary import SumMethod
 
@@ -55,7 +55,8 @@ __all__ = ["spines", "steps", "scalars", "quantiles", "to_parquet", "to_csv", "E
 
 #: the columns of :func:`spines`, in order
 SPINE_COLUMNS = ("path", "stream", "facet", "phase", "segment", "step", "span", "micro", "presence", "count", "nan",
-                 "pinf", "ninf", "zero", "min", "max", "sum", "sumsq", "method", "mean", "rms", "has_sketch")
+                 "pinf", "ninf", "zero", "min", "max", "sum", "sumsq", "method", "mean", "rms", "has_sketch",
+                 *TALLY_COLUMNS)
 _COUNTS = ("count", "nan", "pinf", "ninf", "zero")
 _FLOATS = ("min", "max", "sum", "sumsq", "mean", "rms")
 _INSTALL = "pip install 'trainhist[export]'"
@@ -178,7 +179,10 @@ def spines(h: History, *, streams: str | Iterable[str] | None = None, sites: str
       ``code-N`` of a newer writer), ``<NA>`` in rows that are not observed (their method means nothing);
     - ``mean``, ``rms``: the reader's derived values (:attr:`SpineSeries.mean`), NaN where undefined (no finite
       value, unknown sums, not observed), never 0;
-    - ``has_sketch``: whether the row carries a sketch (:meth:`History.sketch`).
+    - ``has_sketch``: whether the row carries a sketch (:meth:`History.sketch`);
+    - ``n_unknown``, ``n_observed``, ``n_absent``, ``n_not_scheduled``, ``n_failed``, ``n_skipped``: the row's
+      tally (spec 11.4, ``UInt64``): how many written rows in each state a merged or coarsened row combines (1 in
+      its own state for a row as written), e.g. the skipped steps an observed window holds (``n_skipped``).
 
     In float64 columns NaN is pandas' missing value (``isna()``): none of them holds a NaN that is a value.
     """
@@ -207,6 +211,7 @@ def _spines(h: History, chosen: list[Site], phases: str | Iterable[str] | None) 
             "min": np.where(observed, s.min, np.nan), "max": np.where(observed, s.max, np.nan),
             "sum": np.where(sums, s.sum, np.nan), "sumsq": np.where(sums, s.sumsq, np.nan),
             "mean": np.where(defined, s.mean, np.nan), "rms": np.where(defined, s.rms, np.nan),
+            **{n: s.columns[n] for n in TALLY_COLUMNS},
         }
         parts.append({n: v[keep] for n, v in part.items()})
     if parts:
@@ -215,7 +220,7 @@ def _spines(h: History, chosen: list[Site], phases: str | Iterable[str] | None) 
         c = {n: np.zeros(0, t) for n, t in (("site", np.int64), ("phase", np.uint8), ("segment", np.uint32),
                                             ("step", np.int64), ("span", np.uint32), ("micro", np.uint32),
                                             ("presence", np.uint8), ("method", np.uint8), ("observed", bool),
-                                            ("has_sketch", bool), *((x, np.uint64) for x in _COUNTS),
+                                            ("has_sketch", bool), *((x, np.uint64) for x in (*_COUNTS, *TALLY_COLUMNS)),
                                             *((x, np.float64) for x in _FLOATS))}
     # path and facet: categoricals whose categories are the chosen sites' names in declaration (site id) order,
     # each once: a pivot or a plot keeps the model's order, and a row costs a code, not a string
@@ -247,6 +252,7 @@ def _spines(h: History, chosen: list[Site], phases: str | Iterable[str] | None) 
         "method": _categorical(pd, np.where(missing, -1, method_index[c["method"]]), method_cats),
         "mean": c["mean"], "rms": c["rms"],
         "has_sketch": c["has_sketch"].astype(bool),
+        **{n: pd.array(c[n].astype(np.uint64), dtype="UInt64") for n in TALLY_COLUMNS},
     }
     return pd.DataFrame(data, columns=list(SPINE_COLUMNS))
 
