@@ -690,3 +690,22 @@ def test_plot_command_keeps_figures_of_names_that_read_the_same_apart(tmp_path, 
     assert len(printed) == 8 == len(set(printed)) == len(list((tmp_path / "o").iterdir()))
     assert main(["plot", str(p), "-o", str(p), "--site", "x"]) == 2
     assert "[bad_output]" in capsys.readouterr().err
+
+
+def test_site_figure_says_which_rows_with_values_hold_skipped_steps(tmp_path) -> None:
+    """observed outranks skipped (spec 11.4): a window holding a skipped update is drawn with the other steps'
+    values, and nothing said so; the legend does now."""
+    raw = tmp_path / "r.thist"
+    with trainhist.HistoryWriter(raw) as w:
+        s = w.site("w", "param_delta")
+        for st in range(8):
+            if st in (1, 5):
+                w.mark(s, st, "skipped")
+            else:
+                w.observe(s, st, np.ones(2))
+    trainhist.coarsen(raw, tmp_path / "c.thist", steps=4)
+    for path, said in ((tmp_path / "c.thist", True), (raw, False)):
+        with trainhist.open(path) as h:
+            ax = site_figure(h, "w", "param_delta").axes[0]
+        legend = " ".join(" ".join(t.get_text().split()) for t in ax.get_legend().get_texts())
+        assert ("2 rows with values also hold skipped steps or inputs (n_skipped)" in legend) is said, legend

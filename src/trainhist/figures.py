@@ -401,6 +401,12 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
     else:  # (no value axis to draw: an empty one would suggest a scale)
         ax.set_yticks([])
         ax.text(0.5, 0.5, "no row holds a finite value", ha="center", transform=ax.transAxes)
+    partly = int((s.observed & (s.columns["n_skipped"] > 0)).sum()) if "n_skipped" in s.columns else 0
+    if partly:  # (observed outranks skipped, spec 11.4: a window's or merge's skipped inputs hold no numbers)
+        from matplotlib.lines import Line2D
+
+        notes.append(Line2D([], [], ls="none", label=f"{partly} {'row' if partly == 1 else 'rows'} with values "
+                            "also hold skipped steps or inputs (n_skipped): their values are the others'"))
     handles, labels = ax.get_legend_handles_labels()
     handles, labels = handles + notes, labels + [n.get_label() for n in notes]
     if strip is not None:
