@@ -141,3 +141,15 @@ def two_runs(tmp_path: Path, nan_at: int | None = None) -> list[Path]:
                 w.step_truth(st, applied=True)
         paths.append(p)
     return paths
+
+
+def skipped_updates(path: Path, steps: int, skipped: tuple[int, ...]) -> Path:
+    """A ``param_delta`` site "w" observed (two ones) at each of ``steps`` steps but ``skipped``, marked skipped."""
+    with HistoryWriter(path) as w:
+        s = w.site("w", "param_delta")
+        for st in range(steps):
+            if st in skipped:
+                w.mark(s, st, "skipped")
+            else:
+                w.observe(s, st, np.ones(2))
+    return path

@@ -695,14 +695,9 @@ def test_plot_command_keeps_figures_of_names_that_read_the_same_apart(tmp_path, 
 def test_site_figure_says_which_rows_with_values_hold_skipped_steps(tmp_path) -> None:
     """observed outranks skipped (spec 11.4): a window holding a skipped update is drawn with the other steps'
     values, and nothing said so; the legend does now."""
-    raw = tmp_path / "r.thist"
-    with trainhist.HistoryWriter(raw) as w:
-        s = w.site("w", "param_delta")
-        for st in range(8):
-            if st in (1, 5):
-                w.mark(s, st, "skipped")
-            else:
-                w.observe(s, st, np.ones(2))
+    from history_helpers import skipped_updates
+
+    raw = skipped_updates(tmp_path / "r.thist", 8, (1, 5))
     trainhist.coarsen(raw, tmp_path / "c.thist", steps=4)
     for path, said in ((tmp_path / "c.thist", True), (raw, False)):
         with trainhist.open(path) as h:

@@ -683,14 +683,9 @@ def test_quantiles_of_a_row_whose_sketch_holds_part_of_its_values_carry_no_bound
 def test_spines_carry_the_tally_of_a_window_that_absorbed_a_skipped_update(tmp_path, pd) -> None:
     """observed outranks skipped (spec 11.4): the frame said nothing of a window's skipped step (its count 6 where
     a whole window has 8); the tally columns say it now, and a row as written has 1 in its own state."""
-    raw = tmp_path / "r.thist"
-    with trainhist.HistoryWriter(raw) as w:
-        s = w.site("w", "param_delta")
-        for st in range(4):
-            if st == 1:
-                w.mark(s, st, "skipped")
-            else:
-                w.observe(s, st, np.ones(2))
+    from history_helpers import skipped_updates
+
+    raw = skipped_updates(tmp_path / "r.thist", 4, (1,))
     trainhist.coarsen(raw, tmp_path / "c.thist", steps=4)
     with trainhist.open(tmp_path / "c.thist") as h:
         row = frames.spines(h).iloc[0]

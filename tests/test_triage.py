@@ -616,14 +616,9 @@ def test_the_first_non_finite_value_names_its_run_in_a_file_of_several_runs(tmp_
 def test_a_window_that_absorbed_a_skipped_update_is_said(tmp_path) -> None:
     """observed outranks skipped (spec 11.4): a 4-step window with one skipped update is observed, and triage said
     'no ... skipped steps or gaps found' of a coarsened file without step truth. It names those rows now."""
-    raw = tmp_path / "r.thist"
-    with trainhist.HistoryWriter(raw) as w:
-        s = w.site("w", "param_delta")
-        for st in range(8):
-            if st in (1, 5):
-                w.mark(s, st, "skipped")
-            else:
-                w.observe(s, st, np.ones(2))
+    from history_helpers import skipped_updates
+
+    raw = skipped_updates(tmp_path / "r.thist", 8, (1, 5))
     trainhist.coarsen(raw, tmp_path / "c.thist", steps=4)
     with trainhist.open(tmp_path / "c.thist") as h:
         t = triage(h)
