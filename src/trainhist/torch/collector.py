@@ -997,8 +997,9 @@ class Collector:
                             f"({'results' if ftz else 'inputs'} only: not torch.set_flush_denormal, which trainhist "
                             "switches off while it reduces); sums over subnormal values may miss their stated bound")
         self._ledger.reset()
-        for m, hid in self._fwd_handles:  # run last: see the module's final output (_keep_last: at each call too)
-            _keep_last(hid, m, ())
+        if self._compiled:  # run last: see the module's final output (uncompiled: _keep_last's pre-hook, each call)
+            for m, hid in self._fwd_handles:
+                _keep_last(hid, m, ())
         self._state = st
         st.ran_before, self._ran_outside = self._ran_outside, False
         self._place_completed()  # (a forward cut short in the previous step)
@@ -1098,8 +1099,7 @@ class Collector:
         """Move late tensor scalars into the ledger and start the step's single host transfer."""
         for i, (s, name, t) in enumerate(self._late):
             key = ("late", i)
-            with _no_flush():  # (a cast to float64 must keep a subnormal)
-                self._ledger.scalar(key).copy_(t.reshape(-1)[:1])
+            self._to_ledger(key, t)
             st.user_dev.append((s, name, key))
         self._late = []
         st.user_host += self._late_host
@@ -1108,14 +1108,18 @@ class Collector:
             st.pending = self._ledger.transfer(copy=self._lag > 0)
         self._pending.append(st)
 
+    def _to_ledger(self, key: tuple, t: torch.Tensor) -> None:
+        """Copy the one-element tensor ``t`` into the ledger's float64 slot ``key`` (read at the step's transfer)."""
+        with _no_flush():  # (a cast to float64 must keep a subnormal)
+            self._ledger.scalar(key).copy_(t.detach().reshape(1))
+
     def _put_scalar(self, st: _Step, step: int, name: str, value: object) -> None:
         value = self._plain_scalar(name, value)
         if value is None:
             return
         if isinstance(value, torch.Tensor):
             key = ("scalar", name)
-            with _no_flush():  # (a cast to float64 must keep a subnormal)
-                self._ledger.scalar(key).copy_(value.detach().reshape(1))
+            self._to_ledger(key, value)
             st.dev_scalars.append((step, name, key))
         else:
             st.host_scalars.append((step, name, float(value)))  # type: ignore[arg-type]
@@ -1124,8 +1128,9 @@ class Collector:
         """Record run-level scalars (loss, lr, ...); tensors are read at the next single transfer, never synced.
 
         Each value is one real number (a one-element tensor or array too; None: nothing recorded); anything else
-        raises :class:`UsageError` ``bad_scalar``. A name given twice for a step keeps the last value, and a name
-        the collector records itself (``grad_norm``, ``step_time``, ...) keeps the collector's, with a warning.
+        raises :class:`UsageError` ``bad_scalar``. A name given twice inside a step keeps the last value, one given
+        again after its step's row of it was written is not recorded, and a name the collector records itself
+        (``grad_norm``, ``step_time``, ...) keeps the collector's: a warning says so, once for each name.
         """
         if self._closed:
             raise UsageError("the collector is closed: scalars() after close() would be lost")
@@ -1154,8 +1159,7 @@ class Collector:
             if isinstance(v, torch.Tensor):
                 if st is not None and st.step == step:
                     key = ("user", len(st.user_dev))
-                    with _no_flush():  # (a cast to float64 must keep a subnormal)
-                        self._ledger.scalar(key).copy_(v.detach().reshape(1))
+                    self._to_ledger(key, v)
                     st.user_dev.append((step, name, key))
                 else:
                     self._late.append((int(step), name, v.detach()))
