@@ -83,6 +83,12 @@ def _n(n: int, one: str) -> str:
     return f"{n} {one}{'' if n == 1 else 's'}"
 
 
+def _torn_note(h: History, done: str) -> None:
+    """Say that only the committed prefix of ``h`` (a torn tail) was ``done``: the exit status 3 alone says too
+    little."""
+    print(f"  note: {h.path}: {h.recovery.describe()}; only the committed prefix was {done}")
+
+
 def _status(h: History) -> int:
     return EXIT_TORN if h.recovery.status == "torn" else EXIT_OK
 
@@ -274,8 +280,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         for e in write(h, args.output, streams=args.streams, sites=args.sites, phases=args.phases):
             print(f"{e.path}: {_n(e.rows, 'row')}" if e.table != "manifests" else f"{e.path}: the manifests")
         if h.recovery.status != "clean":  # (as merge and triage say it: the exit status 3 alone says too little)
-            print(f"  note: {h.path}: {h.recovery.describe()}; only the committed prefix was exported (its "
-                  "trainhist.recovery metadata says so too)")
+            _torn_note(h, "exported (its trainhist.recovery metadata says so too)")
         return _status(h)
 
 
@@ -348,7 +353,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
                     draw(h, s.path, s.stream, s.facet, phase=phase, out=out / f"{stem}.{kind}.png")
                     print(out / f"{stem}.{kind}.png")
         if h.recovery.status != "clean":
-            print(f"  note: {h.path}: {h.recovery.describe()}; only the committed prefix was drawn")
+            _torn_note(h, "drawn")
         return _status(h)
 
 

@@ -91,11 +91,17 @@ def sketch_row_quantiles(s: SpineSeries, sk: SketchSeries, qs: tuple[float, ...]
     rows = s.sk_row >= 0
     at[s.sk_row[rows]] = np.flatnonzero(rows)
     zero = s.zero[at].astype(np.float64)
-    nonzero = (s.finite[at] - s.zero[at]).astype(np.float64)
-    covered = (sk.pos.sum(axis=1) + sk.neg.sum(axis=1) + sk.bands.sum(axis=1)).astype(np.float64)
+    covered, nonzero = _sketch_coverage(s, sk, at)
     partial = covered < nonzero
     zero = np.where(partial, zero * covered / np.maximum(nonzero, 1), zero)
     return at, quantiles_from_sketch(sk.pos, sk.neg, sk.bands, zero, sk.scale, qs), partial
+
+
+def _sketch_coverage(s: SpineSeries, sk: SketchSeries, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per sketch row of ``sk`` (spine row ``at`` of ``s``): the values its sketch counts, and the row's non-zero
+    finite values it would count if it covered the whole row (float64: a share is their quotient)."""
+    covered = (sk.pos.sum(axis=1) + sk.neg.sum(axis=1) + sk.bands.sum(axis=1)).astype(np.float64)
+    return covered, (s.finite[at] - s.zero[at]).astype(np.float64)
 
 
 _FMAX = float(np.finfo(np.float64).max)

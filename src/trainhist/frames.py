@@ -342,7 +342,7 @@ def quantiles(h: History, path: str, stream: str = "activation", facet: str | No
     ``q``: quantiles in [0, 1]; ``phase`` as :meth:`History.spine` (``"*"``: the rows of every phase, in file order,
     told apart by the ``phase`` column)."""
     pd = _pandas()
-    from .figures import quantile_bound, sketch_row_quantiles
+    from .figures import _sketch_coverage, quantile_bound, sketch_row_quantiles
 
     qs = tuple(q)
     if not qs or any(isinstance(x, bool) or not isinstance(x, (int, float, np.floating, np.integer))
@@ -354,8 +354,7 @@ def quantiles(h: History, path: str, stream: str = "activation", facet: str | No
     s = h.spine(path, stream, facet, phase=phase)
     sk = h.sketch(path, stream, facet, phase=phase)
     at, values, partial = sketch_row_quantiles(s, sk, qs)
-    covered = (sk.pos.sum(axis=1) + sk.neg.sum(axis=1) + sk.bands.sum(axis=1)).astype(np.float64)
-    nonzero = (s.finite[at] - s.zero[at]).astype(np.float64)
+    covered, nonzero = _sketch_coverage(s, sk, at)
     df = pd.DataFrame({
         "phase": _categorical(pd, s.phase[at], Phase.NAMES),  # (as in spines: phase="*" gives every phase's rows)
         "segment": s.segment[at].astype(np.int64), "step": s.step[at].astype(np.int64),
