@@ -278,7 +278,7 @@ def test_scalars_given_twice_or_named_as_the_collectors_are_resolved_without_a_w
         assert "nothing" not in {s.path for s in h.sites}
 
 
-@pytest.mark.parametrize("value", [torch.ones(2), "high", np.ones(3), 1j])
+@pytest.mark.parametrize("value", [torch.ones(2), "high", np.ones(3), 1j, [[1.0], [2.0, 3.0]]])
 def test_a_scalar_that_is_not_one_real_number_is_refused_at_the_call(tmp_path, value) -> None:
     col = Collector(small(), tmp_path / "b.thist", streams=("param",))
     with pytest.raises(UsageError, match="must be a single real number") as e:

@@ -396,7 +396,10 @@ def _scalar_value(name: str, v: object) -> float | torch.Tensor:
             raise UsageError(f"scalar {name!r} must be a single real number; got a tensor of shape {tuple(v.shape)} "
                              f"and dtype {v.dtype} (reduce it first, e.g. loss.mean())", code="bad_scalar")
         return v
-    a = np.asarray(v) if not isinstance(v, (str, bytes)) else None
+    try:
+        a = np.asarray(v) if not isinstance(v, (str, bytes)) else None
+    except (TypeError, ValueError):  # (a ragged list, say)
+        a = None
     if a is None or a.size != 1 or a.dtype.kind not in "biuf":
         raise UsageError(f"scalar {name!r} must be a single real number (int, float, bool, a one-element array or "
                          f"tensor); got {type(v).__name__} {v!r:.60}", code="bad_scalar")
