@@ -747,6 +747,38 @@ def test_segments_runs_and_step_truth():
         assert h4.steps["step"].tolist() == [0, 2]
 
 
+def test_step_truth_counts_the_writers_rows_it_combines(tmp_path):
+    """A rank that stopped early (a torn shard): the merged steps after it hold the other rank's tokens alone, and
+    n_rows says so (spec 11.6), in the table, the frame, the dump and triage; coarsening adds n_rows."""
+    from trainhist.frames import steps as steps_frame
+    from trainhist.triage import triage
+
+    with Dir() as d:
+        def fn(rank, last):
+            def f(w):
+                s = w.site("x", "activation")
+                for step in range(last + 1):
+                    w.observe(s, step, np.ones(2))
+                    w.step_truth(step, applied=True, tokens=10 + rank)
+            return f
+
+        whole = trainhist.open(d.merge(_two(d, fn(0, 3), fn(1, 3))))
+        assert [r["n_rows"] for r in whole.step_truth_rows()] == [2] * 4
+        assert not [f for f in triage(whole).findings if f.kind == "truth_partial"]
+        m = d.merge(_two(d, fn(0, 3), fn(1, 1)))
+        h = trainhist.open(m)
+        assert [(r["tokens"], r["n_rows"]) for r in h.step_truth_rows()] == [(21, 2), (21, 2), (10, 1), (10, 1)]
+        assert steps_frame(h)["n_rows"].tolist() == [2, 2, 1, 1]
+        assert [s.get("n_rows") for s in canonical(h)["steps"]] == ["u:2", "u:2", None, None]  # (1 is not dumped)
+        [f] = [f for f in triage(h).findings if f.kind == "truth_partial"]
+        assert f.step == 2 and "2 steps" in f.text and "(1 of 2)" in f.text
+        c = trainhist.open(d.coarsen(m, steps=4))
+        assert [(r["tokens"], r["n_rows"], r["span"]) for r in c.step_truth_rows()] == [(62, 6, 4)]
+        # a writer's own file: one row each, no column
+        one = trainhist.open(_two(d, fn(0, 1), fn(1, 1))[0])
+        assert one.steps["n_rows"].tolist() == [1, 1]
+
+
 def test_many_shards_with_small_descriptor_pool(monkeypatch):
     monkeypatch.setattr(merge_mod, "FD_POOL", 3)
     monkeypatch.setattr(merge_mod, "BATCH_ROWS", 5)

@@ -1355,6 +1355,10 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
                "unknown_code", lambda m, cs: setattr(col(cs, "applied"), "block", b"\x07"), rtype=RecordType.STEPS)
     chunk_case("span_zero", "an obs row with span 0 (a row covers at least one step)", ["2.3", "7.5"], "bad_span",
                lambda m, cs: setattr(col(cs, "span"), "block", struct.pack("<I", 0)))
+    chunk_case("steps_span_zero", "a step-truth row with span 0 (the optional `span` column)", ["7.6"], "bad_span",
+               add_col("span", "u4", struct.pack("<I", 0)), rtype=RecordType.STEPS)
+    chunk_case("steps_n_rows_zero", "a step-truth row with n_rows 0 (a row combines at least one writer's row)",
+               ["7.6", "11.6"], "bad_tally", add_col("n_rows", "u8", struct.pack("<Q", 0)), rtype=RecordType.STEPS)
     chunk_case("sum_not_finite", "an observed row whose f64 sum is +inf with no exact sum_x value", ["5.3"],
                "bad_exact_value", lambda m, cs: setattr(col(cs, "sum"), "block", struct.pack("<d", math.inf)))
     def unknown_sums(name: str, value: float) -> Callable:
@@ -1618,6 +1622,16 @@ def gen_merge(s: Suite, base: dict[str, bytes]) -> dict[str, bytes]:
                            "once, micro-batches keep their index, presence tallies (observed + absent, failed), "
                            "step truth adds tokens and forgets a disagreeing loss scale", ["11.1", "11.2", "11.4",
                            "11.5", "11.6", "11.9"], io, {"inputs": two})
+    recs = parse(r1)
+    end1 = build(recs)[1][next(k for k, r in enumerate(recs) if r.is_commit) + 1]  # rank 1 torn after step 1
+    torn = _derived_case(s, m, "torn_rank", "rank 1's file is torn after its first commit (steps 0 and 1): the "
+                         "merge takes its committed prefix, so step 2's step truth is rank 0's alone, n_rows 1 of the "
+                         "segment's 2 writers, where steps 0 and 1 add both ranks' rows (n_rows 2)",
+                         ["11.6", "8", "10"], {"input-0.thist": r0, "input-1.thist": r1[:end1 + 20]},
+                         {"inputs": two})
+    _derived_case(s, "coarsen", "torn_rank_window", "the output of merge/torn_rank coarsened by 4: one window, its "
+                  "n_rows the sum, 5 (rows of 3 steps and 2 writers, one missing)", ["11.6", "11.7"],
+                  {"input.thist": torn}, {"input": "input.thist", "steps": 4, "bins_per_octave": 4})
     _derived_case(s, m, "single_input", "merge of one file is its canonical form (sites by key, one chunk per site "
                   "and segment, commits per 11.9)", ["11.8", "11.9"], {"input-0.thist": r0},
                   {"inputs": ["input-0.thist"]})

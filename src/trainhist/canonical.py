@@ -227,7 +227,7 @@ class Rows:
 
 @dataclass
 class StepRows:
-    """A batch of step-truth rows as columns (STEPS_COLUMNS plus ``span``)."""
+    """A batch of step-truth rows as columns (STEPS_COLUMNS plus ``span`` and ``n_rows``)."""
 
     cols: dict[str, np.ndarray]
 
@@ -562,10 +562,13 @@ def decode_steps(payload: memoryview, *, path: str, offset: int, segment: int, r
         raise _bad(f"chunk lacks required columns {missing}", path, offset, "missing_column")
     cols = {name: ch.column(name, rows).copy() for name in STEPS_COLUMNS}
     cols["span"] = ch.column("span", rows).copy() if ch.has("span") else np.ones(rows, np.uint32)
+    cols["n_rows"] = ch.column("n_rows", rows).copy() if ch.has("n_rows") else np.ones(rows, np.uint64)
     if rows and (int(cols["step"].min()) != step_min or int(cols["step"].max()) != step_max):
         raise _bad("steps chunk steps disagree with the commit entry's step range", path, offset)
     if (cols["span"] == 0).any():
         raise _bad("steps row with span 0", path, offset, "bad_span")
+    if (cols["n_rows"] == 0).any():
+        raise _bad("steps row with n_rows 0 (a row combines at least one writer's row)", path, offset, "bad_tally")
     name = unknown_steps_code(cols)
     if name is not None:
         raise UnsupportedError(f"steps column {name} holds codes unknown to this reader", code="unknown_code",
@@ -623,6 +626,8 @@ def encode_steps(r: StepRows, segment: int, codec: int) -> tuple[bytes, int, int
     cols = {name: (dt, r.cols[name]) for name, dt in STEPS_COLUMNS.items()}
     if (r.cols["span"] != 1).any():
         cols["span"] = ("u4", r.cols["span"])
+    if (r.cols["n_rows"] != 1).any():
+        cols["n_rows"] = ("u8", r.cols["n_rows"])
     step = r.cols["step"]
     return encode_chunk({"segment": segment, "rows": len(r)}, cols, codec), int(step[0]), int(step[-1])
 

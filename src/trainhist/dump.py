@@ -99,7 +99,7 @@ def canonical(h: History) -> dict:
         })
     steps = []
     for r in h.step_truth_rows():
-        steps.append({
+        entry = {
             "segment": f"u:{r['segment']}", "step": f"i:{r['step']}", "span": f"u:{r['span']}",
             "applied": r["applied"],
             "grad_basis": r["grad_basis"], "clipped": r["clipped"],
@@ -108,7 +108,10 @@ def canonical(h: History) -> dict:
             "micro_batches": None if r["micro_batches"] is None else f"u:{r['micro_batches']}",
             "tokens": None if r["tokens"] is None else f"u:{r['tokens']}",
             "samples": None if r["samples"] is None else f"u:{r['samples']}",
-        })
+        }
+        if r["n_rows"] != 1:  # a derived row that combined several writers' rows (spec 11.6)
+            entry["n_rows"] = f"u:{r['n_rows']}"
+        steps.append(entry)
     steps.sort(key=lambda r: (int(r["segment"][2:]), int(r["step"][2:]), int(r["span"][2:]),
                               json.dumps(r, sort_keys=True)))
     hdr = h.header

@@ -262,7 +262,8 @@ def steps(h: History) -> "pd.DataFrame":
     ``span`` (uint32: the steps a coarsened row covers), ``applied`` / ``grad_basis`` / ``clipped`` (categoricals
     of their names; ``<NA>`` where unknown), ``loss_scale`` and ``clip_threshold`` (float64, NaN where unknown),
     ``micro_batches`` (``UInt32``), ``tokens`` and ``samples`` (``UInt64``), ``<NA>`` where unknown: an unknown
-    value is never 0."""
+    value is never 0; ``n_rows`` (uint64): the writers' rows a merged or coarsened row combines (spec 11.6), so a
+    merged step whose ``n_rows`` is below its segment's writer count holds some writers' tokens only."""
     pd = _pandas()
     t = h.steps
 
@@ -278,6 +279,7 @@ def steps(h: History) -> "pd.DataFrame":
         "micro_batches": _masked(pd, t["micro_batches"], t["micro_batches"] == 0, np.uint32),
         "tokens": _masked(pd, t["tokens"], t["tokens"] == U64_UNKNOWN, np.uint64),
         "samples": _masked(pd, t["samples"], t["samples"] == U64_UNKNOWN, np.uint64),
+        "n_rows": t["n_rows"].astype(np.uint64),
     })
 
 

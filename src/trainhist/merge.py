@@ -1110,6 +1110,11 @@ class _Engine:
                 raise MergeError(f"{where}, step {at}: step-truth {k} overflows an unsigned 64-bit count adding rows "
                                  f"from {files}", code="count_overflow", path=self.paths[0])
             out[k] = np.where(unknown, np.uint64(U64_UNKNOWN), s)
+        out["n_rows"], over = _sum_u64(c["n_rows"], starts, sizes)
+        if over is not None and over.any():
+            at = int(c["step"][starts[int(np.flatnonzero(over)[0])]])
+            raise MergeError(f"{where}, step {at}: step-truth n_rows overflows an unsigned 64-bit count adding rows "
+                             f"from {files}", code="count_overflow", path=self.paths[0])
         return StepRows(out)
 
     # -- sweep ---------------------------------------------------------------------------------------------

@@ -145,7 +145,7 @@ STEPS_COLUMNS = {
 # per row, in the row's own presence state.
 TALLY_COLUMNS = {f"n_{name}": "u8" for name in Presence.NAMES}
 # Optional steps column of coarsened files: the number of steps the row covers (absent: 1).
-STEPS_OPTIONAL_COLUMNS = {"span": "u4"}
+STEPS_OPTIONAL_COLUMNS = {"span": "u4", "n_rows": "u8"}
 
 
 #: Presence precedence when rows combine (spec 2.6, 11.4): the state of highest precedence with a non-zero tally

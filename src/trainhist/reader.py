@@ -1087,22 +1087,27 @@ class History:
                 ch = self.chunk(e)
                 cols = {name: ch.column(name, e.rows) for name in STEPS_COLUMNS}
                 cols["span"] = ch.column("span", e.rows) if ch.has("span") else np.ones(e.rows, np.uint32)
+                cols["n_rows"] = ch.column("n_rows", e.rows) if ch.has("n_rows") else np.ones(e.rows, np.uint64)
                 if int(cols["step"].min()) != e.step_min or int(cols["step"].max()) != e.step_max:
                     raise _bad("steps chunk steps disagree with the commit entry's step range (spec 7.2)",
                                "bad_chunk", self.path, e.offset)
                 if (cols["span"] == 0).any():
                     raise _bad("steps row with span 0", "bad_span", self.path, e.offset)
+                if (cols["n_rows"] == 0).any():
+                    raise _bad("steps row with n_rows 0 (a row combines at least one writer's row)", "bad_tally",
+                               self.path, e.offset)
                 cols["segment"] = np.full(e.rows, e.segment, np.uint32)
                 name = unknown_steps_code(cols)
                 if name is not None:
                     raise UnsupportedError(f"steps column {name} holds codes unknown to this reader",
                                            code="unknown_code", path=self.path, offset=e.offset)
                 parts.append(cols)
-            names = list(STEPS_COLUMNS) + ["span", "segment"]
+            names = list(STEPS_COLUMNS) + ["span", "n_rows", "segment"]
             if parts:
                 self._steps_table = {n: np.concatenate([p[n] for p in parts]) for n in names}
             else:
-                self._steps_table = {n: np.zeros(0, np.dtype(STEPS_COLUMNS.get(n, "u4"))) for n in names}
+                self._steps_table = {n: np.zeros(0, np.dtype({**STEPS_COLUMNS, "n_rows": "u8"}.get(n, "u4")))
+                                     for n in names}
         return self._steps_table
 
     def step_truth_rows(self) -> list[dict]:
@@ -1125,7 +1130,7 @@ class History:
                 "clipped": Clipped.name(int(t["clipped"][i])), "loss_scale": f("loss_scale"),
                 "clip_threshold": f("clip_threshold"),
                 "micro_batches": None if int(t["micro_batches"][i]) == 0 else int(t["micro_batches"][i]),
-                "tokens": u("tokens"), "samples": u("samples"),
+                "tokens": u("tokens"), "samples": u("samples"), "n_rows": int(t["n_rows"][i]),
             })
         return out
 

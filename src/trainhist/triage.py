@@ -75,8 +75,8 @@ class Finding:
     """One thing a person should look at."""
 
     kind: str  # first_nonfinite(_site, _segment), model_finite, nonfinite, ranks, scaler_overflow, failed,
-    # rows_absent/_skipped/_unknown/_missing, rows_partly_skipped, skipped_step, interrupted, unknown_applied,
-    # segment, segment_run
+    # rows_absent/_skipped/_unknown/_missing, rows_partly_skipped, skipped_step, interrupted, truth_partial,
+    # unknown_applied, segment, segment_run
     step: int | None
     site: str | None
     text: str
@@ -502,6 +502,18 @@ def triage(h: History) -> Triage:
                                        f"an exception in the training loop, first at "
                                        f"{_steps(int(sp.step[i]), int(sp.span[i]))}{seg}: their rows hold what was "
                                        "recorded before it, the rest are unknown"))
+    writers = {g.id: len((g.manifest.get("origin") or {}).get("writers", ())) for g in h.segments}
+    short = [r for r in rows if r["span"] == 1 and r["n_rows"] < writers.get(r["segment"], 0)]
+    if short:  # (spec 11.6: a merged step some writer did not record, a shard torn before it say)
+        r = min(short, key=lambda x: (x["segment"], x["step"]))
+        were = "was" if len(short) == 1 else "were"
+        where = f"step {r['step']}{_seg(r['segment'], n_segments, run_of)}"
+        report.findings.append(Finding("truth_partial", r["step"], None,
+                                       f"{_n(len(short), 'step')} of the merged step table {were} recorded by "
+                                       f"fewer writers than the segment's, first at {where} ({r['n_rows']} of "
+                                       f"{writers[r['segment']]}): their tokens and samples are those writers' sum, "
+                                       "not the step's total (a shard torn or stopped before them; the merge's "
+                                       "report gives each input's recovery)"))
     unknown = sum(r["applied"] == "unknown" for r in rows)
     if rows and unknown:
         report.findings.append(Finding("unknown_applied", None, None,
