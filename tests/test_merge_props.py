@@ -779,6 +779,44 @@ def test_step_truth_counts_the_writers_rows_it_combines(tmp_path):
         assert one.steps["n_rows"].tolist() == [1, 1]
 
 
+def test_segments_of_several_runs_are_ordered_by_number_so_previous_comes_first(tmp_path):
+    """Spec 11.3: output segments by number, then runs. Runs kept apart interleave; a file pooled with
+    across_runs, whose resume holds one run only, merges again into a file that reads (ordered by runs first, the
+    resume came before the segment it continues: bad_segment_order)."""
+    from trainhist.triage import triage
+
+    def run(name, segments):
+        p = str(tmp_path / f"{name}.th")
+        with trainhist.HistoryWriter(p, run_id=uuid.uuid4().hex, fsync="never") as w:
+            s = w.site("x", "activation")
+            for k in range(segments):
+                if k:
+                    w.new_segment(2 * k, reason="resume")
+                for step in (2 * k, 2 * k + 1):
+                    w.observe(s, step, np.ones(2))
+                    w.step_truth(step, applied=True)
+        return p, w.run_id
+
+    (a, ra), (b, rb), (c, _) = run("a", 2), run("b", 2), run("c", 1)
+    apart = str(tmp_path / "apart.th")
+    trainhist.merge([a, b], apart)
+    h = trainhist.open(apart)
+    first = min(ra, rb)
+    assert [(g.id, g.previous, g.manifest["origin"]["runs"] == [first]) for g in h.segments] == [
+        (0, None, True), (1, None, False), (2, 0, True), (3, 1, False)]
+    kinds = [(f.kind, f.step) for f in triage(h).findings if f.kind.startswith("segment")]
+    assert kinds == [("segment_run", 0), ("segment", 2), ("segment", 2)]  # only segment 1 is another run's
+    again = str(tmp_path / "again.th")
+    trainhist.merge([apart], again)
+    assert open(again, "rb").read() == open(apart, "rb").read()
+    pooled, pooled2 = str(tmp_path / "pooled.th"), str(tmp_path / "pooled2.th")
+    trainhist.merge([a, c], pooled, across_runs=True)
+    trainhist.merge([pooled], pooled2)
+    h2 = trainhist.open(pooled2)
+    assert [(g.id, g.previous, len(g.manifest["origin"]["runs"])) for g in h2.segments] == [(0, None, 2), (1, 0, 1)]
+    assert open(pooled2, "rb").read() == open(pooled, "rb").read()
+
+
 def test_many_shards_with_small_descriptor_pool(monkeypatch):
     monkeypatch.setattr(merge_mod, "FD_POOL", 3)
     monkeypatch.setattr(merge_mod, "BATCH_ROWS", 5)

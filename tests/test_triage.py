@@ -567,13 +567,14 @@ def test_a_segment_of_another_run_is_not_called_a_resume(tmp_path) -> None:
     with trainhist.open(m) as h:
         t = triage(h)
     seg = [f for f in t.findings if f.kind in ("segment", "segment_run")]
-    assert [f.kind for f in seg] == ["segment", "segment_run"]
-    assert "segment 1 (resume) starts at step 2, after segment 0" in seg[0].text  # (run seed0's own resume)
-    assert seg[1].text.startswith("segment 2 is run 'seed1' [cdcdcdcd] (another run), from step 0: a history of its "
+    # (segments by number first, spec 11.3: seed0's 0, seed1's 0, then seed0's resume)
+    assert [f.kind for f in seg] == ["segment_run", "segment"]
+    assert "segment 2 (resume) starts at step 2, after segment 0" in seg[1].text  # (run seed0's own resume)
+    assert seg[0].text.startswith("segment 1 is run 'seed1' [cdcdcdcd] (another run), from step 0: a history of its "
                                   "own that the merge kept apart from run 'seed0' [abababab]")
-    assert "not continuous" not in seg[1].text
+    assert "not continuous" not in seg[0].text
     f = next(f for f in t.findings if f.kind == "first_nonfinite")
-    assert f.step == 2 and "segment 2" in f.text
+    assert f.step == 2 and "segment 1" in f.text
 
 
 def test_a_merge_of_writers_at_one_cadence_does_not_blame_unplanned_steps(tmp_path) -> None:

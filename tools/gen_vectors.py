@@ -1649,6 +1649,25 @@ def gen_merge(s: Suite, base: dict[str, bytes]) -> dict[str, bytes]:
                   runs, {"inputs": two})
     _derived_case(s, m, "across_runs", "two runs with --across-runs: segment 0 of both combine", ["11.3"], runs,
                   {"inputs": two, "across_runs": True})
+    unnamed = build([r for r in parse(r0) if r.type != RecordType.MANIFEST
+                     or json.loads(r.payload)["kind"] != "writer"])[0]
+    _derived_case(s, m, "overlapping_writers_unnamed", "the same file twice, a file whose segment names its writer "
+                  "without a writer manifest (4.4): its leaf writers are its segments' writers too, so this would "
+                  "count that writer twice", ["11.8"], {"input-0.thist": unnamed},
+                  {"inputs": ["input-0.thist", "input-0.thist"]}, error="overlapping_writers")
+    seg_a = write_ops(ops_doc([site("x", cadence={"spine": 1, "sketch": 0}), obs(0, 0, [1.0], sketch=False),
+                               truth(0), {"op": "new_segment", "first_step": I(1), "reason": "resume"},
+                               obs(0, 1, [2.0], sketch=False), truth(1), COMMIT], name="run-a"))
+    seg_b_doc = ops_doc([site("x", cadence={"spine": 1, "sketch": 0}), obs(0, 0, [3.0], sketch=False), truth(0),
+                         COMMIT], name="run-b", writer_id=WRITER_ID_B)
+    seg_b_doc["run"]["run_id"] = RUN_ID_B
+    pooled = derive("merge", {"input-0.thist": seg_a, "input-1.thist": write_ops(seg_b_doc)},
+                    {"inputs": two, "across_runs": True})[2]
+    assert _derived_case(s, m, "pooled_then_apart", "a merge with --across-runs of run a (segment 0, resumed in "
+                         "segment 1) and run b (segment 0), merged again alone: its segments [a, b]/0 and [a]/1 keep "
+                         "their order, by number first, so the resume's previous names a segment declared before "
+                         "it (ordered by runs first, [a]/1 would come first and name a later one)", ["11.3", "9"],
+                         {"input-0.thist": pooled}, {"inputs": ["input-0.thist"]}) == pooled
     _derived_case(s, m, "unknown_writer", "an input without run and writer manifests (valid/no_run_writer_manifests, "
                   "which a reader reads): merge cannot place its segment", ["11.3", "4.4"],
                   {"input-0.thist": no_owner(write_ops(ops_doc(NOSKETCH_OPS)))}, {"inputs": ["input-0.thist"]},

@@ -164,6 +164,15 @@ class _Source:
             self._step_window = max(width, 1)
         return self._step_window
 
+    def leaf_writers(self) -> list[str]:
+        """The writers whose observations this file holds (spec 11.8): its writer manifests' ids and its segments'
+        writers (``origin.writers``, or the writer of a segment without ``origin``), each once, sorted."""
+        ids = {w["writer_id"] for w in self.writers}
+        for g in self.segments:
+            o = g.manifest.get("origin")
+            ids.update(o["writers"] if o is not None else [g.writer_id])
+        return sorted(ids)
+
     def segment_origin(self, g: Any) -> tuple[list[str], int, list[str]]:
         """(runs, source segment number, leaf writers) of one of this file's segments."""
         o = g.manifest.get("origin")
@@ -537,7 +546,7 @@ class _Engine:
             self.sources = [_Source(i, p) for i, p in enumerate(self.paths)]
         owner: dict[str, str] = {}
         for s in self.sources:
-            for wid in dict.fromkeys(w["writer_id"] for w in s.writers):  # (one input may repeat an id: spec 2.1)
+            for wid in s.leaf_writers():
                 if wid in owner:
                     if _same_file(owner[wid], s.path):
                         said = "" if owner[wid] == s.path else f" (also as {owner[wid]}, the same file)"
@@ -554,7 +563,7 @@ class _Engine:
                 owner[wid] = s.path
             self.report.inputs.append({
                 "path": s.path, "bytes": s.size, "status": s.status, "committed_bytes": s.committed_bytes,
-                "writers": sorted({w["writer_id"] for w in s.writers}),
+                "writers": s.leaf_writers(),
             })
             self.report.bytes_in += s.size
         self.leaf_writers = sorted(owner)
@@ -652,7 +661,9 @@ class _Engine:
                 key = (() if self.across_runs else tuple(runs), num)
                 local_key[(s.idx, g.id)] = key
                 groups.setdefault(key, []).append((s, g, runs, writers))
-        keys = sorted(groups)
+        # by number first, so that every `previous` comes before the segment naming it (spec 11.3: a segment of
+        # runs pooled with --across-runs can continue in a segment of fewer runs)
+        keys = sorted(groups, key=lambda k: (k[1], k[0]))
         new_id = {k: i for i, k in enumerate(keys)}
         self.seg_map = {sk: new_id[k] for sk, k in local_key.items()}
         self.segment_docs = []
@@ -1261,9 +1272,12 @@ class _Engine:
                 runs[(d["run_id"], _json(d))] = d
         for k in sorted(runs):
             w.manifest(runs[k])
-        writers = sorted((d for s in self.sources for d in s.writers), key=lambda d: d["writer_id"])
-        for d in writers:
-            w.manifest(d)
+        writers = {}  # (identical ones kept once, ties by their text: spec 11.8)
+        for s in self.sources:
+            for d in s.writers:
+                writers[(d["writer_id"], _json(d))] = d
+        for k in sorted(writers):
+            w.manifest(writers[k])
         settings = sorted((d for s in self.sources for d in s.settings), key=lambda d: (d["writer_id"], _json(d)))
         for d in settings:
             w.manifest(d)

@@ -267,8 +267,9 @@ def _overflow(e: _Event, skipped: set[tuple[int, int, int]]) -> bool:
 def segment_runs(h: History) -> dict[int, tuple[str, ...]]:
     """Segment id -> the runs whose history it records (spec 11.3): a derived file's segment names them in its
     ``origin``, a writer's segment is its writer's run (else the file's first run). A merge keeps the segments of
-    different runs apart unless asked (``across_runs``): a segment whose runs differ from the previous segment's
-    starts another run's history, not a resume of the previous one."""
+    different runs apart unless asked (``across_runs``), ordered by segment number first (spec 11.3), so the
+    segments of several runs interleave: a segment sharing no run with any earlier one starts another run's
+    history, not a resume."""
     run_of = {w.get("writer_id"): w.get("run_id") for w in h.writers}
     default = h.runs[0]["run_id"] if h.runs else None
     out = {}
@@ -286,10 +287,15 @@ def run_label(h: History, runs: tuple[str, ...]) -> str:
 
 def other_runs(h: History) -> dict[int, tuple[str, ...]]:
     """The segments that start another run's history (:func:`segment_runs`): id -> that run. A segment sharing a
-    run with the one before it (a resume of runs pooled with --across-runs) continues it."""
+    run with an earlier one (a resume, of runs pooled with --across-runs too) continues that run's history."""
     runs = segment_runs(h)
-    ids = sorted(runs)
-    return {b: runs[b] for a, b in zip(ids, ids[1:]) if not set(runs[b]) & set(runs[a])}
+    out: dict[int, tuple[str, ...]] = {}
+    seen: set[str] = set()
+    for g in sorted(runs):
+        if seen and not seen & set(runs[g]):
+            out[g] = runs[g]
+        seen.update(runs[g])
+    return out
 
 
 def _ranks_note(h: History) -> str | None:
