@@ -250,11 +250,11 @@ def test_step_truth_with_unknowns(tmp_path: Path) -> None:
     with trainhist.open(p) as h:
         rows = h.step_truth_rows()
     unknown = dict(span=1, applied="unknown", grad_basis="unknown", clipped="unknown", loss_scale=None,
-                   clip_threshold=None, micro_batches=None, tokens=None, samples=None)
+                   clip_threshold=None, micro_batches=None, tokens=None, samples=None, n_rows=1)
     assert rows == [
         dict(unknown, step=0, segment=0),
         dict(step=1, span=1, segment=0, applied="applied", loss_scale=65536.0, grad_basis="scaled", clipped="clipped",
-             clip_threshold=1.0, micro_batches=4, tokens=0, samples=2**63),
+             clip_threshold=1.0, micro_batches=4, tokens=0, samples=2**63, n_rows=1),
         dict(unknown, step=2, segment=0, applied="skipped", grad_basis="unscaled", clipped="not_clipped",
              loss_scale=0.0, tokens=12),
         dict(unknown, step=10, segment=1, applied="applied"),
