@@ -613,6 +613,24 @@ def no_finite_row0(cs: list[Col], exact: bytes, *, absent: bool = False) -> None
         n.block = lens.tobytes()
 
 
+def exact_row(cs: list[Col], k: int, enc: bytes, f64: float | None = None) -> None:
+    """Row ``k``'s exact sum (``sum_x``) becomes the bytes ``enc`` (its ``sum_xn`` their length) and, with ``f64``, its
+    f64 ``sum`` that value (a chunk with the exact columns ``sum_xn``, ``sum_x``)."""
+    import numpy as np
+
+    n, b = col(cs, "sum_xn"), col(cs, "sum_x")
+    lens = np.frombuffer(n.block, "<u4").copy()
+    at = int(lens[:k].sum())
+    b.block = b.block[:at] + enc + b.block[at + int(lens[k]) :]
+    b.raw = len(b.block)
+    lens[k] = len(enc)
+    n.block = lens.tobytes()
+    if f64 is not None:
+        v = np.frombuffer(col(cs, "sum").block, "<f8").copy()
+        v[k] = f64
+        col(cs, "sum").block = v.tobytes()
+
+
 # -- the suite -----------------------------------------------------------------------------------------------------
 class Suite:
     def __init__(self, out: Path) -> None:
@@ -731,6 +749,10 @@ def gen_valid(s: Suite) -> dict[str, bytes]:
            write_ops(ops_doc([site("x"), obs(0, 0, SPECIALS), obs(0, 1, [FB(0x7FF8000000000000), F(math.inf)]),
                               COMMIT])))
     base["exact"] = write_ops(ops_doc(EXACT_OPS))
+    base["exact_small"] = write_ops(ops_doc([site("e", cadence={"spine": 1, "sketch": 0}),
+                                             obs(0, 0, [1.0, 2.0**-80], sketch=False),
+                                             obs(0, 1, [0.5, 0.25], sketch=False),
+                                             obs(0, 2, [1.0, -1.0], sketch=False), COMMIT]))
     s.read(v, "exact_sums", "sums that are not binary64 values: the sum_x/sumsq_x columns, overflow to inf in the "
            "f64 column with the exact value kept", ["5.3", "7.5", "10"], base["exact"])
     s.read(v, "big_counts", "u64 counts above 2^53 (up to 2^64-1) in the spine and the sketch", ["5.1", "10"],
@@ -929,6 +951,15 @@ def gen_valid_edges(s: Suite, base: dict[str, bytes]) -> None:
     one_row("exact_zero_no_finite", "an observed row without finite values whose f64 sums are +0.0 and whose exact "
             "forms (sum_x, sumsq_x) hold the zero d:0p0 (e = 0, m = 0): its sums are zero by value, so rule 3 holds",
             ["5.5", "5.3"], lambda m, cs: no_finite_row0(cs, struct.pack("<i", 0) + b"\x00"), src="exact")
+
+    def binary64_exact(m: dict, cs: list[Col]) -> None:
+        exact_row(cs, 1, struct.pack("<i", -2) + b"\x03")  # 0.75
+        exact_row(cs, 2, struct.pack("<i", 0) + b"\x00", -0.0)  # 0
+
+    one_row("exact_form_of_binary64", "sums that are binary64 values also stored as exact forms (a writer should "
+            "not, a reader accepts them: the same numbers): row 1's 0.75 as d:3p-2, and row 2's 0 (values 1, -1) as "
+            "the zero d:0p0 (m = 0, e = 0) with the f64 sum -0.0, which names 0 as +0.0 does", ["5.3", "5.5"],
+            binary64_exact, src="exact_small")
     s.read(v, "manifest_duplicate_member", "a run manifest with `name` twice: the last value counts", ["9"],
            with_manifest("run", lambda b: b.replace(b'"name":"vector"', b'"name":"first","name":"vector2"')))
     s.read(v, "manifest_number_edges", "a run config holding the largest number whose binary64 is finite "
@@ -1079,19 +1110,35 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
     def e_seq(b: bytearray) -> None:
         b[0:8] = struct.pack("<Q", 0)
 
-    def e_site(b: bytearray) -> None:
-        for k in range(struct.unpack_from("<Q", b, 8)[0]):
-            if struct.unpack_from("<H", b, 16 + 40 * k + 8)[0] == RecordType.OBS:
-                b[16 + 40 * k + 12 : 16 + 40 * k + 16] = struct.pack("<I", 7)
+    def e_obs(at: int, value: bytes) -> Callable[[bytearray], None]:
+        def fn(b: bytearray) -> None:  # the obs entry's field at byte ``at`` of the entry becomes ``value``
+            for k in range(struct.unpack_from("<Q", b, 8)[0]):
+                if struct.unpack_from("<H", b, 16 + 40 * k + 8)[0] == RecordType.OBS:
+                    b[16 + 40 * k + at : 16 + 40 * k + at + len(value)] = value
+        return fn
+
+    def e_short(b: bytearray) -> None:
+        del b[12:]
 
     for name, fn, desc in (
         ("bad_commit_offset", e_off, "commit entry 0 names offset +8"),
         ("bad_commit_count", e_count, "the commit lists one entry fewer than the records before it"),
         ("bad_commit_type", e_type, "commit entry 0 names the wrong record type"),
         ("bad_commit_seq", e_seq, "the commit payload's seq is not its own"),
-        ("bad_commit_site", e_site, "an obs entry names site 7, never declared"),
+        ("bad_commit_site", e_obs(12, struct.pack("<I", 7)), "an obs entry names site 7, never declared"),
+        ("bad_commit_segment", e_obs(16, struct.pack("<I", 7)), "an obs entry names segment 7, never declared"),
+        ("bad_commit_rows_zero", e_obs(20, struct.pack("<I", 0)), "an obs entry with rows = 0 (its chunk has 1)"),
+        ("bad_commit_short", e_short, "a commit payload of 12 bytes, shorter than its 16-byte head (seq, n)"),
     ):
         s.read(c, name, desc, ["4.3"], build(parse(basic), commit_hook=hook(fn))[0], error="bad_commit")
+    recs = parse(basic)
+    seg_i, obs_i = recs.index(first(recs, RecordType.MANIFEST, "segment")), recs.index(first(recs, RecordType.OBS))
+    assert seg_i + 1 == obs_i
+    recs[seg_i], recs[obs_i] = recs[obs_i], recs[seg_i]
+    s.read(c, "commit_chunk_before_segment", "one commit holds an obs chunk and, after it, its segment manifest: "
+           "entries are checked and applied in order, so the chunk's entry names a segment not declared yet (the "
+           "manifests of earlier entries of a commit declare, as in every valid file)", ["4.3", "4.4", "8"],
+           build(recs)[0], error="bad_commit")
 
     def with_manifest(kind: str, payload: bytes) -> bytes:
         recs = parse(basic)
@@ -1474,6 +1521,31 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
 
     chunk_case("tally_all_zero", "a row whose six tally columns are all 0 (no state for its presence)",
                ["11.4", "5.5"], "bad_tally", tally_zero)
+
+    def tally(**counts: int) -> Callable:
+        return lambda m, cs: cs.extend(Col(f"n_{p}", "u8", 0, struct.pack("<Q", counts.get(p, 0)), 8)
+                                       for p in ("unknown", "observed", "absent", "not_scheduled", "failed", "skipped"))
+
+    chunk_case("tally_disagrees", "an observed row whose tally holds one absent row and nothing else (its presence "
+               "would be absent)", ["11.4"], "bad_tally", tally(absent=1), src="nosketch")
+    chunk_case("tally_incomplete", "a chunk with the tally column n_observed alone (the six come all or none)",
+               ["7.5", "11.4"], "bad_tally", add_col("n_observed", "u8", struct.pack("<Q", 1)), src="nosketch")
+    chunk_case("duplicate_column", "an obs chunk with two columns named `count`", ["7.4"], "bad_chunk",
+               add_col("count", "u8", b"\0" * 8), src="nosketch")
+    chunk_case("x_column_raw_not_rows", "an ignorable `x-` u8 column of 16 raw bytes in a 1-row chunk: an unknown "
+               "column is fixed-width, its raw rows times its item size", ["7.4"], "bad_chunk",
+               add_col("x-wide", "u8", b"\0" * 16), src="nosketch")
+    chunk_case("bad_row_min_not_finite", "an observed row with finite values whose min is -inf (min and max are "
+               "the least and greatest finite element)", ["5.5", "5.1"], "bad_row",
+               lambda m, cs: setattr(col(cs, "min"), "block", struct.pack("<d", -math.inf)), src="nosketch")
+    chunk_case("exact_mantissa_not_shortest", "row 0's exact sum (m = 2^80 + 1, e = -80) with its 11-byte mantissa "
+               "written in 12 bytes (a trailing zero byte): the same value, not canonical", ["5.3"],
+               "bad_exact_value",
+               lambda m, cs: exact_row(cs, 0, struct.pack("<i", -80) + (2**80 + 1).to_bytes(12, "little")),
+               src="exact_small")
+    chunk_case("exact_zero_exponent", "row 1's sum stored as the exact form m = 0, e = 5 with an f64 sum of +0.0: "
+               "the zero is canonical only as m = 0, e = 0", ["5.3"], "bad_exact_value",
+               lambda m, cs: exact_row(cs, 1, struct.pack("<i", 5) + b"\x00", 0.0), src="exact_small")
     recs = parse(basic)
     recs.insert(next(k for k, r in enumerate(recs) if r.type == RecordType.OBS), Rec(0, b"type zero", flags=0))
     s.read(c, "record_type_zero", "a committed record of type 0 (reserved) without the ignorable flag", ["4.2"],
