@@ -613,6 +613,24 @@ def no_finite_row0(cs: list[Col], exact: bytes, *, absent: bool = False) -> None
         n.block = lens.tobytes()
 
 
+def exact_row(cs: list[Col], k: int, enc: bytes, f64: float | None = None) -> None:
+    """Row ``k``'s exact sum (``sum_x``) becomes the bytes ``enc`` (its ``sum_xn`` their length) and, with ``f64``, its
+    f64 ``sum`` that value (a chunk with the exact columns ``sum_xn``, ``sum_x``)."""
+    import numpy as np
+
+    n, b = col(cs, "sum_xn"), col(cs, "sum_x")
+    lens = np.frombuffer(n.block, "<u4").copy()
+    at = int(lens[:k].sum())
+    b.block = b.block[:at] + enc + b.block[at + int(lens[k]) :]
+    b.raw = len(b.block)
+    lens[k] = len(enc)
+    n.block = lens.tobytes()
+    if f64 is not None:
+        v = np.frombuffer(col(cs, "sum").block, "<f8").copy()
+        v[k] = f64
+        col(cs, "sum").block = v.tobytes()
+
+
 # -- the suite -----------------------------------------------------------------------------------------------------
 class Suite:
     def __init__(self, out: Path) -> None:
@@ -731,6 +749,10 @@ def gen_valid(s: Suite) -> dict[str, bytes]:
            write_ops(ops_doc([site("x"), obs(0, 0, SPECIALS), obs(0, 1, [FB(0x7FF8000000000000), F(math.inf)]),
                               COMMIT])))
     base["exact"] = write_ops(ops_doc(EXACT_OPS))
+    base["exact_small"] = write_ops(ops_doc([site("e", cadence={"spine": 1, "sketch": 0}),
+                                             obs(0, 0, [1.0, 2.0**-80], sketch=False),
+                                             obs(0, 1, [0.5, 0.25], sketch=False),
+                                             obs(0, 2, [1.0, -1.0], sketch=False), COMMIT]))
     s.read(v, "exact_sums", "sums that are not binary64 values: the sum_x/sumsq_x columns, overflow to inf in the "
            "f64 column with the exact value kept", ["5.3", "7.5", "10"], base["exact"])
     s.read(v, "big_counts", "u64 counts above 2^53 (up to 2^64-1) in the spine and the sketch", ["5.1", "10"],
@@ -895,8 +917,9 @@ def gen_valid_edges(s: Suite, base: dict[str, bytes]) -> None:
         col(cs, "presence").block = b"\x02"
         col(cs, "method").block = b"\x07"
 
-    one_row("row_not_observed_loose", "an absent row with method 7, a negative signalling NaN as min and -0.0 as "
-            "sum: the rules of 5.5 refuse none of them", ["5.5", "2.6"], loose)
+    base["row_not_observed_loose"] = one_row(
+        "row_not_observed_loose", "an absent row with method 7, a negative signalling NaN as min and -0.0 as sum: the "
+        "rules of 5.5 refuse none of them", ["5.5", "2.6"], loose)
 
     def unknown_method(m: dict, cs: list[Col]) -> None:  # rows 0 and 1 (of 4) state that their sums are unknown
         col(cs, "method").block = b"\xff\xff" + col(cs, "method").block[2:]
@@ -915,10 +938,11 @@ def gen_valid_edges(s: Suite, base: dict[str, bytes]) -> None:
 
     one_row("step_span_past_i64", "a row at the largest i64 step with span 5: its end passes the i64 range",
             ["2.3", "5.5"], last_step, entry=lambda r: setattr(r, "lo", top) or setattr(r, "hi", top))
-    one_row("steps_loss_scale_nan", "a step-truth loss_scale holding a signalling NaN: unknown (null), as the "
-            "canonical NaN", ["2.7", "10"], lambda m, cs: setattr(col(cs, "loss_scale"), "block",
-                                                                  struct.pack("<Q", 0x7FF0000000000001)),
-            src="basic", rtype=RecordType.STEPS)
+    base["steps_loss_scale_nan"] = one_row(
+        "steps_loss_scale_nan", "a step-truth loss_scale holding a signalling NaN: unknown (null), as the canonical "
+        "NaN", ["2.7", "10"],
+        lambda m, cs: setattr(col(cs, "loss_scale"), "block", struct.pack("<Q", 0x7FF0000000000001)), src="basic",
+        rtype=RecordType.STEPS)
 
     def with_manifest(kind: str, edit: Callable[[bytes], bytes]) -> bytes:
         recs = parse(base["nosketch"])
@@ -929,6 +953,15 @@ def gen_valid_edges(s: Suite, base: dict[str, bytes]) -> None:
     one_row("exact_zero_no_finite", "an observed row without finite values whose f64 sums are +0.0 and whose exact "
             "forms (sum_x, sumsq_x) hold the zero d:0p0 (e = 0, m = 0): its sums are zero by value, so rule 3 holds",
             ["5.5", "5.3"], lambda m, cs: no_finite_row0(cs, struct.pack("<i", 0) + b"\x00"), src="exact")
+
+    def binary64_exact(m: dict, cs: list[Col]) -> None:
+        exact_row(cs, 1, struct.pack("<i", -2) + b"\x03")  # 0.75
+        exact_row(cs, 2, struct.pack("<i", 0) + b"\x00", -0.0)  # 0
+
+    one_row("exact_form_of_binary64", "sums that are binary64 values also stored as exact forms (a writer should "
+            "not, a reader accepts them: the same numbers): row 1's 0.75 as d:3p-2, and row 2's 0 (values 1, -1) as "
+            "the zero d:0p0 (m = 0, e = 0) with the f64 sum -0.0, which names 0 as +0.0 does", ["5.3", "5.5"],
+            binary64_exact, src="exact_small")
     s.read(v, "manifest_duplicate_member", "a run manifest with `name` twice: the last value counts", ["9"],
            with_manifest("run", lambda b: b.replace(b'"name":"vector"', b'"name":"first","name":"vector2"')))
     s.read(v, "manifest_number_edges", "a run config holding the largest number whose binary64 is finite "
@@ -997,7 +1030,8 @@ def gen_valid_edges(s: Suite, base: dict[str, bytes]) -> None:
         assert f":{n}" in dumped, n
     s.read(v, "no_run_writer_manifests", "a file without run and writer manifests (its writer broke spec 4.4's "
            "MUST): read as any other, with empty runs and writers and a segment whose writer_id no manifest "
-           "describes (merge refuses it: merge/unknown_writer)", ["4.4", "11.3"], no_owner(base["nosketch"]))
+           "describes (merge and coarsen refuse it: merge/unknown_writer, coarsen/unknown_writer)", ["4.4", "11.3"],
+           no_owner(base["nosketch"]))
     s.read(v, "site_optional_absent", "a site manifest without shape, dtype and sample: null in the dump",
            ["9", "10"], with_manifest("site", lambda b: manifest({k: x for k, x in json.loads(b).items()
                                                                    if k not in ("shape", "dtype", "sample")})))
@@ -1079,19 +1113,35 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
     def e_seq(b: bytearray) -> None:
         b[0:8] = struct.pack("<Q", 0)
 
-    def e_site(b: bytearray) -> None:
-        for k in range(struct.unpack_from("<Q", b, 8)[0]):
-            if struct.unpack_from("<H", b, 16 + 40 * k + 8)[0] == RecordType.OBS:
-                b[16 + 40 * k + 12 : 16 + 40 * k + 16] = struct.pack("<I", 7)
+    def e_obs(at: int, value: bytes) -> Callable[[bytearray], None]:
+        def fn(b: bytearray) -> None:  # the obs entry's field at byte ``at`` of the entry becomes ``value``
+            for k in range(struct.unpack_from("<Q", b, 8)[0]):
+                if struct.unpack_from("<H", b, 16 + 40 * k + 8)[0] == RecordType.OBS:
+                    b[16 + 40 * k + at : 16 + 40 * k + at + len(value)] = value
+        return fn
+
+    def e_short(b: bytearray) -> None:
+        del b[12:]
 
     for name, fn, desc in (
         ("bad_commit_offset", e_off, "commit entry 0 names offset +8"),
         ("bad_commit_count", e_count, "the commit lists one entry fewer than the records before it"),
         ("bad_commit_type", e_type, "commit entry 0 names the wrong record type"),
         ("bad_commit_seq", e_seq, "the commit payload's seq is not its own"),
-        ("bad_commit_site", e_site, "an obs entry names site 7, never declared"),
+        ("bad_commit_site", e_obs(12, struct.pack("<I", 7)), "an obs entry names site 7, never declared"),
+        ("bad_commit_segment", e_obs(16, struct.pack("<I", 7)), "an obs entry names segment 7, never declared"),
+        ("bad_commit_rows_zero", e_obs(20, struct.pack("<I", 0)), "an obs entry with rows = 0 (its chunk has 1)"),
+        ("bad_commit_short", e_short, "a commit payload of 12 bytes, shorter than its 16-byte head (seq, n)"),
     ):
         s.read(c, name, desc, ["4.3"], build(parse(basic), commit_hook=hook(fn))[0], error="bad_commit")
+    recs = parse(basic)
+    seg_i, obs_i = recs.index(first(recs, RecordType.MANIFEST, "segment")), recs.index(first(recs, RecordType.OBS))
+    assert seg_i + 1 == obs_i
+    recs[seg_i], recs[obs_i] = recs[obs_i], recs[seg_i]
+    s.read(c, "commit_chunk_before_segment", "one commit holds an obs chunk and, after it, its segment manifest: "
+           "entries are checked and applied in order, so the chunk's entry names a segment not declared yet (the "
+           "manifests of earlier entries of a commit declare, as in every valid file)", ["4.3", "4.4", "8"],
+           build(recs)[0], error="bad_commit")
 
     def with_manifest(kind: str, payload: bytes) -> bytes:
         recs = parse(basic)
@@ -1474,6 +1524,31 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
 
     chunk_case("tally_all_zero", "a row whose six tally columns are all 0 (no state for its presence)",
                ["11.4", "5.5"], "bad_tally", tally_zero)
+
+    def tally(**counts: int) -> Callable:
+        return lambda m, cs: cs.extend(Col(f"n_{p}", "u8", 0, struct.pack("<Q", counts.get(p, 0)), 8)
+                                       for p in ("unknown", "observed", "absent", "not_scheduled", "failed", "skipped"))
+
+    chunk_case("tally_disagrees", "an observed row whose tally holds one absent row and nothing else (its presence "
+               "would be absent)", ["11.4"], "bad_tally", tally(absent=1), src="nosketch")
+    chunk_case("tally_incomplete", "a chunk with the tally column n_observed alone (the six come all or none)",
+               ["7.5", "11.4"], "bad_tally", add_col("n_observed", "u8", struct.pack("<Q", 1)), src="nosketch")
+    chunk_case("duplicate_column", "an obs chunk with two columns named `count`", ["7.4"], "bad_chunk",
+               add_col("count", "u8", b"\0" * 8), src="nosketch")
+    chunk_case("x_column_raw_not_rows", "an ignorable `x-` u8 column of 16 raw bytes in a 1-row chunk: an unknown "
+               "column is fixed-width, its raw rows times its item size", ["7.4"], "bad_chunk",
+               add_col("x-wide", "u8", b"\0" * 16), src="nosketch")
+    chunk_case("bad_row_min_not_finite", "an observed row with finite values whose min is -inf (min and max are "
+               "the least and greatest finite element)", ["5.5", "5.1"], "bad_row",
+               lambda m, cs: setattr(col(cs, "min"), "block", struct.pack("<d", -math.inf)), src="nosketch")
+    chunk_case("exact_mantissa_not_shortest", "row 0's exact sum (m = 2^80 + 1, e = -80) with its 11-byte mantissa "
+               "written in 12 bytes (a trailing zero byte): the same value, not canonical", ["5.3"],
+               "bad_exact_value",
+               lambda m, cs: exact_row(cs, 0, struct.pack("<i", -80) + (2**80 + 1).to_bytes(12, "little")),
+               src="exact_small")
+    chunk_case("exact_zero_exponent", "row 1's sum stored as the exact form m = 0, e = 5 with an f64 sum of +0.0: "
+               "the zero is canonical only as m = 0, e = 0", ["5.3"], "bad_exact_value",
+               lambda m, cs: exact_row(cs, 1, struct.pack("<i", 5) + b"\x00", 0.0), src="exact_small")
     recs = parse(basic)
     recs.insert(next(k for k, r in enumerate(recs) if r.type == RecordType.OBS), Rec(0, b"type zero", flags=0))
     s.read(c, "record_type_zero", "a committed record of type 0 (reserved) without the ignorable flag", ["4.2"],
@@ -1568,6 +1643,14 @@ def gen_writer(s: Suite) -> None:
                       {"op": "observe", "site": 0, "step": I(0), "summary": UNKNOWN_SUMS_SUMMARY},
                       obs(0, 1, [1.0, 2.0**-80], sketch=False), COMMIT]))
 
+    s.writer("segment_first_step", "a segment's first_step when no op gives one: segment 0's first commit holds a "
+             "step-truth row alone, so its manifest, written with that chunk, has first_step null (the observe of "
+             "step 1 comes later); a new_segment with first_step null takes the step of its first mark, observe or "
+             "scalar op (5, not the least step 4)", ["2.4"],
+             ops_doc([site("x", cadence={"spine": 1, "sketch": 0}), truth(0), COMMIT, obs(0, 1, [1.0], sketch=False),
+                      COMMIT, {"op": "new_segment", "first_step": None, "reason": "manual"},
+                      {"op": "mark", "site": 0, "step": I(5), "presence": "absent"}, obs(0, 4, [2.0], sketch=False),
+                      COMMIT]))
     s.writer("summary_null_sums_known_method", "a precomputed row whose sums are null (unknown) but whose method is "
              "f64_accumulate: an invalid document, sums being null exactly when the method is unknown", ["5.4"],
              ops_doc([site("x", cadence={"spine": 1, "sketch": 0}),
@@ -1579,6 +1662,7 @@ def gen_writer(s: Suite) -> None:
 RUN_ID_B = "0" * 31 + "4"
 WRITER_ID_B = "0" * 31 + "5"
 WRITER_ID_4 = "0" * 31 + "6"
+WRITER_ID_5 = "0" * 31 + "7"
 
 
 def rank_ops(rank: int, *, replica_scale: float = 1.0, fc_sharing: str = "shard") -> list[dict]:
@@ -1771,6 +1855,42 @@ def gen_merge(s: Suite, base: dict[str, bytes]) -> dict[str, bytes]:
                   {"inputs": two})
     s.read("valid", "derived_merged", "a merged file: tally columns, segment origin, no `created` in segments",
            ["11.4", "11.9", "2.6"], merged)
+    _derived_case(s, m, "steps_nan_canonical", "the canonical form of valid/steps_loss_scale_nan: its unknown "
+                  "loss_scale, a signalling NaN, is stored as the canonical NaN", ["11.9", "2.7"],
+                  {"input-0.thist": base["steps_loss_scale_nan"]}, {"inputs": ["input-0.thist"]})
+    _derived_case(s, m, "not_observed_method", "valid/row_not_observed_loose (an absent row of method 7) and an "
+                  "observed row of that identity (method exact) from another writer: the combined row is observed, "
+                  "its method exact (the absent row has none), its tally observed 1 and absent 1", ["11.2", "5.5",
+                  "11.4"], {"input-0.thist": base["row_not_observed_loose"],
+                            "input-1.thist": write_ops(ops_doc(NOSKETCH_OPS, writer_id=WRITER_ID_4, rank=1,
+                                                               world_size=2))}, {"inputs": two})
+    huge3 = [write_ops(ops_doc([site("huge"), {"op": "observe", "site": 0, "step": I(0), "summary": summ}, COMMIT],
+                               writer_id=wid, rank=k, world_size=3))
+             for k, (wid, summ) in enumerate(((WRITER_ID, HUGE_SUM_SUMMARY), (WRITER_ID_4, HUGE_SUM_SUMMARY),
+                                              (WRITER_ID_5, dict(HUGE_SUM_SUMMARY, min=F(-1.0), max=F(-1.0),
+                                                                 sum=f"d:-3p{2**31 - 1}"))))]
+    three = ["input-0.thist", "input-1.thist", "input-2.thist"]
+    _derived_case(s, m, "sum_cancels_overflow", "sums 2^(2^31 - 1) twice and -3 * 2^(2^31 - 1): the first two alone "
+                  "overflow the i32 exponent (merge/sum_overflow), the three add to -2^(2^31 - 1), which fits: "
+                  "overflow is decided on the combined row, not on a partial sum", ["11.2", "5.3"],
+                  dict(zip(three, huge3)), {"inputs": three})
+
+    def one_bin(wid: str, rank: int, n: int) -> bytes:  # one value 1.0, its sketch bin counting n (5.5 allows it)
+        recs = parse(write_ops(ops_doc([site("s"), obs(0, 0, [1.0]), COMMIT], writer_id=wid, rank=rank,
+                                       world_size=2)))
+        edit_chunk(first(recs, RecordType.OBS), lambda m, cs: setattr(col(cs, "sk_counts"), "block",
+                                                                     struct.pack("<Q", n)))
+        return build(recs)[0]
+
+    _derived_case(s, m, "sketch_count_overflow", "one sketch bin counting 2^63 in both inputs (a sketch may count more "
+                  "than the spine, 5.5): the bin's sum, 2^64, does not fit a u64, though the counts do", ["11.2"],
+                  {"input-0.thist": one_bin(WRITER_ID, 0, 2**63), "input-1.thist": one_bin(WRITER_ID_4, 1, 2**63)},
+                  {"inputs": two}, error="count_overflow")
+    tok = [write_ops(ops_doc([truth(0, tokens=U(n)), COMMIT], writer_id=wid, rank=k, world_size=2))
+           for k, (wid, n) in enumerate(((WRITER_ID, 2**63), (WRITER_ID_4, 2**63 - 1)))]
+    _derived_case(s, m, "tokens_overflow", "step-truth tokens 2^63 and 2^63 - 1: their sum, 2^64 - 1, is the unknown "
+                  "value and is refused", ["11.6"], {"input-0.thist": tok[0], "input-1.thist": tok[1]},
+                  {"inputs": two}, error="count_overflow")
     assert gcd_merged is not None
     return {"merge/cadences_differ": gcd_merged}
 
@@ -1835,6 +1955,33 @@ def gen_coarsen(s: Suite) -> dict[str, bytes]:
     _derived_case(s, c, "legacy_precedence", "that window cannot be combined: it holds none of its observed inputs' "
                   "numbers (11.4)", ["11.4"], {"input.thist": legacy_file},
                   {"input": "input.thist", "steps": 8, "bins_per_octave": 4}, error="legacy_precedence")
+    _derived_case(s, "merge", "legacy_precedence", "merging that window (valid/legacy_skipped_window) is refused as "
+                  "coarsening it is", ["11.4"], {"input-0.thist": legacy_file}, {"inputs": ["input-0.thist"]},
+                  error="legacy_precedence")
+    _derived_case(s, c, "unknown_writer", "coarsening valid/no_run_writer_manifests: like merge "
+                  "(merge/unknown_writer), coarsen cannot place its segment", ["11.3", "4.4"],
+                  {"input.thist": no_owner(write_ops(ops_doc(NOSKETCH_OPS)))},
+                  {"input": "input.thist", "steps": 2, "bins_per_octave": 4}, error="unknown_writer")
+    truth2 = derive(c, {"input.thist": write_ops(ops_doc([truth(st) for st in range(4)] + [COMMIT]))},
+                    {"input": "input.thist", "steps": 2, "bins_per_octave": 4})[2]
+    _derived_case(s, c, "steps_misaligned", "a file of step truth alone coarsened by 2, then by 3: its step-truth "
+                  "windows [2, 4) cross the windows of 3 steps and are refused as obs rows are (coarsen/misaligned)",
+                  ["11.7"], {"input.thist": truth2}, {"input": "input.thist", "steps": 3, "bins_per_octave": 4},
+                  error="incompatible_span")
+    lowest = -(2**63)
+    _derived_case(s, c, "step_overflow", "a row at step -2^63 coarsened by 3: its window would start at "
+                  "floor(-2^63 / 3) * 3, below the least i64 (by 2 it would start at -2^63 itself)", ["11.7"],
+                  {"input.thist": write_ops(ops_doc([site("x", cadence={"spine": 1, "sketch": 0}),
+                                                     obs(0, lowest, [1.0], sketch=False), COMMIT]))},
+                  {"input": "input.thist", "steps": 3, "bins_per_octave": 4}, error="step_overflow")
+    _derived_case(s, c, "negative_steps", "a segment of first_step -3 with rows at steps -3, -2, -1 and 0, coarsened "
+                  "by 2: windows by floor division, [-4, -2), [-2, 0), [0, 2) (not by truncation toward zero), and "
+                  "first_step aligned down to -4", ["11.7", "11.3"],
+                  {"input.thist": write_ops(ops_doc(
+                      [{"op": "new_segment", "first_step": I(-3), "reason": "manual"},
+                       site("x", cadence={"spine": 1, "sketch": 0})]
+                      + [obs(0, st, [float(st)], sketch=False) for st in range(-3, 1)] + [COMMIT]))},
+                  {"input": "input.thist", "steps": 2, "bins_per_octave": 4})
     s.read("valid", "derived_coarsened", "a coarsened file: spans of 2 steps, a steps chunk with a `span` column, "
            "scale-1 sketches", ["11.7", "2.3", "7.6"],
            derive(c, one, {"input": "input.thist", "steps": 2, "bins_per_octave": 2})[2])
@@ -1947,6 +2094,18 @@ def gen_presence(s: Suite, derived: dict[str, bytes]) -> None:
                   "step 2 due without a row (unknown) and step 0 not recorded (unknown)", ["2.6", "2.4"], seg,
                   [(query("x", [0, 1, 2], segment=0), {0: "observed", 1: "observed", 2: "observed"}),
                    (query("x", [0, 1, 2], segment=1), {0: "unknown", 1: "failed", 2: "unknown"})])
+    g = write_ops(ops_doc([site("x", cadence={"spine": 1, "sketch": 0}), site("y", cadence={"spine": 4, "sketch": 0})]
+                          + [obs(0, st, [1.0], sketch=False) for st in range(4)] + [obs(1, 0, [2.0], sketch=False),
+                                                                                  COMMIT]))
+    windows = derive("coarsen", {"input.thist": g}, {"input": "input.thist", "steps": 2, "bins_per_octave": 4})[2]
+    assert windows is not None
+    presence_case(s, "window_rows_record_nothing", "a file without step truth, coarsened by 2: site x has window rows "
+                  "[0, 2) and [2, 4), site y (cadence 4) the window [0, 2) alone; y's steps 2 and 3 are not recorded "
+                  "(only step-truth rows record steps, x's windows do not), so they read unknown, not not_scheduled",
+                  ["2.6", "11.7"], windows,
+                  [(query("y", [0, 1, 2, 3, 4]), {0: "observed", 1: "observed", 2: "unknown", 3: "unknown",
+                                                  4: "unknown"}),
+                   (query("x", [2, 3, 4]), {2: "observed", 3: "observed", 4: "unknown"})])
 
 
 def generate(out: Path) -> dict[str, int]:
