@@ -42,7 +42,7 @@ def test_cases_validate_and_are_small() -> None:
             assert name is None or (c.dir / name).is_file(), (c.id, name)
         assert all(f.stat().st_size < 16 * 1024 for f in c.dir.iterdir()), c.id
     total = sum(f.stat().st_size for f in VECTORS.rglob("*") if f.is_file())
-    assert total < 1024 * 1024
+    assert total < 1536 * 1024  # (about 4.5 KB a case on average: small enough to vendor into another project)
     codes = {x.doc["expect"]["error"] for x in by_cat["invalid"]}
     assert {"bad_magic", "bad_file_header_crc", "unsupported_feature", "bad_record_header", "salt_mismatch",
             "bad_sequence", "bad_payload_crc", "bad_commit", "bad_manifest_json", "bad_manifest", "unknown_column",
