@@ -197,3 +197,91 @@ def test_the_reader_refuses_a_config_number_beyond_binary64_at_its_manifest(tmp_
         with pytest.raises(TrainhistError) as ei:
             trainhist.open(p)
         assert ei.value.code == "bad_manifest_json" and ei.value.offset == at and "beyond binary64" in str(ei.value)
+
+
+_RUN = '{"kind":"run","run_id":"' + "0" * 32 + '","name":null,"created":"t","config":{"x":%s}}'
+_SEG = ('{"kind":"segment","id":0,"first_step":%s,"reason":"start","previous":null,"writer_id":"' + "0" * 32
+        + '"}')
+_HUGE = ("1e1000000000000000000", "-1E+18446744073709551616", "0.5e1000000000000000001",
+         "1" + "0" * 99 + "e999999999999999999", "1e" + "9" * 5000, "-2.5E" + "1" * 300000)
+
+
+@pytest.mark.parametrize("number", _HUGE)
+@pytest.mark.parametrize("where", [_RUN, _SEG])
+def test_a_number_with_a_huge_exponent_is_refused_by_its_value(number: str, where: str) -> None:
+    """Spec 9: an exponent of 19 digits (beyond the decimal module's) or of thousands: ``1e1000000000000000000``
+    raised decimal.InvalidOperation, which escaped open() and every command; it is beyond binary64's range (in an
+    integer member, beyond 4300 digits), refused as 1e400 is (ValueError: bad_manifest_json)."""
+    with pytest.raises(ValueError, match="beyond binary64's range") as ei:
+        loads_manifest(where % number)
+    assert len(str(ei.value)) < 400  # (the number abbreviated)
+
+
+@pytest.mark.parametrize("number,value", [("-1e-1000000000000000000", "-0.0"), ("1e-1000000000000000001", "0.0"),
+                                          ("3.5E-" + "7" * 5000, "0.0"), ("-1" + "0" * 99 + "e-1999999999999999999",
+                                                                           "-0.0")])
+def test_a_number_with_a_huge_negative_exponent_is_a_zero_or_no_integer(number: str, value: str) -> None:
+    """Spec 9: a non-zero number below binary64's least is read as the zero of its sign in a free member, however long
+    its exponent, and fails the schema where an integer belongs (bad_manifest), naming the number as written."""
+    x = loads_manifest(_RUN % number)["config"]["x"]
+    assert type(x) is float and repr(x) == value
+    with pytest.raises(TrainhistError) as ei:
+        validate_manifest(loads_manifest(_SEG % number))
+    assert ei.value.code == "bad_manifest" and "first_step" in str(ei.value)
+    assert number[:20].lower() in str(ei.value).lower()
+
+
+@pytest.mark.parametrize("number,value", [("0e1000000000000000000", 0), ("-0.000E+" + "9" * 4000, 0),
+                                          ("1e0000000000000000000000005", 10**5),
+                                          ("25e-" + "0" * 5000 + "1", 25 / 10)])
+def test_a_long_exponent_that_names_a_small_value_reads_as_that_value(number: str, value: object) -> None:
+    """Zero whatever its exponent, and an exponent's leading zeros do not count (spec 9)."""
+    x = loads_manifest(_RUN % number)["config"]["x"]
+    assert type(x) is float and x == value
+    if float(value).is_integer():
+        n = loads_manifest(_SEG % number)["first_step"]
+        assert type(n) is int and n == value
+
+
+def test_huge_exponents_read_the_same_whatever_the_callers_decimal_context() -> None:
+    """A caller's context that does not trap InvalidOperation made decimal give NaN for 1e1000000000000000000: it was
+    read as a NaN in config (which JSON has no form for)."""
+    import decimal
+
+    with decimal.localcontext() as ctx:
+        ctx.traps[decimal.InvalidOperation] = False
+        ctx.prec, ctx.Emax, ctx.Emin = 3, 10, -10
+        with pytest.raises(ValueError, match="beyond binary64's range"):
+            loads_manifest(_RUN % "1e1000000000000000000")
+        assert repr(loads_manifest(_RUN % "-1e-2000000000000000000")["config"]["x"]) == "-0.0"
+        assert loads_manifest(_RUN % "1.25e0")["config"]["x"] == 1.25
+
+
+def test_the_reader_and_every_command_refuse_a_huge_exponent_at_its_manifest(tmp_path: Path, capsys) -> None:
+    """The reproducer: config {"lr": 1e1000000000000000000} is bad_manifest_json at the run manifest for open()
+    and the command line (a traceback before); a huge negative exponent reads as 0.0."""
+    from trainhist.cli import main
+
+    p = tmp_path / "huge.thist"
+    with trainhist.HistoryWriter(p, config={"lr": 1.2345678901234567e300}, **FAST) as w:
+        w.observe(w.site("a", "activation"), 0, np.ones(1))
+    clean = p.read_bytes()
+    for number in (b"1e1000000000000000000", b"-1e-1000000000000000000"):  # (23 bytes with the blanks after it)
+        data = bytearray(clean)
+        for pos in records(clean, RecordType.MANIFEST):
+            length = int.from_bytes(data[pos + 4 : pos + 8], "little")
+            payload = clean[pos + RECORD_HEADER_SIZE : pos + RECORD_HEADER_SIZE + length]
+            if b'"lr":1.2345678901234567e+300' in payload:
+                rewrite(data, pos, payload.replace(b"1.2345678901234567e+300", number.ljust(23)))
+                at = pos
+        p.write_bytes(bytes(data))
+        if number.startswith(b"-"):
+            assert repr(trainhist.open(p).runs[0]["config"]["lr"]) == "-0.0"
+            continue
+        with pytest.raises(TrainhistError) as ei:
+            trainhist.open(p)
+        assert ei.value.code == "bad_manifest_json" and ei.value.offset == at and "beyond binary64" in str(ei.value)
+        for command in ("info", "verify", "dump", "triage"):
+            assert main([command, str(p)]) == 1
+            err = capsys.readouterr().err
+            assert "[bad_manifest_json]" in err and f"offset {at}" in err, (command, err)

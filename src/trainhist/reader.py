@@ -695,7 +695,8 @@ class History:
         raw = bytes(self._view[e.offset + RECORD_HEADER_SIZE : e.offset + RECORD_HEADER_SIZE + e.length])
         try:
             doc = loads_manifest(raw.decode("utf-8"))  # (integers as spec 9 reads them: 2.0 is 2, exactly)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as err:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError, ArithmeticError) as err:
+            # (ArithmeticError: decimal's, for a number beyond what loads_manifest resolves; none is known)
             raise _bad(f"manifest is not UTF-8 JSON ({err})", "bad_manifest_json", self.path, e.offset) from None
         validate_manifest(doc, path=self.path, offset=e.offset, raw=raw)
         kind = doc["kind"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import decimal
 import hashlib
 import json
 import math
@@ -43,21 +44,65 @@ def loads_manifest(text: str) -> Any:
     """A manifest's JSON text parsed as spec 9 reads it (``ValueError`` where it is not JSON: ``NaN``,
     ``Infinity``, or a number read as a binary64 that is beyond its range, ``1e400``): a number with a fraction or an
     exponent is, where the schema of the manifest's kind types the member as ``integer``, the integer its exact
-    decimal value names (``2.0``, ``20e-1``: 2; not through binary64), and elsewhere (``config``, ``settings``) its
-    correctly rounded binary64, as ``json.loads`` gives it. Such a number whose value is not an integer stays a
-    :class:`~decimal.Decimal` where an integer belongs, which :func:`validate_manifest` refuses."""
+    decimal value names (``2.0``, ``20e-1``: 2; not through binary64), and elsewhere (``config``, ``settings``) its correctly rounded binary64, as ``json.loads``
+    gives it, whatever the length of its exponent (:func:`_number`). Such a number whose value is not an integer stays
+    a :class:`~decimal.Decimal` where an integer belongs, which :func:`validate_manifest` refuses."""
     floats = False
 
-    def decimal(t: str) -> Decimal:
+    def number(t: str) -> Decimal:
         nonlocal floats
         floats = True
-        return Decimal(t)
+        return _number(t)
 
-    doc = json.loads(text, parse_constant=_no_constant, parse_float=decimal)
+    doc = json.loads(text, parse_constant=_no_constant, parse_float=number)
     if not floats:  # (the usual manifest has integers only: nothing to resolve)
         return doc
     kind = doc.get("kind") if isinstance(doc, dict) else None
     return _numbers(doc, schema(kind) if isinstance(kind, str) and kind in KINDS else {}, _floats)
+
+
+class _Tiny(Decimal):
+    """A non-zero number whose exponent is below the least the decimal module holds (``1e-1000000000000000000``),
+    standing as ±1E-1999999999999999997, the least magnitude it holds: of the same sign, no integer, and 0.0 as a
+    binary64, as the number is; shown (in a schema error) as the text it was read from."""
+
+    text: str
+
+    def __repr__(self) -> str:
+        return _short(self.text)
+
+
+def _short(text: str, at: int = 0, room: int = 40) -> str:
+    """``text`` as a message shows it: at most about ``room`` characters around ``text[at]``, a surrogate written
+    as its escape (``\\ud800``), so that the message can be printed."""
+    lo = max(0, min(at - room // 2, len(text) - room))
+    part = text[lo : lo + room].encode("utf-8", "backslashreplace").decode("utf-8")
+    return ("..." if lo else "") + part + ("..." if lo + room < len(text) else "")
+
+
+def _number(t: str) -> Decimal:
+    """The exact value of ``t``, the text of a JSON number with a fraction or an exponent, however long its exponent
+    (spec 9): the decimal module holds exponents up to about ±10**18 (``decimal.MAX_EMAX``) and refuses a longer one
+    (InvalidOperation, or NaN where the caller's context does not trap it). Beyond it the value is decided from the
+    text, in time linear in its length: 0 (no non-zero digit: ``0e1000000000000000000``), beyond any binary64 and any
+    integer of 4300 digits (a positive exponent: ``ValueError``; the mantissa's digits, fewer than a manifest's
+    1 MiB, cannot bring it back), or a non-zero too small for any binary64 (a negative exponent: :class:`_Tiny`)."""
+    try:
+        value = Decimal(t)
+    except decimal.InvalidOperation:
+        value = None
+    if value is not None and not value.is_nan():  # (JSON has no NaN: a NaN is a refused conversion)
+        return value
+    mantissa, _, exponent = t.replace("E", "e").partition("e")
+    sign = "-" if mantissa.startswith("-") else ""
+    if not mantissa.strip("-0."):
+        return Decimal(sign + "0")
+    if not exponent.startswith("-"):
+        raise ValueError(f"the number {_short(t)} is beyond binary64's range (|x| < 2**1024 - 2**970, about 1.8e308) "
+                         f"and, as an integer, has more than {_MAX_DIGITS} digits: write it as a string")
+    tiny = _Tiny(f"{sign}1E{decimal.MIN_ETINY}")
+    tiny.text = t
+    return tiny
 
 
 def integers(doc: Any) -> Any:
