@@ -15,7 +15,7 @@ import jsonschema
 
 from .errors import SchemaError
 
-__all__ = ["KINDS", "integers", "loads_manifest", "validate_manifest", "schema"]
+__all__ = ["KINDS", "integers", "loads_manifest", "lone_surrogate", "validate_manifest", "schema"]
 
 KINDS = ("run", "writer", "site", "segment", "settings")
 
@@ -42,9 +42,10 @@ def _no_constant(name: str) -> None:
 
 def loads_manifest(text: str) -> Any:
     """A manifest's JSON text parsed as spec 9 reads it (``ValueError`` where it is not JSON: ``NaN``,
-    ``Infinity``, or a number read as a binary64 that is beyond its range, ``1e400``): a number with a fraction or an
-    exponent is, where the schema of the manifest's kind types the member as ``integer``, the integer its exact
-    decimal value names (``2.0``, ``20e-1``: 2; not through binary64), and elsewhere (``config``, ``settings``) its correctly rounded binary64, as ``json.loads``
+    ``Infinity``, a number read as a binary64 that is beyond its range, ``1e400``, or a string holding a lone
+    surrogate escape, ``"\\ud800"``): a number with a fraction or an exponent is, where the schema of the manifest's
+    kind types the member as ``integer``, the integer its exact decimal value names (``2.0``, ``20e-1``: 2; not
+    through binary64), and elsewhere (``config``, ``settings``) its correctly rounded binary64, as ``json.loads``
     gives it, whatever the length of its exponent (:func:`_number`). Such a number whose value is not an integer stays
     a :class:`~decimal.Decimal` where an integer belongs, which :func:`validate_manifest` refuses."""
     floats = False
@@ -55,6 +56,12 @@ def loads_manifest(text: str) -> Any:
         return _number(t)
 
     doc = json.loads(text, parse_constant=_no_constant, parse_float=number)
+    if "\\u" in text:  # (without a \u escape no string can hold a surrogate: UTF-8 has no form for one)
+        where = lone_surrogate(doc)
+        if where is not None:
+            raise ValueError(f"{where} holds a lone UTF-16 surrogate escape, which names no Unicode character (spec "
+                             "9: a manifest's strings are Unicode text; a surrogate escape is half of a pair, "
+                             "\\ud83d\\ude00): write the character itself, or the pair that names it")
     if not floats:  # (the usual manifest has integers only: nothing to resolve)
         return doc
     kind = doc.get("kind") if isinstance(doc, dict) else None
@@ -167,6 +174,51 @@ def _floats(value: Any) -> Any:
             elif isinstance(v, (dict, list)):
                 stack.append(v)
     return value
+
+
+def lone_surrogate(doc: Any) -> str | None:
+    """Where ``doc`` (parsed JSON: dicts, lists, strings, numbers) holds a string, a member name or a value at any
+    depth, with a lone UTF-16 surrogate (U+D800 … U+DFFF: ``json.loads`` makes one of a ``\\ud800`` escape that is
+    not half of a pair; spec 9 refuses it), as a message names it (``the string at path: "enc\\ud800"``); None
+    where it holds none. Visits each node once, without recursion."""
+    stack: list[tuple[Any, tuple | None]] = [(doc, None)]  # (node, its place: (the parent's place, key) or None)
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, str):
+            at = _surrogate(node)
+            if at is not None:
+                return f'the string at {_place(where)}, "{_short(node, at)}",'
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                at = _surrogate(k) if isinstance(k, str) else None
+                if at is not None:
+                    return f'the member name "{_short(k, at)}" at {_place(where)}'
+                if isinstance(v, (str, dict, list, tuple)):
+                    stack.append((v, (where, k)))
+        elif isinstance(node, (list, tuple)):
+            stack.extend((v, (where, i)) for i, v in enumerate(node) if isinstance(v, (str, dict, list, tuple)))
+    return None
+
+
+def _place(where: tuple | None) -> str:
+    """A place of :func:`lone_surrogate` as a path of member names and list indexes (``config/layers/3``)."""
+    keys = []
+    while where is not None:
+        where, key = where
+        keys.append(_short(str(key), room=24))
+    text = "/".join(reversed(keys))
+    return _short(text, len(text), 120) if text else "(top level)"
+
+
+def _surrogate(s: str) -> int | None:
+    """The index of the first surrogate code point of ``s`` (which UTF-8 cannot encode), or None."""
+    if s.isascii():
+        return None
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
 
 
 @lru_cache(maxsize=None)

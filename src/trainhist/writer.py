@@ -51,7 +51,7 @@ from .model import (
     Presence,
     row_problem,
 )
-from .schemas import integers, validate_manifest
+from .schemas import integers, lone_surrogate, validate_manifest
 from .summary import Sketch, SpineTable, Summary, SumMethod, summarize
 
 __all__ = ["HistoryWriter", "SiteHandle"]
@@ -432,6 +432,14 @@ def _encode_manifest(doc: dict) -> bytes:
         raise UsageError(f"the {doc.get('kind')} manifest holds a value JSON cannot hold (spec 9: {e}): give "
                          "numbers, strings, booleans, null, lists and string-keyed objects; NaN and infinities as "
                          "strings (config={'lr': 'nan'})", code="bad_manifest_value") from None
+    if "\\u" in text:  # (json.dumps escapes every non-ASCII character: else no surrogate anywhere)
+        where = lone_surrogate(doc)
+        if where is not None:
+            raise UsageError(f"the {doc.get('kind')} manifest is refused: {where} holds a lone UTF-16 surrogate, "
+                             "which is no Unicode character and has no UTF-8 form (spec 9: a manifest's strings are "
+                             "Unicode text); give text without one: a name decoded from bytes with "
+                             "errors='surrogateescape' (os.fsdecode) holds them, decode it with errors='replace'",
+                             code="bad_manifest_value")
     return text.encode()
 
 
