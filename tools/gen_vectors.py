@@ -18,6 +18,7 @@ import argparse
 import filecmp
 import json
 import math
+import re
 import shutil
 import struct
 import sys
@@ -969,6 +970,17 @@ def gen_valid_edges(s: Suite, base: dict[str, bytes]) -> None:
            "-1e-400: read as +0.0 and -0.0, their nearest binary64)", ["9", "10"],
            with_manifest("run", lambda b: b.replace(b'"config":{}', b'"config":{"big":1.7976931348623158e308,'
                                                     b'"tiny":1e-400,"neg_tiny":-1e-400}')))
+    s.read(v, "manifest_number_long_exponents", "a run config holding numbers whose exponents have 19 digits or "
+           "more, read by their values: -1e-1000000000000000000 (too small for binary64: -0.0), 0e1000000000000000000 "
+           "(0.0) and 1e0000000000000000000005 (leading zeros do not count: 100000.0)", ["9", "10"],
+           with_manifest("run", lambda b: b.replace(b'"config":{}', b'"config":{"tiny":-1e-1000000000000000000,'
+                                                    b'"zero":0e1000000000000000000,"padded":1e0000000000000000000005}')))
+    site_text = first(parse(base["nosketch"]), RecordType.MANIFEST, "site").payload
+    assert len(re.findall(rb'"path":"[^"]*"', site_text)) == 1
+    dumped = s.read(v, "manifest_surrogate_pair", "a site path written as the JSON escapes \\ud83d\\ude00: a "
+                    "surrogate pair, the one character U+1F600", ["9", "10"],
+                    with_manifest("site", lambda b: re.sub(rb'"path":"[^"]*"', rb'"path":"p.\\ud83d\\ude00"', b)))
+    assert dumped is not None and json.loads(dumped)["sites"][0]["path"] == "p.\U0001f600"
     s.read(v, "manifest_integral_float", "a site's cadence written as 1.0 and 0e0: integers in JSON Schema "
            "2020-12, dumped as the integers 1 and 0", ["9", "10"],
            with_manifest("site", lambda b: b.replace(b'"spine":1', b'"spine":1.0').replace(b'"sketch":0',
@@ -1161,6 +1173,15 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
     s.read(c, "manifest_number_beyond_binary64", "a run manifest whose config holds the number 1e400, beyond "
            "binary64's range (it would be read as inf, and dumped as Infinity, which is not JSON)", ["9"],
            with_manifest("run", manifest(dict(run_doc, config={"lr": 0.5})).replace(b'"lr":0.5', b'"lr":1e400')),
+           error="bad_manifest_json")
+    s.read(c, "manifest_number_huge_exponent", "a run manifest whose config holds 1e1000000000000000000: an exponent "
+           "of 19 digits, beyond binary64's range as 1e400 is", ["9"],
+           with_manifest("run", manifest(dict(run_doc, config={"lr": 0.5})).replace(
+               b'"lr":0.5', b'"lr":1e1000000000000000000')), error="bad_manifest_json")
+    s.read(c, "manifest_lone_surrogate", "a site manifest whose path is the JSON string \"\\ud800\": a lone "
+           "surrogate escape, no Unicode character", ["9"],
+           with_manifest("site", re.sub(rb'"path":"[^"]*"', rb'"path":"\\ud800"',
+                                        first(parse(basic), RecordType.MANIFEST, "site").payload)),
            error="bad_manifest_json")
     s.read(c, "manifest_not_object", "a committed manifest that is the JSON array [1]", ["9"],
            with_manifest("run", b"[1]"), error="unknown_manifest_kind")
