@@ -19,6 +19,8 @@ a segment boundary.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import textwrap
 from pathlib import Path
@@ -49,12 +51,14 @@ def quantiles_from_sketch(pos: np.ndarray, neg: np.ndarray, bands: np.ndarray, z
     """Quantiles per row, each the geometric middle of the bin that holds it (relative error < one bin width).
 
     Rows are sketches; ``zero`` is how many of the sketched values are zero (the spine's zero count when the
-    sketch covers its row). The quantile ``q`` of a row's ``n`` sketched values (finite ones: NaN and ±inf are in
-    no cell) is the lower, inverted-CDF one, with no interpolation: the cell of the value of rank
-    ``max(1, ceil(q * n))`` in ascending order, as ``numpy.quantile(..., method="inverted_cdf")``; so ``q = 0``
-    and ``1`` are the lowest and highest occupied cells. A quantile that falls in an under- or overflow band
-    (outside the window (2^-48, 2^16]) cannot be placed within a bin: it is NaN, never the window's edge. Returns
-    (rows, len(qs)); NaN for rows with nothing finite.
+    sketch covers its row; a float estimate is rounded to a whole count). The quantile ``q`` of a row's ``n``
+    sketched values (finite ones: NaN and ±inf are in no cell) is the lower, inverted-CDF one, with no
+    interpolation: the cell of the value of rank ``max(1, ceil(q * n))`` in ascending order (``q * n`` in float64,
+    never above ``n``), as ``numpy.quantile(..., method="inverted_cdf")``; so ``q = 0`` and ``1`` are the lowest and
+    highest occupied cells. The counts are u64 and added exactly (never through a float: 2^53 and one more count
+    are no float64), so the cell found is always an occupied one. A quantile that falls in an under- or overflow
+    band (outside the window (2^-48, 2^16]) cannot be placed within a bin: it is NaN, never the window's edge.
+    Returns (rows, len(qs)); NaN for rows with nothing finite.
     """
     n = pos.shape[0]
     nb = nbins(scale)
@@ -62,17 +66,32 @@ def quantiles_from_sketch(pos: np.ndarray, neg: np.ndarray, bands: np.ndarray, z
     mids = 2.0 ** ((np.arange(nb) + lo + 0.5) / 2**scale)
     # value-ordered cells: over_neg, neg bins (large to small), under_neg, zero, under_pos, pos bins, over_pos
     vals = np.concatenate([[np.nan], -mids[::-1], [np.nan], [0.0], [np.nan], mids, [np.nan]])  # (bands: NaN)
+    pos, neg, bands, zero = (_whole(a) for a in (pos, neg, bands, zero))
+    qf = [float(q) for q in qs]
     out = np.full((n, len(qs)), np.nan)
     for i in range(n):
-        counts = np.concatenate([[bands[i, 3]], neg[i, ::-1], [bands[i, 1]], [zero[i]], [bands[i, 0]], pos[i],
-                                 [bands[i, 2]]]).astype(np.float64)
-        total = counts.sum()
+        b = bands[i]
+        counts = np.concatenate([b[3:4], neg[i, ::-1], b[1:2], zero[i : i + 1], b[0:1], pos[i], b[2:3]])
+        cdf: np.ndarray | list[int] = np.cumsum(counts, dtype=np.uint64)
+        if (cdf[1:] < cdf[:-1]).any():  # (wrapped: a total beyond u64, which a sketch may hold, spec 5.5)
+            cdf = list(itertools.accumulate(counts.tolist()))  # (Python integers: exact at any size)
+        total = int(cdf[-1])
         if total == 0:
             continue
-        cdf = np.cumsum(counts)
-        for j, q in enumerate(qs):  # (the rank of at least the first value: q = 0 is the lowest occupied cell)
-            out[i, j] = vals[int(np.searchsorted(cdf, max(q * total, 0.5), side="left"))]
+        for j, q in enumerate(qf):  # (the rank of at least the first value: q = 0 is the lowest occupied cell)
+            rank = total if q >= 1 else min(total, max(1, math.ceil(q * float(total))))
+            out[i, j] = vals[bisect.bisect_left(cdf, rank) if isinstance(cdf, list) else
+                             int(np.searchsorted(cdf, np.uint64(rank), side="left"))]
     return out
+
+
+def _whole(a: np.ndarray) -> np.ndarray:
+    """Counts as u64: integers as they are, floats (an estimate, or counts given as floats) rounded to whole
+    counts (NaN and negatives 0)."""
+    a = np.asarray(a)
+    if a.dtype.kind == "f":
+        a = np.clip(np.nan_to_num(np.rint(a), nan=0.0), 0.0, float(2**64 - 2048))
+    return a.astype(np.uint64)
 
 
 def quantile_bound(scale: int) -> float:
@@ -86,14 +105,17 @@ def sketch_row_quantiles(s: SpineSeries, sk: SketchSeries, qs: tuple[float, ...]
     """Quantiles of each sketch row of ``sk``, whose spine is ``s`` (the same site and phase): ``(at, q, partial)``
     with ``at`` the spine row of each sketch row, ``q`` its (rows, len(qs)) quantiles (:func:`quantiles_from_sketch`)
     and ``partial`` whether its sketch covers only part of the row (a coarsened window with sketches at a sparser
-    cadence, spec 11.2): the zeros among its values are then estimated in the proportion the sketch covers."""
+    cadence, spec 11.2): the zeros among its values are then estimated in the proportion the sketch covers (rounded
+    to a whole count)."""
     at = np.empty(len(sk), np.int64)
     rows = s.sk_row >= 0
     at[s.sk_row[rows]] = np.flatnonzero(rows)
-    zero = s.zero[at].astype(np.float64)
+    zero = s.zero[at].astype(np.uint64)  # (exact: a count beyond 2^53 is no float64)
     covered, nonzero = _sketch_coverage(s, sk, at)
     partial = covered < nonzero
-    zero = np.where(partial, zero * covered / np.maximum(nonzero, 1), zero)
+    if partial.any():  # (an estimate, rounded to a whole count)
+        share = covered[partial] / np.maximum(nonzero[partial], 1)
+        zero[partial] = _whole(zero[partial].astype(np.float64) * share)
     return at, quantiles_from_sketch(sk.pos, sk.neg, sk.bands, zero, sk.scale, qs), partial
 
 

@@ -1,0 +1,109 @@
+"""Figures and derived quantiles on valid files at the edges: rows without a finite value, counts beyond float64's
+integers, cadences beyond int64, steps at the ends of the i64 range."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import trainhist
+from trainhist import frames
+from trainhist.figures import quantiles_from_sketch
+from trainhist.grid import index_min, nbins
+
+FAST = dict(fsync="never")
+SCALE = 2  # (4 bins per octave: the writer's)
+
+
+def _mids(scale: int = SCALE) -> np.ndarray:
+    return 2.0 ** ((np.arange(nbins(scale)) + index_min(scale) + 0.5) / 2**scale)
+
+
+# --- quantiles from a sketch: exact counts -----------------------------------------------------------------------
+
+
+def test_q1_of_counts_not_exact_in_float64_is_the_highest_bin() -> None:
+    """One bin of 2**53 and 255 of 1 (u64 counts, spec 6.1): the float total (pairwise) exceeded the float CDF's
+    last value (sequential), and q = 1 raised IndexError; the float CDF also stalls at 2**53, so q = 1 would be the
+    first bin. Counts are added exactly now: q = 1 is the highest occupied bin, q = 0 the lowest."""
+    nb = nbins(SCALE)
+    pos = np.zeros((1, nb), np.uint64)
+    pos[0, :256] = 1
+    pos[0, 0] = 2**53
+    z = np.zeros((1, nb), np.uint64)
+    q = quantiles_from_sketch(pos, z, np.zeros((1, 4), np.uint64), np.zeros(1, np.uint64), SCALE, (0.0, 0.5, 1.0))
+    mids = _mids()
+    assert q[0].tolist() == [mids[0], mids[0], mids[255]]
+
+
+def test_a_zero_count_beyond_2_53_is_kept_exact() -> None:
+    """2**53 + 1 zeros and one positive value: as float64 the zeros were 2**53 and the total 2**53 too, so q = 1
+    was 0; the positive value is the greatest."""
+    nb = nbins(SCALE)
+    pos = np.zeros((1, nb), np.uint64)
+    pos[0, 100] = 1
+    z = np.zeros((1, nb), np.uint64)
+    q = quantiles_from_sketch(pos, z, np.zeros((1, 4), np.uint64), np.array([2**53 + 1], np.uint64), SCALE,
+                              (0.0, 0.5, 1.0))
+    assert q[0].tolist() == [0.0, 0.0, _mids()[100]]
+
+
+def test_a_sketch_total_beyond_u64_is_added_exactly() -> None:
+    """Bins plus bands may exceed the row's count (spec 5.5), and their total 2**64 - 1: a u64 sum wraps around."""
+    nb = nbins(SCALE)
+    big = 2**64 - 1
+    pos = np.zeros((1, nb), np.uint64)
+    neg = np.zeros((1, nb), np.uint64)
+    neg[0, 3], pos[0, 7], pos[0, 9] = big, big, 1
+    q = quantiles_from_sketch(pos, neg, np.zeros((1, 4), np.uint64), np.zeros(1, np.uint64), SCALE,
+                              (0.0, 0.4, 0.6, 1.0))
+    mids = _mids()
+    assert q[0].tolist() == [-mids[3], -mids[3], mids[7], mids[9]]
+
+
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+_COUNT = st.one_of(st.integers(1, 10), st.integers(1, 2**64 - 1), st.sampled_from([2**53, 2**53 + 1, 2**63]))
+
+
+@st.composite
+def _sketches(draw):
+    scale = draw(st.sampled_from([0, 1, 2]))
+    nb = nbins(scale)
+    pos, neg = np.zeros((1, nb), np.uint64), np.zeros((1, nb), np.uint64)
+    for a in (pos, neg):
+        for k, c in draw(st.dictionaries(st.integers(0, nb - 1), _COUNT, max_size=6)).items():
+            a[0, k] = c
+    zero = np.array([draw(st.one_of(st.just(0), _COUNT))], np.uint64)
+    return scale, pos, neg, zero
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(_sketches(), st.lists(st.floats(0.0, 1.0), min_size=1, max_size=8))
+def test_every_quantile_lies_in_the_sketch_and_grows_with_q(sk, qs) -> None:
+    """Any u64 counts, any q in [0, 1]: a value of an occupied cell (within the sketch's range), q = 0 the lowest
+    and q = 1 the highest, non-decreasing in q."""
+    scale, pos, neg, zero = sk
+    mids = _mids(scale)
+    occupied = np.r_[-mids[neg[0] > 0], [0.0] * int(zero[0] > 0), mids[pos[0] > 0]]
+    qs = sorted(qs)
+    got = quantiles_from_sketch(pos, neg, np.zeros((1, 4), np.uint64), zero, scale, (0.0, *qs, 1.0))[0]
+    if not occupied.size:
+        assert np.isnan(got).all()
+        return
+    assert got[0] == occupied.min() and got[-1] == occupied.max()
+    assert np.isin(got, occupied).all()
+    assert (np.diff(got) >= 0).all()
+
+
+def test_frames_quantiles_q0_and_q1_are_the_least_and_greatest_bins(tmp_path) -> None:
+    pytest.importorskip("pandas")
+    p = tmp_path / "q.thist"
+    x = np.array([0.001, 0.5, 3.0, 7.0, 1000.0])
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        w.observe(w.site("a", "activation"), 0, x)
+    with trainhist.open(p) as h:
+        df = frames.quantiles(h, "a", q=(0.0, 1.0))
+    lo, hi = df[["approx_q0", "approx_q1"]].iloc[0].tolist()
+    assert abs(lo - 0.001) <= 0.19 * 0.001 and abs(hi - 1000.0) <= 0.19 * 1000.0
+
