@@ -8,7 +8,7 @@ import pytest
 
 import trainhist
 from trainhist import frames
-from trainhist.figures import quantiles_from_sketch
+from trainhist.figures import contact_sheet, quantiles_from_sketch, site_figure, waterfall
 from trainhist.grid import index_min, nbins
 
 FAST = dict(fsync="never")
@@ -106,4 +106,64 @@ def test_frames_quantiles_q0_and_q1_are_the_least_and_greatest_bins(tmp_path) ->
         df = frames.quantiles(h, "a", q=(0.0, 1.0))
     lo, hi = df[["approx_q0", "approx_q1"]].iloc[0].tolist()
     assert abs(lo - 0.001) <= 0.19 * 0.001 and abs(hi - 1000.0) <= 0.19 * 1000.0
+
+
+# --- site figures of rows without a finite value -----------------------------------------------------------------
+
+
+@pytest.fixture
+def close_figures():
+    yield
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+NAN, INF = np.nan, np.inf
+#: each case: rows written at steps 0, 1, ...: values (sketched), ("nosketch", values), or a mark's state
+_ROWS = {
+    "all_nan": [[NAN, NAN]],
+    "all_inf": [[INF, -INF]],
+    "two_nan_rows": [[NAN], [NAN]],
+    "zeros_only": [[0.0, 0.0]],
+    "nan_between_values": [[1.0, 2.0], [NAN, NAN], [3.0, 4.0]],
+    "inf_between_values": [[1.0, 2.0], [INF], [3.0, 4.0]],
+    "values_unsketched_then_nan": [("nosketch", [1.0, 2.0]), [NAN]],
+    "nan_and_failed": [[NAN], "failed"],
+    "never_observed": ["failed", "skipped", "absent"],
+}
+
+
+def _write(path, rows, **site) -> None:
+    with trainhist.HistoryWriter(path, **FAST) as w:
+        a = w.site("a", "activation", **site)
+        for step, r in enumerate(rows):
+            if isinstance(r, str):
+                w.mark(a, step, r)
+            elif isinstance(r, tuple):
+                w.observe(a, step, np.array(r[1], np.float32), sketch=False)
+            else:
+                w.observe(a, step, np.array(r, np.float32))
+
+
+@pytest.mark.parametrize("case", sorted(_ROWS))
+def test_site_figure_draws_rows_without_a_finite_value(tmp_path, case, close_figures) -> None:
+    """One all-NaN observation (its sketch is empty, spec 6.1) from the public writer: site_figure and `trainhist
+    plot --site` raised numpy's IndexError (a mask of one for no rows). Every figure draws such files now."""
+    p = tmp_path / f"{case}.thist"
+    _write(p, _ROWS[case])
+    with trainhist.open(p) as h:
+        fig = site_figure(h, "a", out=tmp_path / "s.png")
+        waterfall(h, "a", out=tmp_path / "w.png")
+        assert contact_sheet(h, tmp_path / "sheet")
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()] if fig.axes[0].get_legend() else []
+    sketched = case in ("zeros_only", "nan_between_values", "inf_between_values")  # (a sketched finite value)
+    # (quantiles are drawn, and said to be, only where a sketched row holds a finite value)
+    assert any("derived from sketch" in t for t in labels) == sketched
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert ("no row holds a finite value" in texts) == (not sketched and case != "values_unsketched_then_nan")
+    from trainhist.cli import main
+
+    assert main(["plot", str(p), "-o", str(tmp_path / "png"), "--site", "a"]) == 0
+    assert (tmp_path / "png" / "a.activation.site.png").stat().st_size > 1000
 

@@ -247,8 +247,16 @@ def _stairs(start: np.ndarray, end: np.ndarray, y: np.ndarray, joined: np.ndarra
     x = np.stack([start, end, np.full(n, np.nan)], axis=1)
     yy = np.stack([y, y, np.full(n, np.nan)], axis=1)
     keep = np.ones((n, 3), bool)
-    keep[:, 2] = np.r_[~joined, False]
+    keep[:, 2] = np.r_[~joined, False][:n]  # (no rows: nothing to keep)
     return x[keep], yy[keep]
+
+
+def _alone(joined: np.ndarray, n: int) -> np.ndarray:
+    """Whether each of ``n`` rows (``joined``: whether each is joined to the next, n - 1 of them) is joined to
+    neither neighbour; of no rows, none."""
+    if not n:
+        return np.zeros(0, bool)
+    return ~np.r_[False, joined] & ~np.r_[joined, False]
 
 
 def _plot_rows(ax, start: np.ndarray, end: np.ndarray, y: np.ndarray, joined: np.ndarray, **style: object) -> None:
@@ -257,7 +265,7 @@ def _plot_rows(ax, start: np.ndarray, end: np.ndarray, y: np.ndarray, joined: np
     if not start.size:
         return
     (line,) = ax.plot(*_stairs(start, end, y, joined), **style)
-    alone = ~np.r_[False, joined] & ~np.r_[joined, False] & np.isfinite(y)
+    alone = _alone(joined, start.size) & np.isfinite(y)
     if alone.any():
         ax.plot((start[alone] + end[alone]) / 2, y[alone], ls="none", marker=".", ms=3, color=line.get_color())
 
@@ -381,10 +389,10 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
     notes = []  # legend entries that are notes, not marks (kept out of the axes' lines)
     _plot_rows(ax, start[r], end[r], s.min[r], joined, ls=":", color="k", lw=1, label="min / max (exact, spine)")
     _plot_rows(ax, start[r], end[r], s.max[r], joined, ls=":", color="k", lw=1)
-    if not len(sk):
+    rows = s.sk_row >= 0
+    if not (obs & rows).any():  # (no sketched row holds a finite value, or there is no sketch: no quantile to draw)
         _plot_rows(ax, start[r], end[r], s.mean[r], joined, color="C0", lw=1.5, label="mean " + _sums_note(s, r))
     else:
-        rows = s.sk_row >= 0
         # a sketch may cover part of its row (a coarsened window with sketches at a sparser cadence, spec 11.2):
         # its own total counts; the zeros among its values are estimated in the same proportion
         at, qa, partial = sketch_row_quantiles(s, sk, (0.05, 0.25, 0.5, 0.75, 0.95))
@@ -396,7 +404,7 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
         unsketched = obs & ~rows
         nu = np.r_[0, np.cumsum(unsketched)]
         joined = _joins(s, f, hole) & (nu[f[1:]] == nu[f[:-1] + 1])
-        alone = ~np.r_[False, joined] & ~np.r_[joined, False]
+        alone = _alone(joined, f.size)
         x = _stairs(start[f], end[f], q[f, 0], joined)[0]
         for (a, b), alpha, label in (((0, 4), 0.2, "p5–p95 (derived from sketch)"),
                                      ((1, 3), 0.35, "p25–p75 (derived from sketch)")):
