@@ -167,3 +167,36 @@ def test_site_figure_draws_rows_without_a_finite_value(tmp_path, case, close_fig
     assert main(["plot", str(p), "-o", str(tmp_path / "png"), "--site", "a"]) == 0
     assert (tmp_path / "png" / "a.activation.site.png").stat().st_size > 1000
 
+
+# --- cadences beyond int64 -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cadence", [2**62, 2**63, 2**64, 10**30])
+def test_a_cadence_beyond_int64_is_drawn(tmp_path, cadence, close_figures) -> None:
+    """A spine cadence >= 2**63 (a manifest integer of any size, spec 9; the reader takes it) raised OverflowError
+    from site_figure, contact_sheet and `trainhist plot`. Its only multiple among drawable steps is 0: rows at -2
+    and 3 leave step 0 due without a row (unknown, in the strip), rows at 1 and 3 nothing."""
+    p = tmp_path / "gap.thist"
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        a = w.site("a", "activation", cadence_spine=cadence)
+        for step in (-2, 3):
+            w.observe(a, step, np.array([1.0, 2.0]))
+    with trainhist.open(p) as h:
+        assert h.sites[0].cadence_spine == cadence
+        fig = site_figure(h, "a")
+        labels = [" ".join(t.get_text().split()) for t in fig.axes[0].get_legend().get_texts()]
+        assert "unknown: 0 rows without numbers, 1 due step without a row" in labels
+        waterfall(h, "a")
+        assert contact_sheet(h, tmp_path / "sheet")
+    q = tmp_path / "nogap.thist"
+    with trainhist.HistoryWriter(q, **FAST) as w:
+        a = w.site("a", "activation", cadence_spine=cadence)
+        for step in (1, 3):
+            w.observe(a, step, np.array([1.0, 2.0]))
+    with trainhist.open(q) as h:
+        assert len(site_figure(h, "a").axes) == 1  # (no strip: nothing due without a row)
+    from trainhist.cli import main
+
+    assert main(["plot", str(p), "-o", str(tmp_path / "png")]) == 0
+    assert main(["plot", str(p), "-o", str(tmp_path / "png"), "--site", "a"]) == 0
+

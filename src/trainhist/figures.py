@@ -221,11 +221,22 @@ def _due_gaps(s: SpineSeries) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     reports them ``unknown``, spec 2.6): whether each pair of consecutive rows has such steps between them, and the
     first and last + 1 of those steps per such pair. Steps the cadence did not call for are no gap."""
     start, end = _extent(s)
-    c = s.site.cadence_spine
+    c = _cadence(s.site)
     a, b = end[:-1], start[1:]
     due = (b - 1) // c - (a - 1) // c if c > 0 else np.zeros(a.size, np.int64)  # (multiples of c in [a, b))
     hole = (due > 0) & (s.segment[1:] == s.segment[:-1])
     return hole, -(-a[hole] // max(c, 1)) * c, (b[hole] - 1) // max(c, 1) * c + 1
+
+
+_BIG_CADENCE = 1 << 62
+
+
+def _cadence(site: Site) -> int:
+    """The site's spine cadence for the int64 arithmetic of a figure's steps, which lie within +-2^52 (and their
+    ends within 2^52 + 2^32, :func:`_extent`): a manifest integer of any size (spec 9) is taken as 2^62 when larger,
+    which has the same multiples there (0 alone), so that the steps it calls for are the same and no overflow is
+    raised."""
+    return min(site.cadence_spine, _BIG_CADENCE)
 
 
 def _joins(s: SpineSeries, rows: np.ndarray, hole: np.ndarray) -> np.ndarray:
@@ -354,7 +365,7 @@ def _presence_strip(ax, s: SpineSeries, gaps: tuple[np.ndarray, np.ndarray]) -> 
         a, b = start[sel], end[sel]
         label = f"{Presence.name(code)}: {int(sel.sum())} row{'' if sel.sum() == 1 else 's'} without numbers"
         if code == Presence.UNKNOWN and gaps[0].size:
-            due = int(((gaps[1] - 1 - gaps[0]) // max(s.site.cadence_spine, 1) + 1).sum())
+            due = int(((gaps[1] - 1 - gaps[0]) // max(_cadence(s.site), 1) + 1).sum())
             a, b = np.r_[a, gaps[0]], np.r_[b, gaps[1]]
             label += f", {due} due step{'' if due == 1 else 's'} without a row"
         if not a.size:
