@@ -200,3 +200,21 @@ def test_a_cadence_beyond_int64_is_drawn(tmp_path, cadence, close_figures) -> No
     assert main(["plot", str(p), "-o", str(tmp_path / "png")]) == 0
     assert main(["plot", str(p), "-o", str(tmp_path / "png"), "--site", "a"]) == 0
 
+
+# --- step truth at the least i64 -------------------------------------------------------------------------------------
+
+
+def test_a_skipped_step_at_the_least_i64_is_said_not_drawn(tmp_path, close_figures) -> None:
+    """np.abs(-2**63) is -2**63 in int64: a skipped optimizer step there passed as drawable (legend 'optimizer step
+    skipped', a mark far off the axis); it is one of those beyond +-2^52, left out and said so."""
+    p = tmp_path / "min.thist"
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        a = w.site("a", "activation")
+        w.step_truth(-(2**63), applied="skipped")
+        for step in (0, 1):
+            w.observe(a, step, np.array([1.0, 2.0]))
+    with trainhist.open(p) as h:
+        fig = site_figure(h, "a")
+    labels = [" ".join(t.get_text().split()) for t in fig.axes[0].get_legend().get_texts()]
+    assert "optimizer step skipped" not in labels
+    assert "1 skipped optimizer steps beyond +-2^52 not drawn" in labels

@@ -340,7 +340,8 @@ def _marks(ax, h: History, s: SpineSeries) -> None:
     t = h.steps
     skipped = t["applied"] == Applied.code("skipped")
     first, span = t["step"][skipped].astype(np.int64), t["span"][skipped].astype(np.int64)
-    fits = (np.abs(first) <= _DRAWABLE) & (span <= _DRAWABLE)  # (and so no overflow in first + span)
+    # (and so no overflow in first + span; not np.abs, which leaves the least i64 negative)
+    fits = (first >= -_DRAWABLE) & (first <= _DRAWABLE) & (span <= _DRAWABLE)
     _vmarks(ax, first[fits], first[fits] + span[fits], "optimizer step skipped", color="orange", ls=":", lw=1)
     beyond = {"skipped optimizer steps": int((~fits).sum()),
               "segment boundaries": _boundaries(ax, h, s.step, s.segment)}
