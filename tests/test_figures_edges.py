@@ -218,3 +218,19 @@ def test_a_skipped_step_at_the_least_i64_is_said_not_drawn(tmp_path, close_figur
     labels = [" ".join(t.get_text().split()) for t in fig.axes[0].get_legend().get_texts()]
     assert "optimizer step skipped" not in labels
     assert "1 skipped optimizer steps beyond +-2^52 not drawn" in labels
+
+
+def test_the_share_a_sketch_covers_is_not_wrapped_around() -> None:
+    """A sketch's total may pass u64 (spec 5.5): summed as u64 it wrapped around to 1, below the row's 3 non-zero
+    values, and its row read as partly sketched (zeros estimated, no bound)."""
+    from types import SimpleNamespace
+
+    from trainhist.figures import _sketch_coverage
+
+    nb = nbins(SCALE)
+    pos = np.zeros((1, nb), np.uint64)
+    pos[0, :3] = (2**64 - 1, 1, 1)
+    sk = SimpleNamespace(pos=pos, neg=np.zeros((1, nb), np.uint64), bands=np.zeros((1, 4), np.uint64))
+    s = SimpleNamespace(finite=np.array([3], np.uint64), zero=np.array([0], np.uint64))
+    covered, nonzero = _sketch_coverage(s, sk, np.array([0]))
+    assert covered[0] >= 2.0**64 and nonzero[0] == 3.0 and not covered[0] < nonzero[0]

@@ -122,7 +122,8 @@ def sketch_row_quantiles(s: SpineSeries, sk: SketchSeries, qs: tuple[float, ...]
 def _sketch_coverage(s: SpineSeries, sk: SketchSeries, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per sketch row of ``sk`` (spine row ``at`` of ``s``): the values its sketch counts, and the row's non-zero
     finite values it would count if it covered the whole row (float64: a share is their quotient)."""
-    covered = (sk.pos.sum(axis=1) + sk.neg.sum(axis=1) + sk.bands.sum(axis=1)).astype(np.float64)
+    # (added as float64: a sketch's u64 total may pass 2^64, spec 5.5, where a u64 sum wraps around)
+    covered = sum(x.sum(axis=1, dtype=np.float64) for x in (sk.pos, sk.neg, sk.bands))
     return covered, (s.finite[at] - s.zero[at]).astype(np.float64)
 
 
