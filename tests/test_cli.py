@@ -179,3 +179,31 @@ def test_info_names_each_segments_run_and_counts_steps_not_replays(tmp_path, cap
     assert "(20 in segments of different runs)" in steps and "again" not in steps
     assert main(["info", paths[0]]) == 0  # (one run: no run named on its segment line)
     assert "segment   0: from step 0 (start)" in capsys.readouterr().out.splitlines()
+
+
+def test_info_gives_the_last_step_of_a_window_past_the_largest_i64(tmp_path, capsys) -> None:
+    """Step truth at 2**63 - 1 coarsened by 100: a window from 2**63 - 8 of 100 steps, valid (spec 5.5: a row's
+    end may pass the largest i64). info printed its last step as int64 step + span - 1, wrapped around to
+    -9223372036854775717; it is 2**63 + 91, said to lie past the largest step."""
+    p = tmp_path / "top.thist"
+    with trainhist.HistoryWriter(p, fsync="never") as w:
+        w.step_truth(2**63 - 1, applied=True)
+        w.step_truth(2**63 - 300, applied=True)
+    trainhist.coarsen(p, tmp_path / "c.thist", steps=100)
+    assert main(["info", str(tmp_path / "c.thist")]) == 0
+    steps = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("steps"))
+    assert f"{2**63 - 308}..{2**63 + 91} (the last window runs past the largest step, 2^63 - 1" in steps
+    assert main(["info", str(p)]) == 0  # (no window past it: no note)
+    steps = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("steps"))
+    assert steps.endswith(f"{2**63 - 300}..{2**63 - 1}")
+
+
+def test_last_step_of_rows_is_a_python_integer() -> None:
+    from trainhist.cli import _last_step
+
+    big = np.iinfo(np.int64).max
+    step = np.array([big - 9, -(2**63), 5, big], np.int64)
+    span = np.array([100, 2**32 - 1, 1, 1], np.uint32)
+    assert _last_step(step, span) == big + 90
+    assert _last_step(step[1:3], span[1:3]) == 5
+    assert _last_step(step[3:], span[3:]) == big

@@ -111,6 +111,16 @@ def _repeated_steps(steps: np.ndarray, segments: np.ndarray, seg_runs: dict[int,
     return f" ({again} of them again in a later segment of their run, {runs})" if again else f" ({runs})"
 
 
+def _last_step(step: np.ndarray, span: np.ndarray) -> int:
+    """The last step rows ``[step, step + span)`` cover, ``max(step + span - 1)``, as a Python integer: a row's end
+    may pass the largest i64 (spec 5.5), where int64 arithmetic would wrap around to a negative step."""
+    extra = span.astype(np.int64) - 1  # (0 .. 2^32 - 2)
+    over = step.astype(np.int64) > np.iinfo(np.int64).max - extra
+    if over.any():  # (those rows end past every other row's end)
+        return max(int(a) + int(b) for a, b in zip(step[over].tolist(), extra[over].tolist()))
+    return int((step.astype(np.int64) + extra).max())
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     with open_history(args.file) as h:
         run = h.run
@@ -139,11 +149,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
         steps = h.steps["step"]
         if steps.size:
             span = h.steps["span"]  # (1 for every row of a file that was never coarsened)
-            last = int((steps + (span.astype(np.int64) - 1)).max())
+            last = _last_step(steps, span)
             what = "with step truth" if (span == 1).all() else "windows with step truth (coarsened)"
             distinct = int(np.unique(steps).size)
             print(f"steps     {distinct} {what}{_repeated_steps(steps, h.steps['segment'], seg_runs)}, "
-                  f"{int(steps.min())}..{last}")
+                  f"{int(steps.min())}..{last}"
+                  + (" (the last window runs past the largest step, 2^63 - 1: spec 5.5)" if last >= 1 << 63 else ""))
         chunks = [e for es in h._obs.values() for e in es]  # (from the commit entries: nothing decoded)
         if chunks:
             print(f"rows      {sum(e.rows for e in chunks)} starting at steps {min(e.step_min for e in chunks)}.."

@@ -19,6 +19,8 @@ a segment boundary.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import textwrap
 from pathlib import Path
@@ -49,12 +51,14 @@ def quantiles_from_sketch(pos: np.ndarray, neg: np.ndarray, bands: np.ndarray, z
     """Quantiles per row, each the geometric middle of the bin that holds it (relative error < one bin width).
 
     Rows are sketches; ``zero`` is how many of the sketched values are zero (the spine's zero count when the
-    sketch covers its row). The quantile ``q`` of a row's ``n`` sketched values (finite ones: NaN and ±inf are in
-    no cell) is the lower, inverted-CDF one, with no interpolation: the cell of the value of rank
-    ``max(1, ceil(q * n))`` in ascending order, as ``numpy.quantile(..., method="inverted_cdf")``; so ``q = 0``
-    and ``1`` are the lowest and highest occupied cells. A quantile that falls in an under- or overflow band
-    (outside the window (2^-48, 2^16]) cannot be placed within a bin: it is NaN, never the window's edge. Returns
-    (rows, len(qs)); NaN for rows with nothing finite.
+    sketch covers its row; a float estimate is rounded to a whole count). The quantile ``q`` of a row's ``n``
+    sketched values (finite ones: NaN and ±inf are in no cell) is the lower, inverted-CDF one, with no
+    interpolation: the cell of the value of rank ``max(1, ceil(q * n))`` in ascending order (``q * n`` in float64,
+    never above ``n``), as ``numpy.quantile(..., method="inverted_cdf")``; so ``q = 0`` and ``1`` are the lowest and
+    highest occupied cells. The counts are u64 and added exactly (never through a float: 2^53 and one more count
+    are no float64), so the cell found is always an occupied one. A quantile that falls in an under- or overflow
+    band (outside the window (2^-48, 2^16]) cannot be placed within a bin: it is NaN, never the window's edge.
+    Returns (rows, len(qs)); NaN for rows with nothing finite.
     """
     n = pos.shape[0]
     nb = nbins(scale)
@@ -62,17 +66,32 @@ def quantiles_from_sketch(pos: np.ndarray, neg: np.ndarray, bands: np.ndarray, z
     mids = 2.0 ** ((np.arange(nb) + lo + 0.5) / 2**scale)
     # value-ordered cells: over_neg, neg bins (large to small), under_neg, zero, under_pos, pos bins, over_pos
     vals = np.concatenate([[np.nan], -mids[::-1], [np.nan], [0.0], [np.nan], mids, [np.nan]])  # (bands: NaN)
+    pos, neg, bands, zero = (_whole(a) for a in (pos, neg, bands, zero))
+    qf = [float(q) for q in qs]
     out = np.full((n, len(qs)), np.nan)
     for i in range(n):
-        counts = np.concatenate([[bands[i, 3]], neg[i, ::-1], [bands[i, 1]], [zero[i]], [bands[i, 0]], pos[i],
-                                 [bands[i, 2]]]).astype(np.float64)
-        total = counts.sum()
+        b = bands[i]
+        counts = np.concatenate([b[3:4], neg[i, ::-1], b[1:2], zero[i : i + 1], b[0:1], pos[i], b[2:3]])
+        cdf: np.ndarray | list[int] = np.cumsum(counts, dtype=np.uint64)
+        if (cdf[1:] < cdf[:-1]).any():  # (wrapped: a total beyond u64, which a sketch may hold, spec 5.5)
+            cdf = list(itertools.accumulate(counts.tolist()))  # (Python integers: exact at any size)
+        total = int(cdf[-1])
         if total == 0:
             continue
-        cdf = np.cumsum(counts)
-        for j, q in enumerate(qs):  # (the rank of at least the first value: q = 0 is the lowest occupied cell)
-            out[i, j] = vals[int(np.searchsorted(cdf, max(q * total, 0.5), side="left"))]
+        for j, q in enumerate(qf):  # (the rank of at least the first value: q = 0 is the lowest occupied cell)
+            rank = total if q >= 1 else min(total, max(1, math.ceil(q * float(total))))
+            out[i, j] = vals[bisect.bisect_left(cdf, rank) if isinstance(cdf, list) else
+                             int(np.searchsorted(cdf, np.uint64(rank), side="left"))]
     return out
+
+
+def _whole(a: np.ndarray) -> np.ndarray:
+    """Counts as u64: integers as they are, floats (an estimate, or counts given as floats) rounded to whole
+    counts (NaN and negatives 0)."""
+    a = np.asarray(a)
+    if a.dtype.kind == "f":
+        a = np.clip(np.nan_to_num(np.rint(a), nan=0.0), 0.0, float(2**64 - 2048))
+    return a.astype(np.uint64)
 
 
 def quantile_bound(scale: int) -> float:
@@ -86,21 +105,25 @@ def sketch_row_quantiles(s: SpineSeries, sk: SketchSeries, qs: tuple[float, ...]
     """Quantiles of each sketch row of ``sk``, whose spine is ``s`` (the same site and phase): ``(at, q, partial)``
     with ``at`` the spine row of each sketch row, ``q`` its (rows, len(qs)) quantiles (:func:`quantiles_from_sketch`)
     and ``partial`` whether its sketch covers only part of the row (a coarsened window with sketches at a sparser
-    cadence, spec 11.2): the zeros among its values are then estimated in the proportion the sketch covers."""
+    cadence, spec 11.2): the zeros among its values are then estimated in the proportion the sketch covers (rounded
+    to a whole count)."""
     at = np.empty(len(sk), np.int64)
     rows = s.sk_row >= 0
     at[s.sk_row[rows]] = np.flatnonzero(rows)
-    zero = s.zero[at].astype(np.float64)
+    zero = s.zero[at].astype(np.uint64)  # (exact: a count beyond 2^53 is no float64)
     covered, nonzero = _sketch_coverage(s, sk, at)
     partial = covered < nonzero
-    zero = np.where(partial, zero * covered / np.maximum(nonzero, 1), zero)
+    if partial.any():  # (an estimate, rounded to a whole count)
+        share = covered[partial] / np.maximum(nonzero[partial], 1)
+        zero[partial] = _whole(zero[partial].astype(np.float64) * share)
     return at, quantiles_from_sketch(sk.pos, sk.neg, sk.bands, zero, sk.scale, qs), partial
 
 
 def _sketch_coverage(s: SpineSeries, sk: SketchSeries, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per sketch row of ``sk`` (spine row ``at`` of ``s``): the values its sketch counts, and the row's non-zero
     finite values it would count if it covered the whole row (float64: a share is their quotient)."""
-    covered = (sk.pos.sum(axis=1) + sk.neg.sum(axis=1) + sk.bands.sum(axis=1)).astype(np.float64)
+    # (added as float64: a sketch's u64 total may pass 2^64, spec 5.5, where a u64 sum wraps around)
+    covered = sum(x.sum(axis=1, dtype=np.float64) for x in (sk.pos, sk.neg, sk.bands))
     return covered, (s.finite[at] - s.zero[at]).astype(np.float64)
 
 
@@ -199,11 +222,22 @@ def _due_gaps(s: SpineSeries) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     reports them ``unknown``, spec 2.6): whether each pair of consecutive rows has such steps between them, and the
     first and last + 1 of those steps per such pair. Steps the cadence did not call for are no gap."""
     start, end = _extent(s)
-    c = s.site.cadence_spine
+    c = _cadence(s.site)
     a, b = end[:-1], start[1:]
     due = (b - 1) // c - (a - 1) // c if c > 0 else np.zeros(a.size, np.int64)  # (multiples of c in [a, b))
     hole = (due > 0) & (s.segment[1:] == s.segment[:-1])
     return hole, -(-a[hole] // max(c, 1)) * c, (b[hole] - 1) // max(c, 1) * c + 1
+
+
+_BIG_CADENCE = 1 << 62
+
+
+def _cadence(site: Site) -> int:
+    """The site's spine cadence for the int64 arithmetic of a figure's steps, which lie within +-2^52 (and their
+    ends within 2^52 + 2^32, :func:`_extent`): a manifest integer of any size (spec 9) is taken as 2^62 when larger,
+    which has the same multiples there (0 alone), so that the steps it calls for are the same and no overflow is
+    raised."""
+    return min(site.cadence_spine, _BIG_CADENCE)
 
 
 def _joins(s: SpineSeries, rows: np.ndarray, hole: np.ndarray) -> np.ndarray:
@@ -225,8 +259,16 @@ def _stairs(start: np.ndarray, end: np.ndarray, y: np.ndarray, joined: np.ndarra
     x = np.stack([start, end, np.full(n, np.nan)], axis=1)
     yy = np.stack([y, y, np.full(n, np.nan)], axis=1)
     keep = np.ones((n, 3), bool)
-    keep[:, 2] = np.r_[~joined, False]
+    keep[:, 2] = np.r_[~joined, False][:n]  # (no rows: nothing to keep)
     return x[keep], yy[keep]
+
+
+def _alone(joined: np.ndarray, n: int) -> np.ndarray:
+    """Whether each of ``n`` rows (``joined``: whether each is joined to the next, n - 1 of them) is joined to
+    neither neighbour; of no rows, none."""
+    if not n:
+        return np.zeros(0, bool)
+    return ~np.r_[False, joined] & ~np.r_[joined, False]
 
 
 def _plot_rows(ax, start: np.ndarray, end: np.ndarray, y: np.ndarray, joined: np.ndarray, **style: object) -> None:
@@ -235,7 +277,7 @@ def _plot_rows(ax, start: np.ndarray, end: np.ndarray, y: np.ndarray, joined: np
     if not start.size:
         return
     (line,) = ax.plot(*_stairs(start, end, y, joined), **style)
-    alone = ~np.r_[False, joined] & ~np.r_[joined, False] & np.isfinite(y)
+    alone = _alone(joined, start.size) & np.isfinite(y)
     if alone.any():
         ax.plot((start[alone] + end[alone]) / 2, y[alone], ls="none", marker=".", ms=3, color=line.get_color())
 
@@ -299,7 +341,8 @@ def _marks(ax, h: History, s: SpineSeries) -> None:
     t = h.steps
     skipped = t["applied"] == Applied.code("skipped")
     first, span = t["step"][skipped].astype(np.int64), t["span"][skipped].astype(np.int64)
-    fits = (np.abs(first) <= _DRAWABLE) & (span <= _DRAWABLE)  # (and so no overflow in first + span)
+    # (and so no overflow in first + span; not np.abs, which leaves the least i64 negative)
+    fits = (first >= -_DRAWABLE) & (first <= _DRAWABLE) & (span <= _DRAWABLE)
     _vmarks(ax, first[fits], first[fits] + span[fits], "optimizer step skipped", color="orange", ls=":", lw=1)
     beyond = {"skipped optimizer steps": int((~fits).sum()),
               "segment boundaries": _boundaries(ax, h, s.step, s.segment)}
@@ -324,7 +367,7 @@ def _presence_strip(ax, s: SpineSeries, gaps: tuple[np.ndarray, np.ndarray]) -> 
         a, b = start[sel], end[sel]
         label = f"{Presence.name(code)}: {int(sel.sum())} row{'' if sel.sum() == 1 else 's'} without numbers"
         if code == Presence.UNKNOWN and gaps[0].size:
-            due = int(((gaps[1] - 1 - gaps[0]) // max(s.site.cadence_spine, 1) + 1).sum())
+            due = int(((gaps[1] - 1 - gaps[0]) // max(_cadence(s.site), 1) + 1).sum())
             a, b = np.r_[a, gaps[0]], np.r_[b, gaps[1]]
             label += f", {due} due step{'' if due == 1 else 's'} without a row"
         if not a.size:
@@ -359,10 +402,10 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
     notes = []  # legend entries that are notes, not marks (kept out of the axes' lines)
     _plot_rows(ax, start[r], end[r], s.min[r], joined, ls=":", color="k", lw=1, label="min / max (exact, spine)")
     _plot_rows(ax, start[r], end[r], s.max[r], joined, ls=":", color="k", lw=1)
-    if not len(sk):
+    rows = s.sk_row >= 0
+    if not (obs & rows).any():  # (no sketched row holds a finite value, or there is no sketch: no quantile to draw)
         _plot_rows(ax, start[r], end[r], s.mean[r], joined, color="C0", lw=1.5, label="mean " + _sums_note(s, r))
     else:
-        rows = s.sk_row >= 0
         # a sketch may cover part of its row (a coarsened window with sketches at a sparser cadence, spec 11.2):
         # its own total counts; the zeros among its values are estimated in the same proportion
         at, qa, partial = sketch_row_quantiles(s, sk, (0.05, 0.25, 0.5, 0.75, 0.95))
@@ -374,7 +417,7 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
         unsketched = obs & ~rows
         nu = np.r_[0, np.cumsum(unsketched)]
         joined = _joins(s, f, hole) & (nu[f[1:]] == nu[f[:-1] + 1])
-        alone = ~np.r_[False, joined] & ~np.r_[joined, False]
+        alone = _alone(joined, f.size)
         x = _stairs(start[f], end[f], q[f, 0], joined)[0]
         for (a, b), alpha, label in (((0, 4), 0.2, "p5–p95 (derived from sketch)"),
                                      ((1, 3), 0.35, "p25–p75 (derived from sketch)")):

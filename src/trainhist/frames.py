@@ -325,8 +325,9 @@ def quantiles(h: History, path: str, stream: str = "activation", facet: str | No
     Which quantile: the lower one, of the inverted CDF, with no interpolation. Of the row's ``n`` finite values
     (zeros included; NaN and ±inf are not values here: :func:`spines` counts them in ``nan``, ``pinf``, ``ninf``),
     ``approx_q<q>`` stands for the value ``x`` of rank ``max(1, ceil(q * n))`` in ascending order (``q * n`` in
-    float64), which is ``numpy.quantile(x[numpy.isfinite(x)], q, method="inverted_cdf")``: ``q = 0`` is the least
-    finite value, ``q = 1`` the greatest (the exact ones are ``min`` and ``max`` in :func:`spines`). numpy's and
+    float64, never above ``n``; the sketch's counts are added exactly), which is
+    ``numpy.quantile(x[numpy.isfinite(x)], q, method="inverted_cdf")``: ``q = 0`` is the least finite value, ``q = 1``
+    the greatest (the exact ones are ``min`` and ``max`` in :func:`spines`). numpy's and
     pandas' default quantile (``linear``) interpolates between two values instead: of [1, 100] at ``q = 0.5`` it is
     50.5, in neither value's bin; this one is 1 (given as 0.917, its bin's middle).
 
@@ -339,7 +340,8 @@ def quantiles(h: History, path: str, stream: str = "activation", facet: str | No
     row (a coarsened window with sketches at a sparser cadence; a merged row whose inputs did not all have one,
     spec 11.2). The quantiles of such a row are those of the values its sketch holds, a sample of the row's: no
     bound holds for the row's own quantiles, so ``rel_bound`` is NaN there. ``zeros_estimated``: such a row's
-    zeros among the sketched values are estimated in proportion (``sketch_share < 1``).
+    zeros among the sketched values are estimated in proportion, rounded to a whole count
+    (``sketch_share < 1``).
 
     ``q``: quantiles in [0, 1]; ``phase`` as :meth:`History.spine` (``"*"``: the rows of every phase, in file order,
     told apart by the ``phase`` column)."""

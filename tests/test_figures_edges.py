@@ -1,0 +1,236 @@
+"""Figures and derived quantiles on valid files at the edges: rows without a finite value, counts beyond float64's
+integers, cadences beyond int64, steps at the ends of the i64 range."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import trainhist
+from trainhist import frames
+from trainhist.figures import contact_sheet, quantiles_from_sketch, site_figure, waterfall
+from trainhist.grid import index_min, nbins
+
+FAST = dict(fsync="never")
+SCALE = 2  # (4 bins per octave: the writer's)
+
+
+def _mids(scale: int = SCALE) -> np.ndarray:
+    return 2.0 ** ((np.arange(nbins(scale)) + index_min(scale) + 0.5) / 2**scale)
+
+
+# --- quantiles from a sketch: exact counts -----------------------------------------------------------------------
+
+
+def test_q1_of_counts_not_exact_in_float64_is_the_highest_bin() -> None:
+    """One bin of 2**53 and 255 of 1 (u64 counts, spec 6.1): the float total (pairwise) exceeded the float CDF's
+    last value (sequential), and q = 1 raised IndexError; the float CDF also stalls at 2**53, so q = 1 would be the
+    first bin. Counts are added exactly now: q = 1 is the highest occupied bin, q = 0 the lowest."""
+    nb = nbins(SCALE)
+    pos = np.zeros((1, nb), np.uint64)
+    pos[0, :256] = 1
+    pos[0, 0] = 2**53
+    z = np.zeros((1, nb), np.uint64)
+    q = quantiles_from_sketch(pos, z, np.zeros((1, 4), np.uint64), np.zeros(1, np.uint64), SCALE, (0.0, 0.5, 1.0))
+    mids = _mids()
+    assert q[0].tolist() == [mids[0], mids[0], mids[255]]
+
+
+def test_a_zero_count_beyond_2_53_is_kept_exact() -> None:
+    """2**53 + 1 zeros and one positive value: as float64 the zeros were 2**53 and the total 2**53 too, so q = 1
+    was 0; the positive value is the greatest."""
+    nb = nbins(SCALE)
+    pos = np.zeros((1, nb), np.uint64)
+    pos[0, 100] = 1
+    z = np.zeros((1, nb), np.uint64)
+    q = quantiles_from_sketch(pos, z, np.zeros((1, 4), np.uint64), np.array([2**53 + 1], np.uint64), SCALE,
+                              (0.0, 0.5, 1.0))
+    assert q[0].tolist() == [0.0, 0.0, _mids()[100]]
+
+
+def test_a_sketch_total_beyond_u64_is_added_exactly() -> None:
+    """Bins plus bands may exceed the row's count (spec 5.5), and their total 2**64 - 1: a u64 sum wraps around."""
+    nb = nbins(SCALE)
+    big = 2**64 - 1
+    pos = np.zeros((1, nb), np.uint64)
+    neg = np.zeros((1, nb), np.uint64)
+    neg[0, 3], pos[0, 7], pos[0, 9] = big, big, 1
+    q = quantiles_from_sketch(pos, neg, np.zeros((1, 4), np.uint64), np.zeros(1, np.uint64), SCALE,
+                              (0.0, 0.4, 0.6, 1.0))
+    mids = _mids()
+    assert q[0].tolist() == [-mids[3], -mids[3], mids[7], mids[9]]
+
+
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+_COUNT = st.one_of(st.integers(1, 10), st.integers(1, 2**64 - 1), st.sampled_from([2**53, 2**53 + 1, 2**63]))
+
+
+@st.composite
+def _sketches(draw):
+    scale = draw(st.sampled_from([0, 1, 2]))
+    nb = nbins(scale)
+    pos, neg = np.zeros((1, nb), np.uint64), np.zeros((1, nb), np.uint64)
+    for a in (pos, neg):
+        for k, c in draw(st.dictionaries(st.integers(0, nb - 1), _COUNT, max_size=6)).items():
+            a[0, k] = c
+    zero = np.array([draw(st.one_of(st.just(0), _COUNT))], np.uint64)
+    return scale, pos, neg, zero
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(_sketches(), st.lists(st.floats(0.0, 1.0), min_size=1, max_size=8))
+def test_every_quantile_lies_in_the_sketch_and_grows_with_q(sk, qs) -> None:
+    """Any u64 counts, any q in [0, 1]: a value of an occupied cell (within the sketch's range), q = 0 the lowest
+    and q = 1 the highest, non-decreasing in q."""
+    scale, pos, neg, zero = sk
+    mids = _mids(scale)
+    occupied = np.r_[-mids[neg[0] > 0], [0.0] * int(zero[0] > 0), mids[pos[0] > 0]]
+    qs = sorted(qs)
+    got = quantiles_from_sketch(pos, neg, np.zeros((1, 4), np.uint64), zero, scale, (0.0, *qs, 1.0))[0]
+    if not occupied.size:
+        assert np.isnan(got).all()
+        return
+    assert got[0] == occupied.min() and got[-1] == occupied.max()
+    assert np.isin(got, occupied).all()
+    assert (np.diff(got) >= 0).all()
+
+
+def test_frames_quantiles_q0_and_q1_are_the_least_and_greatest_bins(tmp_path) -> None:
+    pytest.importorskip("pandas")
+    p = tmp_path / "q.thist"
+    x = np.array([0.001, 0.5, 3.0, 7.0, 1000.0])
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        w.observe(w.site("a", "activation"), 0, x)
+    with trainhist.open(p) as h:
+        df = frames.quantiles(h, "a", q=(0.0, 1.0))
+    lo, hi = df[["approx_q0", "approx_q1"]].iloc[0].tolist()
+    assert abs(lo - 0.001) <= 0.19 * 0.001 and abs(hi - 1000.0) <= 0.19 * 1000.0
+
+
+# --- site figures of rows without a finite value -----------------------------------------------------------------
+
+
+@pytest.fixture
+def close_figures():
+    yield
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+NAN, INF = np.nan, np.inf
+#: each case: rows written at steps 0, 1, ...: values (sketched), ("nosketch", values), or a mark's state
+_ROWS = {
+    "all_nan": [[NAN, NAN]],
+    "all_inf": [[INF, -INF]],
+    "two_nan_rows": [[NAN], [NAN]],
+    "zeros_only": [[0.0, 0.0]],
+    "nan_between_values": [[1.0, 2.0], [NAN, NAN], [3.0, 4.0]],
+    "inf_between_values": [[1.0, 2.0], [INF], [3.0, 4.0]],
+    "values_unsketched_then_nan": [("nosketch", [1.0, 2.0]), [NAN]],
+    "nan_and_failed": [[NAN], "failed"],
+    "never_observed": ["failed", "skipped", "absent"],
+}
+
+
+def _write(path, rows, **site) -> None:
+    with trainhist.HistoryWriter(path, **FAST) as w:
+        a = w.site("a", "activation", **site)
+        for step, r in enumerate(rows):
+            if isinstance(r, str):
+                w.mark(a, step, r)
+            elif isinstance(r, tuple):
+                w.observe(a, step, np.array(r[1], np.float32), sketch=False)
+            else:
+                w.observe(a, step, np.array(r, np.float32))
+
+
+@pytest.mark.parametrize("case", sorted(_ROWS))
+def test_site_figure_draws_rows_without_a_finite_value(tmp_path, case, close_figures) -> None:
+    """One all-NaN observation (its sketch is empty, spec 6.1) from the public writer: site_figure and `trainhist
+    plot --site` raised numpy's IndexError (a mask of one for no rows). Every figure draws such files now."""
+    p = tmp_path / f"{case}.thist"
+    _write(p, _ROWS[case])
+    with trainhist.open(p) as h:
+        fig = site_figure(h, "a", out=tmp_path / "s.png")
+        waterfall(h, "a", out=tmp_path / "w.png")
+        assert contact_sheet(h, tmp_path / "sheet")
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()] if fig.axes[0].get_legend() else []
+    sketched = case in ("zeros_only", "nan_between_values", "inf_between_values")  # (a sketched finite value)
+    # (quantiles are drawn, and said to be, only where a sketched row holds a finite value)
+    assert any("derived from sketch" in t for t in labels) == sketched
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert ("no row holds a finite value" in texts) == (not sketched and case != "values_unsketched_then_nan")
+    from trainhist.cli import main
+
+    assert main(["plot", str(p), "-o", str(tmp_path / "png"), "--site", "a"]) == 0
+    assert (tmp_path / "png" / "a.activation.site.png").stat().st_size > 1000
+
+
+# --- cadences beyond int64 -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cadence", [2**62, 2**63, 2**64, 10**30])
+def test_a_cadence_beyond_int64_is_drawn(tmp_path, cadence, close_figures) -> None:
+    """A spine cadence >= 2**63 (a manifest integer of any size, spec 9; the reader takes it) raised OverflowError
+    from site_figure, contact_sheet and `trainhist plot`. Its only multiple among drawable steps is 0: rows at -2
+    and 3 leave step 0 due without a row (unknown, in the strip), rows at 1 and 3 nothing."""
+    p = tmp_path / "gap.thist"
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        a = w.site("a", "activation", cadence_spine=cadence)
+        for step in (-2, 3):
+            w.observe(a, step, np.array([1.0, 2.0]))
+    with trainhist.open(p) as h:
+        assert h.sites[0].cadence_spine == cadence
+        fig = site_figure(h, "a")
+        labels = [" ".join(t.get_text().split()) for t in fig.axes[0].get_legend().get_texts()]
+        assert "unknown: 0 rows without numbers, 1 due step without a row" in labels
+        waterfall(h, "a")
+        assert contact_sheet(h, tmp_path / "sheet")
+    q = tmp_path / "nogap.thist"
+    with trainhist.HistoryWriter(q, **FAST) as w:
+        a = w.site("a", "activation", cadence_spine=cadence)
+        for step in (1, 3):
+            w.observe(a, step, np.array([1.0, 2.0]))
+    with trainhist.open(q) as h:
+        assert len(site_figure(h, "a").axes) == 1  # (no strip: nothing due without a row)
+    from trainhist.cli import main
+
+    assert main(["plot", str(p), "-o", str(tmp_path / "png")]) == 0
+    assert main(["plot", str(p), "-o", str(tmp_path / "png"), "--site", "a"]) == 0
+
+
+# --- step truth at the least i64 -------------------------------------------------------------------------------------
+
+
+def test_a_skipped_step_at_the_least_i64_is_said_not_drawn(tmp_path, close_figures) -> None:
+    """np.abs(-2**63) is -2**63 in int64: a skipped optimizer step there passed as drawable (legend 'optimizer step
+    skipped', a mark far off the axis); it is one of those beyond +-2^52, left out and said so."""
+    p = tmp_path / "min.thist"
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        a = w.site("a", "activation")
+        w.step_truth(-(2**63), applied="skipped")
+        for step in (0, 1):
+            w.observe(a, step, np.array([1.0, 2.0]))
+    with trainhist.open(p) as h:
+        fig = site_figure(h, "a")
+    labels = [" ".join(t.get_text().split()) for t in fig.axes[0].get_legend().get_texts()]
+    assert "optimizer step skipped" not in labels
+    assert "1 skipped optimizer steps beyond +-2^52 not drawn" in labels
+
+
+def test_the_share_a_sketch_covers_is_not_wrapped_around() -> None:
+    """A sketch's total may pass u64 (spec 5.5): summed as u64 it wrapped around to 1, below the row's 3 non-zero
+    values, and its row read as partly sketched (zeros estimated, no bound)."""
+    from types import SimpleNamespace
+
+    from trainhist.figures import _sketch_coverage
+
+    nb = nbins(SCALE)
+    pos = np.zeros((1, nb), np.uint64)
+    pos[0, :3] = (2**64 - 1, 1, 1)
+    sk = SimpleNamespace(pos=pos, neg=np.zeros((1, nb), np.uint64), bands=np.zeros((1, 4), np.uint64))
+    s = SimpleNamespace(finite=np.array([3], np.uint64), zero=np.array([0], np.uint64))
+    covered, nonzero = _sketch_coverage(s, sk, np.array([0]))
+    assert covered[0] >= 2.0**64 and nonzero[0] == 3.0 and not covered[0] < nonzero[0]
