@@ -15,15 +15,49 @@ from typing import NamedTuple
 import numpy as np
 
 __all__ = ["Dyadic", "ZERO", "exact_sums", "float_of", "fits_float", "mant_bytes", "dyadics_of", "float_parts",
-           "canonical_parts", "floats_of"]
+           "canonical_parts", "floats_of", "quotient_float"]
 
 
 def float_of(m: int, e: int) -> float:
-    """Correctly rounded float64 of ``m * 2**e`` (ties to even); +-inf beyond the float64 range."""
+    """Correctly rounded float64 of ``m * 2**e`` (ties to even); +-inf beyond the float64 range, the zero of the
+    sign of ``m`` below half the smallest subnormal. The work is bounded by the size of ``m``, whatever ``e``: only
+    values within reach of the float64 range are shifted (by fewer than ``1100 + m.bit_length()`` bits)."""
+    if m == 0:
+        return 0.0
+    top = e + (m if m > 0 else -m).bit_length()  # 2**(top - 1) <= |m * 2**e| < 2**top
+    if top > 1024:  # |value| >= 2**1024: beyond the largest float64 and the halfway point above it
+        return math.inf if m > 0 else -math.inf  # (copysign would convert the huge int m to float)
+    if top < -1074:  # |value| < 2**-1075, half the smallest subnormal: rounds to zero
+        return 0.0 if m > 0 else -0.0
     try:
         return float(m << e) if e >= 0 else m / (1 << -e)
     except OverflowError:
-        return math.inf if m > 0 else -math.inf  # (copysign would convert the huge int m to float)
+        return math.inf if m > 0 else -math.inf
+
+
+def quotient_float(m: int, e: int, n: int, root: bool = False) -> float:
+    """Correctly rounded float64 (ties to even) of ``m * 2**e / n`` (``n >= 1``), or with ``root`` of its square root
+    (NaN when ``m < 0``): +-inf where the value overflows, a zero of its sign where it underflows. No intermediate
+    float is formed, and the work is bounded by the sizes of ``m`` and ``n``, whatever ``e``.
+
+    An integer ``q`` of at least 57 significant bits is the quotient (or root) truncated, and the remainder adds a
+    sticky bit: ``2q + 1`` lies strictly between the same two rounding boundaries as the true value (they are even
+    multiples of the last bit), so one correct rounding of ``(2q + sticky) * 2**(E - 1)`` rounds the true value."""
+    if m == 0:
+        return 0.0
+    if root and m < 0:
+        return math.nan
+    a = m if m > 0 else -m
+    want = 112 if root else 56  # |a * 2**s / n| >= 2**want
+    s = want + n.bit_length() - a.bit_length() + 1
+    if root and (e - s) % 2:
+        s += 1
+    q, r = divmod(a << s, n) if s >= 0 else divmod(a, n << -s)
+    if root:
+        t = math.isqrt(q)
+        return float_of((t << 1) | (r != 0 or t * t != q), (e - s) // 2 - 1)
+    v = (q << 1) | (r != 0)
+    return float_of(v if m > 0 else -v, e - s - 1)
 
 
 def fits_float(m: int, e: int) -> bool:
