@@ -11,13 +11,17 @@ import tracemalloc
 from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
+from history_helpers import obs_payload, rewrite
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import trainhist
+from trainhist import exactvec as xv
 from trainhist.dump import dumps
 from trainhist.dyadic import Dyadic, float_of, quotient_float
+from trainhist.errors import CorruptError
 from trainhist.summary import Summary, SumMethod
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=300)
@@ -190,3 +194,38 @@ def test_exponents_at_the_ends_of_the_i32_are_read_with_bounded_memory(tmp_path)
     _, pk = peak(lambda: trainhist.merge([p], out, workers=1))
     assert pk < 16 * 1024 * KIB
     assert trainhist.open(out).spine("a").exact["sum"] == sums
+
+
+# -- 5. the zero a tiny value rounds to -------------------------------------------------------------------------
+@pytest.mark.parametrize("d", [Dyadic(1, -1100), Dyadic(-1, -1100), Dyadic((1 << 300) + 1, -1600),
+                               Dyadic(-((1 << 300) + 1), -1600), Dyadic(0, 0)])
+def test_a_tiny_value_needs_the_zero_of_its_sign(d):
+    """Spec 5.3: a non-zero value too small for binary64 rounds to the zero of its sign, compared bit for bit (the
+    narrow and the wide decoder both compared by value, -0.0 == +0.0); the exact zero takes either zero."""
+    b = d.to_bytes()
+    for z in (0.0, -0.0):
+        args = ("sum", np.array([z]), np.array([len(b)], np.uint32), np.frombuffer(b, np.uint8), np.ones(1, bool),
+                lambda i: ("f", 0, i))
+        if d.m == 0 or math.copysign(1.0, z) == (1.0 if d.m > 0 else -1.0):
+            assert xv.decode_exact(*args).get(0) == d
+        else:
+            with pytest.raises(CorruptError) as ei:
+                xv.decode_exact(*args)
+            assert ei.value.code == "bad_exact_value"
+
+
+def test_the_reader_compares_the_zero_of_a_tiny_sum_bit_for_bit(tmp_path):
+    p = one(tmp_path, "tiny.thist", Dyadic(1, -1100), Dyadic(-1, -1100))
+    data = bytearray(p.read_bytes())
+    pos, payload, cols = obs_payload(bytes(data), 0)
+    _, dt, codec, off, _, _ = cols["sum"]
+    assert dt == "f8" and codec == 0 and struct.unpack_from("<2d", payload, off) == (0.0, -0.0)
+    assert trainhist.open(p).verify()["rows"] == 2
+    struct.pack_into("<d", payload, off, -0.0)  # row 0: 2**-1100 with -0.0
+    rewrite(data, pos, bytes(payload))
+    p.write_bytes(bytes(data))
+    h = trainhist.open(p)
+    for fn in (h.verify, lambda: h.spine("a").sum_exact(0)):
+        with pytest.raises(CorruptError) as ei:
+            fn()
+        assert ei.value.code == "bad_exact_value" and ei.value.offset == pos

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 __all__ = ["Dyadic", "ZERO", "exact_sums", "float_of", "fits_float", "mant_bytes", "dyadics_of", "float_parts",
-           "canonical_parts", "floats_of", "quotient_float"]
+           "canonical_parts", "floats_of", "quotient_float", "same_float"]
 
 
 def float_of(m: int, e: int) -> float:
@@ -58,6 +58,13 @@ def quotient_float(m: int, e: int, n: int, root: bool = False) -> float:
         return float_of((t << 1) | (r != 0 or t * t != q), (e - s) // 2 - 1)
     v = (q << 1) | (r != 0)
     return float_of(v if m > 0 else -v, e - s - 1)
+
+
+def same_float(d: "Dyadic", f: float) -> bool:
+    """Whether ``f`` is the correctly rounded float64 of ``d`` (spec 5.3), bit for bit: a non-zero value that
+    rounds to zero needs the zero of its sign; only the exact zero takes either zero."""
+    r = d.to_float()
+    return r == f and (r != 0.0 or d.m == 0 or math.copysign(1.0, r) == math.copysign(1.0, f))
 
 
 def fits_float(m: int, e: int) -> bool:

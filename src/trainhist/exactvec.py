@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from .dyadic import ZERO, Dyadic, canonical_parts, float_of, float_parts, mant_bytes
+from .dyadic import ZERO, Dyadic, canonical_parts, float_of, float_parts, mant_bytes, same_float
 from .errors import CorruptError
 from .fastpath import kernels
 
@@ -307,7 +307,7 @@ def decode_exact(name: str, f: np.ndarray, lens: np.ndarray | None, blob: np.nda
             raise bad(i_n[np.flatnonzero(wrong)[0]],
                       f"{name} row {{row}} is not the correctly rounded value of {name}_x")
         for k in np.flatnonzero(sub).tolist():
-            if float_of(_to_int(limbs[k]), int(e_n[k])) != f[i_n[k]]:
+            if not same_float(Dyadic(_to_int(limbs[k]), int(e_n[k])), float(f[i_n[k]])):
                 raise bad(i_n[k], f"{name} row {{row}} is not the correctly rounded value of {name}_x")
         out.m = _widen(out.m, width)
         out.m[i_n] = limbs
@@ -320,7 +320,7 @@ def decode_exact(name: str, f: np.ndarray, lens: np.ndarray | None, blob: np.nda
             except ValueError:
                 raise bad(i, f"{name}_x row {{row}}: dyadic encoding is not canonical (mantissa must be odd and "
                           "minimal-length)") from None
-            if d.to_float() != f[i]:
+            if not same_float(d, float(f[i])):
                 raise bad(i, f"{name} row {{row}} is not the correctly rounded value of {name}_x")
             w[i] = d
         out.w = w

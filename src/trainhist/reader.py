@@ -43,7 +43,7 @@ from .batchdecode import (  # noqa: F401 - _directories_*, _int_positions: tests
     layout,
 )
 from .chunk import Chunk, Codec
-from .dyadic import ZERO, Dyadic, quotient_float
+from .dyadic import ZERO, Dyadic, quotient_float, same_float
 from .errors import (CorruptError, FormatError, NotFoundError, UnsupportedError, UsageError, not_a_file,
                      truncation_hint)
 from .framing import (
@@ -179,7 +179,7 @@ class _Exact:
             d = Dyadic.from_bytes(self.blob[o : o + n])
         except ValueError as err:
             raise _bad(f"{self.name}_x: {err}", "bad_exact_value", self.path, int(self.where[i])) from None
-        if d.to_float() != float(self.rounded[i]) and not (math.isnan(d.to_float()) and math.isnan(self.rounded[i])):
+        if not same_float(d, float(self.rounded[i])):  # (bit for bit: a tiny value needs the zero of its sign)
             raise _bad(f"{self.name} is not the correctly rounded value of {self.name}_x", "bad_exact_value",
                        self.path, int(self.where[i]))
         return d
