@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 import trainhist
 from trainhist import exactvec as xv
 from trainhist.dump import dumps
-from trainhist.dyadic import Dyadic, float_of, quotient_float
-from trainhist.errors import CorruptError
+from trainhist.dyadic import EXACT_BYTES, MANT_BITS, Dyadic, float_of, quotient_float, sum_within
+from trainhist.errors import CorruptError, TrainhistError, UsageError
 from trainhist.summary import Summary, SumMethod
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=300)
@@ -194,6 +194,129 @@ def test_exponents_at_the_ends_of_the_i32_are_read_with_bounded_memory(tmp_path)
     _, pk = peak(lambda: trainhist.merge([p], out, workers=1))
     assert pk < 16 * 1024 * KIB
     assert trainhist.open(out).spine("a").exact["sum"] == sums
+
+
+# -- 4. the width bound (reproducer r6) -------------------------------------------------------------------------
+def _plain_sum(values: list[Dyadic]) -> Dyadic:
+    return sum(values, Dyadic(0, 0))
+
+
+dyadics = st.builds(Dyadic.make, st.integers(-(1 << 100), 1 << 100), st.integers(-300, 300))
+
+
+@settings(**SETTINGS)
+@given(st.lists(st.one_of(dyadics, dyadics.map(lambda d: Dyadic(-d.m, d.e))), max_size=12),
+       st.sampled_from([1, 8, 64, 200, 700]))
+def test_sum_within_is_the_sum_or_none_when_it_is_wider_than_the_bound(values, width):
+    want = _plain_sum(values)
+    got = sum_within(values, width)
+    assert got == (want if abs(want.m).bit_length() <= width else None)
+
+
+@settings(**SETTINGS)
+@given(st.lists(st.builds(Dyadic.make, st.integers(-(1 << 8190), 1 << 8190), st.integers(-20000, 20000)), min_size=1,
+                max_size=6), st.data())
+def test_sum_within_at_the_bound_of_spec_5_3(values, data):
+    """Values up to the widest mantissa, exponents 40,000 apart at most; some cancel exactly."""
+    values = values + [Dyadic(-v.m, v.e) for v in data.draw(st.lists(st.sampled_from(values), max_size=3))]
+    want = _plain_sum(values)
+    assert sum_within(values) == (want if abs(want.m).bit_length() <= MANT_BITS else None)
+
+
+@pytest.mark.parametrize("values, want", [
+    ([Dyadic(1, 2**30), Dyadic(1, -(2**30))], None),
+    ([Dyadic(1, 2**30), Dyadic(1, 0), Dyadic(-1, 2**30)], Dyadic(1, 0)),
+    ([Dyadic(1, I32_MAX), Dyadic(1, I32_MIN), Dyadic(-1, I32_MIN)], Dyadic(1, I32_MAX)),
+    ([Dyadic(1, 2**30), Dyadic(-1, 2**30 - 1), Dyadic(-1, 2**30 - 1), Dyadic(5, -(2**30))], Dyadic(5, -(2**30))),
+    ([Dyadic(1, 8190), Dyadic(1, 0)], Dyadic((1 << 8190) + 1, 0)),
+    ([Dyadic(1, 8191), Dyadic(1, 0)], None),
+    ([Dyadic(1, 8191), Dyadic(-1, 0)], Dyadic((1 << 8191) - 1, 0)),  # 8,191 bits: the borrow keeps it in bound
+    ([Dyadic(1, 8192), Dyadic(-1, 0)], None),
+])
+def test_sum_within_far_apart_builds_nothing_wide(values, want):
+    got, pk = peak(lambda: sum_within(values))
+    assert got == want and pk < 64 * KIB
+
+
+def test_the_writer_refuses_a_sum_wider_than_the_bound(tmp_path):
+    one(tmp_path, "widest.thist", Dyadic((1 << 8190) + 1, 0), Dyadic(-((1 << 8191) - 1), -9000))
+    for d in (Dyadic((1 << 8191) + 1, 0), Dyadic(-((1 << 8191) + 1), 5)):
+        with pytest.raises(UsageError) as ei:
+            one(tmp_path, "wide.thist", d)
+        assert ei.value.code == "bad_summary" and "2**8191" in str(ei.value)
+
+
+def test_merge_and_coarsen_refuse_a_sum_too_wide_before_building_it(tmp_path):
+    """Reproducer r6: sums 2**K and 2**-K (9 bytes each) add to a mantissa of 2K + 1 bits: with K = 2**30, a
+    2**31-bit integer (1.2 GiB of memory) and a record the reader refuses. The exponent fits the i32; the width does
+    not (spec 5.3, 11.2): sum_overflow, with no allocation of the size of the sum."""
+    k = 2**24  # (a 4 MiB sum: what the code before the bound built; the work now does not depend on K)
+    r0 = one(tmp_path, "r0.thist", Dyadic(1, k), rank=0, world=2)
+    r1 = one(tmp_path, "r1.thist", Dyadic(1, -k), rank=1, world=2)
+    both = one(tmp_path, "both.thist", Dyadic(1, k), Dyadic(1, -k))
+    warm(tmp_path)
+    for what, fn in (("merge", lambda: trainhist.merge([r0, r1], tmp_path / "m.thist", workers=1)),
+                     ("coarsen", lambda: trainhist.coarsen(both, tmp_path / "c.thist", steps=2, workers=1))):
+        def run():
+            with pytest.raises(TrainhistError) as ei:
+                fn()
+            return ei.value
+
+        err, pk = peak(run)
+        assert err.code == "sum_overflow" and "8191 bits" in str(err), what
+        assert pk < 4 * 1024 * KIB, (what, pk)
+    assert not (tmp_path / "m.thist").exists() and not (tmp_path / "c.thist").exists()
+
+
+def test_far_apart_sums_that_cancel_are_added_and_unknown_sums_hide_a_wide_one(tmp_path):
+    """Spec 11.2: the width is decided on the combined row (2**K + 1 - 2**K = 1 is stored), and a combined row whose
+    method is unknown stores zero sums, so its known inputs' width is no refusal."""
+    k = 2**24
+    ranks = [one(tmp_path, f"c{i}.thist", d, rank=i, world=3) for i, d in
+             enumerate((Dyadic(1, k), Dyadic(1, 0), Dyadic(-1, k)))]
+    out = tmp_path / "m.thist"
+    warm(tmp_path)
+    _, pk = peak(lambda: trainhist.merge(ranks, out, workers=1))
+    assert pk < 8 * 1024 * KIB
+    s = trainhist.open(out).spine("a")
+    assert s.sum_exact(0) == Dyadic(1, 0) and s.exact["sum"] == [None]
+    ranks[1] = one(tmp_path, "u.thist", Dyadic(0, 0), rank=1, world=3, method=SumMethod.UNKNOWN)
+    ranks[2] = one(tmp_path, "f.thist", Dyadic(1, -k), rank=2, world=3)
+    trainhist.merge(ranks, out, workers=1)
+    s = trainhist.open(out).spine("a")
+    assert not s.sums_known[0] and s.columns["method"][0] == SumMethod.UNKNOWN
+
+
+def test_group_sums_mark_a_wide_sum_without_building_it():
+    vals = [Dyadic((1 << 300) + 1, 2**30), Dyadic(1, -(2**30)), Dyadic(3, 0), Dyadic((1 << 300) + 1, -5)]
+    f = np.array([v.to_float() for v in vals])
+    blobs = [v.to_bytes() for v in vals]
+    x = xv.decode_exact("sum", f, np.array([len(b) for b in blobs], np.uint32),
+                        np.frombuffer(b"".join(blobs), np.uint8), np.ones(4, bool), lambda i: ("f", 0, i))
+    xv.group_sum(f[2:], x.take(np.array([2, 3])), np.array([0]), np.array([2]))  # (compiled kernels loaded)
+    (out_f, out), pk = peak(lambda: xv.group_sum(f, x, np.array([0, 2]), np.array([2, 2])))
+    assert pk < 256 * KIB
+    assert out.out_of_range().tolist() == [True, False] and "8191 bits" in out.why_out_of_range(0, "sum")
+    assert out.get(1) == Dyadic.make(3 * 32 + (1 << 300) + 1, -5) and out_f[1] == out.get(1).to_float()
+    assert out.take(np.array([1, 0])).out_of_range().tolist() == [False, True]
+    assert xv.ExactCol.concat([out, out]).out_of_range().tolist() == [True, False, True, False]
+    out.blank(np.array([True, False]))
+    assert not out.out_of_range().any()
+
+
+def test_a_stored_entry_is_refused_by_its_length_before_it_is_decoded():
+    m = (1 << 8191) + 1
+    for d in (Dyadic(m, 0), Dyadic(-m, -9000), Dyadic((1 << 8190) + 1, 0)):
+        f = np.array([d.to_float()])
+        b = d.to_bytes()
+        args = ("sum", f, np.array([len(b)], np.uint32), np.frombuffer(b, np.uint8), np.ones(1, bool),
+                lambda i: ("f", 0, i))
+        if len(b) <= EXACT_BYTES:
+            assert xv.decode_exact(*args).get(0) == d
+        else:
+            with pytest.raises(CorruptError) as ei:
+                xv.decode_exact(*args)
+            assert ei.value.code == "bad_exact_value" and "1028" in str(ei.value)
 
 
 # -- 5. the zero a tiny value rounds to -------------------------------------------------------------------------

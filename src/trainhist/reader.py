@@ -43,7 +43,7 @@ from .batchdecode import (  # noqa: F401 - _directories_*, _int_positions: tests
     layout,
 )
 from .chunk import Chunk, Codec
-from .dyadic import ZERO, Dyadic, quotient_float, same_float
+from .dyadic import EXACT_BYTES, MANT_BITS, ZERO, Dyadic, quotient_float, same_float
 from .errors import (CorruptError, FormatError, NotFoundError, UnsupportedError, UsageError, not_a_file,
                      truncation_hint)
 from .framing import (
@@ -174,6 +174,9 @@ class _Exact:
         n = int(self.n[i])
         if n == 0:
             return None
+        if n > EXACT_BYTES:
+            raise _bad(f"{self.name}_x: a dyadic of {n} bytes, more than the {EXACT_BYTES} of spec 5.3 (a mantissa "
+                       f"below 2**{MANT_BITS} in magnitude)", "bad_exact_value", self.path, int(self.where[i]))
         o = int(self.off[i])
         try:
             d = Dyadic.from_bytes(self.blob[o : o + n])
