@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from history_helpers import obs_payload, rewrite
+from history_helpers import obs_payload, records, rewrite
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,9 +22,11 @@ from trainhist import exactvec as xv
 from trainhist.dump import dumps
 from trainhist.dyadic import EXACT_BYTES, MANT_BITS, Dyadic, float_of, quotient_float, sum_within
 from trainhist.errors import CorruptError, TrainhistError, UsageError
+from trainhist.framing import RecordType
 from trainhist.summary import Summary, SumMethod
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=300)
+VECTORS = Path(__file__).resolve().parent.parent / "conformance" / "vectors"
 KIB = 1024
 I32_MAX, I32_MIN = 2**31 - 1, -(2**31)
 
@@ -244,6 +246,31 @@ def test_the_writer_refuses_a_sum_wider_than_the_bound(tmp_path):
         with pytest.raises(UsageError) as ei:
             one(tmp_path, "wide.thist", d)
         assert ei.value.code == "bad_summary" and "2**8191" in str(ei.value)
+
+
+def _surfaces(p: Path, tmp_path: Path) -> dict[str, str]:
+    """The code each reader surface refuses ``p`` with, or "ok"."""
+    out = {}
+    for name, fn in {"verify": lambda: trainhist.open(p).verify(), "dump": lambda: dumps(trainhist.open(p)),
+                     "exact": lambda: trainhist.open(p).spine(trainhist.open(p).sites[0].path).exact,
+                     "merge": lambda: trainhist.merge([p], tmp_path / "m.thist", workers=1),
+                     "coarsen": lambda: trainhist.coarsen(p, tmp_path / "c.thist", steps=2, workers=1)}.items():
+        try:
+            fn()
+            out[name] = "ok"
+        except TrainhistError as e:
+            assert name in ("merge", "coarsen") or e.offset == records(p.read_bytes(), RecordType.OBS)[0]
+            out[name] = e.code
+    return out
+
+
+@pytest.mark.parametrize("case", ["exact_too_wide", "exact_tiny_zero_sign"])
+def test_exact_forms_beyond_the_bound_or_with_the_wrong_zero_are_refused_everywhere(tmp_path, case):
+    """Spec 5.3: an entry of sum_x longer than 1028 bytes (|m| >= 2**8191), and a non-zero value too small for
+    binary64 stored with the zero of the other sign (2**-1100 with -0.0: a comparison by value took it)."""
+    p = tmp_path / f"{case}.thist"
+    p.write_bytes((VECTORS / "invalid" / case / "input.thist").read_bytes())
+    assert set(_surfaces(p, tmp_path).values()) == {"bad_exact_value"}
 
 
 def test_merge_and_coarsen_refuse_a_sum_too_wide_before_building_it(tmp_path):
