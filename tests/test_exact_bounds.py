@@ -125,7 +125,8 @@ def _is_rounded_root(r: float, x: Fraction) -> bool:
     if r == math.inf:
         return x >= Fraction(2**1024 - 2**970) ** 2
     lo = (Fraction(r) + Fraction(math.nextafter(r, -math.inf))) / 2 if r > 0 else Fraction(0)
-    hi = (Fraction(r) + Fraction(math.nextafter(r, math.inf))) / 2
+    up = math.nextafter(r, math.inf)
+    hi = (Fraction(r) + Fraction(up)) / 2 if up != math.inf else Fraction(2**1024 - 2**970)  # (a tie there: inf)
     even = bits(r) & 1 == 0
     return (lo**2 < x < hi**2) or (even and x in (lo**2, hi**2)) or (r == 0 and x <= hi**2)
 
@@ -137,6 +138,13 @@ def test_quotient_float_is_correctly_rounded(m, e, n):
     assert bits(quotient_float(m, e, n)) == bits(_round_ref(x))
     r = quotient_float(abs(m), e, n, root=True)
     assert _is_rounded_root(r, abs(x)), (m, e, n, r)
+
+
+def test_the_rounded_root_check_at_the_ends_of_the_range():
+    top = 2.0**1023 * (2 - 2.0**-52)
+    assert _is_rounded_root(top, Fraction(top) ** 2) and not _is_rounded_root(top, Fraction(2**1024 - 2**970) ** 2)
+    assert _is_rounded_root(math.inf, Fraction(2**1024 - 2**970) ** 2)
+    assert _is_rounded_root(0.0, Fraction(1, 2**2150)) and _is_rounded_root(5e-324, Fraction(1, 2**2148))
 
 
 def test_quotient_float_of_huge_exponents_is_bounded():
