@@ -520,6 +520,13 @@ HUGE_SUM_SUMMARY = {  # one value whose exact sum has the largest exponent the i
     "count": U(1), "nan": U(0), "pinf": U(0), "ninf": U(0), "zero": U(0),
     "min": F(1.0), "max": F(1.0), "sum": f"d:1p{2**31 - 1}", "sumsq": "d:1p0", "method": "exact",
 }
+def one_sum(sum: str, **kw: Any) -> dict:
+    """One value's row (1.0) whose stored sum is the dyadic ``sum`` (spec 5.3 and 5.5 do not tie it to min/max)."""
+    return {"count": U(1), "nan": U(0), "pinf": U(0), "ninf": U(0), "zero": U(0), "min": F(1.0), "max": F(1.0),
+            "sum": sum, "sumsq": "d:1p0", "method": "exact", **kw}
+
+
+WIDEST_M = 2**8190 + 1  #: a mantissa of 8,191 bits: the widest an exact form holds (spec 5.3), in 1024 bytes
 UNKNOWN_SUMS_SUMMARY = {  # float64 values near 1e200: the float64 sum of squares overflowed, the sums are unknown
     "count": U(3), "nan": U(0), "pinf": U(0), "ninf": U(0), "zero": U(0),
     "min": F(2.0), "max": F(3e200), "sum": None, "sumsq": None, "method": "unknown",
@@ -959,6 +966,23 @@ def gen_valid_edges(s: Suite, base: dict[str, bytes]) -> None:
         exact_row(cs, 1, struct.pack("<i", -2) + b"\x03")  # 0.75
         exact_row(cs, 2, struct.pack("<i", 0) + b"\x00", -0.0)  # 0
 
+    def tiny(m: dict, cs: list[Col]) -> None:
+        exact_row(cs, 0, struct.pack("<i", -1100) + b"\x01", 0.0)  # 2^-1100
+        exact_row(cs, 1, struct.pack("<i", -1100) + b"\xff", -0.0)  # -2^-1100
+
+    one_row("exact_tiny_signed_zeros", "non-zero sums too small for binary64: row 0's 2^-1100 with the f64 sum +0.0, "
+            "row 1's -2^-1100 with -0.0, the zero of each one's sign", ["5.3"], tiny, src="exact_small")
+    base["exact_widest"] = write_ops(ops_doc([
+        site("w", cadence={"spine": 1, "sketch": 0}),
+        {"op": "observe", "site": 0, "step": I(0), "summary": one_sum(f"d:{WIDEST_M}p0")},
+        {"op": "observe", "site": 0, "step": I(1), "summary": one_sum(f"d:{-(2**8191 - 1)}p-9000")},
+        {"op": "observe", "site": 0, "step": I(2), "summary": one_sum(f"d:1p{2**31 - 1}")},
+        {"op": "observe", "site": 0, "step": I(3), "summary": one_sum(f"d:-1p{-2**31}")},
+        COMMIT]))
+    s.read(v, "exact_widest", "exact forms at the width bound of spec 5.3 (|m| < 2^8191: 1024 bytes of m, 1028 "
+           "with e): 2^8190 + 1 (f64 +inf) and -(2^8191 - 1) * 2^-9000 (a finite f64 near -2^-809); and exponents at "
+           "the ends of the i32: 2^(2^31 - 1) (+inf) and -2^(-2^31) (-0.0), rounded without building 2^|e|",
+           ["5.3", "12"], base["exact_widest"])
     one_row("exact_form_of_binary64", "sums that are binary64 values also stored as exact forms (a writer should "
             "not, a reader accepts them: the same numbers): row 1's 0.75 as d:3p-2, and row 2's 0 (values 1, -1) as "
             "the zero d:0p0 (m = 0, e = 0) with the f64 sum -0.0, which names 0 as +0.0 does", ["5.3", "5.5"],
@@ -1567,6 +1591,15 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
                "bad_exact_value",
                lambda m, cs: exact_row(cs, 0, struct.pack("<i", -80) + (2**80 + 1).to_bytes(12, "little")),
                src="exact_small")
+    chunk_case("exact_tiny_zero_sign", "row 0's exact sum 2^-1100 (too small for binary64) with the f64 sum -0.0: "
+               "a non-zero value rounds to the zero of its sign, +0.0; the f64 column is compared bit for bit",
+               ["5.3"], "bad_exact_value",
+               lambda m, cs: exact_row(cs, 0, struct.pack("<i", -1100) + b"\x01", -0.0), src="exact_small")
+    chunk_case("exact_too_wide", "row 0's exact sum 2^8191 + 1 (f64 +inf): canonical and correctly rounded, but its "
+               "mantissa takes 1025 bytes, one more than the width bound of 5.3 allows (entry of 1029 bytes)",
+               ["5.3", "7.5", "12"], "bad_exact_value",
+               lambda m, cs: exact_row(cs, 0, struct.pack("<i", 0) + (2**8191 + 1).to_bytes(1025, "little")),
+               src="exact_widest")
     chunk_case("exact_zero_exponent", "row 1's sum stored as the exact form m = 0, e = 5 with an f64 sum of +0.0: "
                "the zero is canonical only as m = 0, e = 0", ["5.3"], "bad_exact_value",
                lambda m, cs: exact_row(cs, 1, struct.pack("<i", 5) + b"\x00", 0.0), src="exact_small")
@@ -1885,6 +1918,28 @@ def gen_merge(s: Suite, base: dict[str, bytes]) -> dict[str, bytes]:
                   "11.4"], {"input-0.thist": base["row_not_observed_loose"],
                             "input-1.thist": write_ops(ops_doc(NOSKETCH_OPS, writer_id=WRITER_ID_4, rank=1,
                                                                world_size=2))}, {"inputs": two})
+    def sums(*values: str) -> dict[str, bytes]:  # one input per sum: rank k's one row at step 0
+        return {f"input-{k}.thist": write_ops(ops_doc(
+            [site("s", cadence={"spine": 1, "sketch": 0}), {"op": "observe", "site": 0, "step": I(0),
+                                                             "summary": one_sum(v)}, COMMIT],
+            writer_id=(WRITER_ID, WRITER_ID_4, WRITER_ID_5)[k], rank=k, world_size=len(values)))
+            for k, v in enumerate(values)}
+
+    far = sums(f"d:1p{2**30}", f"d:1p{-2**30}")
+    _derived_case(s, m, "sum_too_wide", "sums 2^(2^30) (f64 +inf) and 2^-(2^30) (f64 +0.0), 9 bytes of exact form "
+                  "each: their sum 2^(2^30) + 2^-(2^30) has an exponent that fits the i32 but a mantissa of 2^31 + 1 "
+                  "bits, beyond the width bound of 5.3 (|m| < 2^8191): refused before it is built", ["11.2", "5.3"],
+                  far, {"inputs": sorted(far)}, error="sum_overflow")
+    edge = sums(f"d:1p{8191}", "d:1p0")
+    _derived_case(s, m, "sum_one_bit_too_wide", "sums 2^8191 and 1: their sum's mantissa 2^8191 + 1 has 8,192 bits, "
+                  "one more than 5.3 allows", ["11.2", "5.3"], edge, {"inputs": sorted(edge)}, error="sum_overflow")
+    edge = sums(f"d:1p{8190}", "d:1p0")
+    _derived_case(s, m, "sum_widest", "sums 2^8190 and 1: their sum 2^8190 + 1 has the widest mantissa 5.3 allows "
+                  "(8,191 bits, a 1028-byte exact form)", ["11.2", "5.3"], edge, {"inputs": sorted(edge)})
+    far = sums(f"d:1p{2**30}", "d:1p0", f"d:-1p{2**30}")
+    _derived_case(s, m, "sum_wide_cancels", "sums 2^(2^30), 1 and -2^(2^30): the first two alone would be too wide "
+                  "(merge/sum_too_wide), the three add to 1, which is stored: the width is decided on the combined "
+                  "row, not on a partial sum", ["11.2", "5.3"], far, {"inputs": sorted(far)})
     huge3 = [write_ops(ops_doc([site("huge"), {"op": "observe", "site": 0, "step": I(0), "summary": summ}, COMMIT],
                                writer_id=wid, rank=k, world_size=3))
              for k, (wid, summ) in enumerate(((WRITER_ID, HUGE_SUM_SUMMARY), (WRITER_ID_4, HUGE_SUM_SUMMARY),
@@ -1943,6 +1998,13 @@ def gen_coarsen(s: Suite) -> dict[str, bytes]:
                       {"op": "observe", "site": 0, "step": I(1), "summary": UNKNOWN_SUMS_SUMMARY},
                       obs(0, 2, [0.5], sketch=False), obs(0, 3, [2.0**-80], sketch=False), COMMIT]))},
                   {"input": "input.thist", "steps": 2, "bins_per_octave": 4})
+    _derived_case(s, c, "sum_too_wide", "steps 0 and 1 with sums 2^(2^30) and 2^-(2^30) in one 2-step window: the "
+                  "window's sum needs a mantissa of 2^31 + 1 bits, beyond the width bound of 5.3", ["11.7", "11.2",
+                  "5.3"], {"input.thist": write_ops(ops_doc([
+                      site("x", cadence={"spine": 1, "sketch": 0}),
+                      {"op": "observe", "site": 0, "step": I(0), "summary": one_sum(f"d:1p{2**30}")},
+                      {"op": "observe", "site": 0, "step": I(1), "summary": one_sum(f"d:1p{-2**30}")}, COMMIT]))},
+                  {"input": "input.thist", "steps": 2, "bins_per_octave": 4}, error="sum_overflow")
     kept = _derived_case(s, c, "cadence_kept", "a site recorded every 3 steps, coarsened by 2: it keeps cadence 3 (the "
                   "steps its writer planned), so window [4, 6), which holds no due step and has no row, reads "
                   "not_scheduled", ["11.7", "2.6"],

@@ -15,15 +15,62 @@ from typing import NamedTuple
 import numpy as np
 
 __all__ = ["Dyadic", "ZERO", "exact_sums", "float_of", "fits_float", "mant_bytes", "dyadics_of", "float_parts",
-           "canonical_parts", "floats_of"]
+           "canonical_parts", "floats_of", "quotient_float", "same_float", "sum_within", "MANT_BITS", "EXACT_BYTES"]
+
+#: The width bound of an exact form (spec 5.3): ``|m| < 2**MANT_BITS``, i.e. ``m`` in at most 1024 bytes of
+#: two's complement, so an encoded dyadic (``sum_x`` entry) has at most ``EXACT_BYTES`` bytes. A sum of fewer than
+#: 2**64 binary64 values needs at most 2,162 bits, a sum of their squares at most 4,260.
+MANT_BITS = 8191
+EXACT_BYTES = 4 + 1024
 
 
 def float_of(m: int, e: int) -> float:
-    """Correctly rounded float64 of ``m * 2**e`` (ties to even); +-inf beyond the float64 range."""
+    """Correctly rounded float64 of ``m * 2**e`` (ties to even); +-inf beyond the float64 range, the zero of the
+    sign of ``m`` below half the smallest subnormal. The work is bounded by the size of ``m``, whatever ``e``: only
+    values within reach of the float64 range are shifted (by fewer than ``1100 + m.bit_length()`` bits)."""
+    if m == 0:
+        return 0.0
+    top = e + (m if m > 0 else -m).bit_length()  # 2**(top - 1) <= |m * 2**e| < 2**top
+    if top > 1024:  # |value| >= 2**1024: beyond the largest float64 and the halfway point above it
+        return math.inf if m > 0 else -math.inf  # (copysign would convert the huge int m to float)
+    if top < -1074:  # |value| < 2**-1075, half the smallest subnormal: rounds to zero
+        return 0.0 if m > 0 else -0.0
     try:
         return float(m << e) if e >= 0 else m / (1 << -e)
     except OverflowError:
-        return math.inf if m > 0 else -math.inf  # (copysign would convert the huge int m to float)
+        return math.inf if m > 0 else -math.inf
+
+
+def quotient_float(m: int, e: int, n: int, root: bool = False) -> float:
+    """Correctly rounded float64 (ties to even) of ``m * 2**e / n`` (``n >= 1``), or with ``root`` of its square root
+    (NaN when ``m < 0``): +-inf where the value overflows, a zero of its sign where it underflows. No intermediate
+    float is formed, and the work is bounded by the sizes of ``m`` and ``n``, whatever ``e``.
+
+    An integer ``q`` of at least 57 significant bits is the quotient (or root) truncated, and the remainder adds a
+    sticky bit: ``2q + 1`` lies strictly between the same two rounding boundaries as the true value (they are even
+    multiples of the last bit), so one correct rounding of ``(2q + sticky) * 2**(E - 1)`` rounds the true value."""
+    if m == 0:
+        return 0.0
+    if root and m < 0:
+        return math.nan
+    a = m if m > 0 else -m
+    want = 112 if root else 56  # |a * 2**s / n| >= 2**want
+    s = want + n.bit_length() - a.bit_length() + 1
+    if root and (e - s) % 2:
+        s += 1
+    q, r = divmod(a << s, n) if s >= 0 else divmod(a, n << -s)
+    if root:
+        t = math.isqrt(q)
+        return float_of((t << 1) | (r != 0 or t * t != q), (e - s) // 2 - 1)
+    v = (q << 1) | (r != 0)
+    return float_of(v if m > 0 else -v, e - s - 1)
+
+
+def same_float(d: "Dyadic", f: float) -> bool:
+    """Whether ``f`` is the correctly rounded float64 of ``d`` (spec 5.3), bit for bit: a non-zero value that
+    rounds to zero needs the zero of its sign; only the exact zero takes either zero."""
+    r = d.to_float()
+    return r == f and (r != 0.0 or d.m == 0 or math.copysign(1.0, r) == math.copysign(1.0, f))
 
 
 def fits_float(m: int, e: int) -> bool:
@@ -96,6 +143,55 @@ class Dyadic(NamedTuple):
 
 
 ZERO = Dyadic(0, 0)
+
+
+def _tree_sum(vals: list[Dyadic], lo: int, hi: int) -> tuple[int, int]:
+    """``(t, e)`` with ``t * 2**e`` the exact sum of ``vals[lo:hi]`` (sorted by exponent, ``e`` the least), added
+    pairwise: every integer made is no wider than the span of the values it sums, plus a bit a level."""
+    if hi - lo == 1:
+        return vals[lo].m, vals[lo].e
+    mid = (lo + hi) // 2
+    t0, e0 = _tree_sum(vals, lo, mid)
+    t1, e1 = _tree_sum(vals, mid, hi)
+    return t0 + (t1 << (e1 - e0)), e0
+
+
+def sum_within(values: list[Dyadic], bits: int = MANT_BITS) -> Dyadic | None:
+    """The exact sum of ``values`` (canonical), or None when its mantissa needs more than ``bits`` bits
+    (``|m| >= 2**bits``), decided on the sum itself (values that cancel may span more), with memory linear in the
+    sizes of the ``m`` of the values, whatever their exponents (spec 11.2: no sum 2**(2**31)-bit wide is built).
+
+    The values, sorted by exponent, fall into blocks whose bounds overlap (a value joins the block below when its
+    exponent is at most the block's bound on the top of its sum); each block is summed alone. Between two blocks
+    lies a gap of at least one bit, so a block never changes the lowest set bit of the blocks below, and with two
+    non-zero blocks or more the sum's magnitude is above 2**(top - 2), ``top`` being the top bit (exclusive) of the
+    highest block: the mantissa then needs at least ``top - 1 - low`` bits, ``low`` being the lowest set bit of
+    the sum, and the sum is built only when that is within ``bits``."""
+    vals = sorted((v for v in values if v.m), key=lambda v: v.e)
+    blocks: list[tuple[int, int]] = []  # (t, e): a block's exact sum t * 2**e
+    i = 0
+    while i < len(vals):
+        j, bound = i + 1, vals[i].e + abs(vals[i].m).bit_length()  # |block sum| < 2**bound
+        while j < len(vals) and vals[j].e <= bound:
+            bound = max(bound, vals[j].e + abs(vals[j].m).bit_length()) + 1
+            j += 1
+        t, e = _tree_sum(vals, i, j)
+        if t:
+            blocks.append((t, e))
+        i = j
+    if not blocks:
+        return ZERO
+    t0, e0 = blocks[0]
+    tz = (t0 & -t0).bit_length() - 1
+    low = e0 + tz  # the lowest set bit of the sum: that of the lowest block
+    if len(blocks) == 1:
+        m = t0 >> tz
+    else:
+        th, eh = blocks[-1]
+        if eh + abs(th).bit_length() - 1 - low > bits:
+            return None
+        m = (t0 >> tz) + sum(t << (e - low) for t, e in blocks[1:])
+    return Dyadic(m, low) if abs(m).bit_length() <= bits else None
 
 
 def canonical_parts(m: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -18,7 +18,8 @@ from typing import Callable
 
 import numpy as np
 
-from .dyadic import ZERO, Dyadic, canonical_parts, float_of, float_parts, mant_bytes
+from .dyadic import (EXACT_BYTES, MANT_BITS, Dyadic, canonical_parts, float_of, float_parts, mant_bytes, same_float,
+                     sum_within)
 from .errors import CorruptError
 from .fastpath import kernels
 
@@ -143,14 +144,17 @@ def _from_int(m: int, width: int) -> np.ndarray:
 
 
 class ExactCol:
-    """Exact values of one column of a row batch (see the module docstring)."""
+    """Exact values of one column of a row batch (see the module docstring). ``over`` (None, or a mask) marks the
+    group sums whose mantissa is wider than spec 5.3 allows: they are not built, and their row holds zero."""
 
-    __slots__ = ("e", "m", "w")
+    __slots__ = ("e", "m", "w", "over")
 
-    def __init__(self, e: np.ndarray, m: np.ndarray, w: np.ndarray | None = None) -> None:
+    def __init__(self, e: np.ndarray, m: np.ndarray, w: np.ndarray | None = None,
+                 over: np.ndarray | None = None) -> None:
         self.e = e
         self.m = m
         self.w = w if w is not None and any(x is not None for x in w.tolist()) else None
+        self.over = over if over is not None and over.any() else None
 
     @staticmethod
     def zeros(n: int) -> "ExactCol":
@@ -166,7 +170,8 @@ class ExactCol:
         return int(self.e.size)
 
     def take(self, idx) -> "ExactCol":
-        return ExactCol(self.e[idx], self.m[idx], None if self.w is None else self.w[idx])
+        return ExactCol(self.e[idx], self.m[idx], None if self.w is None else self.w[idx],
+                        None if self.over is None else self.over[idx])
 
     @staticmethod
     def concat(parts: list["ExactCol"]) -> "ExactCol":
@@ -175,10 +180,12 @@ class ExactCol:
         width = max(p.m.shape[1] for p in parts)
         e = np.concatenate([p.e for p in parts])
         m = np.concatenate([_widen(p.m, width) for p in parts])
-        w = None
+        w = over = None
         if any(p.w is not None for p in parts):
             w = np.concatenate([p.w if p.w is not None else np.full(len(p), None, object) for p in parts])
-        return ExactCol(e, m, w)
+        if any(p.over is not None for p in parts):
+            over = np.concatenate([p.over if p.over is not None else np.zeros(len(p), bool) for p in parts])
+        return ExactCol(e, m, w, over)
 
     def blank(self, mask: np.ndarray) -> None:
         """Set the rows in ``mask`` to zero."""
@@ -186,14 +193,27 @@ class ExactCol:
         self.m[mask] = 0
         if self.w is not None:
             self.w[mask] = None
+        if self.over is not None:
+            self.over[mask] = False
 
     def out_of_range(self) -> np.ndarray:
-        """Per row: whether its exponent lies outside the i32 of the exact encoding (spec 5.3): such a value (a sum
-        of values near the largest exponent) cannot be stored, and must not be wrapped."""
+        """Per row: whether its exponent lies outside the i32 of the exact encoding, or its mantissa is wider than
+        the bound of spec 5.3 (``over``): such a value (a sum of values near the largest exponent, or of values
+        far apart) cannot be stored, and must not be wrapped."""
         bad = (self.e < I32_MIN) | (self.e > I32_MAX)
         if self.w is not None:
             bad |= np.array([v is not None and not I32_MIN <= v.e <= I32_MAX for v in self.w.tolist()], bool)
+        if self.over is not None:
+            bad |= self.over
         return bad
+
+    def why_out_of_range(self, i: int, name: str) -> str:
+        """What makes row ``i`` (one :meth:`out_of_range` gives) unstorable, for an error message."""
+        if self.over is not None and self.over[i]:
+            return (f"the exact {name} needs a mantissa of more than {MANT_BITS} bits, wider than the exact "
+                    "encoding allows (spec 5.3), and cannot be stored")
+        return (f"the exact {name} gets the exponent {self.get(i).e}, outside the 32 bits of the exact encoding "
+                "(spec 5.3), and cannot be stored")
 
     def get(self, i: int) -> Dyadic:
         if self.w is not None and self.w[i] is not None:
@@ -208,8 +228,17 @@ class ExactCol:
             d |= np.array([a != b for a, b in zip(wl, wo)], bool)
         return d
 
+    def set_over(self, i: int) -> None:
+        """Mark row ``i`` as a sum too wide to store (spec 5.3); the row holds zero."""
+        self.set_py(i, 0, 0)
+        if self.over is None:
+            self.over = np.zeros(len(self), bool)
+        self.over[i] = True
+
     def set_py(self, i: int, m: int, e: int) -> None:
         """Store canonical ``m * 2**e`` in row ``i`` (narrow or wide)."""
+        if self.over is not None:
+            self.over[i] = False
         if mant_bytes(m) > 4 * MAX_LIMBS:
             if self.w is None:
                 self.w = np.full(len(self), None, object)
@@ -286,6 +315,11 @@ def decode_exact(name: str, f: np.ndarray, lens: np.ndarray | None, blob: np.nda
     short = has & (lens < 5)
     if short.any():
         raise bad(np.flatnonzero(short)[0], f"{name}_x row {{row}}: a dyadic needs at least 5 bytes")
+    too_long = lens > EXACT_BYTES
+    if too_long.any():
+        i = int(np.flatnonzero(too_long)[0])
+        raise bad(i, f"{name}_x row {{row}}: a dyadic of {int(lens[i])} bytes, more than the {EXACT_BYTES} of spec 5.3 "
+                  f"(a mantissa below 2**{MANT_BITS} in magnitude)")
     starts = np.cumsum(lens) - lens
     ix = np.flatnonzero(has)
     st, ml = starts[ix], lens[ix] - 4
@@ -307,7 +341,7 @@ def decode_exact(name: str, f: np.ndarray, lens: np.ndarray | None, blob: np.nda
             raise bad(i_n[np.flatnonzero(wrong)[0]],
                       f"{name} row {{row}} is not the correctly rounded value of {name}_x")
         for k in np.flatnonzero(sub).tolist():
-            if float_of(_to_int(limbs[k]), int(e_n[k])) != f[i_n[k]]:
+            if not same_float(Dyadic(_to_int(limbs[k]), int(e_n[k])), float(f[i_n[k]])):
                 raise bad(i_n[k], f"{name} row {{row}} is not the correctly rounded value of {name}_x")
         out.m = _widen(out.m, width)
         out.m[i_n] = limbs
@@ -320,7 +354,7 @@ def decode_exact(name: str, f: np.ndarray, lens: np.ndarray | None, blob: np.nda
             except ValueError:
                 raise bad(i, f"{name}_x row {{row}}: dyadic encoding is not canonical (mantissa must be odd and "
                           "minimal-length)") from None
-            if d.to_float() != f[i]:
+            if not same_float(d, float(f[i])):
                 raise bad(i, f"{name} row {{row}} is not the correctly rounded value of {name}_x")
             w[i] = d
         out.w = w
@@ -409,9 +443,13 @@ def group_sum(f: np.ndarray, x: ExactCol, starts: np.ndarray, sizes: np.ndarray,
         g = int(multi[j])
         s0 = int(starts[g])
         rows = range(s0, s0 + int(sizes[g])) if order is None else order[s0 : s0 + int(sizes[g])].tolist()
-        tot = sum((x.get(i) for i in rows), ZERO)
-        out_f[g] = tot.to_float()
-        out.set_py(g, tot.m, tot.e)
+        tot = sum_within([x.get(i) for i in rows])  # (None: wider than spec 5.3 allows, never built)
+        if tot is None:
+            out_f[g] = 0.0
+            out.set_over(g)
+        else:
+            out_f[g] = tot.to_float()
+            out.set_py(g, tot.m, tot.e)
     return out_f, out
 
 

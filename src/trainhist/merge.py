@@ -886,9 +886,7 @@ class _Engine:
         for name, x in (("sum", sum_x), ("sumsq", sumsq_x)):
             big = x.out_of_range()
             if big.any():
-                e = x.get(int(np.flatnonzero(big)[0])).e
-                raise refused(big, f"the exact {name} gets the exponent {e}, outside the 32 bits of the exact "
-                              "encoding (spec 5.3), and cannot be stored", "sum_overflow")
+                raise refused(big, x.why_out_of_range(int(np.flatnonzero(big)[0]), name), "sum_overflow")
         has = np.logical_or.reduceat(has_in, starts)
         pos = neg = bands = sparse = None
         if sp is not None:

@@ -43,7 +43,7 @@ from .batchdecode import (  # noqa: F401 - _directories_*, _int_positions: tests
     layout,
 )
 from .chunk import Chunk, Codec
-from .dyadic import ZERO, Dyadic
+from .dyadic import EXACT_BYTES, MANT_BITS, ZERO, Dyadic, quotient_float, same_float
 from .errors import (CorruptError, FormatError, NotFoundError, UnsupportedError, UsageError, not_a_file,
                      truncation_hint)
 from .framing import (
@@ -157,22 +157,9 @@ class _Entry(NamedTuple):
 
 
 def _ratio(d: Dyadic, n: int, root: bool) -> float:
-    """``d / n``, or its square root, as a float, by integer arithmetic: no overflow or underflow on the way (the
-    result itself may still be beyond the float range: inf, or 0)."""
-    if d.m == 0:
-        return 0.0
-    m = abs(d.m)
-    shift = 64 - (m.bit_length() - n.bit_length())  # (a quotient of about 64 significant bits)
-    if root and (d.e - shift) % 2:
-        shift += 1
-    q = (m << shift) // n if shift >= 0 else m // (n << -shift)
-    exp = d.e - shift
-    try:
-        if root:
-            return math.ldexp(float(math.isqrt(q << 64)), exp // 2 - 32)
-        return math.copysign(math.ldexp(float(q), exp), d.m)
-    except OverflowError:
-        return math.copysign(math.inf, d.m)
+    """``d / n``, or its square root, correctly rounded, by integer arithmetic: no overflow or underflow on the way
+    (the result itself may still be beyond the float range: inf, or 0), and no exception, however wide ``d``."""
+    return quotient_float(d.m, d.e, n, root)
 
 
 class _Exact:
@@ -187,12 +174,15 @@ class _Exact:
         n = int(self.n[i])
         if n == 0:
             return None
+        if n > EXACT_BYTES:
+            raise _bad(f"{self.name}_x: a dyadic of {n} bytes, more than the {EXACT_BYTES} of spec 5.3 (a mantissa "
+                       f"below 2**{MANT_BITS} in magnitude)", "bad_exact_value", self.path, int(self.where[i]))
         o = int(self.off[i])
         try:
             d = Dyadic.from_bytes(self.blob[o : o + n])
         except ValueError as err:
             raise _bad(f"{self.name}_x: {err}", "bad_exact_value", self.path, int(self.where[i])) from None
-        if d.to_float() != float(self.rounded[i]) and not (math.isnan(d.to_float()) and math.isnan(self.rounded[i])):
+        if not same_float(d, float(self.rounded[i])):  # (bit for bit: a tiny value needs the zero of its sign)
             raise _bad(f"{self.name} is not the correctly rounded value of {self.name}_x", "bad_exact_value",
                        self.path, int(self.where[i]))
         return d

@@ -25,7 +25,7 @@ import numpy as np
 
 from . import __version__, grid
 from .chunk import DTYPES, MAX_ROWS, Codec, assemble_chunks, encode_chunk, pack_segments
-from .dyadic import ZERO, Dyadic, floats_of
+from .dyadic import MANT_BITS, ZERO, Dyadic, floats_of
 from .errors import NotFoundError, ReadOnlyError, UsageError, not_a_file
 from .framing import (
     FILE_HEADER_SIZE,
@@ -142,8 +142,9 @@ class _Spines:
 _SUMMARY_TYPES = (
     "count, nan, pinf, ninf and zero: int in [0, 2**64); min and max: float (NaN when no value is finite); sum and "
     "sumsq: trainhist.dyadic.Dyadic, the exact value m * 2**e in canonical form (Dyadic.from_float(x), "
-    "Dyadic.make(m, e)); sum_method: a trainhist.SumMethod code (EXACT, F64, F32 or UNKNOWN); sketch: None or a "
-    "trainhist.Sketch of scale 0, 1 or 2 whose pos and neg are integer arrays of grid.nbins(scale) counts")
+    "Dyadic.make(m, e)), e an i32 and |m| < 2**8191; sum_method: a trainhist.SumMethod code (EXACT, F64, F32 or "
+    "UNKNOWN); sketch: None or a trainhist.Sketch of scale 0, 1 or 2 whose pos and neg are integer arrays of "
+    "grid.nbins(scale) counts")
 
 
 _U64_END = 2**64
@@ -161,10 +162,11 @@ def _is_real(v: object) -> bool:
 
 
 def _is_dyadic(d: object) -> bool:
-    """Whether ``d`` is a canonical :class:`Dyadic` of int parts whose exponent an i32 holds (spec 5.3)."""
+    """Whether ``d`` is a canonical :class:`Dyadic` of int parts whose exponent an i32 holds and whose mantissa is
+    within the width bound (spec 5.3)."""
     if not isinstance(d, Dyadic) or type(d.m) is not int or type(d.e) is not int:
         return False
-    return (d.m & 1 == 1 or d.m == d.e == 0) and -(2**31) <= d.e < 2**31
+    return (d.m & 1 == 1 or d.m == d.e == 0) and -(2**31) <= d.e < 2**31 and abs(d.m).bit_length() <= MANT_BITS
 
 
 def _is_sketch(k: object) -> bool:
