@@ -173,6 +173,32 @@ def test_a_missing_sketch_column_is_named_by_merge_too(tmp_path):
     assert set(_surfaces(p, tmp_path).values()) == {"missing_column"}
 
 
+@pytest.mark.parametrize("column", ["sum_xn", "sumsq_xn", "sk"])
+def test_an_optional_group_without_its_first_column_is_refused_by_merge_and_coarsen_too(tmp_path, column):
+    """Spec 7.5: exact-sum columns come in pairs, the sketch columns all together (`missing_column`). Merge and
+    coarsen (canonical.read_obs) checked `<name>_xn` without `<name>_x` but not the reverse, and the sketch group
+    only when `sk` was there: they took `sum_x` without `sum_xn`, or the sketch columns without `sk`, and dropped
+    them silently, where verify refuses the file (spec 11: with verify's code and offset)."""
+    p = tmp_path / "x.thist"
+    with trainhist.HistoryWriter(p, codec="raw", fsync="never", writer_id="a" * 32) as w:
+        w.observe(w.site("a", "activation"), 0, np.array([2.0**60, 1.0, -3.0]))  # sums that need the exact form
+    data = bytearray(p.read_bytes())
+    pos, payload, cols = obs_payload(bytes(data), 0)
+    assert {"sum_xn", "sumsq_xn", "sk"} <= set(cols)
+    (mlen,) = struct.unpack_from("<I", payload)
+    name = column.encode()
+    i = payload.index(bytes([0xA0 | len(name)]) + name, 4, 4 + mlen)
+    payload[i + 1 : i + 1 + len(name)] = b"x-" + name[2:]  # an ignorable unknown column now: `column` is missing
+    rewrite(data, pos, bytes(payload))
+    p.write_bytes(bytes(data))
+    assert set(_surfaces(p, tmp_path).values()) == {"missing_column"}
+    for fn in (lambda: trainhist.merge([p], tmp_path / "m.thist", workers=1),
+               lambda: trainhist.coarsen(p, tmp_path / "c.thist", steps=2, workers=1)):
+        with pytest.raises(TrainhistError) as e:
+            fn()
+        assert (e.value.code, e.value.offset) == ("missing_column", pos), e.value
+
+
 @pytest.mark.parametrize("column", ["applied", "grad_basis", "clipped"])
 def test_unknown_step_truth_codes_are_refused_by_merge_too(tmp_path, column):
     """Merge used to copy an unknown step-truth code into a file the reader then refused."""
