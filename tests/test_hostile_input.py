@@ -849,10 +849,8 @@ def test_errors_of_the_file_header_name_offset_0(tmp_path):
         assert (e.value.code, e.value.offset) == (code, 0), e.value
 
 
-@pytest.mark.parametrize("which", [0, 1, 2])
-def test_mixed_scales_name_the_first_chunk_that_disagrees_with_the_first(tmp_path, which):
-    """Spec 8, Offsets: `mixed_scale` names the first of a site's chunks, in file order, whose scale differs from
-    the first chunk's: the second chunk when the first or the second is the odd one, else the third."""
+def _mixed_scales(tmp_path: Path, which: int) -> tuple[Path, int]:
+    """A site of three chunks (scale 2), chunk ``which`` rewritten to scale 1; and the offset `mixed_scale` names."""
     p = tmp_path / "m.thist"
     with trainhist.HistoryWriter(p, codec="raw", fsync="never") as w:
         a = w.site("a", "activation")
@@ -866,12 +864,48 @@ def test_mixed_scales_name_the_first_chunk_that_disagrees_with_the_first(tmp_pat
     payload[i + 6] = 1
     rewrite(data, pos, bytes(payload))
     p.write_bytes(bytes(data))
-    want = records(bytes(data), RecordType.OBS)[max(which, 1)]
+    return p, records(bytes(data), RecordType.OBS)[max(which, 1)]
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_mixed_scales_name_the_first_chunk_that_disagrees_with_the_first(tmp_path, which):
+    """Spec 8, Offsets: `mixed_scale` names the first of a site's chunks, in file order, whose scale differs from
+    the first chunk's: the second chunk when the first or the second is the odd one, else the third."""
+    p, want = _mixed_scales(tmp_path, which)
     for fn in (lambda: trainhist.open(p).verify(), lambda: trainhist.open(p).sketch("a", "activation"),
                lambda: dumps(trainhist.open(p))):
         with pytest.raises(TrainhistError) as e:
             fn()
         assert (e.value.code, e.value.offset) == ("mixed_scale", want), e.value
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_mixed_scales_are_refused_by_merge_and_coarsen_as_verify_refuses_them(tmp_path, which):
+    """Spec 11: an input a full check refuses is refused with that check's code and offset. A site of one input
+    whose chunks mix scales used to be refused by merge and ``coarsen --steps`` as ``incompatible_grid`` (no
+    offset), and ACCEPTED by ``coarsen --bins-per-octave 1``, which brings every chunk to one scale; a clean file
+    at another scale merged with it (``incompatible_grid`` across inputs, 11.2) must not hide it either."""
+    p, want = _mixed_scales(tmp_path, which)
+    fine, other, coarse = tmp_path / "fine.thist", tmp_path / "other.thist", tmp_path / "coarse.thist"
+    for q, wid in ((fine, "f"), (other, "e")):
+        with trainhist.HistoryWriter(q, codec="raw", fsync="never", writer_id=wid * 32) as w:
+            w.observe(w.site("a", "activation"), 0, np.array([2.0**-40]))
+    trainhist.coarsen(other, coarse, bins_per_octave=1)
+    out = tmp_path / "out.thist"
+    calls = {"merge": lambda: trainhist.merge([p], out, workers=1),
+             "merge, a file at scale 2 first": lambda: trainhist.merge([fine, p], out, workers=1),
+             "merge, a file at scale 0 first": lambda: trainhist.merge([coarse, p], out, workers=1),
+             "coarsen --steps 2": lambda: trainhist.coarsen(p, out, steps=2, workers=1),
+             "coarsen --bins-per-octave 2": lambda: trainhist.coarsen(p, out, bins_per_octave=2, workers=1),
+             "coarsen --bins-per-octave 1": lambda: trainhist.coarsen(p, out, bins_per_octave=1, workers=1)}
+    for name, fn in calls.items():
+        with pytest.raises(TrainhistError) as e:
+            fn()
+        assert (e.value.code, e.value.offset, e.value.path) == ("mixed_scale", want, str(p)), (name, e.value)
+        assert not out.exists()
+    with pytest.raises(TrainhistError) as e:  # different scales across inputs stay incompatible_grid (11.2)
+        trainhist.merge([fine, coarse], out, workers=1)
+    assert e.value.code == "incompatible_grid"
 
 
 def test_a_sample_of_more_elements_than_the_tensor_is_refused_by_writer_and_reader(tmp_path):

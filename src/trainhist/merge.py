@@ -757,6 +757,8 @@ class _Engine:
         target = sc if self.scale is None else min(sc, self.scale)
         want = self.site_scale.get(out_site)
         if want is not None and target != want:
+            for member, site in self.site_members[out_site]:  # an input a full check refuses: its error (spec 11)
+                self._check_as_reader(member, site.id)
             raise MergeError(
                 f"site {_site_name(self.site_keys[out_site])}: sketches at scale {want} "
                 f"({2 ** want} bins per octave) in {self.scale_file[out_site]} and at scale {sc} in "
@@ -797,6 +799,10 @@ class _Engine:
         for i, (src, e) in enumerate(batch):
             scale, sketched = scale_of(i)
             self.report.rows_in += e.rows
+            if scale is not None and (seen := self.input_scale.setdefault((src.idx, e.site), scale)) != scale:
+                self._check_as_reader(src, e.site)  # one input's site mixes scales: verify's error (spec 7.5, 11)
+                raise CorruptError(f"site {e.site} has chunks at sketch scales {seen} and {scale} (spec 7.5)",
+                                   code="mixed_scale", path=src.path, offset=e.offset)
             how = self._route(src, scale, scale if sketched else None, out_site)
             if how is None:
                 together.append(i)
@@ -806,6 +812,15 @@ class _Engine:
                 alone.append(self._downscale(decode([i]), how, src))
         rows = ([decode(together)] if together else []) + alone
         return Rows.concat(rows) if len(rows) > 1 else rows[0]
+
+    def _check_as_reader(self, src: _Source, site_id: int) -> None:
+        """Check the chunks of one site of input ``src`` as ``trainhist verify`` does, raising its error (the
+        reader's, in its order and with its offset) if it refuses them (spec 11); for error paths only."""
+        h = History(src.path)
+        try:
+            h._site_chunks(h.sites[site_id], True)
+        finally:
+            h.close()
 
     def _downscale(self, r: Rows, by: int, src: _Source) -> Rows:
         """Sketch bins at scale ``s - by``: bin ``i`` goes to ``i >> by`` (grid.downscale_index); the window maps
@@ -1239,6 +1254,7 @@ class _Engine:
         self._plan_segments()
         self.site_scale: dict[int, int] = {}
         self.scale_file: dict[int, str] = {}
+        self.input_scale: dict[tuple[int, int], int] = {}  # (input, its site) -> the scale its chunks declare
         out_dir = os.path.dirname(os.path.abspath(self.output))
         tmp = os.path.join(out_dir, f".{os.path.basename(self.output)}.{os.getpid()}.tmp")
         try:
