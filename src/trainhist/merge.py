@@ -661,6 +661,14 @@ class _Engine:
                 key = (() if self.across_runs else tuple(runs), num)
                 local_key[(s.idx, g.id)] = key
                 groups.setdefault(key, []).append((s, g, runs, writers))
+            for g in s.segments:  # spec 11.3: a segment continues one of a smaller number, or cannot be ordered
+                if g.previous is not None and local_key[(s.idx, g.previous)][1] >= local_key[(s.idx, g.id)][1]:
+                    raise MergeError(
+                        f"segment {g.id} (number {local_key[(s.idx, g.id)][1]}) continues segment {g.previous} "
+                        f"(number {local_key[(s.idx, g.previous)][1]}), whose number is not smaller: output segments "
+                        "are ordered by number, so the segment it continues would come after it, which no file "
+                        "may hold (spec 11.3, 9); writers number a segment above the one it continues: this input's "
+                        "segment numbers (origin.segment) are damaged", code="segment_order", path=s.path)
         # by number first, so that every `previous` comes before the segment naming it (spec 11.3: a segment of
         # runs pooled with --across-runs can continue in a segment of fewer runs)
         keys = sorted(groups, key=lambda k: (k[1], k[0]))
