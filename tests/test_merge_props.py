@@ -29,6 +29,7 @@ import trainhist
 from trainhist.dump import canonical
 from trainhist.dyadic import Dyadic
 from trainhist.errors import MergeError
+from trainhist.model import Presence
 from trainhist.summary import Sketch, Summary, summarize
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
@@ -687,6 +688,44 @@ def test_count_overflow_refused_and_boundary_exact():
         with pytest.raises(MergeError) as ei:  # halving the resolution adds bins 10 and 11
             d.coarsen(a, bins_per_octave=2)
         assert ei.value.code == "count_overflow" and a in str(ei.value)
+
+
+def test_overflow_is_decided_on_the_numbers_a_row_keeps_so_grouping_does_not_matter():
+    """Spec 11.2: count_overflow and sum_overflow are decided on the numbers a combined row keeps. Two observed rows
+    of count 2^64 - 1 (and exact sums 2^(2^31 - 1)) and a failed row of that identity combine into a failed row,
+    which keeps no numbers (11.4): merge([a, b, c]) refused it, while merge(merge(a, c), b), whose partial row is
+    already failed and without numbers, took it. Both now give the same bytes; a window of such rows likewise."""
+    sites = {"count": Summary(count=2**64 - 1, zero=2**64 - 1, min=0.0, max=0.0),
+             "sum": Summary(count=1, min=1.0, max=1.0, sum=Dyadic.make(1, 2**31 - 1), sumsq=Dyadic.make(1, 0))}
+    with Dir() as d:
+        run = uuid.uuid4().hex
+        files = []
+        for k in range(3):
+            files.append(os.path.join(d.path, f"w{k}.th"))
+            with trainhist.HistoryWriter(files[-1], run_id=run, rank=k, world_size=3, fsync="never",
+                                         created="2026-01-01T00:00:00+00:00") as w:
+                for name, summary in sites.items():
+                    if k < 2:
+                        w.observe(w.site(name, "activation"), 0, summary=summary)
+                    else:
+                        w.mark(w.site(name, "activation"), 0, "failed")
+        a, b, c = files
+        with pytest.raises(MergeError) as ei:  # (observed + observed: the numbers are kept, and overflow)
+            d.merge([a, b])
+        assert ei.value.code == "count_overflow"
+        once = d.merge([a, b, c])
+        assert read(once) == read(d.merge([d.merge([a, c]), b])) == read(d.merge([d.merge([b, c]), a]))
+        h = trainhist.open(once)
+        for name in sites:
+            sp = h.spine(name)
+            assert sp.presence.tolist() == [Presence.FAILED] and sp.count.tolist() == [0]
+        with trainhist.HistoryWriter(p := os.path.join(d.path, "one.th"), fsync="never") as w:
+            for name, summary in sites.items():
+                s = w.site(name, "activation")
+                w.observe(s, 0, summary=summary)
+                w.observe(s, 1, summary=summary)
+                w.mark(s, 2, "failed")
+        assert trainhist.open(d.coarsen(p, steps=4)).spine("count").presence.tolist() == [Presence.FAILED]
 
 
 def _set_origin_numbers(path: str, numbers: dict[int, int]) -> None:

@@ -880,14 +880,22 @@ class _Engine:
         def overflow(mask: np.ndarray, what: str) -> MergeError:
             return refused(mask, f"{what} overflows an unsigned 64-bit count", "count_overflow")
 
-        for k in ("count", "nan", "pinf", "ninf", "zero"):
-            out[k], over = _sum_u64(c[k], starts, sizes)
-            if over is not None:
-                raise overflow(over, k)
         tally, over = _sum_u64(tally_in, starts, sizes)
         if over is not None:
             raise overflow(over, "a presence tally")
         out["presence"] = derive_presence(tally)
+        # spec 11.2: the refusals below are decided on the numbers a combined row keeps, which only an observed
+        # row does (2.6: the others are blanked at the end, whatever their inputs add to); the tally, kept by every
+        # row, was decided above
+        kept = out["presence"] == Presence.OBSERVED
+
+        def kept_over(over: np.ndarray | None) -> np.ndarray | None:
+            return None if over is None or not (over := over & kept).any() else over
+
+        for k in ("count", "nan", "pinf", "ninf", "zero"):
+            out[k], over = _sum_u64(c[k], starts, sizes)
+            if (over := kept_over(over)) is not None:
+                raise overflow(over, k)
         out["method"] = np.maximum.reduceat(c["method"], starts)
         kmin = _order_key(c["min"])
         kmin = np.where(np.isnan(c["min"]), _I64_MAX, kmin)
@@ -907,7 +915,7 @@ class _Engine:
                 out[k][unknown] = 0.0
                 x.blank(unknown)
         for name, x in (("sum", sum_x), ("sumsq", sumsq_x)):
-            big = x.out_of_range()
+            big = x.out_of_range() & kept
             if big.any():
                 e = x.get(int(np.flatnonzero(big)[0])).e
                 raise refused(big, f"the exact {name} gets the exponent {e}, outside the 32 bits of the exact "
@@ -925,17 +933,17 @@ class _Engine:
                 glo, gn, acc = _union_add(order, starts, sizes, sp, nb)
             sparse = Sparse(glo, gn, acc, sp.cmax * int(sizes.max()))  # a bound: no pass over the sums
             bands, over = _sum_u64(bands_in, starts, sizes)
-            if over is not None:
+            if (over := kept_over(over)) is not None:
                 raise overflow(over, "a sketch under/overflow count")
         elif pos_in is not None:
             pos, over = _sum_u64(pos_in, starts, sizes)
-            if over is not None:
+            if (over := kept_over(over)) is not None:
                 raise overflow(over, "a sketch bin")
             neg, over = _sum_u64(neg_in, starts, sizes)
-            if over is not None:
+            if (over := kept_over(over)) is not None:
                 raise overflow(over, "a sketch bin")
             bands, over = _sum_u64(bands_in, starts, sizes)
-            if over is not None:
+            if (over := kept_over(over)) is not None:
                 raise overflow(over, "a sketch under/overflow count")
         res = Rows(out, sum_x, sumsq_x, tally, has, pos, neg, bands, r.scale, sparse)
         blank(res, out["presence"] != Presence.OBSERVED)  # spec 2.6: a row that is not observed has no numbers
