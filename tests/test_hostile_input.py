@@ -173,6 +173,32 @@ def test_a_missing_sketch_column_is_named_by_merge_too(tmp_path):
     assert set(_surfaces(p, tmp_path).values()) == {"missing_column"}
 
 
+@pytest.mark.parametrize("column", ["sum_xn", "sumsq_xn", "sk"])
+def test_an_optional_group_without_its_first_column_is_refused_by_merge_and_coarsen_too(tmp_path, column):
+    """Spec 7.5: exact-sum columns come in pairs, the sketch columns all together (`missing_column`). Merge and
+    coarsen (canonical.read_obs) checked `<name>_xn` without `<name>_x` but not the reverse, and the sketch group
+    only when `sk` was there: they took `sum_x` without `sum_xn`, or the sketch columns without `sk`, and dropped
+    them silently, where verify refuses the file (spec 11: with verify's code and offset)."""
+    p = tmp_path / "x.thist"
+    with trainhist.HistoryWriter(p, codec="raw", fsync="never", writer_id="a" * 32) as w:
+        w.observe(w.site("a", "activation"), 0, np.array([2.0**60, 1.0, -3.0]))  # sums that need the exact form
+    data = bytearray(p.read_bytes())
+    pos, payload, cols = obs_payload(bytes(data), 0)
+    assert {"sum_xn", "sumsq_xn", "sk"} <= set(cols)
+    (mlen,) = struct.unpack_from("<I", payload)
+    name = column.encode()
+    i = payload.index(bytes([0xA0 | len(name)]) + name, 4, 4 + mlen)
+    payload[i + 1 : i + 1 + len(name)] = b"x-" + name[2:]  # an ignorable unknown column now: `column` is missing
+    rewrite(data, pos, bytes(payload))
+    p.write_bytes(bytes(data))
+    assert set(_surfaces(p, tmp_path).values()) == {"missing_column"}
+    for fn in (lambda: trainhist.merge([p], tmp_path / "m.thist", workers=1),
+               lambda: trainhist.coarsen(p, tmp_path / "c.thist", steps=2, workers=1)):
+        with pytest.raises(TrainhistError) as e:
+            fn()
+        assert (e.value.code, e.value.offset) == ("missing_column", pos), e.value
+
+
 @pytest.mark.parametrize("column", ["applied", "grad_basis", "clipped"])
 def test_unknown_step_truth_codes_are_refused_by_merge_too(tmp_path, column):
     """Merge used to copy an unknown step-truth code into a file the reader then refused."""
@@ -823,10 +849,8 @@ def test_errors_of_the_file_header_name_offset_0(tmp_path):
         assert (e.value.code, e.value.offset) == (code, 0), e.value
 
 
-@pytest.mark.parametrize("which", [0, 1, 2])
-def test_mixed_scales_name_the_first_chunk_that_disagrees_with_the_first(tmp_path, which):
-    """Spec 8, Offsets: `mixed_scale` names the first of a site's chunks, in file order, whose scale differs from
-    the first chunk's: the second chunk when the first or the second is the odd one, else the third."""
+def _mixed_scales(tmp_path: Path, which: int) -> tuple[Path, int]:
+    """A site of three chunks (scale 2), chunk ``which`` rewritten to scale 1; and the offset `mixed_scale` names."""
     p = tmp_path / "m.thist"
     with trainhist.HistoryWriter(p, codec="raw", fsync="never") as w:
         a = w.site("a", "activation")
@@ -840,12 +864,48 @@ def test_mixed_scales_name_the_first_chunk_that_disagrees_with_the_first(tmp_pat
     payload[i + 6] = 1
     rewrite(data, pos, bytes(payload))
     p.write_bytes(bytes(data))
-    want = records(bytes(data), RecordType.OBS)[max(which, 1)]
+    return p, records(bytes(data), RecordType.OBS)[max(which, 1)]
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_mixed_scales_name_the_first_chunk_that_disagrees_with_the_first(tmp_path, which):
+    """Spec 8, Offsets: `mixed_scale` names the first of a site's chunks, in file order, whose scale differs from
+    the first chunk's: the second chunk when the first or the second is the odd one, else the third."""
+    p, want = _mixed_scales(tmp_path, which)
     for fn in (lambda: trainhist.open(p).verify(), lambda: trainhist.open(p).sketch("a", "activation"),
                lambda: dumps(trainhist.open(p))):
         with pytest.raises(TrainhistError) as e:
             fn()
         assert (e.value.code, e.value.offset) == ("mixed_scale", want), e.value
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_mixed_scales_are_refused_by_merge_and_coarsen_as_verify_refuses_them(tmp_path, which):
+    """Spec 11: an input a full check refuses is refused with that check's code and offset. A site of one input
+    whose chunks mix scales used to be refused by merge and ``coarsen --steps`` as ``incompatible_grid`` (no
+    offset), and ACCEPTED by ``coarsen --bins-per-octave 1``, which brings every chunk to one scale; a clean file
+    at another scale merged with it (``incompatible_grid`` across inputs, 11.2) must not hide it either."""
+    p, want = _mixed_scales(tmp_path, which)
+    fine, other, coarse = tmp_path / "fine.thist", tmp_path / "other.thist", tmp_path / "coarse.thist"
+    for q, wid in ((fine, "f"), (other, "e")):
+        with trainhist.HistoryWriter(q, codec="raw", fsync="never", writer_id=wid * 32) as w:
+            w.observe(w.site("a", "activation"), 0, np.array([2.0**-40]))
+    trainhist.coarsen(other, coarse, bins_per_octave=1)
+    out = tmp_path / "out.thist"
+    calls = {"merge": lambda: trainhist.merge([p], out, workers=1),
+             "merge, a file at scale 2 first": lambda: trainhist.merge([fine, p], out, workers=1),
+             "merge, a file at scale 0 first": lambda: trainhist.merge([coarse, p], out, workers=1),
+             "coarsen --steps 2": lambda: trainhist.coarsen(p, out, steps=2, workers=1),
+             "coarsen --bins-per-octave 2": lambda: trainhist.coarsen(p, out, bins_per_octave=2, workers=1),
+             "coarsen --bins-per-octave 1": lambda: trainhist.coarsen(p, out, bins_per_octave=1, workers=1)}
+    for name, fn in calls.items():
+        with pytest.raises(TrainhistError) as e:
+            fn()
+        assert (e.value.code, e.value.offset, e.value.path) == ("mixed_scale", want, str(p)), (name, e.value)
+        assert not out.exists()
+    with pytest.raises(TrainhistError) as e:  # different scales across inputs stay incompatible_grid (11.2)
+        trainhist.merge([fine, coarse], out, workers=1)
+    assert e.value.code == "incompatible_grid"
 
 
 def test_a_sample_of_more_elements_than_the_tensor_is_refused_by_writer_and_reader(tmp_path):

@@ -29,6 +29,7 @@ import trainhist
 from trainhist.dump import canonical
 from trainhist.dyadic import Dyadic
 from trainhist.errors import MergeError
+from trainhist.model import Presence
 from trainhist.summary import Sketch, Summary, summarize
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
@@ -687,6 +688,147 @@ def test_count_overflow_refused_and_boundary_exact():
         with pytest.raises(MergeError) as ei:  # halving the resolution adds bins 10 and 11
             d.coarsen(a, bins_per_octave=2)
         assert ei.value.code == "count_overflow" and a in str(ei.value)
+
+
+def test_overflow_is_decided_on_the_numbers_a_row_keeps_so_grouping_does_not_matter():
+    """Spec 11.2: count_overflow and sum_overflow are decided on the numbers a combined row keeps. Two observed rows
+    of count 2^64 - 1 (and exact sums 2^(2^31 - 1)) and a failed row of that identity combine into a failed row,
+    which keeps no numbers (11.4): merge([a, b, c]) refused it, while merge(merge(a, c), b), whose partial row is
+    already failed and without numbers, took it. Both now give the same bytes; a window of such rows likewise."""
+    sites = {"count": Summary(count=2**64 - 1, zero=2**64 - 1, min=0.0, max=0.0),
+             "sum": Summary(count=1, min=1.0, max=1.0, sum=Dyadic.make(1, 2**31 - 1), sumsq=Dyadic.make(1, 0))}
+    with Dir() as d:
+        run = uuid.uuid4().hex
+        files = []
+        for k in range(3):
+            files.append(os.path.join(d.path, f"w{k}.th"))
+            with trainhist.HistoryWriter(files[-1], run_id=run, rank=k, world_size=3, fsync="never",
+                                         created="2026-01-01T00:00:00+00:00") as w:
+                for name, summary in sites.items():
+                    if k < 2:
+                        w.observe(w.site(name, "activation"), 0, summary=summary)
+                    else:
+                        w.mark(w.site(name, "activation"), 0, "failed")
+        a, b, c = files
+        with pytest.raises(MergeError) as ei:  # (observed + observed: the numbers are kept, and overflow)
+            d.merge([a, b])
+        assert ei.value.code == "count_overflow"
+        once = d.merge([a, b, c])
+        assert read(once) == read(d.merge([d.merge([a, c]), b])) == read(d.merge([d.merge([b, c]), a]))
+        h = trainhist.open(once)
+        for name in sites:
+            sp = h.spine(name)
+            assert sp.presence.tolist() == [Presence.FAILED] and sp.count.tolist() == [0]
+        with trainhist.HistoryWriter(p := os.path.join(d.path, "one.th"), fsync="never") as w:
+            for name, summary in sites.items():
+                s = w.site(name, "activation")
+                w.observe(s, 0, summary=summary)
+                w.observe(s, 1, summary=summary)
+                w.mark(s, 2, "failed")
+        assert trainhist.open(d.coarsen(p, steps=4)).spine("count").presence.tolist() == [Presence.FAILED]
+
+
+def _set_origin_numbers(path: str, numbers: dict[int, int]) -> None:
+    """Rewrite, in the derived file ``path``, the one-digit ``origin.segment`` of segment ``k`` to ``numbers[k]``
+    (the manifests keep their length; CRCs are fixed): a file the reader accepts whatever the numbers are."""
+    import json
+
+    from history_helpers import records, rewrite
+
+    from trainhist.framing import RECORD_HEADER_SIZE, RecordType
+
+    data = bytearray(read(path))
+    for pos in records(bytes(data), RecordType.MANIFEST):
+        length = struct.unpack_from("<I", data, pos + 4)[0]
+        payload = bytes(data[pos + RECORD_HEADER_SIZE : pos + RECORD_HEADER_SIZE + length])
+        doc = json.loads(payload)
+        if doc["kind"] == "segment" and doc["id"] in numbers:
+            old = b'"segment":%d,' % doc["origin"]["segment"]
+            assert payload.count(old) == 1 and len(old) == 12
+            rewrite(data, pos, payload.replace(old, b'"segment":%d,' % numbers[doc["id"]]))
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+
+
+def _segments_in_order(p: str) -> list[tuple[int | None, int]]:
+    """(previous, origin number) of each segment of ``p``, after checking that the file reads and that every
+    ``previous`` names an earlier segment of a smaller number (spec 9, 11.3)."""
+    h = trainhist.open(p)
+    h.verify()
+    out = []
+    for k, g in enumerate(h.segments):
+        number = g.manifest["origin"]["segment"]
+        assert g.id == k and (g.previous is None or (g.previous < k and out[g.previous][1] < number)), (p, g)
+        out.append((g.previous, number))
+    return out
+
+
+def test_an_input_whose_segment_continues_one_of_no_smaller_number_is_refused():
+    """Spec 11.3: output segments are ordered by number, so a segment that continues one of an equal or greater
+    number (a derived input whose origin numbers say so; the reader accepts it) cannot follow it. Merge and coarsen
+    wrote such a file with its `previous` naming a later segment, which their own reader refused
+    (bad_segment_order); they refuse the input (segment_order)."""
+    with Dir() as d:
+        with trainhist.HistoryWriter(src := os.path.join(d.path, "w.th"), fsync="never") as w:
+            s = w.site("x", "activation")
+            w.observe(s, 0, np.ones(1))
+            w.new_segment(1, "resume")
+            w.observe(s, 1, np.ones(1))
+        derived = d.merge([src])
+        assert _segments_in_order(derived) == [(None, 0), (0, 1)]
+        for numbers in ({0: 5}, {0: 1}, {0: 3, 1: 2}):
+            bad = os.path.join(d.path, "bad.th")
+            with open(bad, "wb") as f:
+                f.write(read(derived))
+            _set_origin_numbers(bad, numbers)
+            assert trainhist.open(bad).verify()["status"] == "clean"
+            for fn in (lambda o: trainhist.merge([bad], o), lambda o: trainhist.merge([bad], o, across_runs=True),
+                       lambda o: trainhist.coarsen(bad, o, steps=2)):
+                with pytest.raises(MergeError) as ei:
+                    fn(out := d.out())
+                assert ei.value.code == "segment_order" and ei.value.path == bad, numbers
+                assert "segment 1" in str(ei.value) and "segment 0" in str(ei.value)
+                assert not os.path.exists(out)
+
+
+def test_merge_never_writes_a_segment_that_continues_a_later_one():
+    """Spec 9, 11.3: whatever its inputs, merge or coarsen writes a file whose every `previous` names an earlier
+    segment (it reads back), or refuses them (segment_order). Inputs: runs of resumed and renumbered writers
+    (min_segment), merged alone, with --across-runs and again, and derived files whose origin numbers were
+    rewritten at random (the reader accepts any)."""
+    rng = np.random.default_rng(20261201)
+    refused = written = 0
+    with Dir() as d:
+        for trial in range(12):
+            leaves = []
+            for k, run in enumerate(rng.choice(["a", "b"], size=3)):
+                leaves.append(os.path.join(d.path, f"t{trial}_{k}.th"))
+                with trainhist.HistoryWriter(leaves[-1], run_id=str(run) * 32, rank=k, world_size=3, fsync="never",
+                                             min_segment=int(rng.integers(0, 3)),
+                                             created="2026-01-01T00:00:00+00:00") as w:
+                    s = w.site("x", "activation")
+                    w.observe(s, 0, np.ones(1))
+                    for step in range(1, 1 + int(rng.integers(0, 3))):
+                        w.new_segment(step, str(rng.choice(["resume", "manual"])))
+                        w.observe(s, step, np.ones(1))
+            pooled = d.merge(leaves[:2], across_runs=bool(rng.integers(0, 2)))
+            n = len(_segments_in_order(pooled))
+            _set_origin_numbers(pooled, {g: int(rng.integers(0, 10)) for g in range(n) if rng.integers(0, 2)})
+            for inputs, kw in (([pooled], {}), ([pooled], {"across_runs": True}), ([pooled, leaves[2]], {}),
+                               ([pooled, leaves[2]], {"across_runs": True}), ([pooled], {"steps": 2})):
+                out = d.out()
+                try:
+                    if "steps" in kw:
+                        trainhist.coarsen(inputs[0], out, **kw)
+                    else:
+                        trainhist.merge(inputs, out, **kw)
+                except MergeError as e:
+                    assert e.code == "segment_order", e
+                    refused += 1
+                    continue
+                _segments_in_order(out)
+                written += 1
+    assert refused and written
 
 
 def test_incompatible_sites_and_spans():

@@ -1287,6 +1287,9 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
                "start with x-", ["7.4"], "unknown_column", add_col("extra", "u1", b"\x01"))
     chunk_case("missing_column", "an obs chunk without its `zero` column", ["7.4", "7.5"], "missing_column",
                lambda m, cs: (m, [x for x in cs if x.name != "zero"]))
+    chunk_case("missing_exact_pair", "an obs chunk with `sum_x` but without `sum_xn` (the exact-sum columns come in "
+               "pairs)", ["7.5"], "missing_column", lambda m, cs: (m, [x for x in cs if x.name != "sum_xn"]),
+               src="exact_small")
     chunk_case("missing_steps_column", "a steps chunk without its `tokens` column", ["7.4", "7.6"], "missing_column",
                lambda m, cs: (m, [x for x in cs if x.name != "tokens"]), rtype=RecordType.STEPS)
 
@@ -1536,6 +1539,7 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
     edit_chunk([r for r in recs if r.type == RecordType.OBS][1], lambda m, cs: (dict(m, scale=1), cs))
     s.read(c, "mixed_scale", "the second of three obs chunks of one site at scale 1, the others at 2: the error "
            "names the second", ["7.5", "8"], build(recs)[0], error="mixed_scale")
+    base["invalid/mixed_scale"] = build(recs)[0]
 
     def dir_tail(r: Rec) -> None:  # the directory length L counts one byte (nil) after the map
         meta, cols = parse_chunk(r.payload)
@@ -1806,6 +1810,19 @@ def gen_merge(s: Suite, base: dict[str, bytes]) -> dict[str, bytes]:
                          "their order, by number first, so the resume's previous names a segment declared before "
                          "it (ordered by runs first, [a]/1 would come first and name a later one)", ["11.3", "9"],
                          {"input-0.thist": pooled}, {"inputs": ["input-0.thist"]}) == pooled
+    recs = parse(derive("merge", {"input-0.thist": seg_a}, {"inputs": ["input-0.thist"]})[2])
+    seg0 = first(recs, RecordType.MANIFEST, "segment")
+    doc = json.loads(seg0.payload)
+    assert doc["origin"]["segment"] == 0 and json.loads(first(recs[recs.index(seg0) + 1:], RecordType.MANIFEST,
+                                                              "segment").payload)["previous"] == 0
+    doc["origin"]["segment"] = 5
+    seg0.payload = manifest(doc)
+    forward = build(recs)[0]
+    assert outcome(forward)[0] == 0
+    _derived_case(s, m, "segment_order", "a derived input (a reader accepts it) whose segment 0 has origin number 5 "
+                  "and whose segment 1, of number 1, continues it: ordered by number, the output's segment 1 would "
+                  "come first and continue a later one, so the input is refused", ["11.3", "9"],
+                  {"input-0.thist": forward}, {"inputs": ["input-0.thist"]}, error="segment_order")
     _derived_case(s, m, "unknown_writer", "an input without run and writer manifests (valid/no_run_writer_manifests, "
                   "which a reader reads): merge cannot place its segment", ["11.3", "4.4"],
                   {"input-0.thist": no_owner(write_ops(ops_doc(NOSKETCH_OPS)))}, {"inputs": ["input-0.thist"]},
@@ -1862,6 +1879,15 @@ def gen_merge(s: Suite, base: dict[str, bytes]) -> dict[str, bytes]:
                       f"(invalid/{name}: {what} whose exact sums hold 2^-1100 behind f64 columns of +0.0) is "
                       "refused with the reader's code, not merged into a file readers refuse", ["11", "5.5", "5.3"],
                       {"input-0.thist": base[f"invalid/{name}"]}, {"inputs": ["input-0.thist"]}, error="bad_row")
+    _derived_case(s, m, "invalid_input_missing_exact_pair", "an input a reader refuses (invalid/missing_exact_pair: "
+                  "`sum_x` without `sum_xn`) is refused with the reader's code, not merged without its exact sums",
+                  ["11", "7.5"], {"input-0.thist": base["invalid/missing_exact_pair"]},
+                  {"inputs": ["input-0.thist"]}, error="missing_column")
+    _derived_case(s, "coarsen", "invalid_input_mixed_scale", "invalid/mixed_scale coarsened to 1 bin per octave, "
+                  "which would bring its chunks to one scale: a damaged input is refused with the reader's code "
+                  "(mixed_scale), not incompatible_grid and not coarsened", ["11", "7.5", "11.2"],
+                  {"input.thist": base["invalid/mixed_scale"]}, {"input": "input.thist", "steps": 1,
+                                                                 "bins_per_octave": 1}, error="mixed_scale")
     _derived_case(s, m, "invalid_input_ignorable_record", "an input whose committed ignorable record fails its "
                   "payload CRC (forward-compat/damaged_ignorable_record) is refused as a full check refuses it, "
                   "though merge copies nothing of that record", ["11", "4.2", "8"],
@@ -1946,6 +1972,22 @@ def gen_merge(s: Suite, base: dict[str, bytes]) -> dict[str, bytes]:
                                               (WRITER_ID_5, dict(HUGE_SUM_SUMMARY, min=F(-1.0), max=F(-1.0),
                                                                  sum=f"d:-3p{2**31 - 1}"))))]
     three = ["input-0.thist", "input-1.thist", "input-2.thist"]
+    over = [write_ops(ops_doc([site("big"), site("huge")] + ([
+        {"op": "observe", "site": 0, "step": I(0), "summary": BIG_SUMMARY},
+        {"op": "observe", "site": 1, "step": I(0), "summary": HUGE_SUM_SUMMARY}] if k < 2 else [
+        {"op": "mark", "site": 0, "step": I(0), "presence": "failed"},
+        {"op": "mark", "site": 1, "step": I(0), "presence": "failed"}]) + [COMMIT],
+                              writer_id=wid, rank=k, world_size=3))
+            for k, wid in enumerate((WRITER_ID, WRITER_ID_4, WRITER_ID_5))]
+    kept_none = _derived_case(
+                  s, m, "overflow_not_kept", "counts of 2^64 - 1 (site big) and sums 2^(2^31 - 1) (site huge) in two "
+                  "inputs, a failed row of each identity in a third: the combined rows are failed and keep no "
+                  "numbers, so nothing overflows (merge/count_overflow and merge/sum_overflow are the same rows "
+                  "without the failed one); the grouping merge(merge(input-0, input-2), input-1) gives these bytes",
+                  ["11.2", "11.4"], dict(zip(three, over)), {"inputs": three})
+    first_two = derive("merge", {"a.thist": over[0], "c.thist": over[2]}, {"inputs": ["a.thist", "c.thist"]})[2]
+    assert kept_none == derive("merge", {"ac.thist": first_two, "b.thist": over[1]},
+                               {"inputs": ["ac.thist", "b.thist"]})[2]
     _derived_case(s, m, "sum_cancels_overflow", "sums 2^(2^31 - 1) twice and -3 * 2^(2^31 - 1): the first two alone "
                   "overflow the i32 exponent (merge/sum_overflow), the three add to -2^(2^31 - 1), which fits: "
                   "overflow is decided on the combined row, not on a partial sum", ["11.2", "5.3"],

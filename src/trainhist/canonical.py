@@ -74,6 +74,9 @@ _OBS_KNOWN = {**OBS_COLUMNS, **EXACT_COLUMNS, **SKETCH_COLUMNS, **TALLY_COLUMNS}
 _OBS_VARIABLE = frozenset({"sum_x", "sumsq_x", "sk_counts"})
 _STEPS_KNOWN = {**STEPS_COLUMNS, **STEPS_OPTIONAL_COLUMNS}
 _TALLY_NAMES = list(TALLY_COLUMNS)
+# the optional obs column groups whose columns come together (spec 7.5, ``missing_column``): the sketch columns,
+# each exact-sum pair (the tally, all six or none, is ``bad_tally``: :func:`read_obs`)
+_OBS_GROUPS = (tuple(SKETCH_COLUMNS), ("sum_xn", "sum_x"), ("sumsq_xn", "sumsq_x"))
 _COUNT_NAMES = ("count", "nan", "pinf", "ninf", "zero")
 
 _IOTA = {np.dtype(np.int32): np.arange(1 << 16, dtype=np.int32), np.dtype(np.int64): np.arange(1 << 16)}
@@ -321,6 +324,9 @@ def read_obs(payload: memoryview, *, path: str, offset: int, site: int, segment:
         raise _bad(f"chunk directory (site {m.get('site')}, segment {m.get('segment')}, rows {m.get('rows')}) "
                    "disagrees with its commit entry", path, offset)
     missing = [c for c in OBS_COLUMNS if not ch.has(c)]
+    for group in _OBS_GROUPS:  # optional groups: all present or all absent (spec 7.5), checked as the reader does
+        if any(ch.has(c) for c in group):
+            missing += [c for c in group if not ch.has(c)]
     if missing:
         raise _bad(f"chunk lacks required columns {missing}", path, offset, "missing_column")
     cols = {name: ch.column(name, rows) for name in OBS_COLUMNS}
@@ -335,8 +341,6 @@ def read_obs(payload: memoryview, *, path: str, offset: int, site: int, segment:
     for name in ("sum", "sumsq"):
         exact[name] = None
         if ch.has(name + "_xn"):
-            if not ch.has(name + "_x"):
-                raise _bad(f"chunk has {name}_xn without {name}_x", path, offset, "missing_column")
             lens = ch.column(name + "_xn", rows)
             size = ch.raw_size(name + "_x")  # (checked against the lengths before it is decoded)
             if int(lens.sum(dtype=np.uint64)) != size:
@@ -346,9 +350,6 @@ def read_obs(payload: memoryview, *, path: str, offset: int, site: int, segment:
     sk = counts = scale = None
     if ch.has("sk"):
         scale = m.get("scale")
-        missing = [k for k in SKETCH_COLUMNS if not ch.has(k)]
-        if missing:
-            raise _bad(f"chunk with sketches lacks the sketch columns {missing}", path, offset, "missing_column")
         sk = {k: ch.column(k, rows) for k in SKETCH_COLUMNS if k != "sk_counts"}
         problem = sketch_problem(scale, sk, ch.raw_size("sk_counts") // 8)
         if problem is not None:

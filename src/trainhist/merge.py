@@ -661,6 +661,14 @@ class _Engine:
                 key = (() if self.across_runs else tuple(runs), num)
                 local_key[(s.idx, g.id)] = key
                 groups.setdefault(key, []).append((s, g, runs, writers))
+            for g in s.segments:  # spec 11.3: a segment continues one of a smaller number, or cannot be ordered
+                if g.previous is not None and local_key[(s.idx, g.previous)][1] >= local_key[(s.idx, g.id)][1]:
+                    raise MergeError(
+                        f"segment {g.id} (number {local_key[(s.idx, g.id)][1]}) continues segment {g.previous} "
+                        f"(number {local_key[(s.idx, g.previous)][1]}), whose number is not smaller: output segments "
+                        "are ordered by number, so the segment it continues would come after it, which no file "
+                        "may hold (spec 11.3, 9); writers number a segment above the one it continues: this input's "
+                        "segment numbers (origin.segment) are damaged", code="segment_order", path=s.path)
         # by number first, so that every `previous` comes before the segment naming it (spec 11.3: a segment of
         # runs pooled with --across-runs can continue in a segment of fewer runs)
         keys = sorted(groups, key=lambda k: (k[1], k[0]))
@@ -757,6 +765,8 @@ class _Engine:
         target = sc if self.scale is None else min(sc, self.scale)
         want = self.site_scale.get(out_site)
         if want is not None and target != want:
+            for member, site in self.site_members[out_site]:  # an input a full check refuses: its error (spec 11)
+                self._check_as_reader(member, site.id)
             raise MergeError(
                 f"site {_site_name(self.site_keys[out_site])}: sketches at scale {want} "
                 f"({2 ** want} bins per octave) in {self.scale_file[out_site]} and at scale {sc} in "
@@ -797,6 +807,10 @@ class _Engine:
         for i, (src, e) in enumerate(batch):
             scale, sketched = scale_of(i)
             self.report.rows_in += e.rows
+            if scale is not None and (seen := self.input_scale.setdefault((src.idx, e.site), scale)) != scale:
+                self._check_as_reader(src, e.site)  # one input's site mixes scales: verify's error (spec 7.5, 11)
+                raise CorruptError(f"site {e.site} has chunks at sketch scales {seen} and {scale} (spec 7.5)",
+                                   code="mixed_scale", path=src.path, offset=e.offset)
             how = self._route(src, scale, scale if sketched else None, out_site)
             if how is None:
                 together.append(i)
@@ -806,6 +820,15 @@ class _Engine:
                 alone.append(self._downscale(decode([i]), how, src))
         rows = ([decode(together)] if together else []) + alone
         return Rows.concat(rows) if len(rows) > 1 else rows[0]
+
+    def _check_as_reader(self, src: _Source, site_id: int) -> None:
+        """Check the chunks of one site of input ``src`` as ``trainhist verify`` does, raising its error (the
+        reader's, in its order and with its offset) if it refuses them (spec 11); for error paths only."""
+        h = History(src.path)
+        try:
+            h._site_chunks(h.sites[site_id], True)
+        finally:
+            h.close()
 
     def _downscale(self, r: Rows, by: int, src: _Source) -> Rows:
         """Sketch bins at scale ``s - by``: bin ``i`` goes to ``i >> by`` (grid.downscale_index); the window maps
@@ -857,14 +880,22 @@ class _Engine:
         def overflow(mask: np.ndarray, what: str) -> MergeError:
             return refused(mask, f"{what} overflows an unsigned 64-bit count", "count_overflow")
 
-        for k in ("count", "nan", "pinf", "ninf", "zero"):
-            out[k], over = _sum_u64(c[k], starts, sizes)
-            if over is not None:
-                raise overflow(over, k)
         tally, over = _sum_u64(tally_in, starts, sizes)
         if over is not None:
             raise overflow(over, "a presence tally")
         out["presence"] = derive_presence(tally)
+        # spec 11.2: the refusals below are decided on the numbers a combined row keeps, which only an observed
+        # row does (2.6: the others are blanked at the end, whatever their inputs add to); the tally, kept by every
+        # row, was decided above
+        kept = out["presence"] == Presence.OBSERVED
+
+        def kept_over(over: np.ndarray | None) -> np.ndarray | None:
+            return None if over is None or not (over := over & kept).any() else over
+
+        for k in ("count", "nan", "pinf", "ninf", "zero"):
+            out[k], over = _sum_u64(c[k], starts, sizes)
+            if (over := kept_over(over)) is not None:
+                raise overflow(over, k)
         out["method"] = np.maximum.reduceat(c["method"], starts)
         kmin = _order_key(c["min"])
         kmin = np.where(np.isnan(c["min"]), _I64_MAX, kmin)
@@ -884,7 +915,7 @@ class _Engine:
                 out[k][unknown] = 0.0
                 x.blank(unknown)
         for name, x in (("sum", sum_x), ("sumsq", sumsq_x)):
-            big = x.out_of_range()
+            big = x.out_of_range() & kept
             if big.any():
                 raise refused(big, x.why_out_of_range(int(np.flatnonzero(big)[0]), name), "sum_overflow")
         has = np.logical_or.reduceat(has_in, starts)
@@ -900,17 +931,17 @@ class _Engine:
                 glo, gn, acc = _union_add(order, starts, sizes, sp, nb)
             sparse = Sparse(glo, gn, acc, sp.cmax * int(sizes.max()))  # a bound: no pass over the sums
             bands, over = _sum_u64(bands_in, starts, sizes)
-            if over is not None:
+            if (over := kept_over(over)) is not None:
                 raise overflow(over, "a sketch under/overflow count")
         elif pos_in is not None:
             pos, over = _sum_u64(pos_in, starts, sizes)
-            if over is not None:
+            if (over := kept_over(over)) is not None:
                 raise overflow(over, "a sketch bin")
             neg, over = _sum_u64(neg_in, starts, sizes)
-            if over is not None:
+            if (over := kept_over(over)) is not None:
                 raise overflow(over, "a sketch bin")
             bands, over = _sum_u64(bands_in, starts, sizes)
-            if over is not None:
+            if (over := kept_over(over)) is not None:
                 raise overflow(over, "a sketch under/overflow count")
         res = Rows(out, sum_x, sumsq_x, tally, has, pos, neg, bands, r.scale, sparse)
         blank(res, out["presence"] != Presence.OBSERVED)  # spec 2.6: a row that is not observed has no numbers
@@ -1237,6 +1268,7 @@ class _Engine:
         self._plan_segments()
         self.site_scale: dict[int, int] = {}
         self.scale_file: dict[int, str] = {}
+        self.input_scale: dict[tuple[int, int], int] = {}  # (input, its site) -> the scale its chunks declare
         out_dir = os.path.dirname(os.path.abspath(self.output))
         tmp = os.path.join(out_dir, f".{os.path.basename(self.output)}.{os.getpid()}.tmp")
         try:
