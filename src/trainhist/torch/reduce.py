@@ -534,8 +534,8 @@ def decode_arrays(data: np.ndarray, offsets: list[int], counts: list[int], sketc
     bounds[0::2] = off[order]
     bounds[1::2] = off[order] + NCOUNT
     keyed = np.empty(off.size, dtype=np.int64)
-    if off.size:  # (reduceat needs an index)
-        keyed[order] = np.add.reduceat(data, bounds)[0::2]
+    if off.size:  # (reduceat needs an index; its last span, dropped, ends at the last row: not the whole buffer)
+        keyed[order] = np.add.reduceat(data[: int(bounds[-2]) + ROW], bounds)[0::2]
     window = np.lib.stride_tricks.sliding_window_view  # rows as views of the buffer: taking them copies once
     tail = window(data, ROW - COL_NEGZERO)[off + COL_NEGZERO]  # -0.0 count, spare, five spine counts, 4 floats
     spare = tail[:, 1]
@@ -677,6 +677,9 @@ class Ledger:
         self.buf = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._base = self.buf.data_ptr()  # (the buffer's address, kept as it moves: for address())
         self._template = self.buf
+        # the used part of the buffer and of its template (the rest, capacity for later rows, is never written):
+        # what reset() copies
+        self._live, self._live_template = self.buf, self._template
         self._pinned = self.device.type == "cuda"
         self._cpu = self.device.type == "cpu"  # (torch builds the type string anew on every read)
         self.transfers = 0
@@ -703,6 +706,7 @@ class Ledger:
         else:
             self._template[off : self._used].copy_(torch.from_numpy(extra).to(self.device))
             self.buf[off : self._used].copy_(self._template[off : self._used])
+        self._live, self._live_template = self.buf[: self._used], self._template[: self._used]
         return off
 
     def row(self, key: object) -> torch.Tensor:
@@ -761,8 +765,9 @@ class Ledger:
         return self.buf[off : off + 1].view(torch.float64)
 
     def reset(self) -> None:
-        """Re-initialise every row and slot (one device copy)."""
-        self.buf.copy_(self._template)
+        """Re-initialise every row and slot (one device copy of the used part of the buffer: the capacity past it
+        holds no row or slot yet, and nothing writes there)."""
+        self._live.copy_(self._live_template)
 
     def transfer(self, copy: bool = True) -> "PendingTransfer":
         """Start the step's single device-to-host copy of the whole buffer. ``copy=False`` on a CPU ledger hands
