@@ -2004,14 +2004,23 @@ class Collector:
         """Decode every reduced row of the step at once, as arrays (:func:`decode_arrays`, into ``st.spines``); a
         row that fails a check is left to :meth:`_decode`, which names the failure."""
         rows = st.pending.rows  # type: ignore[union-attr]
-        keys = [k for k, n in st.counts.items() if n and k not in st.failed and k in rows]
+        failed, sketch = st.failed, st.sketch
+        keys, offsets, counts = [], [], []  # (one pass over the step's rows: hundreds of them)
+        for k, n in st.counts.items():
+            if n and k in rows and k not in failed:
+                keys.append(k)
+                offsets.append(rows[k])
+                counts.append(n)
         try:
-            d = decode_arrays(data, [rows[k] for k in keys], [st.counts[k] for k in keys],
-                              [st.sketch[k[0]] for k in keys])
+            d = decode_arrays(data, offsets, counts, [sketch[k[0]] for k in keys])
         except Exception:  # noqa: BLE001 -- left to the per-key path, which records the failing site
             return
         st.spines = d
-        st.spine_rows = {k: i for i, (k, good) in enumerate(zip(keys, d.ok.tolist())) if good}
+        ok = d.ok
+        if ok.all():  # (the common case: every row decoded)
+            st.spine_rows = dict(zip(keys, range(len(keys))))
+        else:
+            st.spine_rows = {k: i for i, (k, good) in enumerate(zip(keys, ok.tolist())) if good}
         for k in [k for k in st.spine_rows if (k[1], k[0], k[2]) in self._wide_ints] if self._wide_ints else ():
             i = st.spine_rows[k]
             if d.has[i] and max(abs(float(d.min[i])), abs(float(d.max[i]))) >= 2.0 ** 53:

@@ -516,6 +516,18 @@ class DecodedRows:
             method=np.where(has & ~sums_ok, SumMethod.UNKNOWN, SumMethod.F64).astype(np.uint8), sketch=keys)
 
 
+def _windows(data: np.ndarray, width: int) -> np.ndarray:
+    """``numpy.lib.stride_tricks.sliding_window_view(data, width)`` of a 1-D array (a read-only view, row ``i`` the
+    ``width`` elements from ``data[i]``), made directly for a contiguous one: sliding_window_view's own checks cost
+    tens of microseconds, twice a step."""
+    if data.ndim != 1 or not data.flags.c_contiguous or width > data.size:
+        return np.lib.stride_tricks.sliding_window_view(data, width)
+    step = data.itemsize
+    view = np.ndarray((data.size - width + 1, width), data.dtype, buffer=data, strides=(step, step))
+    view.flags.writeable = False
+    return view
+
+
 def decode_arrays(data: np.ndarray, offsets: list[int], counts: list[int], sketches: list[bool]) -> DecodedRows:
     """The numbers of the rows at ``offsets`` in the landed ledger ``data`` with one set of numpy operations for all
     of them (a step has hundreds of rows); ``ok`` is false for a row that fails a check (:func:`decode_rows` decodes
@@ -536,7 +548,7 @@ def decode_arrays(data: np.ndarray, offsets: list[int], counts: list[int], sketc
     keyed = np.empty(off.size, dtype=np.int64)
     if off.size:  # (reduceat needs an index; its last span, dropped, ends at the last row: not the whole buffer)
         keyed[order] = np.add.reduceat(data[: int(bounds[-2]) + ROW], bounds)[0::2]
-    window = np.lib.stride_tricks.sliding_window_view  # rows as views of the buffer: taking them copies once
+    window = _windows  # rows as views of the buffer: taking them copies once
     tail = window(data, ROW - COL_NEGZERO)[off + COL_NEGZERO]  # -0.0 count, spare, five spine counts, 4 floats
     spare = tail[:, 1]
     fin_nz, fin_nzbits, nzbits, with_nan, with_pinf = tail[:, 2:7].T
@@ -555,12 +567,14 @@ def decode_arrays(data: np.ndarray, offsets: list[int], counts: list[int], sketc
     # sketch rows: the counts from the grid keys (their sum, with the -0.0 and spare slots, is the count)
     keyrows = np.flatnonzero(small & (cnt > 0) & (keyed == cnt))
     keys = window(data, NK)[off[keyrows]]
-    ok[keyrows] = ((keys.min(axis=1, initial=0) >= 0) & (keys.max(axis=1, initial=0) <= cnt[keyrows])
-                   & (tail[keyrows, 0] >= 0) & (tail[keyrows, 0] <= cnt[keyrows]))
-    negz[keyrows] = tail[keyrows, 0]
-    posz[keyrows] = keys[:, grid.KEY_ZERO]
-    keys[:, grid.KEY_ZERO] += tail[keyrows, 0]
-    nan[keyrows], pinf[keyrows], ninf[keyrows] = keys[:, grid.KEY_NAN], keys[:, grid.KEY_PINF], keys[:, grid.KEY_NINF]
+    if keyrows.size:  # (none on a step without sketches: these would change nothing)
+        ok[keyrows] = ((keys.min(axis=1, initial=0) >= 0) & (keys.max(axis=1, initial=0) <= cnt[keyrows])
+                       & (tail[keyrows, 0] >= 0) & (tail[keyrows, 0] <= cnt[keyrows]))
+        negz[keyrows] = tail[keyrows, 0]
+        posz[keyrows] = keys[:, grid.KEY_ZERO]
+        keys[:, grid.KEY_ZERO] += tail[keyrows, 0]
+        nan[keyrows], pinf[keyrows] = keys[:, grid.KEY_NAN], keys[:, grid.KEY_PINF]
+        ninf[keyrows] = keys[:, grid.KEY_NINF]
     has = ok & (cnt - nan - pinf - ninf > 0)  # rows with a finite value: min, max and sums
     mn, mx = f[:, 0], -f[:, 1]
     mn = np.where(mn == 0, np.where(negz != 0, -0.0, 0.0), mn)  # the sign of a zero extreme, from the zero counts
