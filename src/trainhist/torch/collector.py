@@ -371,6 +371,9 @@ def _no_forward(m: torch.nn.Module) -> bool:
     return type(m).forward is torch.nn.Module.forward
 
 
+#: what :func:`~.reduce.fusable_at` compares with, bound once for :meth:`Collector._reduce_alias`'s inlined copy
+_TENSOR, _PARAMETER, _STRIDED, _FLOAT32, _FLOAT64 = (torch.Tensor, torch.nn.Parameter, torch.strided, torch.float32,
+                                                    torch.float64)
 #: integer dtypes whose values need not be binary64 values (beyond 2^53): such a row is recorded 'failed'
 _WIDE_INTS = tuple(getattr(torch, n) for n in ("int64", "uint64") if hasattr(torch, n))
 
@@ -1207,6 +1210,58 @@ class Collector:
         else:
             self._reduce_in(st, key, t, alias)
 
+    def _reduce_alias(self, st: _Step, key: tuple, t: torch.Tensor) -> None:
+        """``_reduce(key, t, alias=True)`` of a module output or of its gradient in step ``st`` (the current one),
+        with the CPU kernel's common case inlined: :meth:`_reduce_in`, :func:`fusable_at` (the same checks, in the same
+        order), :meth:`_reduce_plain` and :meth:`_merge_alias`. Over a hundred calls a step, each one just after a
+        kernel call has streamed megabytes through the CPU's caches: every Python call and lookup costs there."""
+        if key in st.failed:
+            return
+        if st.flush or not st.fused:
+            self._reduce(key, t, alias=True)
+            return
+        try:
+            dt = t.dtype
+            tt = type(t)
+            if not ((dt is _FLOAT32 or dt is _FLOAT64) and (tt is _TENSOR or tt is _PARAMETER) and t.layout == _STRIDED
+                    and t.is_cpu and t.is_contiguous() and not t.is_neg()):
+                self._reduce_in(st, key, t, True)  # (fusable_at: None)
+                return
+            n, address = t.numel(), t.data_ptr()
+            if not (n > 0 and address != 0):
+                self._reduce_in(st, key, t, True)
+                return
+            if key not in self._typed:
+                self._typed.add(key)
+                self._dtypes.setdefault((key[1], key[0], key[2]), _dtype_name(t))
+            # (_merge_alias, ident: the kernel reads n contiguous elements at address: those three make its result)
+            merged = False
+            try:
+                version = t._version
+            except RuntimeError:  # an inference tensor has no version counter: no aliasing shortcut
+                pass
+            else:
+                seen = st.seen
+                ident = (key[0], address, n, dt)
+                hit = seen.get(ident)
+                if hit is not None:
+                    ref, seen_version, first = hit
+                    if ref() is not None and seen_version == version and first != key and st.reductions.get(first) == 1:
+                        self._ledger.merge_on_host(key, first)
+                        merged = True
+                if not merged:
+                    seen[ident] = (weakref.ref(t), version, key)
+            if not merged:
+                ledger = self._ledger
+                off = ledger.rows.get(key)
+                fused_at(address, n, dt, ledger.address(key) if off is None else ledger._base + 8 * off,
+                         st.sketch.get(key[0], True))
+            reductions, counts = st.reductions, st.counts
+            reductions[key] = reductions.get(key, 0) + 1
+            counts[key] = counts.get(key, 0) + n
+        except Exception as e:  # noqa: BLE001 -- one bad site must not stop training
+            self._fail(key, e)
+
     def _reduce_in(self, st: _Step, key: tuple, t: torch.Tensor, alias: bool) -> None:
         try:
             at = fusable_at(t) if st.fused else None
@@ -1417,9 +1472,12 @@ class Collector:
                 self._place_completed()
         if path in self._sel_modules:
             act, grad = st.due["activation"], st.due["activation_grad"]
-            for facet, t in flatten_output(output):
+            # (a bare tensor, as most modules return: flatten_output's first case, without a generator)
+            facets = ((None, output),) if isinstance(output, torch.Tensor) and not output.is_complex() \
+                else flatten_output(output)
+            for facet, t in facets:
                 if act and not in_backward:
-                    self._reduce(("activation", path, facet, "default"), t, alias=True)
+                    self._reduce_alias(st, ("activation", path, facet, "default"), t)
                 if grad and t.requires_grad:
                     key = ("activation_grad", path, facet, "default")
                     if not t.is_leaf:  # (its hooks go with the graph)
@@ -1447,7 +1505,7 @@ class Collector:
                             f"{key[1]!r} (retain_graph, torch.autograd.grad): its activation_grad row combines "
                             "every pass's gradient (counts and sums add, min/max extend: spec 11.2); it does not "
                             "describe the gradient summed over the passes")
-        self._reduce(key, grad, alias=True)
+        self._reduce_alias(st, key, grad)
 
     def _param_names(self, params: Iterable[torch.Tensor] | None) -> list[str]:
         if params is None:
