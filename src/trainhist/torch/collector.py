@@ -551,6 +551,7 @@ class Collector:
         self._plan: Plan | None = None
         self._handles: dict[tuple, object] = {}
         self._emit_plans: dict[tuple, list] = {}  # see _emit_plan
+        self._emit_cols: dict[int, tuple] = {}  # see _emit_columns
         self._emit_version: tuple | None = None
         self._handled: set[tuple] = set()  # row keys whose site has a handle
         # per activation stream, the steps of this segment at which a site that did not run was recorded absent, as
@@ -1966,7 +1967,22 @@ class Collector:
         d, spine_rows = st.spines, st.spine_rows
         cols = None  # d's count, NaN, infinity and sum-of-squares columns as lists, when the norm needs them
         batch: list[tuple[object, str, int]] = []  # (handle, phase, row in d): one writer call for all of them
-        for s, phase, key, h in self._emit_plan(st):
+        entries = self._emit_plan(st)
+        keys, handles, phases, normed, deltas = self._emit_columns(entries)
+        rows = list(map(spine_rows.get, keys))
+        if handles is not None and None not in rows and not (held and any(p in held for p in deltas)):
+            # the common case: every row of the plan decoded (the loop below would batch each of them, in order)
+            if grad_sq is not None and normed:
+                cols = (d.count.tolist(), d.nan.tolist(), (d.pinf + d.ninf).tolist(),  # type: ignore[union-attr]
+                        d.sums[:, 1].tolist())  # type: ignore[union-attr]
+                counts, nans, infs, sumsqs = cols
+                for j in normed:
+                    i = rows[j]
+                    grads += 1
+                    grad_sq = _add_sumsq(grad_sq, counts[i], nans[i], infs[i], sumsqs[i])  # type: ignore[arg-type]
+            entries = ()
+            self._emit_rows(st, handles, phases, rows)
+        for s, phase, key, h in entries:
             i = spine_rows.get(key)
             if i is not None and (s.stream != "param_delta" or s.path not in held):
                 if grad_sq is not None and s.stream == "param_grad" and s.path in self._norm_params:
@@ -2032,6 +2048,7 @@ class Collector:
         version = (len(sites), len(self._handles))
         if self._emit_version is None or self._emit_version[0] is not sites or self._emit_version[1] != version:
             self._emit_plans.clear()
+            self._emit_cols.clear()
             self._emit_version = (sites, version)
         ident = (tuple(st.due.items()), frozenset(st.clipped_names) if st.clip_seen else None)
         entries = self._emit_plans.get(ident)
@@ -2044,6 +2061,21 @@ class Collector:
                 for phase in self._phases(s, st):
                     entries.append((s, phase, (s.stream, s.path, s.facet, phase), h))
         return entries
+
+    def _emit_columns(self, entries: list) -> tuple[list, list | None, tuple, list[int], list[str]]:
+        """The columns of an :meth:`_emit_plan` list, kept with it: the row keys, handles (None where a site has
+        none yet) and phases, the positions of the gradients in the global norm and the paths of the ``param_delta``
+        rows."""
+        got = self._emit_cols.get(id(entries))
+        if got is None or got[0] is not entries or got[1] is not self._norm_params:
+            norm = self._norm_params
+            handles = [e[3] for e in entries]
+            cols = ([e[2] for e in entries], None if any(h is None for h in handles) else handles,
+                    tuple(e[1] for e in entries),
+                    [j for j, e in enumerate(entries) if e[0].stream == "param_grad" and e[0].path in norm],
+                    [e[0].path for e in entries if e[0].stream == "param_delta"])
+            got = self._emit_cols[id(entries)] = (entries, norm, cols)  # (the list kept: its id is not reused)
+        return got[2]
 
     def _all_trainable_selected(self) -> bool:
         return all(n in self._sel_params or n in self._copies for n, p in self._params.items() if p.requires_grad)
@@ -2115,17 +2147,36 @@ class Collector:
         a call that fails loses its rows, not the other call's.)"""
         if not batch:
             return
+        if not any(st.sketch.values()):  # (no row has a sketch: one call, of all of them)
+            handles, phases, idx = zip(*batch)
+            self._observe_spines(st, handles, phases, idx, False)
+            batch.clear()
+            return
         for sketch in (False, True):  # (a site's rows are all of one stream: their order is kept)
             part = [b for b in batch if st.sketch[b[0].stream] == sketch]  # type: ignore[attr-defined]
             if not part:
                 continue
             handles, phases, idx = zip(*part)
-            try:
-                table = st.spines.spine_table(np.array(idx, dtype=np.int64), sketch)  # type: ignore[union-attr]
-                self._writer.observe_spines(handles, st.step, table, phases=phases)
-            except Exception as e:  # noqa: BLE001 -- a broken disk must not kill the training run
-                self._writer_error(e)
+            self._observe_spines(st, handles, phases, idx, sketch)
         batch.clear()
+
+    def _emit_rows(self, st: _Step, handles: list, phases: tuple, rows: list[int]) -> None:
+        """:meth:`_emit_batch` of the rows ``rows`` of ``st.spines`` for ``handles`` in ``phases`` (columns, not
+        triples)."""
+        if not rows:
+            return
+        if not any(st.sketch.values()):
+            self._observe_spines(st, handles, phases, rows, False)
+            return
+        self._emit_batch(st, list(zip(handles, phases, rows)))
+
+    def _observe_spines(self, st: _Step, handles: object, phases: object, idx: object, sketch: bool) -> None:
+        """One writer call: rows ``idx`` of ``st.spines`` as the observations of ``handles`` in ``phases``."""
+        try:
+            table = st.spines.spine_table(np.array(idx, dtype=np.int64), sketch)  # type: ignore[union-attr]
+            self._writer.observe_spines(handles, st.step, table, phases=phases)
+        except Exception as e:  # noqa: BLE001 -- a broken disk must not kill the training run
+            self._writer_error(e)
 
     def _emit(self, st: _Step, s: PlannedSite, phase: str, key: tuple, summ: object, held: str | None) -> None:
         h = self._handle(s.path, s.stream, s.facet)
