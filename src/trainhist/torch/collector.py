@@ -65,8 +65,9 @@ from .plan import (
     unwrap,
 )
 from . import reduce as _reduction
-from .reduce import (DecodedRows, Ledger, PendingTransfer, decode_arrays, decode_rows, fusable_at, fused_at,
-                     fused_into, fused_many_at, is_plain, merge_row, reduce_into, triton_batchable, triton_many)
+from .reduce import (DecodedRows, Ledger, PendingTransfer, decode_arrays, decode_rows, fusable_at, fusable_ats,
+                     fused_at, fused_into, fused_many_at, is_plain, merge_row, reduce_into, triton_batchable,
+                     triton_many)
 
 __all__ = ["Collector", "StepTruth"]
 
@@ -225,6 +226,13 @@ class _DeltaBatch:
         self.host = np.empty(int(self.offsets[-1]), dtype=np.float32)
         out = torch.from_numpy(self.host)
         self.views = [out[int(a) : int(z)] for a, z in zip(self.offsets[:-1], self.offsets[1:])]
+        self._view_ats: list | None = None
+
+    def view_ats(self) -> list:
+        """:func:`~.reduce.fusable_at` of each view, read once: views of ``host``, whose memory never moves."""
+        if self._view_ats is None:
+            self._view_ats = fusable_ats(self.views)
+        return self._view_ats
 
     def gather(self, addresses: np.ndarray, subtract: bool) -> None:
         """The subvectors now (or, ``subtract``, now minus the snapshot) into ``host``, by the CPU kernel."""
@@ -1083,10 +1091,12 @@ class Collector:
                                 if (g := p.grad) is not None and type(g) is torch.Tensor}
         if st.clipped_any is not None:
             self._put_scalar(st, st.step, "_clipped", st.clipped_any)
+        seen: dict[tuple, object] = {}  # (the parameters' fusable_at, read once for both streams)
         if st.due["param"]:
-            self._reduce_many([(("param", name, None, "default"), self._params[name]) for name in self._sel_params])
+            self._reduce_many([(("param", name, None, "default"), self._params[name]) for name in self._sel_params],
+                              found=seen)
         if st.due["param_delta"]:
-            self._deltas(st)
+            self._deltas(st, seen)
         for oi, opt in enumerate(self._optimizers):  # the rates its step used (a scheduler may have moved on)
             lrs = st.lrs.get(oi) or [g.get("lr") for g in opt.param_groups]
             for gi, lr in enumerate(lrs):
@@ -1365,11 +1375,14 @@ class Collector:
                 self._fail(key, e)
             return None
 
-    def _reduce_many(self, items: list[tuple[tuple, torch.Tensor]]) -> None:
+    def _reduce_many(self, items: list[tuple[tuple, torch.Tensor]], known: dict | None = None,
+                     found: dict | None = None) -> None:
         """:meth:`_reduce` of the (key, tensor) pairs of one stream, with no aliasing (parameters, gradients,
         updates), in order: on the CPU kernel's path the :func:`~.reduce.fusable_at` tensors are reduced by one
         compiled call (:func:`~.reduce.fused_many_at`), on a GPU with Triton the plain contiguous float tensors by
-        one launch per dtype (:func:`triton_many`), the others one by one; the rows are the same."""
+        one launch per dtype (:func:`triton_many`), the others one by one; the rows are the same. ``known``: the
+        :func:`~.reduce.fusable_at` of some keys' tensors, which the caller has (the same tensors, unchanged);
+        ``found``: filled with those read here, by key."""
         st = self._state
         if st is None or not items:
             return
@@ -1390,8 +1403,14 @@ class Collector:
             keys.append(key)
             tensors.append(t)
         done: set[int] = set()
-        ats = [fusable_at(t) for t in tensors] if st.fused else []
+        ats: list = []
         if st.fused:
+            if known:
+                ats = [known[k] if k in known else fusable_at(t) for k, t in zip(keys, tensors)]
+            else:
+                ats = fusable_ats(tensors)
+            if found is not None:
+                found.update(zip(keys, ats))
             pick = [i for i, at in enumerate(ats) if at is not None]
             if pick:
                 rows = self._ledger.addresses([keys[i] for i in pick])
@@ -1402,15 +1421,26 @@ class Collector:
             if got is None:
                 return
             done = got
+        typed, dtypes, reductions, counts = self._typed, self._dtypes, st.reductions, st.counts
+        if ats and len(done) == len(keys):  # (the common case: the compiled call took every one of them)
+            for key, t, at in zip(keys, tensors, ats):
+                if key not in typed:  # (its site's dtype is known once it is)
+                    typed.add(key)
+                    site = (key[1], key[0], key[2])
+                    if site not in dtypes:
+                        dtypes[site] = _dtype_name(t)
+                reductions[key] = reductions.get(key, 0) + 1
+                counts[key] = counts.get(key, 0) + at[1]
+            return
         for i, (key, t) in enumerate(zip(keys, tensors)):
             if i not in done:
                 self._reduce(key, t)
                 continue
             site = (key[1], key[0], key[2])
-            if site not in self._dtypes:
-                self._dtypes[site] = _dtype_name(t)
-            st.reductions[key] = st.reductions.get(key, 0) + 1
-            st.counts[key] = st.counts.get(key, 0) + (ats[i][1] if ats else t.numel())  # type: ignore[index]
+            if site not in dtypes:
+                dtypes[site] = _dtype_name(t)
+            reductions[key] = reductions.get(key, 0) + 1
+            counts[key] = counts.get(key, 0) + (ats[i][1] if ats else t.numel())  # type: ignore[index]
 
     @staticmethod
     def _identity(key: tuple, t: torch.Tensor) -> tuple | None:
@@ -1510,7 +1540,7 @@ class Collector:
 
     def _param_names(self, params: Iterable[torch.Tensor] | None) -> list[str]:
         if params is None:
-            return [n for n in self._params if n in self._sel_params]
+            return list(self._sel_params)  # (in the order of _params, as it was made)
         ids = {id(p) for p in params}
         return [n for n, p in self._params.items() if id(p) in ids and n in self._sel_params]
 
@@ -1545,16 +1575,18 @@ class Collector:
         items = []
         missing = 0
         orphans: list[str] = []
+        grad_done, all_params = st.grad_done, self._params
+        clipped = st.clipped_names if phase == "default" else ()
         for name in self._param_names(params):
-            if phase == "default" and name in st.clipped_names:
+            if name in clipped:
                 continue
             key = ("param_grad", name, None, phase)
-            if key in st.grad_done:
+            if key in grad_done:
                 continue
-            st.grad_done.add(key)
+            grad_done.add(key)
             if name in stale:  # (no backward reached it this step: absent)
                 continue
-            p = self._params[name]
+            p = all_params[name]
             g = p.grad
             if g is None and local_tensor(p).numel() == 0:  # (no part of it on this rank: FSDP1 drops its gradient)
                 g = local_tensor(p).detach()
@@ -1880,23 +1912,25 @@ class Collector:
                 except Exception as e2:  # noqa: BLE001
                     self._fail(("param_delta", name, None, "default"), e2)
 
-    def _delta_at(self, name: str) -> tuple[int, int] | None:
+    def _delta_at(self, name: str, seen: dict | None = None) -> tuple[int, int] | None:
         """``(address, elements)`` of parameter ``name`` when its update can be taken by the CPU kernel: plain
-        contiguous float32 CPU memory (any other dtype or layout takes the torch path, :meth:`_gather`)."""
-        at = fusable_at(local_tensor(self._params[name]))
+        contiguous float32 CPU memory (any other dtype or layout takes the torch path, :meth:`_gather`). ``seen``:
+        :meth:`_reduce_many`'s ``found`` of the ``param`` rows just before (the same tensors, unchanged since)."""
+        key = ("param", name, None, "default")
+        at = seen[key] if seen and key in seen else fusable_at(local_tensor(self._params[name]))
         return at[:2] if at is not None and at[2] is torch.float32 else None
 
-    def _deltas(self, st: _Step) -> None:
+    def _deltas(self, st: _Step, seen: dict | None = None) -> None:
         """``param_delta``: ``after - before`` on every snapshotted subvector, reduced in the model's order. The
         kernel's snapshot is subtracted in one compiled call; if a parameter changed kind or size during the step
         (replaced by the loop), all of them take the torch path from the same snapshot."""
         b, names, done = self._delta_batch, st.batched, {}
         if names and b is not None:
-            ats = [self._delta_at(n) for n in names]
+            ats = [self._delta_at(n, seen) for n in names]
             if all(at is not None and at[1] == m for at, m in zip(ats, b.sizes.tolist())):
                 try:
                     b.gather(np.array([at[0] for at in ats], dtype=np.int64), True)  # type: ignore[index]
-                    done = dict(zip(names, b.views))
+                    done = dict(zip(names, zip(b.views, b.view_ats())))
                 except Exception as e:  # noqa: BLE001 -- nothing was written: the snapshot is intact
                     self._warn_once("delta_batch", f"trainhist: the batched param_delta failed ({e!r}); taking it "
                                     "parameter by parameter")
@@ -1904,17 +1938,19 @@ class Collector:
                 for n, v in zip(names, b.views):
                     st.snapshots[n] = (self._indices[n][2], v.clone())
         items = []
+        known = {}  # (the views' fusable_at)
         for name in self._sel_params:
             key = ("param_delta", name, None, "default")
             if name in done:
-                items.append((key, done[name]))
+                view, known[key] = done[name]
+                items.append((key, view))
             elif name in st.snapshots:
                 idx, before = st.snapshots[name]
                 try:
                     items.append((key, self._gather(name, idx).sub_(before).to(torch.float32)))
                 except Exception as e:  # noqa: BLE001
                     self._fail(key, e)
-        self._reduce_many(items)
+        self._reduce_many(items, known)
 
     # -- host side: decode and write ------------------------------------------------------------------------
     def _finish(self, st: _Step) -> None:

@@ -41,7 +41,7 @@ except ImportError as _e:  # numba missing, or not yet released for this Python
                   "torch operations, several times slower (pip install numba)", RuntimeWarning, stacklevel=2)
 
 __all__ = ["ROW", "CHUNK", "METHODS", "reduce_into", "device_method", "batch_method", "triton_into", "triton_many",
-           "triton_batchable", "fused_into", "fused_many_at", "fusable_at", "is_plain",
+           "triton_batchable", "fused_into", "fused_many_at", "fusable_at", "fusable_ats", "is_plain",
            "merge_row", "decode_row", "decode_rows", "decode_arrays", "DecodedRows", "Ledger", "PendingTransfer"]
 
 NK = grid.NKEYS
@@ -405,6 +405,23 @@ def fusable_at(x: torch.Tensor) -> tuple[int, int, torch.dtype] | None:
         if n > 0 and address != 0:
             return address, n, dt
     return None
+
+
+def fusable_ats(xs: list[torch.Tensor]) -> list[tuple[int, int, torch.dtype] | None]:
+    """:func:`fusable_at` of each tensor of ``xs``, in order (the same checks, with the names bound once: the
+    parameters, gradients and updates of a step are read in lists of hundreds)."""
+    f32, f64, plain, param, strided = torch.float32, torch.float64, torch.Tensor, torch.nn.Parameter, torch.strided
+    out: list[tuple[int, int, torch.dtype] | None] = []
+    for x in xs:
+        dt = x.dtype
+        at = None
+        if ((dt is f32 or dt is f64) and (type(x) is plain or type(x) is param) and x.layout == strided and x.is_cpu
+                and x.is_contiguous() and not x.is_neg()):
+            n, address = x.numel(), x.data_ptr()
+            if n > 0 and address != 0:
+                at = (address, n, dt)
+        out.append(at)
+    return out
 
 
 def fused_many_at(ats: list[tuple[int, int, torch.dtype] | None], row_addresses: list[int], sketch: bool) -> list[int]:
