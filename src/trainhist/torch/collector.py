@@ -546,6 +546,7 @@ class Collector:
         # in the model's order (reductions run in it, and 'first non-finite' means first in execution order)
         self._sel_modules = dict.fromkeys(n for n in self._modules if n in sel_modules)
         self._sel_params = dict.fromkeys(n for n in self._params if n in sel_params and n not in self._copies)
+        self._unselected = [n for n in self._params if n not in self._sel_params and n not in self._copies]
         self._facets: dict[str, list[tuple[str | None, tuple[int, ...], str]]] | None = None
         # the sites' order (spec 2.2), kept by merge where ids are not: modules in the order their outputs were
         # first produced (discover(), or the steps), parameters in the model's order
@@ -2114,7 +2115,10 @@ class Collector:
         return got[2]
 
     def _all_trainable_selected(self) -> bool:
-        return all(n in self._sel_params or n in self._copies for n, p in self._params.items() if p.requires_grad)
+        # (every parameter that requires a gradient is selected or a copy: none of the others does; their names are
+        # fixed when the collector is made, their tensors may be replaced since)
+        params = self._params
+        return not any(params[n].requires_grad for n in self._unselected)
 
     def _phases(self, s: PlannedSite, st: _Step) -> tuple[str, ...]:
         if s.stream == "param_grad":
