@@ -575,6 +575,9 @@ class Collector:
         self._scaler_wrapped: set[str] = set()  # the scaler methods that were instance attributes when wrapped
         dev = next((p.device for p in self.inner.parameters()), torch.device("cpu"))
         self._ledger = Ledger(dev)
+        # whether the ledger rows' key columns hold zeros since its last reset (nothing wrote them: the fused spine
+        # kernel writes only the other columns), so that the next reset copies only those (Ledger.reset)
+        self._ledger_clean = False
         self._lag = 1 if self._ledger.device.type == "cuda" else 0
         # parameter -> (its size, its seeded param_delta positions as numpy and on its device; None: all of it)
         self._indices: dict[str, tuple[int, np.ndarray | None, torch.Tensor | None]] = {}
@@ -1012,7 +1015,9 @@ class Collector:
             self._warn_once("flush", "trainhist: this thread's float arithmetic flushes subnormal numbers to zero "
                             f"({'results' if ftz else 'inputs'} only: not torch.set_flush_denormal, which trainhist "
                             "switches off while it reduces); sums over subnormal values may miss their stated bound")
-        self._ledger.reset()
+        self._ledger.reset(keys_clean=self._ledger_clean)
+        # (a step whose every reduction is the fused kernel's spine writes no key column)
+        self._ledger_clean = st.fused and not any(st.sketch.values())
         if self._compiled:  # run last: see the module's final output (uncompiled: _keep_last's pre-hook, each call)
             for m, hid in self._fwd_handles:
                 _keep_last(hid, m, ())
@@ -2144,9 +2149,12 @@ class Collector:
         try:
             d = decode_arrays(data, offsets, counts, [sketch[k[0]] for k in keys])
         except Exception:  # noqa: BLE001 -- left to the per-key path, which records the failing site
+            self._ledger_clean = False
             return
         st.spines = d
         ok = d.ok
+        if failed or d.keyed.any() or not ok.all():  # (anything amiss: the next reset restores every column)
+            self._ledger_clean = False
         if ok.all():  # (the common case: every row decoded)
             st.spine_rows = dict(zip(keys, range(len(keys))))
         else:
@@ -2260,7 +2268,7 @@ class Collector:
         if self._late or self._late_host:
             if self._writer is None:  # (scalars given before attach() and any step)
                 self._open()
-            self._ledger.reset()
+            self._ledger.reset(keys_clean=self._ledger_clean)  # (this transfer writes scalar slots alone)
             st = _Step(step=-1, truth=StepTruth(), due=dict.fromkeys(STREAMS, False), sketch={}, t0=0.0, late_only=True)
             self._transfer(st)
             self._drain()

@@ -711,6 +711,7 @@ class Ledger:
         # the used part of the buffer and of its template (the rest, capacity for later rows, is never written):
         # what reset() copies
         self._live, self._live_template = self.buf, self._template
+        self._tails: tuple[torch.Tensor, torch.Tensor] | None = None  # see reset(keys_clean=True)
         self._pinned = self.device.type == "cuda"
         self._cpu = self.device.type == "cpu"  # (torch builds the type string anew on every read)
         self.transfers = 0
@@ -738,6 +739,7 @@ class Ledger:
             self._template[off : self._used].copy_(torch.from_numpy(extra).to(self.device))
             self.buf[off : self._used].copy_(self._template[off : self._used])
         self._live, self._live_template = self.buf[: self._used], self._template[: self._used]
+        self._tails = None
         return off
 
     def row(self, key: object) -> torch.Tensor:
@@ -795,10 +797,29 @@ class Ledger:
             off = self.scalars[key] = self._grow(np.array([math.nan]).view(np.int64))
         return self.buf[off : off + 1].view(torch.float64)
 
-    def reset(self) -> None:
+    def reset(self, keys_clean: bool = False) -> None:
         """Re-initialise every row and slot (one device copy of the used part of the buffer: the capacity past it
-        holds no row or slot yet, and nothing writes there)."""
-        self._live.copy_(self._live_template)
+        holds no row or slot yet, and nothing writes there).
+
+        ``keys_clean``: the caller knows that nothing has written the key columns (``[0, COL_NEGZERO)``) of any row
+        since the last reset, which left them as the template holds them (zeros): then only the rest of each row
+        and the scalar slots are copied back, a few percent of the buffer (what spine-only reductions write)."""
+        if keys_clean:
+            tails = self._tails
+            if tails is None:
+                tails = self._tails = self._tail_index()
+            self.buf.index_copy_(0, tails[0], tails[1])
+        else:
+            self._live.copy_(self._live_template)
+
+    def _tail_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The positions outside the rows' key columns (the rest of each row, every scalar slot) and their
+        template values."""
+        rows = np.fromiter(self.rows.values(), np.int64, len(self.rows))
+        at = [(rows[:, None] + np.arange(COL_NEGZERO, ROW, dtype=np.int64)).reshape(-1),
+              np.fromiter(self.scalars.values(), np.int64, len(self.scalars))]
+        index = torch.from_numpy(np.sort(np.concatenate(at))).to(self.device)
+        return index, self._template.index_select(0, index)
 
     def transfer(self, copy: bool = True) -> "PendingTransfer":
         """Start the step's single device-to-host copy of the whole buffer. ``copy=False`` on a CPU ledger hands
