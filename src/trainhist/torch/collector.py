@@ -2010,10 +2010,11 @@ class Collector:
             self._registered = True
             self._register_sites()
         handled = self._handled
-        for key in [*st.counts, *st.failed]:  # facets first seen in this step
-            if key not in handled:
-                if self._handle(key[1], key[0], key[2]) is not None:
-                    handled.add(key)
+        if st.failed or not handled.issuperset(st.counts):  # (every key handled: the common case, tested in C)
+            for key in [*st.counts, *st.failed]:  # facets first seen in this step
+                if key not in handled:
+                    if self._handle(key[1], key[0], key[2]) is not None:
+                        handled.add(key)
         grad_sq: float | None = 0.0 if st.due["param_grad"] and not st.clip_seen else None
         grads = 0  # gradients in grad_sq (parameters without one are not in the norm; with none, there is no norm)
         d, spine_rows = st.spines, st.spine_rows
