@@ -17,7 +17,7 @@ import time
 import uuid
 from bisect import bisect_left
 from dataclasses import dataclass
-from itertools import accumulate, chain
+from itertools import accumulate, chain, repeat
 from operator import attrgetter
 from typing import Any, Sequence
 
@@ -95,6 +95,15 @@ def _gather(fields: Any, items: list, dtype: type, width: int) -> np.ndarray:
 _TABLE_METHODS = (SumMethod.F64, SumMethod.F32, SumMethod.UNKNOWN)  #: the sum methods a SpineTable may state
 
 
+def _any_equal(values: np.ndarray, of: tuple[int, ...]) -> np.ndarray:
+    """``numpy.isin(values, of)`` of an integer array and a few integers, as comparisons (isin's setup costs
+    tens of microseconds, once a step for a collector)."""
+    hit = values == of[0]
+    for v in of[1:]:
+        hit |= values == v
+    return hit
+
+
 class _Spines:
     """A :class:`SpineTable` as the encoder stores it: counts (5 rows, uint64), min/max (canonical NaN), the sums
     as their stored float64 values (0 for an unknown bound; +0.0 for a zero sum), the method codes and the sketch
@@ -117,7 +126,7 @@ class _Spines:
         _refuse_impossible("SpineTable", counts, ranges)
         finite = counts[0] - counts[1] - counts[2] - counts[3]  # (no wrap: checked above)
         method = np.asarray(t.method)
-        if method.dtype.kind not in "iu" or not np.isin(method, _TABLE_METHODS).all():
+        if method.dtype.kind not in "iu" or not _any_equal(method, _TABLE_METHODS).all():
             raise UsageError("the methods of a SpineTable must be SumMethod.F64, F32 or UNKNOWN (exact sums need a "
                              "Summary)")
         sums = np.array([t.sum, t.sumsq], dtype=np.float64).reshape(2, n)
@@ -876,8 +885,10 @@ class HistoryWriter:
         codes = [_PHASE_CODES.get(p) if type(p) is str else None for p in phases] if phases is not None else None
         if codes is not None and None in codes:
             codes = [Phase.code(p) for p in phases]  # type: ignore[union-attr] -- (raises for an unknown phase)
+        handles = self._handles
         for site in sites:
-            self._check_site(site)
+            if type(site) is not SiteHandle or handles.get(site.id) is not site:  # (_check_site's first test)
+                self._check_site(site)
         step = self._as_step(step)
         ids = np.fromiter(map(_id_of, sites), np.int64, n)
         ph = np.zeros(n, np.int64) if codes is None else np.asarray(codes, np.int64)
@@ -900,13 +911,15 @@ class HistoryWriter:
         ref = len(self._tables) << _ROW_BITS
         self._tables.append(spines)
         full: list[tuple[tuple[int, int], list[tuple]]] = []  # buffers that reached _FLUSH_ROWS, as observe cuts them
-        for i, site in enumerate(sites):  # (every row is buffered before any is written)
-            key = (site.id, segment)
+        observed, flush = Presence.OBSERVED, _FLUSH_ROWS
+        # (every row is buffered before any is written; the sites' ids as ``ids`` holds them)
+        for i, (sid, code) in enumerate(zip(ids.tolist(), repeat(default, n) if codes is None else codes)):
+            key = (sid, segment)
             buf = buffers.get(key)
             if buf is None:
                 buf = buffers[key] = []
-            buf.append((step, 1, MICRO_ALL, default if codes is None else codes[i], Presence.OBSERVED, ref | i))
-            if len(buf) == _FLUSH_ROWS:
+            buf.append((step, 1, MICRO_ALL, code, observed, ref | i))
+            if len(buf) == flush:
                 full.append((key, buf))
                 buffers[key] = []
         self._whole_last[ph, ids] = step

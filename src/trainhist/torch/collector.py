@@ -65,8 +65,9 @@ from .plan import (
     unwrap,
 )
 from . import reduce as _reduction
-from .reduce import (DecodedRows, Ledger, PendingTransfer, decode_arrays, decode_rows, fusable_at, fused_at,
-                     fused_into, fused_many_at, is_plain, merge_row, reduce_into, triton_batchable, triton_many)
+from .reduce import (DecodedRows, Ledger, PendingTransfer, decode_arrays, decode_rows, fusable_at, fusable_ats,
+                     fused_at, fused_into, fused_many_at, is_plain, merge_row, reduce_into, triton_batchable,
+                     triton_many)
 
 __all__ = ["Collector", "StepTruth"]
 
@@ -225,6 +226,13 @@ class _DeltaBatch:
         self.host = np.empty(int(self.offsets[-1]), dtype=np.float32)
         out = torch.from_numpy(self.host)
         self.views = [out[int(a) : int(z)] for a, z in zip(self.offsets[:-1], self.offsets[1:])]
+        self._view_ats: list | None = None
+
+    def view_ats(self) -> list:
+        """:func:`~.reduce.fusable_at` of each view, read once: views of ``host``, whose memory never moves."""
+        if self._view_ats is None:
+            self._view_ats = fusable_ats(self.views)
+        return self._view_ats
 
     def gather(self, addresses: np.ndarray, subtract: bool) -> None:
         """The subvectors now (or, ``subtract``, now minus the snapshot) into ``host``, by the CPU kernel."""
@@ -242,18 +250,21 @@ def _flush_mode() -> tuple[bool, bool]:
     return _TINY * 0.5 == _ZERO, _SUBNORMAL + _ZERO == _ZERO
 
 
-@contextlib.contextmanager
-def _no_flush() -> Iterator[None]:
+class _no_flush:  # noqa: N801 -- used as the function it was: ``with _no_flush():``
     """Keep subnormals in the float arithmetic of the block (the bounds of spec 5.4 assume them), and put back
-    ``torch.set_flush_denormal(True)`` after it if it was on."""
-    if not all(_flush_mode()):
-        yield
-        return
-    torch.set_flush_denormal(False)
-    try:
-        yield
-    finally:
-        torch.set_flush_denormal(True)
+    ``torch.set_flush_denormal(True)`` after it if it was on. (A class, not a generator-based context manager:
+    entered several times a step, for a few microseconds less each.)"""
+
+    __slots__ = ("_on",)
+
+    def __enter__(self) -> None:
+        self._on = all(_flush_mode())
+        if self._on:
+            torch.set_flush_denormal(False)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._on:
+            torch.set_flush_denormal(True)
 
 
 def _add_sumsq(total: float, count: int, nan: int, inf: int, sumsq: float) -> float:
@@ -371,6 +382,9 @@ def _no_forward(m: torch.nn.Module) -> bool:
     return type(m).forward is torch.nn.Module.forward
 
 
+#: what :func:`~.reduce.fusable_at` compares with, bound once for :meth:`Collector._reduce_alias`'s inlined copy
+_TENSOR, _PARAMETER, _STRIDED, _FLOAT32, _FLOAT64 = (torch.Tensor, torch.nn.Parameter, torch.strided, torch.float32,
+                                                    torch.float64)
 #: integer dtypes whose values need not be binary64 values (beyond 2^53): such a row is recorded 'failed'
 _WIDE_INTS = tuple(getattr(torch, n) for n in ("int64", "uint64") if hasattr(torch, n))
 
@@ -535,6 +549,7 @@ class Collector:
         # in the model's order (reductions run in it, and 'first non-finite' means first in execution order)
         self._sel_modules = dict.fromkeys(n for n in self._modules if n in sel_modules)
         self._sel_params = dict.fromkeys(n for n in self._params if n in sel_params and n not in self._copies)
+        self._unselected = [n for n in self._params if n not in self._sel_params and n not in self._copies]
         self._facets: dict[str, list[tuple[str | None, tuple[int, ...], str]]] | None = None
         # the sites' order (spec 2.2), kept by merge where ids are not: modules in the order their outputs were
         # first produced (discover(), or the steps), parameters in the model's order
@@ -548,6 +563,7 @@ class Collector:
         self._plan: Plan | None = None
         self._handles: dict[tuple, object] = {}
         self._emit_plans: dict[tuple, list] = {}  # see _emit_plan
+        self._emit_cols: dict[int, tuple] = {}  # see _emit_columns
         self._emit_version: tuple | None = None
         self._handled: set[tuple] = set()  # row keys whose site has a handle
         # per activation stream, the steps of this segment at which a site that did not run was recorded absent, as
@@ -562,6 +578,9 @@ class Collector:
         self._scaler_wrapped: set[str] = set()  # the scaler methods that were instance attributes when wrapped
         dev = next((p.device for p in self.inner.parameters()), torch.device("cpu"))
         self._ledger = Ledger(dev)
+        # whether the ledger rows' key columns hold zeros since its last reset (nothing wrote them: the fused spine
+        # kernel writes only the other columns), so that the next reset copies only those (Ledger.reset)
+        self._ledger_clean = False
         self._lag = 1 if self._ledger.device.type == "cuda" else 0
         # parameter -> (its size, its seeded param_delta positions as numpy and on its device; None: all of it)
         self._indices: dict[str, tuple[int, np.ndarray | None, torch.Tensor | None]] = {}
@@ -999,7 +1018,9 @@ class Collector:
             self._warn_once("flush", "trainhist: this thread's float arithmetic flushes subnormal numbers to zero "
                             f"({'results' if ftz else 'inputs'} only: not torch.set_flush_denormal, which trainhist "
                             "switches off while it reduces); sums over subnormal values may miss their stated bound")
-        self._ledger.reset()
+        self._ledger.reset(keys_clean=self._ledger_clean)
+        # (a step whose every reduction is the fused kernel's spine writes no key column)
+        self._ledger_clean = st.fused and not any(st.sketch.values())
         if self._compiled:  # run last: see the module's final output (uncompiled: _keep_last's pre-hook, each call)
             for m, hid in self._fwd_handles:
                 _keep_last(hid, m, ())
@@ -1079,10 +1100,12 @@ class Collector:
                                 if (g := p.grad) is not None and type(g) is torch.Tensor}
         if st.clipped_any is not None:
             self._put_scalar(st, st.step, "_clipped", st.clipped_any)
+        seen: dict[tuple, object] = {}  # (the parameters' fusable_at, read once for both streams)
         if st.due["param"]:
-            self._reduce_many([(("param", name, None, "default"), self._params[name]) for name in self._sel_params])
+            self._reduce_many([(("param", name, None, "default"), self._params[name]) for name in self._sel_params],
+                              found=seen)
         if st.due["param_delta"]:
-            self._deltas(st)
+            self._deltas(st, seen)
         for oi, opt in enumerate(self._optimizers):  # the rates its step used (a scheduler may have moved on)
             lrs = st.lrs.get(oi) or [g.get("lr") for g in opt.param_groups]
             for gi, lr in enumerate(lrs):
@@ -1207,6 +1230,58 @@ class Collector:
         else:
             self._reduce_in(st, key, t, alias)
 
+    def _reduce_alias(self, st: _Step, key: tuple, t: torch.Tensor) -> None:
+        """``_reduce(key, t, alias=True)`` of a module output or of its gradient in step ``st`` (the current one),
+        with the CPU kernel's common case inlined: :meth:`_reduce_in`, :func:`fusable_at` (the same checks, in the same
+        order), :meth:`_reduce_plain` and :meth:`_merge_alias`. Over a hundred calls a step, each one just after a
+        kernel call has streamed megabytes through the CPU's caches: every Python call and lookup costs there."""
+        if key in st.failed:
+            return
+        if st.flush or not st.fused:
+            self._reduce(key, t, alias=True)
+            return
+        try:
+            dt = t.dtype
+            tt = type(t)
+            if not ((dt is _FLOAT32 or dt is _FLOAT64) and (tt is _TENSOR or tt is _PARAMETER) and t.layout == _STRIDED
+                    and t.is_cpu and t.is_contiguous() and not t.is_neg()):
+                self._reduce_in(st, key, t, True)  # (fusable_at: None)
+                return
+            n, address = t.numel(), t.data_ptr()
+            if not (n > 0 and address != 0):
+                self._reduce_in(st, key, t, True)
+                return
+            if key not in self._typed:
+                self._typed.add(key)
+                self._dtypes.setdefault((key[1], key[0], key[2]), _dtype_name(t))
+            # (_merge_alias, ident: the kernel reads n contiguous elements at address: those three make its result)
+            merged = False
+            try:
+                version = t._version
+            except RuntimeError:  # an inference tensor has no version counter: no aliasing shortcut
+                pass
+            else:
+                seen = st.seen
+                ident = (key[0], address, n, dt)
+                hit = seen.get(ident)
+                if hit is not None:
+                    ref, seen_version, first = hit
+                    if ref() is not None and seen_version == version and first != key and st.reductions.get(first) == 1:
+                        self._ledger.merge_on_host(key, first)
+                        merged = True
+                if not merged:
+                    seen[ident] = (weakref.ref(t), version, key)
+            if not merged:
+                ledger = self._ledger
+                off = ledger.rows.get(key)
+                fused_at(address, n, dt, ledger.address(key) if off is None else ledger._base + 8 * off,
+                         st.sketch.get(key[0], True))
+            reductions, counts = st.reductions, st.counts
+            reductions[key] = reductions.get(key, 0) + 1
+            counts[key] = counts.get(key, 0) + n
+        except Exception as e:  # noqa: BLE001 -- one bad site must not stop training
+            self._fail(key, e)
+
     def _reduce_in(self, st: _Step, key: tuple, t: torch.Tensor, alias: bool) -> None:
         try:
             at = fusable_at(t) if st.fused else None
@@ -1309,11 +1384,14 @@ class Collector:
                 self._fail(key, e)
             return None
 
-    def _reduce_many(self, items: list[tuple[tuple, torch.Tensor]]) -> None:
+    def _reduce_many(self, items: list[tuple[tuple, torch.Tensor]], known: dict | None = None,
+                     found: dict | None = None) -> None:
         """:meth:`_reduce` of the (key, tensor) pairs of one stream, with no aliasing (parameters, gradients,
         updates), in order: on the CPU kernel's path the :func:`~.reduce.fusable_at` tensors are reduced by one
         compiled call (:func:`~.reduce.fused_many_at`), on a GPU with Triton the plain contiguous float tensors by
-        one launch per dtype (:func:`triton_many`), the others one by one; the rows are the same."""
+        one launch per dtype (:func:`triton_many`), the others one by one; the rows are the same. ``known``: the
+        :func:`~.reduce.fusable_at` of some keys' tensors, which the caller has (the same tensors, unchanged);
+        ``found``: filled with those read here, by key."""
         st = self._state
         if st is None or not items:
             return
@@ -1334,8 +1412,14 @@ class Collector:
             keys.append(key)
             tensors.append(t)
         done: set[int] = set()
-        ats = [fusable_at(t) for t in tensors] if st.fused else []
+        ats: list = []
         if st.fused:
+            if known:
+                ats = [known[k] if k in known else fusable_at(t) for k, t in zip(keys, tensors)]
+            else:
+                ats = fusable_ats(tensors)
+            if found is not None:
+                found.update(zip(keys, ats))
             pick = [i for i, at in enumerate(ats) if at is not None]
             if pick:
                 rows = self._ledger.addresses([keys[i] for i in pick])
@@ -1346,15 +1430,26 @@ class Collector:
             if got is None:
                 return
             done = got
+        typed, dtypes, reductions, counts = self._typed, self._dtypes, st.reductions, st.counts
+        if ats and len(done) == len(keys):  # (the common case: the compiled call took every one of them)
+            for key, t, at in zip(keys, tensors, ats):
+                if key not in typed:  # (its site's dtype is known once it is)
+                    typed.add(key)
+                    site = (key[1], key[0], key[2])
+                    if site not in dtypes:
+                        dtypes[site] = _dtype_name(t)
+                reductions[key] = reductions.get(key, 0) + 1
+                counts[key] = counts.get(key, 0) + at[1]
+            return
         for i, (key, t) in enumerate(zip(keys, tensors)):
             if i not in done:
                 self._reduce(key, t)
                 continue
             site = (key[1], key[0], key[2])
-            if site not in self._dtypes:
-                self._dtypes[site] = _dtype_name(t)
-            st.reductions[key] = st.reductions.get(key, 0) + 1
-            st.counts[key] = st.counts.get(key, 0) + (ats[i][1] if ats else t.numel())  # type: ignore[index]
+            if site not in dtypes:
+                dtypes[site] = _dtype_name(t)
+            reductions[key] = reductions.get(key, 0) + 1
+            counts[key] = counts.get(key, 0) + (ats[i][1] if ats else t.numel())  # type: ignore[index]
 
     @staticmethod
     def _identity(key: tuple, t: torch.Tensor) -> tuple | None:
@@ -1417,9 +1512,12 @@ class Collector:
                 self._place_completed()
         if path in self._sel_modules:
             act, grad = st.due["activation"], st.due["activation_grad"]
-            for facet, t in flatten_output(output):
+            # (a bare tensor, as most modules return: flatten_output's first case, without a generator)
+            facets = ((None, output),) if isinstance(output, torch.Tensor) and not output.is_complex() \
+                else flatten_output(output)
+            for facet, t in facets:
                 if act and not in_backward:
-                    self._reduce(("activation", path, facet, "default"), t, alias=True)
+                    self._reduce_alias(st, ("activation", path, facet, "default"), t)
                 if grad and t.requires_grad:
                     key = ("activation_grad", path, facet, "default")
                     if not t.is_leaf:  # (its hooks go with the graph)
@@ -1447,11 +1545,11 @@ class Collector:
                             f"{key[1]!r} (retain_graph, torch.autograd.grad): its activation_grad row combines "
                             "every pass's gradient (counts and sums add, min/max extend: spec 11.2); it does not "
                             "describe the gradient summed over the passes")
-        self._reduce(key, grad, alias=True)
+        self._reduce_alias(st, key, grad)
 
     def _param_names(self, params: Iterable[torch.Tensor] | None) -> list[str]:
         if params is None:
-            return [n for n in self._params if n in self._sel_params]
+            return list(self._sel_params)  # (in the order of _params, as it was made)
         ids = {id(p) for p in params}
         return [n for n, p in self._params.items() if id(p) in ids and n in self._sel_params]
 
@@ -1486,16 +1584,18 @@ class Collector:
         items = []
         missing = 0
         orphans: list[str] = []
+        grad_done, all_params = st.grad_done, self._params
+        clipped = st.clipped_names if phase == "default" else ()
         for name in self._param_names(params):
-            if phase == "default" and name in st.clipped_names:
+            if name in clipped:
                 continue
             key = ("param_grad", name, None, phase)
-            if key in st.grad_done:
+            if key in grad_done:
                 continue
-            st.grad_done.add(key)
+            grad_done.add(key)
             if name in stale:  # (no backward reached it this step: absent)
                 continue
-            p = self._params[name]
+            p = all_params[name]
             g = p.grad
             if g is None and local_tensor(p).numel() == 0:  # (no part of it on this rank: FSDP1 drops its gradient)
                 g = local_tensor(p).detach()
@@ -1790,12 +1890,19 @@ class Collector:
         """The parameters' sampled values before the update: float32 ones by the CPU kernel into one buffer
         (:class:`_DeltaBatch`), the others (and all of them off the CPU path) by :meth:`_gather`."""
         batched, sizes, addresses = [], [], []
-        for name in self._sel_params:
-            if not self._params[name].requires_grad:
-                continue
+        params = self._params
+        names = [name for name in self._sel_params if params[name].requires_grad]
+        ats: dict[str, tuple | None] = {}
+        if st.fused:  # (each parameter's _delta_at, read in one pass: the loop below reads a parameter alone only
+            try:  # where this raised)
+                ats = {name: (at[:2] if at is not None and at[2] is torch.float32 else None) for name, at in
+                       zip(names, fusable_ats([local_tensor(params[name]) for name in names]))}
+            except Exception:  # noqa: BLE001
+                ats = {}
+        for name in names:
             try:
                 n, _, idx = self._sample_of(name)
-                at = self._delta_at(name) if st.fused else None
+                at = (ats[name] if name in ats else self._delta_at(name)) if st.fused else None
                 if at is not None:
                     batched.append(name)
                     sizes.append(n)
@@ -1821,23 +1928,25 @@ class Collector:
                 except Exception as e2:  # noqa: BLE001
                     self._fail(("param_delta", name, None, "default"), e2)
 
-    def _delta_at(self, name: str) -> tuple[int, int] | None:
+    def _delta_at(self, name: str, seen: dict | None = None) -> tuple[int, int] | None:
         """``(address, elements)`` of parameter ``name`` when its update can be taken by the CPU kernel: plain
-        contiguous float32 CPU memory (any other dtype or layout takes the torch path, :meth:`_gather`)."""
-        at = fusable_at(local_tensor(self._params[name]))
+        contiguous float32 CPU memory (any other dtype or layout takes the torch path, :meth:`_gather`). ``seen``:
+        :meth:`_reduce_many`'s ``found`` of the ``param`` rows just before (the same tensors, unchanged since)."""
+        key = ("param", name, None, "default")
+        at = seen[key] if seen and key in seen else fusable_at(local_tensor(self._params[name]))
         return at[:2] if at is not None and at[2] is torch.float32 else None
 
-    def _deltas(self, st: _Step) -> None:
+    def _deltas(self, st: _Step, seen: dict | None = None) -> None:
         """``param_delta``: ``after - before`` on every snapshotted subvector, reduced in the model's order. The
         kernel's snapshot is subtracted in one compiled call; if a parameter changed kind or size during the step
         (replaced by the loop), all of them take the torch path from the same snapshot."""
         b, names, done = self._delta_batch, st.batched, {}
         if names and b is not None:
-            ats = [self._delta_at(n) for n in names]
+            ats = [self._delta_at(n, seen) for n in names]
             if all(at is not None and at[1] == m for at, m in zip(ats, b.sizes.tolist())):
                 try:
                     b.gather(np.array([at[0] for at in ats], dtype=np.int64), True)  # type: ignore[index]
-                    done = dict(zip(names, b.views))
+                    done = dict(zip(names, zip(b.views, b.view_ats())))
                 except Exception as e:  # noqa: BLE001 -- nothing was written: the snapshot is intact
                     self._warn_once("delta_batch", f"trainhist: the batched param_delta failed ({e!r}); taking it "
                                     "parameter by parameter")
@@ -1845,17 +1954,19 @@ class Collector:
                 for n, v in zip(names, b.views):
                     st.snapshots[n] = (self._indices[n][2], v.clone())
         items = []
+        known = {}  # (the views' fusable_at)
         for name in self._sel_params:
             key = ("param_delta", name, None, "default")
             if name in done:
-                items.append((key, done[name]))
+                view, known[key] = done[name]
+                items.append((key, view))
             elif name in st.snapshots:
                 idx, before = st.snapshots[name]
                 try:
                     items.append((key, self._gather(name, idx).sub_(before).to(torch.float32)))
                 except Exception as e:  # noqa: BLE001
                     self._fail(key, e)
-        self._reduce_many(items)
+        self._reduce_many(items, known)
 
     # -- host side: decode and write ------------------------------------------------------------------------
     def _finish(self, st: _Step) -> None:
@@ -1899,16 +2010,32 @@ class Collector:
             self._registered = True
             self._register_sites()
         handled = self._handled
-        for key in [*st.counts, *st.failed]:  # facets first seen in this step
-            if key not in handled:
-                if self._handle(key[1], key[0], key[2]) is not None:
-                    handled.add(key)
+        if st.failed or not handled.issuperset(st.counts):  # (every key handled: the common case, tested in C)
+            for key in [*st.counts, *st.failed]:  # facets first seen in this step
+                if key not in handled:
+                    if self._handle(key[1], key[0], key[2]) is not None:
+                        handled.add(key)
         grad_sq: float | None = 0.0 if st.due["param_grad"] and not st.clip_seen else None
         grads = 0  # gradients in grad_sq (parameters without one are not in the norm; with none, there is no norm)
         d, spine_rows = st.spines, st.spine_rows
         cols = None  # d's count, NaN, infinity and sum-of-squares columns as lists, when the norm needs them
         batch: list[tuple[object, str, int]] = []  # (handle, phase, row in d): one writer call for all of them
-        for s, phase, key, h in self._emit_plan(st):
+        entries = self._emit_plan(st)
+        keys, handles, phases, normed, deltas = self._emit_columns(entries)
+        rows = list(map(spine_rows.get, keys))
+        if handles is not None and None not in rows and not (held and any(p in held for p in deltas)):
+            # the common case: every row of the plan decoded (the loop below would batch each of them, in order)
+            if grad_sq is not None and normed:
+                cols = (d.count.tolist(), d.nan.tolist(), (d.pinf + d.ninf).tolist(),  # type: ignore[union-attr]
+                        d.sums[:, 1].tolist())  # type: ignore[union-attr]
+                counts, nans, infs, sumsqs = cols
+                for j in normed:
+                    i = rows[j]
+                    grads += 1
+                    grad_sq = _add_sumsq(grad_sq, counts[i], nans[i], infs[i], sumsqs[i])  # type: ignore[arg-type]
+            entries = ()
+            self._emit_rows(st, handles, phases, rows)
+        for s, phase, key, h in entries:
             i = spine_rows.get(key)
             if i is not None and (s.stream != "param_delta" or s.path not in held):
                 if grad_sq is not None and s.stream == "param_grad" and s.path in self._norm_params:
@@ -1974,6 +2101,7 @@ class Collector:
         version = (len(sites), len(self._handles))
         if self._emit_version is None or self._emit_version[0] is not sites or self._emit_version[1] != version:
             self._emit_plans.clear()
+            self._emit_cols.clear()
             self._emit_version = (sites, version)
         ident = (tuple(st.due.items()), frozenset(st.clipped_names) if st.clip_seen else None)
         entries = self._emit_plans.get(ident)
@@ -1987,8 +2115,26 @@ class Collector:
                     entries.append((s, phase, (s.stream, s.path, s.facet, phase), h))
         return entries
 
+    def _emit_columns(self, entries: list) -> tuple[list, list | None, tuple, list[int], list[str]]:
+        """The columns of an :meth:`_emit_plan` list, kept with it: the row keys, handles (None where a site has
+        none yet) and phases, the positions of the gradients in the global norm and the paths of the ``param_delta``
+        rows."""
+        got = self._emit_cols.get(id(entries))
+        if got is None or got[0] is not entries or got[1] is not self._norm_params:
+            norm = self._norm_params
+            handles = [e[3] for e in entries]
+            cols = ([e[2] for e in entries], None if any(h is None for h in handles) else handles,
+                    tuple(e[1] for e in entries),
+                    [j for j, e in enumerate(entries) if e[0].stream == "param_grad" and e[0].path in norm],
+                    [e[0].path for e in entries if e[0].stream == "param_delta"])
+            got = self._emit_cols[id(entries)] = (entries, norm, cols)  # (the list kept: its id is not reused)
+        return got[2]
+
     def _all_trainable_selected(self) -> bool:
-        return all(n in self._sel_params or n in self._copies for n, p in self._params.items() if p.requires_grad)
+        # (every parameter that requires a gradient is selected or a copy: none of the others does; their names are
+        # fixed when the collector is made, their tensors may be replaced since)
+        params = self._params
+        return not any(params[n].requires_grad for n in self._unselected)
 
     def _phases(self, s: PlannedSite, st: _Step) -> tuple[str, ...]:
         if s.stream == "param_grad":
@@ -2004,14 +2150,26 @@ class Collector:
         """Decode every reduced row of the step at once, as arrays (:func:`decode_arrays`, into ``st.spines``); a
         row that fails a check is left to :meth:`_decode`, which names the failure."""
         rows = st.pending.rows  # type: ignore[union-attr]
-        keys = [k for k, n in st.counts.items() if n and k not in st.failed and k in rows]
+        failed, sketch, step_counts = st.failed, st.sketch, st.counts
+        keys = [k for k, n in step_counts.items() if n]  # (hundreds of rows: lists made by C loops where it can)
+        offsets = list(map(rows.get, keys))
+        if failed or None in offsets:  # (rows without a ledger row, or failed: left out)
+            keys = [k for k in keys if k in rows and k not in failed]
+            offsets = [rows[k] for k in keys]
+        counts = list(map(step_counts.__getitem__, keys))
         try:
-            d = decode_arrays(data, [rows[k] for k in keys], [st.counts[k] for k in keys],
-                              [st.sketch[k[0]] for k in keys])
+            d = decode_arrays(data, offsets, counts, [sketch[k[0]] for k in keys])
         except Exception:  # noqa: BLE001 -- left to the per-key path, which records the failing site
+            self._ledger_clean = False
             return
         st.spines = d
-        st.spine_rows = {k: i for i, (k, good) in enumerate(zip(keys, d.ok.tolist())) if good}
+        ok = d.ok
+        if failed or d.keyed.any() or not ok.all():  # (anything amiss: the next reset restores every column)
+            self._ledger_clean = False
+        if ok.all():  # (the common case: every row decoded)
+            st.spine_rows = dict(zip(keys, range(len(keys))))
+        else:
+            st.spine_rows = {k: i for i, (k, good) in enumerate(zip(keys, ok.tolist())) if good}
         for k in [k for k in st.spine_rows if (k[1], k[0], k[2]) in self._wide_ints] if self._wide_ints else ():
             i = st.spine_rows[k]
             if d.has[i] and max(abs(float(d.min[i])), abs(float(d.max[i]))) >= 2.0 ** 53:
@@ -2048,17 +2206,36 @@ class Collector:
         a call that fails loses its rows, not the other call's.)"""
         if not batch:
             return
+        if not any(st.sketch.values()):  # (no row has a sketch: one call, of all of them)
+            handles, phases, idx = zip(*batch)
+            self._observe_spines(st, handles, phases, idx, False)
+            batch.clear()
+            return
         for sketch in (False, True):  # (a site's rows are all of one stream: their order is kept)
             part = [b for b in batch if st.sketch[b[0].stream] == sketch]  # type: ignore[attr-defined]
             if not part:
                 continue
             handles, phases, idx = zip(*part)
-            try:
-                table = st.spines.spine_table(np.array(idx, dtype=np.int64), sketch)  # type: ignore[union-attr]
-                self._writer.observe_spines(handles, st.step, table, phases=phases)
-            except Exception as e:  # noqa: BLE001 -- a broken disk must not kill the training run
-                self._writer_error(e)
+            self._observe_spines(st, handles, phases, idx, sketch)
         batch.clear()
+
+    def _emit_rows(self, st: _Step, handles: list, phases: tuple, rows: list[int]) -> None:
+        """:meth:`_emit_batch` of the rows ``rows`` of ``st.spines`` for ``handles`` in ``phases`` (columns, not
+        triples)."""
+        if not rows:
+            return
+        if not any(st.sketch.values()):
+            self._observe_spines(st, handles, phases, rows, False)
+            return
+        self._emit_batch(st, list(zip(handles, phases, rows)))
+
+    def _observe_spines(self, st: _Step, handles: object, phases: object, idx: object, sketch: bool) -> None:
+        """One writer call: rows ``idx`` of ``st.spines`` as the observations of ``handles`` in ``phases``."""
+        try:
+            table = st.spines.spine_table(np.array(idx, dtype=np.int64), sketch)  # type: ignore[union-attr]
+            self._writer.observe_spines(handles, st.step, table, phases=phases)
+        except Exception as e:  # noqa: BLE001 -- a broken disk must not kill the training run
+            self._writer_error(e)
 
     def _emit(self, st: _Step, s: PlannedSite, phase: str, key: tuple, summ: object, held: str | None) -> None:
         h = self._handle(s.path, s.stream, s.facet)
@@ -2102,7 +2279,7 @@ class Collector:
         if self._late or self._late_host:
             if self._writer is None:  # (scalars given before attach() and any step)
                 self._open()
-            self._ledger.reset()
+            self._ledger.reset(keys_clean=self._ledger_clean)  # (this transfer writes scalar slots alone)
             st = _Step(step=-1, truth=StepTruth(), due=dict.fromkeys(STREAMS, False), sketch={}, t0=0.0, late_only=True)
             self._transfer(st)
             self._drain()

@@ -41,7 +41,7 @@ except ImportError as _e:  # numba missing, or not yet released for this Python
                   "torch operations, several times slower (pip install numba)", RuntimeWarning, stacklevel=2)
 
 __all__ = ["ROW", "CHUNK", "METHODS", "reduce_into", "device_method", "batch_method", "triton_into", "triton_many",
-           "triton_batchable", "fused_into", "fused_many_at", "fusable_at", "is_plain",
+           "triton_batchable", "fused_into", "fused_many_at", "fusable_at", "fusable_ats", "is_plain",
            "merge_row", "decode_row", "decode_rows", "decode_arrays", "DecodedRows", "Ledger", "PendingTransfer"]
 
 NK = grid.NKEYS
@@ -407,6 +407,23 @@ def fusable_at(x: torch.Tensor) -> tuple[int, int, torch.dtype] | None:
     return None
 
 
+def fusable_ats(xs: list[torch.Tensor]) -> list[tuple[int, int, torch.dtype] | None]:
+    """:func:`fusable_at` of each tensor of ``xs``, in order (the same checks, with the names bound once: the
+    parameters, gradients and updates of a step are read in lists of hundreds)."""
+    f32, f64, plain, param, strided = torch.float32, torch.float64, torch.Tensor, torch.nn.Parameter, torch.strided
+    out: list[tuple[int, int, torch.dtype] | None] = []
+    for x in xs:
+        dt = x.dtype
+        at = None
+        if ((dt is f32 or dt is f64) and (type(x) is plain or type(x) is param) and x.layout == strided and x.is_cpu
+                and x.is_contiguous() and not x.is_neg()):
+            n, address = x.numel(), x.data_ptr()
+            if n > 0 and address != 0:
+                at = (address, n, dt)
+        out.append(at)
+    return out
+
+
 def fused_many_at(ats: list[tuple[int, int, torch.dtype] | None], row_addresses: list[int], sketch: bool) -> list[int]:
     """:func:`fused_into` of many tensors given by their :func:`fusable_at` (None: not reduced here), one compiled
     call per float width: the positions in ``ats`` of the tensors it reduced. The others (None, or of a width whose
@@ -516,6 +533,18 @@ class DecodedRows:
             method=np.where(has & ~sums_ok, SumMethod.UNKNOWN, SumMethod.F64).astype(np.uint8), sketch=keys)
 
 
+def _windows(data: np.ndarray, width: int) -> np.ndarray:
+    """``numpy.lib.stride_tricks.sliding_window_view(data, width)`` of a 1-D array (a read-only view, row ``i`` the
+    ``width`` elements from ``data[i]``), made directly for a contiguous one: sliding_window_view's own checks cost
+    tens of microseconds, twice a step."""
+    if data.ndim != 1 or not data.flags.c_contiguous or width > data.size:
+        return np.lib.stride_tricks.sliding_window_view(data, width)
+    step = data.itemsize
+    view = np.ndarray((data.size - width + 1, width), data.dtype, buffer=data, strides=(step, step))
+    view.flags.writeable = False
+    return view
+
+
 def decode_arrays(data: np.ndarray, offsets: list[int], counts: list[int], sketches: list[bool]) -> DecodedRows:
     """The numbers of the rows at ``offsets`` in the landed ledger ``data`` with one set of numpy operations for all
     of them (a step has hundreds of rows); ``ok`` is false for a row that fails a check (:func:`decode_rows` decodes
@@ -534,9 +563,9 @@ def decode_arrays(data: np.ndarray, offsets: list[int], counts: list[int], sketc
     bounds[0::2] = off[order]
     bounds[1::2] = off[order] + NCOUNT
     keyed = np.empty(off.size, dtype=np.int64)
-    if off.size:  # (reduceat needs an index)
-        keyed[order] = np.add.reduceat(data, bounds)[0::2]
-    window = np.lib.stride_tricks.sliding_window_view  # rows as views of the buffer: taking them copies once
+    if off.size:  # (reduceat needs an index; its last span, dropped, ends at the last row: not the whole buffer)
+        keyed[order] = np.add.reduceat(data[: int(bounds[-2]) + ROW], bounds)[0::2]
+    window = _windows  # rows as views of the buffer: taking them copies once
     tail = window(data, ROW - COL_NEGZERO)[off + COL_NEGZERO]  # -0.0 count, spare, five spine counts, 4 floats
     spare = tail[:, 1]
     fin_nz, fin_nzbits, nzbits, with_nan, with_pinf = tail[:, 2:7].T
@@ -555,12 +584,14 @@ def decode_arrays(data: np.ndarray, offsets: list[int], counts: list[int], sketc
     # sketch rows: the counts from the grid keys (their sum, with the -0.0 and spare slots, is the count)
     keyrows = np.flatnonzero(small & (cnt > 0) & (keyed == cnt))
     keys = window(data, NK)[off[keyrows]]
-    ok[keyrows] = ((keys.min(axis=1, initial=0) >= 0) & (keys.max(axis=1, initial=0) <= cnt[keyrows])
-                   & (tail[keyrows, 0] >= 0) & (tail[keyrows, 0] <= cnt[keyrows]))
-    negz[keyrows] = tail[keyrows, 0]
-    posz[keyrows] = keys[:, grid.KEY_ZERO]
-    keys[:, grid.KEY_ZERO] += tail[keyrows, 0]
-    nan[keyrows], pinf[keyrows], ninf[keyrows] = keys[:, grid.KEY_NAN], keys[:, grid.KEY_PINF], keys[:, grid.KEY_NINF]
+    if keyrows.size:  # (none on a step without sketches: these would change nothing)
+        ok[keyrows] = ((keys.min(axis=1, initial=0) >= 0) & (keys.max(axis=1, initial=0) <= cnt[keyrows])
+                       & (tail[keyrows, 0] >= 0) & (tail[keyrows, 0] <= cnt[keyrows]))
+        negz[keyrows] = tail[keyrows, 0]
+        posz[keyrows] = keys[:, grid.KEY_ZERO]
+        keys[:, grid.KEY_ZERO] += tail[keyrows, 0]
+        nan[keyrows], pinf[keyrows] = keys[:, grid.KEY_NAN], keys[:, grid.KEY_PINF]
+        ninf[keyrows] = keys[:, grid.KEY_NINF]
     has = ok & (cnt - nan - pinf - ninf > 0)  # rows with a finite value: min, max and sums
     mn, mx = f[:, 0], -f[:, 1]
     mn = np.where(mn == 0, np.where(negz != 0, -0.0, 0.0), mn)  # the sign of a zero extreme, from the zero counts
@@ -677,6 +708,10 @@ class Ledger:
         self.buf = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._base = self.buf.data_ptr()  # (the buffer's address, kept as it moves: for address())
         self._template = self.buf
+        # the used part of the buffer and of its template (the rest, capacity for later rows, is never written):
+        # what reset() copies
+        self._live, self._live_template = self.buf, self._template
+        self._tails: tuple[torch.Tensor, torch.Tensor] | None = None  # see reset(keys_clean=True)
         self._pinned = self.device.type == "cuda"
         self._cpu = self.device.type == "cpu"  # (torch builds the type string anew on every read)
         self.transfers = 0
@@ -703,6 +738,8 @@ class Ledger:
         else:
             self._template[off : self._used].copy_(torch.from_numpy(extra).to(self.device))
             self.buf[off : self._used].copy_(self._template[off : self._used])
+        self._live, self._live_template = self.buf[: self._used], self._template[: self._used]
+        self._tails = None
         return off
 
     def row(self, key: object) -> torch.Tensor:
@@ -760,9 +797,29 @@ class Ledger:
             off = self.scalars[key] = self._grow(np.array([math.nan]).view(np.int64))
         return self.buf[off : off + 1].view(torch.float64)
 
-    def reset(self) -> None:
-        """Re-initialise every row and slot (one device copy)."""
-        self.buf.copy_(self._template)
+    def reset(self, keys_clean: bool = False) -> None:
+        """Re-initialise every row and slot (one device copy of the used part of the buffer: the capacity past it
+        holds no row or slot yet, and nothing writes there).
+
+        ``keys_clean``: the caller knows that nothing has written the key columns (``[0, COL_NEGZERO)``) of any row
+        since the last reset, which left them as the template holds them (zeros): then only the rest of each row
+        and the scalar slots are copied back, a few percent of the buffer (what spine-only reductions write)."""
+        if keys_clean:
+            tails = self._tails
+            if tails is None:
+                tails = self._tails = self._tail_index()
+            self.buf.index_copy_(0, tails[0], tails[1])
+        else:
+            self._live.copy_(self._live_template)
+
+    def _tail_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The positions outside the rows' key columns (the rest of each row, every scalar slot) and their
+        template values."""
+        rows = np.fromiter(self.rows.values(), np.int64, len(self.rows))
+        at = [(rows[:, None] + np.arange(COL_NEGZERO, ROW, dtype=np.int64)).reshape(-1),
+              np.fromiter(self.scalars.values(), np.int64, len(self.scalars))]
+        index = torch.from_numpy(np.sort(np.concatenate(at))).to(self.device)
+        return index, self._template.index_select(0, index)
 
     def transfer(self, copy: bool = True) -> "PendingTransfer":
         """Start the step's single device-to-host copy of the whole buffer. ``copy=False`` on a CPU ledger hands
