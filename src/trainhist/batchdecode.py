@@ -28,6 +28,21 @@ STEPS_KNOWN = {**STEPS_COLUMNS, **STEPS_OPTIONAL_COLUMNS}
 OBS_VARIABLE = frozenset({"sum_x", "sumsq_x", "sk_counts"})
 
 
+#: the optional obs column groups whose columns come together (spec 7.5): the sketch columns, each exact-sum pair
+#: (the tally, all six or none, is ``bad_tally``)
+OBS_GROUPS = (tuple(SKETCH_COLUMNS), ("sum_xn", "sum_x"), ("sumsq_xn", "sumsq_x"))
+
+
+def missing_obs_columns(ch: Chunk) -> list[str]:
+    """The columns an obs chunk lacks (``missing_column``, spec 7.5): required ones, and those of an optional
+    group (:data:`OBS_GROUPS`) of which it holds some."""
+    missing = [c for c in OBS_COLUMNS if not ch.has(c)]
+    for group in OBS_GROUPS:
+        if any(ch.has(c) for c in group):
+            missing += [c for c in group if not ch.has(c)]
+    return missing
+
+
 def check_chunk(payload: memoryview, e: Any, path: str, offset: int | None = None) -> Chunk:
     """Decode one chunk whose payload CRC was checked and check its directory against its commit entry ``e``
     (rows, segment, site; the required columns). ``offset``: the record's offset that errors name (default
@@ -41,12 +56,7 @@ def check_chunk(payload: memoryview, e: Any, path: str, offset: int | None = Non
         raise CorruptError(f"chunk directory (site {m.get('site')}, segment {m.get('segment')}, rows "
                            f"{m.get('rows')}) disagrees with its commit entry", code="bad_chunk", path=path,
                            offset=offset)
-    required = OBS_COLUMNS if obs else STEPS_COLUMNS
-    missing = [c for c in required if not ch.has(c)]
-    if obs:  # optional groups are all present or all absent (spec 7.5): the sketch columns, each exact-sum pair
-        for group in (tuple(SKETCH_COLUMNS), ("sum_xn", "sum_x"), ("sumsq_xn", "sumsq_x")):
-            if any(ch.has(c) for c in group):
-                missing += [c for c in group if not ch.has(c)]
+    missing = missing_obs_columns(ch) if obs else [c for c in STEPS_COLUMNS if not ch.has(c)]
     if missing:
         raise CorruptError(f"chunk lacks required columns {missing}", code="missing_column", path=path,
                            offset=offset)

@@ -18,6 +18,7 @@ from typing import Callable
 
 import numpy as np
 
+from .batchdecode import missing_obs_columns
 from .chunk import Codec, decode_chunk, encode_chunk
 from .exactvec import ExactCol, decode_exact, encode_exact
 from .errors import CorruptError, UnsupportedError, truncation_hint
@@ -74,9 +75,6 @@ _OBS_KNOWN = {**OBS_COLUMNS, **EXACT_COLUMNS, **SKETCH_COLUMNS, **TALLY_COLUMNS}
 _OBS_VARIABLE = frozenset({"sum_x", "sumsq_x", "sk_counts"})
 _STEPS_KNOWN = {**STEPS_COLUMNS, **STEPS_OPTIONAL_COLUMNS}
 _TALLY_NAMES = list(TALLY_COLUMNS)
-# the optional obs column groups whose columns come together (spec 7.5, ``missing_column``): the sketch columns,
-# each exact-sum pair (the tally, all six or none, is ``bad_tally``: :func:`read_obs`)
-_OBS_GROUPS = (tuple(SKETCH_COLUMNS), ("sum_xn", "sum_x"), ("sumsq_xn", "sumsq_x"))
 _COUNT_NAMES = ("count", "nan", "pinf", "ninf", "zero")
 
 _IOTA = {np.dtype(np.int32): np.arange(1 << 16, dtype=np.int32), np.dtype(np.int64): np.arange(1 << 16)}
@@ -323,10 +321,7 @@ def read_obs(payload: memoryview, *, path: str, offset: int, site: int, segment:
     if m.get("rows") != rows or m.get("segment") != segment or m.get("site") != site:
         raise _bad(f"chunk directory (site {m.get('site')}, segment {m.get('segment')}, rows {m.get('rows')}) "
                    "disagrees with its commit entry", path, offset)
-    missing = [c for c in OBS_COLUMNS if not ch.has(c)]
-    for group in _OBS_GROUPS:  # optional groups: all present or all absent (spec 7.5), checked as the reader does
-        if any(ch.has(c) for c in group):
-            missing += [c for c in group if not ch.has(c)]
+    missing = missing_obs_columns(ch)  # (as the reader checks them: required, and optional groups all or none)
     if missing:
         raise _bad(f"chunk lacks required columns {missing}", path, offset, "missing_column")
     cols = {name: ch.column(name, rows) for name in OBS_COLUMNS}

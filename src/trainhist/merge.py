@@ -546,7 +546,8 @@ class _Engine:
             self.sources = [_Source(i, p) for i, p in enumerate(self.paths)]
         owner: dict[str, str] = {}
         for s in self.sources:
-            for wid in s.leaf_writers():
+            leaf = s.leaf_writers()
+            for wid in leaf:
                 if wid in owner:
                     if _same_file(owner[wid], s.path):
                         said = "" if owner[wid] == s.path else f" (also as {owner[wid]}, the same file)"
@@ -563,7 +564,7 @@ class _Engine:
                 owner[wid] = s.path
             self.report.inputs.append({
                 "path": s.path, "bytes": s.size, "status": s.status, "committed_bytes": s.committed_bytes,
-                "writers": s.leaf_writers(),
+                "writers": leaf,
             })
             self.report.bytes_in += s.size
         self.leaf_writers = sorted(owner)
@@ -662,10 +663,13 @@ class _Engine:
                 local_key[(s.idx, g.id)] = key
                 groups.setdefault(key, []).append((s, g, runs, writers))
             for g in s.segments:  # spec 11.3: a segment continues one of a smaller number, or cannot be ordered
-                if g.previous is not None and local_key[(s.idx, g.previous)][1] >= local_key[(s.idx, g.id)][1]:
+                if g.previous is None:
+                    continue
+                num, prev = local_key[(s.idx, g.id)][1], local_key[(s.idx, g.previous)][1]
+                if prev >= num:
                     raise MergeError(
-                        f"segment {g.id} (number {local_key[(s.idx, g.id)][1]}) continues segment {g.previous} "
-                        f"(number {local_key[(s.idx, g.previous)][1]}), whose number is not smaller: output segments "
+                        f"segment {g.id} (number {num}) continues segment {g.previous} "
+                        f"(number {prev}), whose number is not smaller: output segments "
                         "are ordered by number, so the segment it continues would come after it, which no file "
                         "may hold (spec 11.3, 9); writers number a segment above the one it continues: this input's "
                         "segment numbers (origin.segment) are damaged", code="segment_order", path=s.path)
@@ -1151,7 +1155,7 @@ class _Engine:
                                  f"from {files}", code="count_overflow", path=self.paths[0])
             out[k] = np.where(unknown, np.uint64(U64_UNKNOWN), s)
         out["n_rows"], over = _sum_u64(c["n_rows"], starts, sizes)
-        if over is not None and over.any():
+        if over is not None:
             at = int(c["step"][starts[int(np.flatnonzero(over)[0])]])
             raise MergeError(f"{where}, step {at}: step-truth n_rows overflows an unsigned 64-bit count adding rows "
                              f"from {files}", code="count_overflow", path=self.paths[0])
@@ -1296,18 +1300,10 @@ class _Engine:
         return self.report
 
     def _write(self, w: CanonicalWriter) -> None:
-        runs = {}
-        for s in self.sources:
-            for d in s.runs:
-                runs[(d["run_id"], _json(d))] = d
-        for k in sorted(runs):
-            w.manifest(runs[k])
-        writers = {}  # (identical ones kept once, ties by their text: spec 11.8)
-        for s in self.sources:
-            for d in s.writers:
-                writers[(d["writer_id"], _json(d))] = d
-        for k in sorted(writers):
-            w.manifest(writers[k])
+        for d in _once_sorted([d for s in self.sources for d in s.runs], "run_id"):
+            w.manifest(d)
+        for d in _once_sorted([d for s in self.sources for d in s.writers], "writer_id"):
+            w.manifest(d)
         settings = sorted((d for s in self.sources for d in s.settings), key=lambda d: (d["writer_id"], _json(d)))
         for d in settings:
             w.manifest(d)
@@ -1519,6 +1515,13 @@ def _unwrap(res: tuple) -> Any:
         raise res[1]
     _, cls, message, code, path, offset = res
     raise getattr(errors, cls)(message, code=code, path=path, offset=offset)
+
+
+def _once_sorted(docs: list[dict], id_key: str) -> list[dict]:
+    """Manifests as a derived file carries them (spec 11.8): identical ones (same canonical text) kept once, sorted
+    by ``id_key`` then canonical text."""
+    kept = {(d[id_key], _json(d)): d for d in docs}
+    return [kept[k] for k in sorted(kept)]
 
 
 def _json(d: dict) -> str:

@@ -156,12 +156,6 @@ class _Entry(NamedTuple):
     payload_crc: int
 
 
-def _ratio(d: Dyadic, n: int, root: bool) -> float:
-    """``d / n``, or its square root, correctly rounded, by integer arithmetic: no overflow or underflow on the way
-    (the result itself may still be beyond the float range: inf, or 0), and no exception, however wide ``d``."""
-    return quotient_float(d.m, d.e, n, root)
-
-
 class _Exact:
     """The exact-sum column of a series (spec 5.3), decoded and checked only when a row's exact value is asked for."""
 
@@ -295,7 +289,8 @@ class SpineSeries:
         # data has an exact column, and the rounded one is then within an ulp)
         off = ~np.isfinite(q) | (np.abs(q) < np.finfo(np.float64).tiny)  # (``q``: the quotient, before any root)
         for i in np.flatnonzero((x.n > 0) & self._defined() & off).tolist():
-            out[i] = _ratio(x.get(i), int(self.finite[i]), root)  # type: ignore[arg-type]
+            d = x.get(i)  # (correctly rounded by integer arithmetic, however wide d: no overflow on the way)
+            out[i] = quotient_float(d.m, d.e, int(self.finite[i]), root)  # type: ignore[union-attr]
         return out
 
     @property

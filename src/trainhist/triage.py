@@ -337,7 +337,8 @@ def triage(h: History) -> Triage:
               for g, v in table.items()}
     # (first step, its span, site order, due steps without a row, due windows without a row, label)
     no_row: list[tuple[int, int, int, int, int, str]] = []
-    merged = {g.id for g in h.segments if len((g.manifest.get("origin") or {}).get("writers", ())) > 1}
+    writers = {g.id: len((g.manifest.get("origin") or {}).get("writers", ())) for g in h.segments}
+    merged = {g for g, n in writers.items() if n > 1}
     in_merge = False  # (a due step without a row in a segment that merges several writers)
     for site in h.sites:
         seen: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}  # segment -> (step, span) of its rows, any phase
@@ -508,7 +509,6 @@ def triage(h: History) -> Triage:
                                        f"an exception in the training loop, first at "
                                        f"{_steps(int(sp.step[i]), int(sp.span[i]))}{seg}: their rows hold what was "
                                        "recorded before it, the rest are unknown"))
-    writers = {g.id: len((g.manifest.get("origin") or {}).get("writers", ())) for g in h.segments}
     short = [r for r in rows if r["span"] == 1 and r["n_rows"] < writers.get(r["segment"], 0)]
     if short:  # (spec 11.6: a merged step some writer did not record, a shard torn before it say)
         r = min(short, key=lambda x: (x["segment"], x["step"]))
