@@ -9,17 +9,18 @@ What runs, per document:
   followed by ``:`` and an explanation) shows what EXPR gives: it runs as ``assert EXPR == 'TEXT'``.
 - Every line of a ```sh block that starts with ``trainhist``, at its place in the document and in the same
   directory, through ``trainhist.cli.main`` (in this process, the words split as a shell splits them and
-  unquoted patterns expanded against the directory's files, as a shell does); it must exit 0. Other lines
-  (``make ...``) are not run. Commands too slow for a test are run with the substitutions of ``SUBSTITUTIONS``
-  below, each written out there with its reason.
+  unquoted patterns expanded against the directory's files, as a shell does). It must exit 0, and print or write
+  what the docs say it does (``CLAIMS`` below; README's ``trainhist triage`` line quotes the demo's triage, which
+  is checked on the history ``trainhist demo`` wrote). Other lines (``make ...``) are not run. Commands too slow
+  for a test run with the substitutions of ``SUBSTITUTIONS`` below, each written out there with its reason.
 
 An HTML comment on the line before a block's fence says what the block needs (the comments do not render):
 
 - ``<!-- doctest: needs torch, transformers -->``: the block is skipped when one of those modules is missing, as
   the torch tests are; a block that reads a file such a block wrote says so too.
 - ``<!-- doctest: given gpt2 -->``: the names a training loop brings (``model``, ``batch``, ``loader``, ``opt``,
-  ``scaler``, ``sched``, ``n_tokens``) are defined first, by ``_given_gpt2`` below: a tiny GPT-2 (the demo's
-  configuration) with three batches of two sequences of 16 tokens.
+  ``scaler``, ``sched``, ``n_tokens``) are defined first, by ``_given_gpt2`` below: the demo's tiny GPT-2 (16 positions)
+  and three batches of two sequences of 16 tokens.
 - ``<!-- doctest: given ranks -->``: ``run.rank0.thist`` and ``run.rank1.thist`` are written first, by
   ``_given_ranks`` below: the two ranks of one run, as guide section 5 writes them.
 - ``<!-- doctest: setup CODE -->``: CODE runs first, in the block's namespace (``h = trainhist.open(...)`` for a
@@ -35,6 +36,8 @@ import contextlib
 import glob
 import importlib.util
 import io
+import json
+import linecache
 import os
 import re
 import shlex
@@ -57,6 +60,66 @@ SUBSTITUTIONS = {
     # run as a subprocess exactly as another one would be, on one category of cases.
     'trainhist conformance --impl "my-reader"':
         'trainhist conformance --impl "{python} -m trainhist.conformance_impl" -k "presence/*"',
+}
+
+
+
+def _readme_triage_quote() -> str:
+    """The triage sentence README's ``trainhist triage`` line quotes from the demo's history."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    m = re.search(r'^trainhist triage run\.thist +# "(.*?)" \(the demo\'s\)', text, re.M | re.S)
+    assert m, "README's `trainhist triage` line no longer quotes the demo's triage"
+    return re.sub(r"\s*\n\s*#\s*", " ", m.group(1))
+
+
+def _lines(*starts: str):
+    def check(out: str, cwd: Path) -> None:
+        heads = [ln.split()[0] for ln in out.splitlines() if ln.strip()]
+        assert all(w in heads for w in starts), (starts, out)
+    return check
+
+
+def _says(text: str):
+    def check(out: str, cwd: Path) -> None:
+        assert text in out, (text, out)
+    return check
+
+
+def _json(out: str, cwd: Path) -> None:
+    assert isinstance(json.loads(out), dict), out[:200]
+
+
+def _files(*names: str):
+    def check(out: str, cwd: Path) -> None:
+        assert all((cwd / n).is_file() for n in names), (names, sorted(str(f.relative_to(cwd)) for f in
+                                                                      cwd.rglob("*")))
+    return check
+
+
+def _demo_triage(out: str, cwd: Path) -> None:
+    rc, text, err = run_cli(["trainhist", "triage", "demo_out/demo.thist"])
+    assert rc == 0, err
+    assert _readme_triage_quote() in text, text
+
+
+# What the docs say a command prints or writes (in its comment, or the prose around it), checked after it ran:
+# (document, the command as written) -> check(stdout, directory).
+CLAIMS = {
+    ("README.md", "trainhist info run.thist"): _lines("run", "writer", "segment", "steps", "sites"),
+    ("README.md", "trainhist verify run.thist"): _says("run.thist: clean: "),
+    ("README.md", "trainhist dump run.thist"): _json,
+    ("README.md", "trainhist merge -o all.thist run.rank*.thist"): _files("all.thist"),
+    ("README.md", "trainhist coarsen all.thist -o small.thist --steps 10 --bins-per-octave 2"): _files("small.thist"),
+    ("README.md", "trainhist export run.thist -o tables/"):
+        _files("tables/spines.parquet", "tables/steps.parquet", "tables/scalars.parquet"),
+    ("README.md", "trainhist plot run.thist -o figs/"): _files("figs/contact_sheet_p1.png"),
+    ("README.md", "trainhist demo --inject-nan 20"): _demo_triage,  # (README quotes its triage)
+    ("docs/guide.md", "trainhist export run.thist -o run_tables/"):
+        _files("run_tables/spines.parquet", "run_tables/steps.parquet", "run_tables/scalars.parquet"),
+    ("docs/guide.md", "trainhist export run.thist -o acts.parquet --streams activation --sites 'encoder.*'"):
+        _files("acts.parquet"),
+    ("docs/guide.md", "trainhist export run.thist -o run_csv/ --format csv --phases pre_clip"):
+        _files("run_csv/spines.csv", "run_csv/steps.csv", "run_csv/scalars.csv", "run_csv/manifests.json"),
 }
 
 _DIRECTIVE = re.compile(r"^<!--\s*doctest:\s*(.*?)\s*-->\s*$")
@@ -136,13 +199,18 @@ def commands(code: str) -> list[str]:
     return [ln.strip() for ln in joined.splitlines() if ln.strip().startswith("trainhist ")]
 
 
+def _command(line: str) -> str:
+    """A command line without its comment."""
+    return line.split("  #")[0].strip()
+
+
 def argv_of(line: str, cwd: Path) -> list[str]:
     """The words a shell would pass for LINE: split, comments dropped, unquoted-looking patterns expanded
     against the files of CWD (a pattern matching nothing stays as it is, as in a shell; a quoted pattern that
     matches nothing, like ``'encoder.*'``, therefore stays too)."""
-    cmd = line.split("  #")[0] if "  #" in line else line
+    cmd = _command(line)
     for doc_cmd, substitute in SUBSTITUTIONS.items():
-        if cmd.strip() == doc_cmd:
+        if cmd == doc_cmd:
             cmd = substitute.format(python=shlex.quote(sys.executable))
     words = []
     for w in shlex.split(cmd, comments=True):
@@ -191,6 +259,13 @@ def _given_ranks(ns: dict) -> None:
 GIVEN = {"gpt2": _given_gpt2, "ranks": _given_ranks}
 
 
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # (a parent package missing, or a finder that refuses the name)
+        return False
+
+
 class DocRun:
     """One document's blocks, run in order in one namespace and one directory."""
 
@@ -200,7 +275,6 @@ class DocRun:
         self.ns: dict = {"__name__": f"doctest:{doc}"}
         self.done = 0
         self.failed: str | None = None
-        self.outputs: dict[str, tuple[int, str, str]] = {}  # command line -> exit status, stdout, stderr
 
     def run_through(self, index: int) -> None:
         while self.done <= index:
@@ -208,7 +282,7 @@ class DocRun:
             self.done += 1
             if self.failed:
                 pytest.fail(f"{b.id} not run: {self.failed} failed")
-            missing = [m for m in b.needs if importlib.util.find_spec(m) is None]
+            missing = [m for m in b.needs if not _importable(m)]
             if missing:
                 if self.done - 1 == index:
                     pytest.skip(f"{b.id} needs {', '.join(missing)}")
@@ -227,12 +301,16 @@ class DocRun:
                 exec(compile(code, f"{b.id} (setup)", "exec"), self.ns)
             if b.lang == "python":
                 src = "\n" * b.line + _python_source(b.code)  # (tracebacks name the document's own lines)
-                exec(compile(src, str(ROOT / b.doc), "exec"), self.ns)
+                name = f"{ROOT / b.doc} (python block at line {b.line})"
+                linecache.cache[name] = (len(src), None, src.splitlines(True), name)  # (and show them)
+                exec(compile(src, name, "exec"), self.ns)
             else:
                 for line in commands(b.code):
                     rc, out, err = run_cli(argv_of(line, self.dir))
-                    self.outputs[line] = (rc, out, err)
                     assert rc == 0, f"{b.id}: `{line}` exited {rc}\n{out[-2000:]}\n{err[-2000:]}"
+                    claim = CLAIMS.get((b.doc, _command(line)))
+                    if claim:
+                        claim(out, self.dir)
         finally:
             os.chdir(old)
 
@@ -275,7 +353,8 @@ def test_the_docs_have_the_blocks_this_test_runs() -> None:
     blocks = {doc: parse(doc) for doc in DOCS}
     assert sum(b.lang == "python" for b in blocks["README.md"]) == 3
     assert sum(b.lang == "python" for b in blocks["docs/guide.md"]) == 10
-    lines = [c.split("  #")[0].strip() for bs in blocks.values() for b in bs if b.lang == "sh"
-             for c in commands(b.code)]
+    lines = {(doc, _command(c)) for doc, bs in blocks.items() for b in bs if b.lang == "sh" for c in commands(b.code)}
     for doc_cmd in SUBSTITUTIONS:
-        assert doc_cmd in lines, doc_cmd
+        assert any(c == doc_cmd for _, c in lines), doc_cmd
+    for key in CLAIMS:
+        assert key in lines, key
