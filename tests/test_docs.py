@@ -63,7 +63,6 @@ SUBSTITUTIONS = {
 }
 
 
-
 def _readme_triage_quote() -> str:
     """The triage sentence README's ``trainhist triage`` line quotes from the demo's history."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -73,37 +72,43 @@ def _readme_triage_quote() -> str:
 
 
 def _lines(*starts: str):
-    def check(out: str, cwd: Path) -> None:
+    def check(out: str, cwd: Path, before: dict) -> None:
         heads = [ln.split()[0] for ln in out.splitlines() if ln.strip()]
         assert all(w in heads for w in starts), (starts, out)
     return check
 
 
 def _says(text: str):
-    def check(out: str, cwd: Path) -> None:
+    def check(out: str, cwd: Path, before: dict) -> None:
         assert text in out, (text, out)
     return check
 
 
-def _json(out: str, cwd: Path) -> None:
+def _json(out: str, cwd: Path, before: dict) -> None:
     assert isinstance(json.loads(out), dict), out[:200]
 
 
 def _files(*names: str):
-    def check(out: str, cwd: Path) -> None:
-        assert all((cwd / n).is_file() for n in names), (names, sorted(str(f.relative_to(cwd)) for f in
-                                                                      cwd.rglob("*")))
+    """The command wrote these files (new, or rewritten since it started)."""
+    def check(out: str, cwd: Path, before: dict) -> None:
+        for n in names:
+            f = cwd / n
+            assert f.is_file() and before.get(n) != f.stat().st_mtime_ns, (n, sorted(_mtimes(cwd)))
     return check
 
 
-def _demo_triage(out: str, cwd: Path) -> None:
+def _mtimes(cwd: Path) -> dict:
+    return {str(f.relative_to(cwd)): f.stat().st_mtime_ns for f in cwd.rglob("*") if f.is_file()}
+
+
+def _demo_triage(out: str, cwd: Path, before: dict) -> None:
     rc, text, err = run_cli(["trainhist", "triage", "demo_out/demo.thist"])
     assert rc == 0, err
     assert _readme_triage_quote() in text, text
 
 
 # What the docs say a command prints or writes (in its comment, or the prose around it), checked after it ran:
-# (document, the command as written) -> check(stdout, directory).
+# (document, the command as written) -> check(stdout, directory, {file: mtime} before the command).
 CLAIMS = {
     ("README.md", "trainhist info run.thist"): _lines("run", "writer", "segment", "steps", "sites"),
     ("README.md", "trainhist verify run.thist"): _says("run.thist: clean: "),
@@ -307,11 +312,12 @@ class DocRun:
                 exec(compile(src, name, "exec"), self.ns)
             else:
                 for line in commands(b.code):
+                    before = _mtimes(self.dir)
                     rc, out, err = run_cli(argv_of(line, self.dir))
                     assert rc == 0, f"{b.id}: `{line}` exited {rc}\n{out[-2000:]}\n{err[-2000:]}"
                     claim = CLAIMS.get((b.doc, _command(line)))
                     if claim:
-                        claim(out, self.dir)
+                        claim(out, self.dir, before)
         finally:
             os.chdir(old)
 
