@@ -861,3 +861,19 @@ def test_a_summary_is_refused_exactly_where_readers_refuse_its_row(tmp_path: Pat
             assert (got is None) == (want is None), (c, n, p, q, z, mn, mx, sm, want, got)
             if want is not None:
                 assert want[1].removeprefix("row {row}: ") in got
+
+
+def test_a_closed_history_refuses_queries_with_a_typed_error(tmp_path) -> None:
+    """Queries after close raised the memoryview's bare ValueError ("operation forbidden on released memoryview");
+    they are UsageError now (code ``usage``), even for the site read last (kept decoded), and the manifests stay."""
+    p = tmp_path / "x.thist"
+    with trainhist.HistoryWriter(p) as w:
+        w.observe(w.site("a", "activation"), 0, np.ones(3))
+    with trainhist.open(p) as h:
+        assert h.spine("a", "activation").columns["count"].tolist() == [3]
+    for query in (lambda: h.spine("a", "activation"), lambda: h.sketch("a", "activation"), lambda: h.steps,
+                  lambda: h.presence("a", "activation"), h.verify, lambda: h.chunk(h._obs[h.sites[0].id][0])):
+        with pytest.raises(trainhist.errors.UsageError, match="is closed") as e:
+            query()
+        assert e.value.code == "usage"
+    assert [s.path for s in h.sites] == ["a"]

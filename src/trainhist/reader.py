@@ -555,6 +555,7 @@ class History:
         self._last_site: int | None = None
         self.committed_records = 0
         self.read_only = False
+        self._closed = False
         self._scan()
 
     # -- the scan (spec 8) ---------------------------------------------------------------------------------
@@ -737,6 +738,7 @@ class History:
 
     def chunk(self, e: _Entry) -> Chunk:
         """Decode (and CRC-check) one committed chunk."""
+        self._check_open()
         payload = self._view[e.offset + RECORD_HEADER_SIZE : e.offset + RECORD_HEADER_SIZE + e.length]
         if crc32c(payload) != e.payload_crc:
             raise _bad("payload CRC32C mismatch in a committed chunk" + truncation_hint(e.offset), "bad_payload_crc",
@@ -817,6 +819,7 @@ class History:
         that fails, tally columns in only some chunks, mixed scales — sends the site through the per-chunk path,
         which names the first problem exactly as spec 8 asks (the record's offset).
         """
+        self._check_open()
         data = self._cache.get(site.id)
         if data is None:
             group = [site]
@@ -1067,6 +1070,7 @@ class History:
     @property
     def steps(self) -> dict[str, np.ndarray]:
         """The step-truth table: numpy columns (codes; see :func:`step_truth_rows` for named values)."""
+        self._check_open()
         if self._steps_table is None:
             parts = []
             for e in self._steps:
@@ -1198,6 +1202,7 @@ class History:
     def verify(self) -> dict:
         """Decode and check every committed byte (chunks, exact sums, sketches, ignored records); raise on the first
         problem."""
+        self._check_open()
         rows = 0
         for site in self.sites:
             columns, exact, _ = self._site_data(site, "*")
@@ -1223,8 +1228,15 @@ class History:
             "ignored_records": len(self.ignored_records),
         }
 
+    def _check_open(self) -> None:
+        """Refuse a query of a closed history (its file map is released) with a typed error, not the memoryview's."""
+        if self._closed:
+            raise UsageError(f"{self.path}: this History is closed; query it inside `with trainhist.open(...) as h:` "
+                             "or before h.close() (h.sites and the manifests stay readable)")
+
     def close(self) -> None:
-        """Release the file map."""
+        """Release the file map; later queries of rows raise :class:`~trainhist.errors.UsageError`."""
+        self._closed = True
         try:
             self._view.release()
         except BufferError:  # numpy arrays still view the map; it is released when they are
