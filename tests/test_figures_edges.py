@@ -234,3 +234,57 @@ def test_the_share_a_sketch_covers_is_not_wrapped_around() -> None:
     s = SimpleNamespace(finite=np.array([3], np.uint64), zero=np.array([0], np.uint64))
     covered, nonzero = _sketch_coverage(s, sk, np.array([0]))
     assert covered[0] >= 2.0**64 and nonzero[0] == 3.0 and not covered[0] < nonzero[0]
+
+
+# --- waterfall columns whose counts add past 2^64 ---------------------------------------------------------------
+
+
+def _big_rows(path, steps, micros, nan: int = 0) -> None:
+    """Rows of site "a" at ``steps``, ``micros`` micro-batches each (from the public writer): bin 200 of each holds
+    2^63, bin 210 one value, the positive underflow band 2^63 (spec 5.5 lets bins plus bands pass the count)."""
+    from trainhist.summary import Sketch, Summary
+
+    with trainhist.HistoryWriter(path, **FAST) as w:
+        a = w.site("a", "activation")
+        for step in steps:
+            for micro in range(micros):
+                sk = Sketch.empty()
+                sk.pos[200], sk.pos[210], sk.under_pos = 2**63, 1, 2**63
+                w.observe(a, step, summary=Summary(count=2**63 + 1 + nan, nan=nan, min=1.0, max=2.0, sketch=sk),
+                          micro=micro if micros > 1 else None)
+
+
+def _image(fig) -> np.ndarray:
+    return np.ma.filled(np.ma.asarray(fig.axes[0].collections[0].get_array(), np.float64), np.nan)
+
+
+def test_a_waterfall_column_of_micro_batches_past_2_64_keeps_its_color(tmp_path, close_figures) -> None:
+    """Two micro-batch rows of a step, each with 2^63 in a bin: their column's count, 2^64, was added as u64 and
+    wrapped around to 0 (log10: no color at all). It is 2^64 now; the band total (2^64 x 3) and the NaN total
+    in the legend are not wrapped either."""
+    p = tmp_path / "big.thist"
+    _big_rows(p, range(3), micros=2, nan=2**63 - 2)
+    with trainhist.open(p) as h:
+        fig = waterfall(h, "a")
+    img = _image(fig)
+    assert img.shape[1] == 3
+    assert np.nanmax(img) == pytest.approx(64 * np.log10(2.0), rel=1e-15)  # (2^64 in every column)
+    assert sorted(np.unique(img[np.isfinite(img)]).tolist()) == pytest.approx([np.log10(2.0), 64 * np.log10(2.0)])
+    assert (np.isfinite(img).sum(axis=0) == 2).all()  # (two bins a column: none lost)
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert f"outside the window (2^-48, 2^16]: {6 * 2**63} values in the under/overflow bands" in texts
+    labels = [" ".join(t.get_text().split()) for t in fig.axes[0].get_legend().get_texts()]
+    assert any(f"(NaN {6 * (2**63 - 2)}, +inf 0, -inf 0;" in t for t in labels), labels
+
+
+def test_a_long_waterfall_adds_columns_past_2_64_exactly(tmp_path, close_figures) -> None:
+    """1500 steps: each column adds the rows of 5 steps (at most about 700 columns), 5 x 2^63 in bin 200, which a
+    u64 sum wrapped around to 2^63 (a color 5 times too faint on a log scale of 2^64)."""
+    p = tmp_path / "long.thist"
+    _big_rows(p, range(1500), micros=1)
+    with trainhist.open(p) as h:
+        fig = waterfall(h, "a")
+    img = _image(fig)
+    assert "added over 5 steps" in fig.axes[-1].get_ylabel()
+    assert np.nanmax(img) == pytest.approx(np.log10(5 * 2.0**63), rel=1e-15)
+    assert np.nanmin(img) == pytest.approx(np.log10(5.0), rel=1e-15)

@@ -534,19 +534,32 @@ def _not_replayed(step: np.ndarray, span: np.ndarray, segment: np.ndarray) -> np
 
 
 def _add_sketches(sk: SketchSeries, rows: np.ndarray, col: np.ndarray, n: int) -> np.ndarray:
-    """(n, 2 * bins) u64: the counts of sketch ``rows`` added into their column ``col`` (negative bins from the
-    largest magnitude down, then positive), exactly; rows are made dense a block at a time, so memory grows with
-    the columns, never with the rows (a dense copy of every row of a long history took gigabytes)."""
+    """(n, 2 * bins) float64: the counts of sketch ``rows`` added into their column ``col`` (negative bins from the
+    largest magnitude down, then positive). Each bin is a u64, but a column's sum of them is not bounded by one (a
+    merged file's micro-batch rows, a long history's columns): added as u64 it wrapped around (2 x 2^63 drew as 0,
+    no color), and as float64 it is not exact past 2^53. The high and low 32 bits of the counts are added apart,
+    exactly (for fewer than 2^32 rows a column), and the sum is rounded once to float64 (relative 2^-52: the log10
+    color is the same). Rows are made dense a block at a time, so memory grows with the columns, never with the
+    rows (a dense copy of every row of a long history took gigabytes)."""
     nb = nbins(sk.scale)
-    out = np.zeros((n, 2 * nb), np.uint64)
+    hi = np.zeros((n, 2 * nb), np.uint64)
+    lo = np.zeros((n, 2 * nb), np.uint64)
     order = np.argsort(col, kind="stable")
     rows, col = rows[order], col[order]
     for k in range(0, rows.size, _BLOCK):
         part = sk._sparse.take(rows[k : k + _BLOCK])  # (the stored ranges; the package's own reader)
-        block = np.concatenate([part.dense(1)[:, ::-1], part.dense(0)], axis=1)
+        block = np.concatenate([part.dense(1)[:, ::-1], part.dense(0)], axis=1).astype(np.uint64, copy=False)
         cols, first = np.unique(col[k : k + _BLOCK], return_index=True)
-        out[cols] += np.add.reduceat(block, first, axis=0)
-    return out
+        hi[cols] += np.add.reduceat(block >> np.uint64(32), first, axis=0)
+        lo[cols] += np.add.reduceat(block & np.uint64(0xFFFFFFFF), first, axis=0)
+    return hi.astype(np.float64) * 2.0**32 + lo.astype(np.float64)
+
+
+def _total(a: np.ndarray) -> int:
+    """The exact sum of the u64 counts ``a`` as a Python integer (a u64 sum wraps around past 2^64, a float64 one
+    is not exact past 2^53); exact for fewer than 2^32 counts."""
+    a = np.asarray(a).astype(np.uint64, copy=False).ravel()
+    return (int((a >> np.uint64(32)).sum()) << 32) + int((a & np.uint64(0xFFFFFFFF)).sum())
 
 
 def _column_bins(step: np.ndarray, span: np.ndarray, segment: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
@@ -712,13 +725,13 @@ def _waterfall_axes(fig, ax, h: History, s: SpineSeries, sk: SketchSeries, title
         step, span, seg = step[rows], span[rows], seg[rows]
         if int((step + span).max()) - int(step.min()) <= _MAX_COLUMNS * int(span.min()):  # a column per row
             keys, inv = np.unique(np.stack([step, span], axis=1), axis=0, return_inverse=True)
-            grid = _add_sketches(sk, rows, inv.reshape(-1), len(keys)).astype(np.float64)
+            grid = _add_sketches(sk, rows, inv.reshape(-1), len(keys))
             x, img, _, overlapped = _step_columns(keys[:, 0], keys[:, 1], grid)
             summed, past = len(keys) < rows.size, 0
         else:
             x, col, ncols, width = _column_bins(step, span, seg)
             with np.errstate(divide="ignore"):
-                img = np.log10(_add_sketches(sk, rows, col, ncols).T.astype(np.float64))
+                img = np.log10(_add_sketches(sk, rows, col, ncols).T)
             img[:, np.setdiff1d(np.arange(ncols), col)] = np.nan
             summed, overlapped = False, 0
             past = int((step + span - 0.5 > x[col + 1]).sum())  # (rows whose span does not divide the width)
@@ -750,7 +763,7 @@ def _waterfall_axes(fig, ax, h: History, s: SpineSeries, sk: SketchSeries, title
         ax.set_yticks(ticks)
         ax.set_yticklabels([f"{'-' if t < 0 else ''}2^{lo + abs(t) / nb * (hi - lo):.0f}" if t else "0"
                             for t in ticks])
-        outside = int(sk.bands.sum())
+        outside = _total(sk.bands)
         title += (f" · sketch, {2**sk.scale} bins/octave (never rebinned)"
                   + (f" · each column adds the sketches of {width} steps" if width > 1 else "")
                   + (" · rows of one step summed" if summed else "")
@@ -776,7 +789,7 @@ def _waterfall_axes(fig, ax, h: History, s: SpineSeries, sk: SketchSeries, title
               else np.unique(first[nf] // width) * width + width / 2 - 0.5)
         ax.plot(at, np.full(at.size, 0.97), ls="none", marker="v", color="red", markeredgecolor="w",
                 transform=ax.get_xaxis_transform(), label=f"non-finite values at {int(nf.sum())} rows (NaN "
-                f"{int(s.nan[nf].sum())}, +inf {int(s.pinf[nf].sum())}, -inf {int(s.ninf[nf].sum())}; not in "
+                f"{_total(s.nan[nf])}, +inf {_total(s.pinf[nf])}, -inf {_total(s.ninf[nf])}; not in "
                 "the sketch)")
     if last:
         ax.set_xlabel("step")
