@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import trainhist
 from trainhist.cli import main
@@ -207,3 +208,81 @@ def test_last_step_of_rows_is_a_python_integer() -> None:
     assert _last_step(step, span) == big + 90
     assert _last_step(step[1:3], span[1:3]) == 5
     assert _last_step(step[3:], span[3:]) == big
+
+
+# --- names of any Unicode to a console that cannot write them -------------------------------------------------------
+
+_ENVS = {"PYTHONIOENCODING=ascii": {"PYTHONIOENCODING": "ascii"},
+         "LC_ALL=C": {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0",
+                      "PYTHONIOENCODING": ""}}  # (no UTF-8 mode nor coercion: the C locale's own ASCII)
+
+
+def _unicode_history(path):
+    with trainhist.HistoryWriter(path, run_name="é-run 層", host="hôst", config={"nöte": "ü"}) as w:
+        a = w.site("層.0", "activation")
+        b = w.site("é", "activation", facet="fé")
+        for st in range(4):
+            w.observe(a, st, np.array([1.0, np.nan if st == 2 else 2.0], np.float32))
+            w.observe(b, st, np.array([1.0, 3.0], np.float32))
+        w.mark(a, 4, "failed")
+    return path
+
+
+def _run_cli(args: list[str], env: dict[str, str], cwd) -> tuple[int, str, str]:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("LC_", "PYTHONIOENCODING", "PYTHONUTF8"))}
+    src = str(Path(trainhist.__file__).resolve().parents[1])  # (the package under test, not an installed one)
+    full.update(env, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]), MPLBACKEND="Agg")
+    r = subprocess.run([sys.executable, "-c", "import sys; from trainhist.cli import main; sys.exit(main())", *args],
+                       cwd=cwd, env=full, capture_output=True, timeout=300)
+    return r.returncode, r.stdout.decode("utf-8"), r.stderr.decode("utf-8")
+
+
+@pytest.mark.parametrize("env", sorted(_ENVS))
+def test_non_ascii_names_print_escaped_to_an_ascii_console(tmp_path, env) -> None:
+    """Site, run, host and file names of any Unicode (spec 9) to a stdout that holds ASCII alone, piped: info,
+    triage and the merge and coarsen reports raised UnicodeEncodeError (a traceback, exit 1, after half the
+    output). Every command now writes such characters as backslash escapes and exits with its normal code; a file
+    name given in the C locale (its bytes not decoded: PEP 383) is written back as those bytes. JSON stays valid
+    JSON (ensure_ascii) that reads back the names."""
+    import json
+
+    _unicode_history(tmp_path / "ä.thist")
+    e = _ENVS[env]
+    ascii_io = "ascii" in env.lower()
+
+    def path(text: str) -> str:  # (how a path from the command line comes back)
+        return text.encode("ascii", "backslashreplace").decode() if ascii_io else text
+
+    cases = [  # (arguments, exit code, what stdout or stderr holds)
+        (["info", "ä.thist", "--sites"], 0, [f"file      {path('ä.thist')} (", "run       '\\xe9-run \\u5c64'",
+                                             "on h\\xf4st", "  \\u5c64.0 activation", "\\xe9[f\\xe9] activation"]),
+        (["triage", "ä.thist"], 0, [f"triage of {path('ä.thist')}", "`\\u5c64.0` forward (activation) at step 2"]),
+        (["verify", "ä.thist"], 0, [f"{path('ä.thist')}: clean"]),
+        (["merge", "ä.thist", "-o", "mж.thist"], 0, [f"{path('mж.thist')}: "]),
+        (["coarsen", "ä.thist", "-o", "cж.thist", "--steps", "2"], 0, [f"{path('cж.thist')}: "]),
+        (["info", "nöж.thist"], 1, ["[not_found] n"]),
+        (["plot", "ä.thist", "-o", "png", "--site", "nöж"], 2, ["[unknown_site]", "no site path 'n"]),
+        # (a name given in the C locale, its bytes not decoded, still names the site: as UTF-8, as the file has it)
+        (["plot", "ä.thist", "-o", "pngж", "--site", "é", "--facet", "fé"], 0,
+         [f"{path('pngж')}/_.activation.f_-1f64fc1f.site.png", f"{path('pngж')}/_.activation.f_-1f64fc1f.waterfall"]),
+        (["export", "ä.thist", "-o", "csvж", "--format", "csv", "--sites", "層*"], 0,
+         [f"{path('csvж')}/spines.csv: 5 rows"]),
+    ]
+    for args, code, said in cases:
+        rc, out, err = _run_cli(args, e, tmp_path)
+        assert "Traceback" not in err and rc == code, (args, rc, err)
+        for text in said:
+            assert text in out + err, (args, out, err)
+        assert set(c for c in out + err if not c.isascii()) <= set("äжö"), (args, out, err)  # (only paths' bytes)
+    rc, out, err = _run_cli(["dump", "ä.thist"], e, tmp_path)
+    assert rc == 0 and "Traceback" not in err and out.isascii()
+    assert "層.0" in json.dumps(json.loads(out), ensure_ascii=False)
+    rc, out, err = _run_cli(["triage", "ä.thist", "--json"], e, tmp_path)
+    assert rc == 0 and out.isascii() and {f["site"] for f in json.loads(out)["findings"]} >= {"層.0"}
+    rc, out, err = _run_cli(["merge", "ä.thist", "-o", "m2.thist", "--json"], e, tmp_path)
+    assert rc == 0 and out.isascii() and json.loads(out)["output"] == "m2.thist"
