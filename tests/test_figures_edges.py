@@ -288,3 +288,22 @@ def test_a_long_waterfall_adds_columns_past_2_64_exactly(tmp_path, close_figures
     assert "added over 5 steps" in fig.axes[-1].get_ylabel()
     assert np.nanmax(img) == pytest.approx(np.log10(5 * 2.0**63), rel=1e-15)
     assert np.nanmin(img) == pytest.approx(np.log10(5.0), rel=1e-15)
+
+
+def test_a_waterfall_of_zeros_says_so_not_no_finite_value(tmp_path, close_figures) -> None:
+    """Zeros are counted by the spine, never by a sketch (spec 6.1): a step of 1000 zeros was hatched 'a sketch
+    that holds no finite value', as if nothing had been there, and 999 zeros beside one value drew that one value
+    alone, unsaid. The legend says what an all-0 sketch means, and the figure how many zeros it does not draw."""
+    p = tmp_path / "z.thist"
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        a = w.site("a", "activation")
+        w.observe(a, 0, np.zeros(1000, np.float32))
+        w.observe(a, 1, np.r_[np.zeros(999), 1.0].astype(np.float32))
+        w.observe(a, 2, np.array([NAN, 2.0], np.float32))
+    with trainhist.open(p) as h:
+        ax = waterfall(h, "a").axes[0]
+    labels = [" ".join(t.get_text().split()) for t in ax.get_legend().get_texts()]
+    assert not any("no finite value" in t for t in labels)
+    assert "a sketch with every count 0: no non-zero finite value (zeros and NaN/inf are never in a sketch)" in labels
+    (note,) = [t.get_text() for t in ax.texts if "outside the window" in t.get_text()]
+    assert note.endswith("zeros, not drawn (never in a sketch; the spine's count): 1999 values at 2 sketched rows")

@@ -750,15 +750,17 @@ def _waterfall_axes(fig, ax, h: History, s: SpineSeries, sk: SketchSeries, title
             fig.colorbar(mesh, ax=ax, pad=0.01,
                          label="log10 count" + (f", added over {width} steps" if width > 1 else ""))
         else:
-            ax.text(0.5, 0.5, "the sketches hold no finite value", ha="center", transform=ax.transAxes,
+            ax.text(0.5, 0.5, "the sketches hold no non-zero finite value", ha="center", transform=ax.transAxes,
                     bbox={"facecolor": "w", "alpha": 0.8, "edgecolor": "none"})
         blank = np.isnan(img).all(axis=0)
         inside = _hatch_missing(ax, x, blank, s, first, end, drawn, nb)
-        empty = ~blank & ~np.isfinite(img).any(axis=0)  # (a sketch of no finite value: every count 0, log10 -inf)
+        # (a sketch of no non-zero finite value: every count 0, log10 -inf; its row may hold zeros, never sketched)
+        empty = ~blank & ~np.isfinite(img).any(axis=0)
         if empty.any():
             ax.broken_barh(list(zip(x[:-1][empty].tolist(), np.diff(x)[empty].tolist())), (-nb, 2 * nb),
                            facecolor="w", edgecolor="0.75", hatch="|||", lw=0,
-                           label="a sketch that holds no finite value (every count 0)")
+                           label="a sketch with every count 0: no non-zero finite value (zeros and NaN/inf "
+                           "are never in a sketch)")
         ticks = np.linspace(-nb, nb, 9)
         ax.set_yticks(ticks)
         ax.set_yticklabels([f"{'-' if t < 0 else ''}2^{lo + abs(t) / nb * (hi - lo):.0f}" if t else "0"
@@ -775,7 +777,12 @@ def _waterfall_axes(fig, ax, h: History, s: SpineSeries, sk: SketchSeries, title
         beyond = _boundaries(ax, h, sk.columns["step"], sk.columns["segment"], segments=segments, lw=1.5,
                              path_effects=[patheffects.withStroke(linewidth=3.5, foreground="w")])
         title += f" · {beyond} segment boundaries beyond +-2^52 not drawn" if beyond else ""
-        ax.text(0.01, 0.01, f"outside the window (2^-48, 2^16]: {outside} values in the under/overflow bands",
+        # zeros are counted by the spine, never by the sketch (spec 6.1): a column of them is no empty one
+        zeros = drawn & (s.sk_row >= 0) & s.observed
+        nz, zrows = _total(s.zero[zeros]), int((s.zero[zeros] > 0).sum())
+        ax.text(0.01, 0.01, f"outside the window (2^-48, 2^16]: {outside} values in the under/overflow bands"
+                + (f"\nzeros, not drawn (never in a sketch; the spine's count): {nz} values at {zrows} sketched "
+                   f"row{'' if zrows == 1 else 's'}" if nz else ""),
                 transform=ax.transAxes, fontsize=7, color="k",
                 bbox={"boxstyle": "round,pad=0.2", "facecolor": "w", "alpha": 0.8, "edgecolor": "none"})
     else:
