@@ -307,3 +307,38 @@ def test_a_waterfall_of_zeros_says_so_not_no_finite_value(tmp_path, close_figure
     assert "a sketch with every count 0: no non-zero finite value (zeros and NaN/inf are never in a sketch)" in labels
     (note,) = [t.get_text() for t in ax.texts if "outside the window" in t.get_text()]
     assert note.endswith("zeros, not drawn (never in a sketch; the spine's count): 1999 values at 2 sketched rows")
+
+
+# --- names that matplotlib would not draw as they are ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,shown", [("w$\\frac$", "w$\\frac$"), ("a$b$c", "a$b$c"), ("層.0", "\\u5c64.0"),
+                                        ("é\nx", "é\\nx")])
+def test_site_names_are_drawn_as_they_are(tmp_path, name, shown, close_figures) -> None:
+    """matplotlib reads text between two '$' as math: a site named ``w$\\frac$`` made site_figure, waterfall,
+    contact_sheet and `trainhist plot` raise ValueError from deep inside savefig, and ``a$b$c`` drew as "abc" with
+    an italic b. A character the font has no glyph for (CJK in the default font) drew an empty box (and warned),
+    so that two such names read the same; a newline broke the title. Each is drawn as it is, or as its escape."""
+    import warnings
+
+    from trainhist.figures import _has_glyph
+
+    if name == "層.0" and _has_glyph("層"):  # (a font setup with CJK glyphs draws the name itself)
+        shown = name
+    p = tmp_path / "n.thist"
+    with trainhist.HistoryWriter(p, **FAST, run_name="r$\\frac$") as w:
+        a = w.site(name, "activation")
+        for step in range(3):
+            w.observe(a, step, np.array([1.0, 2.0], np.float32))
+    with trainhist.open(p) as h, warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*Glyph.*missing", category=UserWarning)
+        for draw in (site_figure, waterfall):
+            fig = draw(h, name, out=tmp_path / "f.png")
+            title = fig.axes[0].title
+            text, math = title._preprocess_math(title.get_text())  # (what matplotlib draws)
+            assert not math and text.startswith(f"{shown} · activation"), text
+        assert contact_sheet(h, tmp_path / "sheet")
+    from trainhist.cli import main
+
+    assert main(["plot", str(p), "-o", str(tmp_path / "png"), "--site", name]) == 0
+    assert main(["plot", str(p), "-o", str(tmp_path / "png")]) == 0

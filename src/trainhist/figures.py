@@ -161,9 +161,61 @@ def _symlog_ticks(ax, lin: float) -> None:
 
 
 def _site_title(site: Site, phase: str | None) -> str:
-    facet = "" if site.facet is None else f"[{site.facet}]"
+    facet = "" if site.facet is None else f"[{_shown(site.facet)}]"
     ph = "" if phase in (None, "default") else f" {phase}"
-    return f"{site.path}{facet} · {site.stream}{ph}"
+    return f"{_shown(site.path)}{facet} · {site.stream}{ph}"
+
+
+def _run_label(h: History, runs: tuple[str, ...]) -> str:
+    """:func:`triage.run_label` as a figure shows it (:func:`_shown`)."""
+    from .triage import run_label
+
+    return _shown(run_label(h, runs))
+
+
+def _shown(name: str) -> str:
+    """A name of the file (a site, facet or run: any Unicode, spec 9) as figure text that draws it as it is: a ``$``
+    escaped, since matplotlib reads text between two of them as math (``a$b$c`` drew as "abc" with an italic b, and
+    ``w$\\frac$`` raised ValueError from deep inside savefig), and a character the figure's font has no glyph for
+    (CJK in matplotlib's default font, which drew an empty box, so that ``層.0`` and ``屋.0`` read the same) or that
+    is not printable (a newline) written as its escape (``\\u5c64``), as the command line writes it to an ASCII
+    console."""
+    out = []
+    for c in name:
+        if c == "$":
+            out.append("\\$")
+        elif not c.isprintable():
+            out.append(repr(c)[1:-1])  # (\\n, \\x85)
+        elif not c.isascii() and not _has_glyph(c):
+            out.append(c.encode("ascii", "backslashreplace").decode("ascii"))
+        else:
+            out.append(c)
+    return "".join(out)
+
+
+_GLYPHS: dict[str, frozenset[int] | None] = {}  #: the code points of the fonts of the current font settings
+
+
+def _has_glyph(c: str) -> bool:
+    """Whether the font matplotlib draws text with (its fallback fonts included) has a glyph for ``c``; True when
+    that cannot be found out."""
+    import matplotlib
+    from matplotlib import font_manager
+
+    key = repr((matplotlib.rcParams["font.family"], matplotlib.rcParams.get("font.sans-serif")))
+    if key not in _GLYPHS:
+        try:
+            prop = font_manager.FontProperties()
+            find = getattr(font_manager.fontManager, "_find_fonts_by_props", None)
+            paths = find(prop) if find is not None else [font_manager.findfont(prop)]
+            points: set[int] = set()
+            for path in paths:
+                points.update(font_manager.get_font(path).get_charmap())
+            _GLYPHS[key] = frozenset(points)
+        except Exception:  # (a font setup this cannot read: draw the names as they are)
+            _GLYPHS[key] = None
+    points_ = _GLYPHS[key]
+    return points_ is None or ord(c) in points_
 
 
 def _set_title(ax, text: str, fontsize: float = 10) -> None:
@@ -302,7 +354,7 @@ def _boundaries(ax, h: History, step: np.ndarray, segment: np.ndarray, segments:
     spec 11.3) is no boundary of one history: its line says which run begins there, a history of its own drawn
     over the same steps. Returns how many lines lie beyond +-2^52, where no float axis holds them: those are not
     drawn."""
-    from .triage import other_runs, run_label
+    from .triage import other_runs
 
     k = beyond = 0
     mine_ = [g for g in h.segments if segments is None or g.id in segments]
@@ -322,7 +374,7 @@ def _boundaries(ax, h: History, step: np.ndarray, segment: np.ndarray, segments:
             continue
         if g.id in other:
             ax.axvline(at, **{"color": "C3", "ls": "-.", "lw": 1.2, **style},
-                       label=f"run {run_label(h, other[g.id])} (another run) from here: drawn over the same steps, "
+                       label=f"run {_run_label(h, other[g.id])} (another run) from here: drawn over the same steps, "
                        "not a continuation")
             continue
         ax.axvline(at, **{"color": "k", "ls": "--", "lw": 1.2, **style},
@@ -468,7 +520,7 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
               borderaxespad=0)  # (beside the values, which it would hide)
     fig.tight_layout()
     spans = s.span > 1
-    from .triage import run_label, segment_runs
+    from .triage import segment_runs
 
     runs = segment_runs(h)
     mine = list(dict.fromkeys(runs.get(g, ()) for g in np.unique(s.segment).tolist()))
@@ -476,7 +528,7 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
                                                  f"{int(s.span.max())} steps, each drawn over its window"
                                                  if spans.any() else "")
                + (f" · {len(mine)} runs kept apart (spec 11.3), drawn over the same steps: "
-                  + "; ".join(run_label(h, r) for r in mine) if len(mine) > 1 else ""), 12)
+                  + "; ".join(_run_label(h, r) for r in mine) if len(mine) > 1 else ""), 12)
     if out is not None:
         fig.savefig(out, dpi=120)
         plt.close(fig)
@@ -666,7 +718,7 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
     sk = h.sketch(path, stream, facet, phase=phase)
     s = _by_step(h.spine(path, stream, facet, phase=phase))
     _extent(s)  # (steps no figure can draw are refused before one is made)
-    from .triage import run_label, segment_runs
+    from .triage import segment_runs
 
     # the histories of different runs that a merge kept apart (spec 11.3): one panel each, over the same steps
     runs = segment_runs(h)
@@ -680,7 +732,7 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
     for i, (ax, segs) in enumerate(zip(axes[:, 0], panels)):
         title = _site_title(s.site, phase) if i == 0 else ""
         if len(panels) > 1:
-            title += (" · " if title else "") + (f"run {run_label(h, runs[segs[0]])}"
+            title += (" · " if title else "") + (f"run {_run_label(h, runs[segs[0]])}"
                                                  + (" (another run)" if i else "") + f": segment"
                                                  f"{'s' if len(segs) > 1 else ''} {', '.join(map(str, segs))}")
         ss = _rows(s, np.isin(s.segment, segs)) if len(panels) > 1 else s
