@@ -342,3 +342,57 @@ def test_site_names_are_drawn_as_they_are(tmp_path, name, shown, close_figures) 
 
     assert main(["plot", str(p), "-o", str(tmp_path / "png"), "--site", name]) == 0
     assert main(["plot", str(p), "-o", str(tmp_path / "png")]) == 0
+
+
+# --- the contact sheet: its footer, and tiles without numbers -------------------------------------------------------
+
+
+def test_contact_sheet_footer_fits_and_tiles_say_what_is_missing(tmp_path, monkeypatch, close_figures) -> None:
+    """The footer ("sites a–b of M — page k of P", what a tile shows, the ranking) was one line wider than the page:
+    both ends cut off, the page count among them. A tile whose rows all failed was an empty 0..1 axis, an all-NaN
+    one an axis of -0.04..0.04 (values near 0?), and failed rows between values an unmarked gap; a tile of rms 2..6
+    was a log axis with no tick in it. Each is said now: rows without numbers are marked grey (the key says:
+    missing, not zero)."""
+    from matplotlib.colors import to_rgba
+    from matplotlib.figure import Figure
+
+    p = tmp_path / "sheet.thist"
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        a, b, c, e = (w.site(n, "activation") for n in ("nan", "failed", "ok", "gap"))
+        for st in range(6):
+            w.mark(b, st, "failed")
+            w.observe(a, st, np.full(3, NAN))
+            w.observe(c, st, np.arange(4.0) + st)
+            if st in (2, 3):
+                w.mark(e, st, "failed")
+            else:
+                w.observe(e, st, np.arange(4.0) + st)
+    drawn = []
+    real = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (real(self, *a, **k), drawn.append((self, k))))
+    with trainhist.open(p) as h:
+        contact_sheet(h, tmp_path / "sheet")
+    ((fig, kw),) = drawn
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig.set_dpi(kw.get("dpi", fig.dpi))  # (measured as saved: text is not laid out in proportion to the dpi)
+    renderer = FigureCanvasAgg(fig).get_renderer()  # (the page was closed: a canvas of its own to measure on)
+    page = fig.bbox
+    (footer,) = fig.texts
+    box = footer.get_window_extent(renderer)
+    assert footer.get_text().startswith("sites 1–4 of 4 — page 1 of 1 · ")
+    assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0, (box, page)
+    (key,) = fig.legends
+    assert any("rows without numbers" in t.get_text() and "missing, not zero" in t.get_text()
+               for t in key.get_texts())
+    tiles = {ax.get_title().split(" · ")[0]: ax for ax in fig.axes if ax.axison}
+    assert [t.get_text() for t in tiles["nan"].texts] == ["no row holds a finite value"]
+    assert [t.get_text() for t in tiles["failed"].texts] == ["no row with numbers"]
+    assert not tiles["nan"].get_yticks().size and not tiles["failed"].get_yticks().size
+    grey = to_rgba("0.6")
+    marks = [sorted(seg[0][0] for seg in col.get_segments()) for col in tiles["gap"].collections
+             if col.get_segments() and tuple(col.get_colors()[0]) == grey]
+    assert marks == [[2.5, 3.5]]
+    ok = tiles["ok"]
+    lo, hi = ok.get_ylim()
+    assert ok.get_yscale() == "linear" and sum(lo <= t <= hi for t in ok.get_yticks()) >= 2

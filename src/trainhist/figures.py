@@ -887,6 +887,7 @@ def _rank_key(h: History, site: Site, orders: dict[int, int]) -> tuple:
 
 
 _NONFINITE_TILE = "#fde0e0"  #: a contact-sheet tile's background where the site held NaN or ±inf
+_NO_NUMBERS_TILE = "0.6"  #: the color of a contact-sheet tile's marks of rows without numbers
 
 
 def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: int = 6) -> list[Path]:
@@ -909,13 +910,24 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
     key = [Line2D([], [], color="C0", lw=1, label="rms (from each row's sums)"),
            Patch(facecolor=_NONFINITE_TILE, label="pink tile: the site held NaN or ±inf"),
            Line2D([], [], color="red", lw=0.5, label="red line: a row with NaN or ±inf"),
-           Line2D([], [], color="k", ls="--", lw=0.8, label="dashed: segment boundary")]
+           Line2D([], [], color="k", ls="--", lw=0.8, label="dashed: segment boundary"),
+           Line2D([], [], color=_NO_NUMBERS_TILE, lw=2, label="grey: rows without numbers (failed, skipped, absent, "
+                  "unknown): missing, not zero")]
     pages = max(1, math.ceil(len(ranked) / per_page))
     written = []
     for k in range(pages):
         tiles = ranked[k * per_page : (k + 1) * per_page]
         rows = max(1, math.ceil(len(tiles) / cols))
-        fig, axes = plt.subplots(rows, cols, figsize=(2.4 * cols, 1.8 * rows + 0.5), squeeze=False)
+        a, b = k * per_page + 1, k * per_page + len(tiles)
+        # (wrapped to the page's width: one line of it ran past both edges, "sites a-b of M" cut off)
+        footer = textwrap.fill(
+            f"sites {a}–{b} of {len(ranked)} — page {k + 1} of {pages} · each tile: the rms of each row (from its "
+            "sums, exact or within their method's bound; rows with unknown sums left out; in the site's own units) "
+            "over its steps, a coarsened row over its window; a log axis where the rms spans a decade or more · "
+            "ranked: sites with non-finite values first (earliest step, then pass), then the others by drift "
+            "|log(rms last / rms first)|, largest first", max(60, int(2.4 * cols * 72 / (0.6 * 6))))
+        lines = footer.count("\n") + 1
+        fig, axes = plt.subplots(rows, cols, figsize=(2.4 * cols, 1.8 * rows + 0.4 + 0.1 * lines), squeeze=False)
         for ax in axes.flat:
             ax.axis("off")
         for ax, site in zip(axes.flat, tiles):
@@ -931,19 +943,31 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
                         transform=ax.transAxes)
                 continue
             r = np.flatnonzero(obs)
-            _plot_rows(ax, start[r], end[r], s.rms[r], _joins(s, r, _due_gaps(s)[0]), lw=1, color="C0")
+            hole, gap_from, gap_to = _due_gaps(s)
+            _plot_rows(ax, start[r], end[r], s.rms[r], _joins(s, r, hole), lw=1, color="C0")
+            # rows without numbers and due steps without a row: marked as missing, never a gap that says nothing
+            none = (s.presence != Presence.OBSERVED) & (s.presence != Presence.NOT_SCHEDULED)
+            _vmarks(ax, np.r_[start[none], gap_from], np.r_[end[none], gap_to], None, color=_NO_NUMBERS_TILE, lw=1)
             _boundaries(ax, h, s.step, s.segment, lw=0.8)  # (a tile leaves out, unsaid, those beyond +-2^52)
             nf = s.observed & ((s.nan + s.pinf + s.ninf) > 0)
             if nf.any():
                 ax.set_facecolor(_NONFINITE_TILE)
                 ax.vlines((start + end)[nf] / 2, 0, 1, transform=ax.get_xaxis_transform(), color="red", lw=0.5)
-            if obs.any() and (s.rms[obs] > 0).all():
+            v = s.rms[obs]
+            if obs.any() and (v > 0).all() and float(v.max()) >= 10 * float(v.min()):  # (within a decade: no tick)
                 ax.set_yscale("log")
-                _fit_y(ax, s.rms[obs], log=True)
+                _fit_y(ax, v, log=True)
+            if not obs.any():  # (an empty axis, or one of -0.04..0.04, would suggest values near 0)
+                ax.set_yticks([])
+                ax.text(0.5, 0.5, "no row holds a finite value" if s.observed.any() else
+                        "no row with numbers" if len(s) else "no rows", ha="center", va="center", fontsize=6,
+                        transform=ax.transAxes, bbox={"facecolor": "w", "alpha": 0.8, "edgecolor": "none"})
             # few ticks and no minor ticks: tick layout dominates the drawing time of a sheet
             ax.minorticks_off()
             ax.xaxis.set_major_locator(MaxNLocator(3))
-            if ax.get_yscale() == "linear":
+            if not obs.any():
+                pass
+            elif ax.get_yscale() == "linear":
                 ax.yaxis.set_major_locator(MaxNLocator(3))
             else:
                 # three decades within the limits, placed here: matplotlib's LogLocator puts ticks beyond them,
@@ -955,16 +979,12 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
             ax.set_title(_site_title(site, phase), fontsize=6)
             ax.set_ylabel("rms" + (" (log)" if ax.get_yscale() == "log" else ""), fontsize=5, labelpad=1)
             ax.tick_params(labelsize=5)
-        a, b = k * per_page + 1, k * per_page + len(tiles)
         tall = fig.get_figheight()  # (margins in inches: on a page of one row the footer hid the tick labels)
         fig.legend(handles=key, loc="lower center", ncols=len(key), fontsize=6, frameon=False,
-                   bbox_to_anchor=(0.5, 0.22 / tall))
-        fig.text(0.5, 0.06 / tall, f"sites {a}–{b} of {len(ranked)} — page {k + 1} of {pages} · each tile: the rms "
-                 "of each row (from its sums, exact or within their method's bound; rows with unknown sums left "
-                 "out; in the site's own units) over its steps, a coarsened row over its "
-                 "window · ranked: sites with non-finite values first (earliest step, then pass), then the others by "
-                 "drift |log(rms last / rms first)|, largest first", ha="center", fontsize=6)
-        fig.subplots_adjust(left=0.05, right=0.98, top=1 - 0.25 / tall, bottom=0.75 / tall, hspace=0.6, wspace=0.4)
+                   bbox_to_anchor=(0.5, (0.12 + 0.1 * lines) / tall))
+        fig.text(0.5, 0.06 / tall, footer, ha="center", va="bottom", fontsize=6)
+        fig.subplots_adjust(left=0.05, right=0.98, top=1 - 0.25 / tall, bottom=(0.65 + 0.1 * lines) / tall,
+                            hspace=0.6, wspace=0.4)
         p = out_dir / f"contact_sheet_p{k + 1}.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)
