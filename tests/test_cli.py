@@ -300,3 +300,14 @@ def test_conformance_report_prints_to_an_ascii_console(tmp_path) -> None:
                             _ENVS["PYTHONIOENCODING=ascii"], tmp_path)
     assert rc == 0 and "Traceback" not in err, err
     assert "PASS  merge/overflow_not_kept  \\xa7" in out and "1 passed, 0 failed" in out
+
+
+def test_plot_refuses_filters_without_site(tmp_path, capsys) -> None:
+    """`plot FILE -o DIR --stream param` drew the contact sheet of every site, the filter silently ignored (its help
+    says: with --site). It is refused (exit 2), saying what the filters narrow, and nothing is drawn."""
+    p = _history(tmp_path / "f.thist")
+    for flags in (["--stream", "param"], ["--facet", ""], ["--phase", "pre_clip", "--stream", "activation"]):
+        assert main(["plot", str(p), "-o", str(tmp_path / "png"), *flags]) == 2
+        err = capsys.readouterr().err
+        assert "[needs_site]" in err and "narrow" in err and "without --site the contact sheet shows every site" in err
+    assert not (tmp_path / "png").exists()

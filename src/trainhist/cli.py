@@ -363,6 +363,11 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         import matplotlib  # noqa: F401 -- (the figures module imports it when drawing)
     except ImportError as e:
         raise UsageError(f"figures need matplotlib: pip install 'trainhist[viz]' ({e})", code="needs_viz") from None
+    given = [f"--{k}" for k in ("stream", "facet", "phase") if getattr(args, k) is not None]
+    if given and not args.site:  # (the contact sheet was drawn of every site, the filter silently ignored)
+        raise UsageError(f"{' and '.join(given)} narrow{'s' if len(given) == 1 else ''} the sites named by --site; "
+                         "without --site the contact sheet shows every site: name the sites (trainhist info FILE "
+                         "--sites lists them)", code="needs_site")
     out = Path(args.output)
     if out.exists() and not out.is_dir():
         raise UsageError(f"-o {out}: a file is there; the figures go to a folder (a new or an existing one)",
