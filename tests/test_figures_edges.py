@@ -396,3 +396,21 @@ def test_contact_sheet_footer_fits_and_tiles_say_what_is_missing(tmp_path, monke
     ok = tiles["ok"]
     lo, hi = ok.get_ylim()
     assert ok.get_yscale() == "linear" and sum(lo <= t <= hi for t in ok.get_yticks()) >= 2
+
+
+def test_contact_sheet_of_a_file_without_sites_says_so(tmp_path, monkeypatch, close_figures) -> None:
+    """A file without sites (an empty or torn one; `trainhist plot` draws it, exit 3) got a blank page whose footer
+    read "sites 1–0 of 0"."""
+    from matplotlib.figure import Figure
+
+    p = tmp_path / "empty.thist"
+    p.write_bytes(b"")
+    drawn = []
+    real = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (real(self, *a, **k), drawn.append(self)))
+    with trainhist.open(p) as h:
+        assert len(contact_sheet(h, tmp_path / "sheet")) == 1
+    texts = [t.get_text() for t in drawn[0].texts]
+    assert "this file has no sites: nothing to draw" in texts
+    assert any(t.startswith("no sites (the file names none) — page 1 of 1") for t in texts)
+    assert not any("1–0" in t for t in texts)

@@ -921,7 +921,8 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
         a, b = k * per_page + 1, k * per_page + len(tiles)
         # (wrapped to the page's width: one line of it ran past both edges, "sites a-b of M" cut off)
         footer = textwrap.fill(
-            f"sites {a}–{b} of {len(ranked)} — page {k + 1} of {pages} · each tile: the rms of each row (from its "
+            (f"sites {a}–{b} of {len(ranked)}" if ranked else "no sites (the file names none)")
+            + f" — page {k + 1} of {pages} · each tile: the rms of each row (from its "
             "sums, exact or within their method's bound; rows with unknown sums left out; in the site's own units) "
             "over its steps, a coarsened row over its window; a log axis where the rms spans a decade or more · "
             "ranked: sites with non-finite values first (earliest step, then pass), then the others by drift "
@@ -930,6 +931,8 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
         fig, axes = plt.subplots(rows, cols, figsize=(2.4 * cols, 1.8 * rows + 0.4 + 0.1 * lines), squeeze=False)
         for ax in axes.flat:
             ax.axis("off")
+        if not ranked:  # (a blank page would read as a drawing that failed: "sites 1–0 of 0")
+            fig.text(0.5, 0.6, "this file has no sites: nothing to draw", ha="center", va="center", fontsize=10)
         for ax, site in zip(axes.flat, tiles):
             ax.axis("on")
             phase = _first_phase(h, site)
