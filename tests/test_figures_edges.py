@@ -414,3 +414,26 @@ def test_contact_sheet_of_a_file_without_sites_says_so(tmp_path, monkeypatch, cl
     assert "this file has no sites: nothing to draw" in texts
     assert any(t.startswith("no sites (the file names none) — page 1 of 1") for t in texts)
     assert not any("1–0" in t for t in texts)
+
+
+def test_a_sketch_that_covers_its_row_past_2_53_is_not_read_as_partial(tmp_path, close_figures) -> None:
+    """Bins of 2^53, 1 and 1 for a row of 2^53 + 2 non-zero values: added as float64 they came to 2^53, below the
+    row's count, so the whole row was read as partly sketched (zeros estimated, and the figure withdrew its bound:
+    "the sketch holds only part of the row's values"). It is decided exactly now."""
+    from trainhist.figures import sketch_row_quantiles
+    from trainhist.summary import Sketch, Summary
+
+    p = tmp_path / "w.thist"
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        a = w.site("a", "activation")
+        for step in range(2):
+            sk = Sketch.empty()
+            sk.pos[200], sk.pos[201], sk.pos[202] = 2**53, 1, 1
+            w.observe(a, step, summary=Summary(count=2**53 + 2, min=1.0, max=2.0, sketch=sk))
+    with trainhist.open(p) as h:
+        _, _, partial = sketch_row_quantiles(h.spine("a"), h.sketch("a"), (0.5,))
+        fig = site_figure(h, "a")
+    assert partial.tolist() == [False, False]
+    labels = [" ".join(t.get_text().split()) for t in fig.axes[0].get_legend().get_texts()]
+    assert any(t.startswith("every derived quantile (p5 to p95): within ±19% relative") for t in labels), labels
+    assert not any("only part of the row's values" in t for t in labels)

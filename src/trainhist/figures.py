@@ -111,12 +111,30 @@ def sketch_row_quantiles(s: SpineSeries, sk: SketchSeries, qs: tuple[float, ...]
     rows = s.sk_row >= 0
     at[s.sk_row[rows]] = np.flatnonzero(rows)
     zero = s.zero[at].astype(np.uint64)  # (exact: a count beyond 2^53 is no float64)
-    covered, nonzero = _sketch_coverage(s, sk, at)
-    partial = covered < nonzero
-    if partial.any():  # (an estimate, rounded to a whole count)
+    partial = ~_covers_row(s, sk, at)
+    if partial.any():
+        covered, nonzero = _sketch_coverage(s, sk, at)  # (an estimate, rounded to a whole count)
         share = covered[partial] / np.maximum(nonzero[partial], 1)
         zero[partial] = _whole(zero[partial].astype(np.float64) * share)
     return at, quantiles_from_sketch(sk.pos, sk.neg, sk.bands, zero, sk.scale, qs), partial
+
+
+def _covers_row(s: SpineSeries, sk: SketchSeries, at: np.ndarray) -> np.ndarray:
+    """Whether each sketch row of ``sk`` (spine row ``at`` of ``s``) counts at least the row's non-zero finite
+    values, decided exactly: as float64 sums (:func:`_sketch_coverage`) bins of 2^53, 1 and 1 added to 2^53, below
+    the row's 2^53 + 2, and a whole row read as partly sketched (zeros estimated, its bound withdrawn). The high
+    and low 32 bits of the counts are added apart (exact for fewer than 2^32 cells a row) and compared as a pair."""
+    mask, k = np.uint64(0xFFFFFFFF), np.uint64(32)
+    hi = np.zeros(len(at), np.uint64)
+    lo = np.zeros(len(at), np.uint64)
+    for x in (sk.pos, sk.neg, sk.bands):
+        x = np.asarray(x).astype(np.uint64, copy=False)
+        hi += (x >> k).sum(axis=1, dtype=np.uint64)
+        lo += (x & mask).sum(axis=1, dtype=np.uint64)
+    hi, lo = hi + (lo >> k), lo & mask
+    nonzero = (s.finite[at] - s.zero[at]).astype(np.uint64)
+    nhi, nlo = nonzero >> k, nonzero & mask
+    return (hi > nhi) | ((hi == nhi) & (lo >= nlo))
 
 
 def _sketch_coverage(s: SpineSeries, sk: SketchSeries, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
