@@ -311,3 +311,19 @@ def test_plot_refuses_filters_without_site(tmp_path, capsys) -> None:
         err = capsys.readouterr().err
         assert "[needs_site]" in err and "narrow" in err and "without --site the contact sheet shows every site" in err
     assert not (tmp_path / "png").exists()
+
+
+def test_info_of_an_unnamed_run_on_an_unrecorded_host_prints_no_none(tmp_path, capsys, monkeypatch) -> None:
+    """A run manifest's name and a writer manifest's host may be null (their schemas): info printed `run None
+    (…)` and `on None`, as if None were their names."""
+    import socket
+
+    monkeypatch.setattr(socket, "gethostname", lambda: None)  # (the writer records null for an unknown host)
+    p = tmp_path / "u.thist"
+    with trainhist.HistoryWriter(p) as w:
+        w.observe(w.site("a", "activation"), 0, np.arange(3.0))
+    with trainhist.open(p) as h:
+        assert h.runs[0].get("name") is None and h.writers[0]["host"] is None
+    assert main(["info", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "None" not in out and "run       unnamed (" in out and " on an unrecorded host" in out

@@ -136,9 +136,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
             print("run       none: no run manifest was committed")
         else:
             more = "" if len(h.runs) < 2 else f" +{len(h.runs) - 1} more"
-            print(f"run       {run.get('name')!r} ({run.get('run_id')}){more}")
+            name = "unnamed" if run.get("name") is None else repr(run.get("name"))  # (null: "None" read as a name)
+            print(f"run       {name} ({run.get('run_id')}){more}")
         for w in h.writers:
-            print(f"writer    {w['writer_id']} rank {w['rank']}/{w['world_size']} on {w['host']}")
+            host = "an unrecorded host" if w.get("host") is None else w["host"]
+            print(f"writer    {w['writer_id']} rank {w['rank']}/{w['world_size']} on {host}")
         from .triage import run_label, segment_runs
 
         seg_runs = segment_runs(h)
