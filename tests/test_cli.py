@@ -327,3 +327,25 @@ def test_info_of_an_unnamed_run_on_an_unrecorded_host_prints_no_none(tmp_path, c
     assert main(["info", str(p)]) == 0
     out = capsys.readouterr().out
     assert "None" not in out and "run       unnamed (" in out and " on an unrecorded host" in out
+
+
+def test_names_with_control_characters_cannot_split_or_rewrite_a_report(tmp_path, capsys) -> None:
+    """A site name is any Unicode (spec 9): one holding ESC sequences or a newline was printed raw by info --sites
+    and triage, recoloring the user's terminal (or rewriting what it shows) and splitting a finding over two lines.
+    Such characters are printed as escapes; JSON keeps the names as they are."""
+    import json
+
+    name = "enc\x1b[31m.0\nFAKE"
+    p = tmp_path / "c.thist"
+    with trainhist.HistoryWriter(p, run_name="r") as w:
+        a = w.site(name, "activation", facet="f\x07")
+        w.observe(a, 0, np.array([1.0, np.nan]))
+    assert main(["info", str(p), "--sites"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "  enc\\x1b[31m.0\\nFAKE[f\\x07] activation" in out
+    assert main(["triage", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and not any(ln.startswith("FAKE") for ln in out.splitlines())
+    assert "`enc\\x1b[31m.0\\nFAKE[f\\x07]` forward (activation) at step 0" in out
+    assert main(["triage", str(p), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["findings"][0]["site"] == name

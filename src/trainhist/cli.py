@@ -123,6 +123,8 @@ def _last_step(step: np.ndarray, span: np.ndarray) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    from .triage import printable
+
     with open_history(args.file) as h:
         run = h.run
         print(f"file      {h.path} ({h.size} bytes{': an empty file' if h.size == 0 else ''})")
@@ -139,7 +141,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
             name = "unnamed" if run.get("name") is None else repr(run.get("name"))  # (null: "None" read as a name)
             print(f"run       {name} ({run.get('run_id')}){more}")
         for w in h.writers:
-            host = "an unrecorded host" if w.get("host") is None else w["host"]
+            host = "an unrecorded host" if w.get("host") is None else printable(str(w["host"]))
             print(f"writer    {w['writer_id']} rank {w['rank']}/{w['world_size']} on {host}")
         from .triage import run_label, segment_runs
 
@@ -170,8 +172,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
             print(f"  {stream:16s}{n}")
         if args.sites:
             for s in h.sites:
-                facet = "" if s.facet is None else f"[{s.facet}]"
-                print(f"  {s.path}{facet} {s.stream} {s.dtype or ''} {list(s.shape) if s.shape else ''} "
+                facet = "" if s.facet is None else f"[{printable(s.facet)}]"
+                print(f"  {printable(s.path)}{facet} {s.stream} {s.dtype or ''} {list(s.shape) if s.shape else ''} "
                       f"{s.sharing} cadence spine/{s.cadence_spine} sketch/{s.cadence_sketch}")
         return _status(h)
 
