@@ -349,3 +349,22 @@ def test_names_with_control_characters_cannot_split_or_rewrite_a_report(tmp_path
     assert "`enc\\x1b[31m.0\\nFAKE[f\\x07]` forward (activation) at step 0" in out
     assert main(["triage", str(p), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["findings"][0]["site"] == name
+
+
+def test_merge_report_prints_control_characters_in_names_as_escapes(tmp_path, capsys) -> None:
+    """The merge report's replica divergences name the site as the file has it: an ESC sequence in it went to the
+    terminal raw. It is printed as an escape; --json keeps the name."""
+    import json
+
+    paths = []
+    for rank in range(2):
+        p = tmp_path / f"r{rank}.thist"
+        with trainhist.HistoryWriter(p, run_id="cd" * 16, rank=rank, world_size=2) as w:
+            s = w.site("w\x1b[2J", "param", sharing="replica")
+            w.observe(s, 0, np.ones(4) * (rank + 1.0))
+        paths.append(str(p))
+    assert main(["merge", *paths, "-o", str(tmp_path / "m.thist"), "--report-divergence"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "replica divergence: site w\\x1b[2J [param]" in out
+    assert main(["merge", *paths, "-o", str(tmp_path / "m.thist"), "--report-divergence", "--json"]) == 0
+    assert "w\x1b[2J" in json.loads(capsys.readouterr().out)["divergences"][0]["where"]

@@ -224,14 +224,16 @@ def _print_report(rep, as_json: bool) -> None:
           f"{_n(rep.rows_in, 'row')} in, {_n(rep.rows_out, 'row')} out ({speed})")
     for p in torn:
         print(f"  note: {p} had a torn tail; its committed prefix was used")
+    from .triage import printable  # (the library's texts hold the file's names as they are)
+
     for d in rep.divergences:
-        print(f"  replica divergence: {d['where']}, step {d['step']}: {' vs '.join(d['files'])}")
+        print(f"  replica divergence: {printable(d['where'])}, step {d['step']}: {' vs '.join(d['files'])}")
     more = rep.divergences_total - len(rep.divergences)
     if more > 0:  # (the report lists the first ones; --json has divergences_total)
         print(f"  ... and {more} more replica divergence{'' if more == 1 else 's'} "
               f"({len(rep.divergences) + more} in all; the first {len(rep.divergences)} are listed)")
     for note in rep.notes:
-        print(f"  note: {note}")
+        print(f"  note: {printable(note)}")
     for m in rep.segment_mismatches:
         firsts = ", ".join(f"{step} in {path}" for step, path in m["first_steps"])
         print(f"  note: the inputs of output segment {m['segment']} start at different steps ({firsts}): if one rank "
