@@ -368,3 +368,22 @@ def test_merge_report_prints_control_characters_in_names_as_escapes(tmp_path, ca
     assert "\x1b" not in out and "replica divergence: site w\\x1b[2J [param]" in out
     assert main(["merge", *paths, "-o", str(tmp_path / "m.thist"), "--report-divergence", "--json"]) == 0
     assert "w\x1b[2J" in json.loads(capsys.readouterr().out)["divergences"][0]["where"]
+
+
+def test_python_m_trainhist_runs_the_command(tmp_path) -> None:
+    """`python -m trainhist` said "No module named trainhist.__main__" (exit 1): the command ran only as the
+    console script, which an environment without it on PATH (or a checkout on PYTHONPATH) lacks."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    p = _history(tmp_path / "f.thist")
+    src = str(Path(trainhist.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "trainhist", "verify", str(p)], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "clean" in r.stdout and "4 rows" in r.stdout, r.stderr
+    r = subprocess.run([sys.executable, "-m", "trainhist", "info"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "usage: trainhist info" in r.stderr
