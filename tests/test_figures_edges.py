@@ -437,3 +437,32 @@ def test_a_sketch_that_covers_its_row_past_2_53_is_not_read_as_partial(tmp_path,
     labels = [" ".join(t.get_text().split()) for t in fig.axes[0].get_legend().get_texts()]
     assert any(t.startswith("every derived quantile (p5 to p95): within ±19% relative") for t in labels), labels
     assert not any("only part of the row's values" in t for t in labels)
+
+
+# --- arguments a figure cannot draw ----------------------------------------------------------------------------------
+
+
+def test_figures_refuse_every_phase_at_once_and_sheets_of_no_tiles(tmp_path, close_figures) -> None:
+    """phase="*" (every phase, as History.spine takes it) drew pre_clip and post_clip rows as one series, and the
+    waterfall added their sketches into one column ("rows of one step summed": the gradient before and after
+    clipping counted together). contact_sheet(per_page=0) or cols=0 raised ZeroDivisionError, and per_page=-1 drew
+    pages without a tile. Each is refused with a typed error."""
+    from trainhist.errors import UsageError
+
+    p = tmp_path / "ph.thist"
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        g = w.site("w", "param_grad")
+        for st in range(3):
+            w.observe(g, st, np.ones(4) * 10, phase="pre_clip")
+            w.observe(g, st, np.ones(4), phase="post_clip")
+    with trainhist.open(p) as h:
+        for draw in (site_figure, waterfall):
+            with pytest.raises(UsageError) as e:
+                draw(h, "w", "param_grad", phase="*")
+            assert e.value.code == "bad_argument" and "one phase" in str(e.value)
+            draw(h, "w", "param_grad", phase="post_clip")
+        for kw in (dict(per_page=0), dict(cols=0), dict(per_page=-1), dict(cols=2.5)):
+            with pytest.raises(UsageError) as e:
+                contact_sheet(h, tmp_path / "sheet", **kw)
+            assert e.value.code == "bad_argument" and "whole number >= 1" in str(e.value)
+        assert len(contact_sheet(h, tmp_path / "sheet", per_page=1, cols=1)) == 1

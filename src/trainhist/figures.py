@@ -452,10 +452,20 @@ def _presence_strip(ax, s: SpineSeries, gaps: tuple[np.ndarray, np.ndarray]) -> 
     ax.set_ylabel("no data", fontsize=7)
 
 
+def _one_phase(phase: str | None) -> None:
+    """A figure draws the rows of one phase: ``"*"`` (every phase, :meth:`History.spine`) drew pre_clip and
+    post_clip rows as one series, and a waterfall added their sketches into one column (the gradient before and
+    after clipping counted together, twice its values); refused."""
+    if phase == "*":
+        raise UsageError("a figure draws one phase: name it (default, pre_clip or post_clip), not '*'; draw one "
+                         "figure a phase", code="bad_argument")
+
+
 def site_figure(h: History, path: str, stream: str = "activation", facet: str | None = None, *,
                 phase: str | None = None, out: str | Path | None = None):
     """Quantile fan (derived) with the exact min/max envelope, rows without numbers in a strip below; returns the
     matplotlib figure."""
+    _one_phase(phase)
     plt = _mpl()
     s = _by_step(h.spine(path, stream, facet, phase=phase))
     sk = h.sketch(path, stream, facet, phase=phase)
@@ -731,6 +741,7 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
               phase: str | None = None, out: str | Path | None = None):
     """Steps × signed-log2 bins heat map of the stored sketch counts (log color), bands shown apart; a long
     history's rows are added into at most about :data:`_MAX_COLUMNS` columns, and the figure says so."""
+    _one_phase(phase)
     plt = _mpl()
 
     sk = h.sketch(path, stream, facet, phase=phase)
@@ -913,6 +924,9 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
 
     Returns the PNG pages written; each carries the footer "sites a–b of M — page k of P".
     """
+    for name, n in (("per_page", per_page), ("cols", cols)):  # (0 raised ZeroDivisionError; -1 drew no tile)
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise UsageError(f"contact_sheet()'s {name} must be a whole number >= 1, got {n!r}", code="bad_argument")
     plt = _mpl()
     from matplotlib.ticker import FixedLocator, LogLocator, MaxNLocator
 
