@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import trainhist
 from trainhist.cli import main
@@ -207,3 +208,182 @@ def test_last_step_of_rows_is_a_python_integer() -> None:
     assert _last_step(step, span) == big + 90
     assert _last_step(step[1:3], span[1:3]) == 5
     assert _last_step(step[3:], span[3:]) == big
+
+
+# --- names of any Unicode to a console that cannot write them -------------------------------------------------------
+
+_ENVS = {"PYTHONIOENCODING=ascii": {"PYTHONIOENCODING": "ascii"},
+         "LC_ALL=C": {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0",
+                      "PYTHONIOENCODING": ""}}  # (no UTF-8 mode nor coercion: the C locale's own ASCII)
+
+
+def _unicode_history(path):
+    with trainhist.HistoryWriter(path, run_name="é-run 層", host="hôst", config={"nöte": "ü"}) as w:
+        a = w.site("層.0", "activation")
+        b = w.site("é", "activation", facet="fé")
+        for st in range(4):
+            w.observe(a, st, np.array([1.0, np.nan if st == 2 else 2.0], np.float32))
+            w.observe(b, st, np.array([1.0, 3.0], np.float32))
+        w.mark(a, 4, "failed")
+    return path
+
+
+def _run_cli(args: list[str], env: dict[str, str], cwd) -> tuple[int, str, str]:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("LC_", "PYTHONIOENCODING", "PYTHONUTF8"))}
+    src = str(Path(trainhist.__file__).resolve().parents[1])  # (the package under test, not an installed one)
+    full.update(env, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]), MPLBACKEND="Agg")
+    r = subprocess.run([sys.executable, "-c", "import sys; from trainhist.cli import main; sys.exit(main())", *args],
+                       cwd=cwd, env=full, capture_output=True, timeout=300)
+    return r.returncode, r.stdout.decode("utf-8"), r.stderr.decode("utf-8")
+
+
+@pytest.mark.parametrize("env", sorted(_ENVS))
+def test_non_ascii_names_print_escaped_to_an_ascii_console(tmp_path, env) -> None:
+    """Site, run, host and file names of any Unicode (spec 9) to a stdout that holds ASCII alone, piped: info,
+    triage and the merge and coarsen reports raised UnicodeEncodeError (a traceback, exit 1, after half the
+    output). Every command now writes such characters as backslash escapes and exits with its normal code; a file
+    name given in the C locale (its bytes not decoded: PEP 383) is written back as those bytes. JSON stays valid
+    JSON (ensure_ascii) that reads back the names."""
+    import json
+
+    _unicode_history(tmp_path / "ä.thist")
+    e = _ENVS[env]
+    ascii_io = "ascii" in env.lower()
+
+    def path(text: str) -> str:  # (how a path from the command line comes back)
+        return text.encode("ascii", "backslashreplace").decode() if ascii_io else text
+
+    cases = [  # (arguments, exit code, what stdout or stderr holds)
+        (["info", "ä.thist", "--sites"], 0, [f"file      {path('ä.thist')} (", "run       '\\xe9-run \\u5c64'",
+                                             "on h\\xf4st", "  \\u5c64.0 activation", "\\xe9[f\\xe9] activation"]),
+        (["triage", "ä.thist"], 0, [f"triage of {path('ä.thist')}", "`\\u5c64.0` forward (activation) at step 2"]),
+        (["verify", "ä.thist"], 0, [f"{path('ä.thist')}: clean"]),
+        (["merge", "ä.thist", "-o", "mж.thist"], 0, [f"{path('mж.thist')}: "]),
+        (["coarsen", "ä.thist", "-o", "cж.thist", "--steps", "2"], 0, [f"{path('cж.thist')}: "]),
+        (["info", "nöж.thist"], 1, ["[not_found] n"]),
+        (["plot", "ä.thist", "-o", "png", "--site", "nöж"], 2, ["[unknown_site]", "no site path 'n"]),
+        # (a name given in the C locale, its bytes not decoded, still names the site: as UTF-8, as the file has it)
+        (["plot", "ä.thist", "-o", "pngж", "--site", "é", "--facet", "fé"], 0,
+         [f"{path('pngж')}/_.activation.f_-1f64fc1f.site.png", f"{path('pngж')}/_.activation.f_-1f64fc1f.waterfall"]),
+        (["export", "ä.thist", "-o", "csvж", "--format", "csv", "--sites", "層*"], 0,
+         [f"{path('csvж')}/spines.csv: 5 rows"]),
+    ]
+    for args, code, said in cases:
+        rc, out, err = _run_cli(args, e, tmp_path)
+        assert "Traceback" not in err and rc == code, (args, rc, err)
+        for text in said:
+            assert text in out + err, (args, out, err)
+        assert set(c for c in out + err if not c.isascii()) <= set("äжö"), (args, out, err)  # (only paths' bytes)
+    rc, out, err = _run_cli(["dump", "ä.thist"], e, tmp_path)
+    assert rc == 0 and "Traceback" not in err and out.isascii()
+    assert "層.0" in json.dumps(json.loads(out), ensure_ascii=False)
+    rc, out, err = _run_cli(["triage", "ä.thist", "--json"], e, tmp_path)
+    assert rc == 0 and out.isascii() and {f["site"] for f in json.loads(out)["findings"]} >= {"層.0"}
+    rc, out, err = _run_cli(["merge", "ä.thist", "-o", "m2.thist", "--json"], e, tmp_path)
+    assert rc == 0 and out.isascii() and json.loads(out)["output"] == "m2.thist"
+
+
+def test_conformance_report_prints_to_an_ascii_console(tmp_path) -> None:
+    """The conformance report marks each case's spec sections with '§': to an ASCII stdout the first case raised
+    UnicodeEncodeError (exit 1), whatever the names. It is written as an escape now, and the run exits 0."""
+    from pathlib import Path
+
+    vectors = Path(__file__).resolve().parents[1] / "conformance" / "vectors"
+    if not (vectors / "merge" / "overflow_not_kept").is_dir():
+        pytest.skip("no conformance vectors in this checkout")
+    rc, out, err = _run_cli(["conformance", "--vectors", str(vectors), "-k", "merge/overflow_not_kept", "-j", "1"],
+                            _ENVS["PYTHONIOENCODING=ascii"], tmp_path)
+    assert rc == 0 and "Traceback" not in err, err
+    assert "PASS  merge/overflow_not_kept  \\xa7" in out and "1 passed, 0 failed" in out
+
+
+def test_plot_refuses_filters_without_site(tmp_path, capsys) -> None:
+    """`plot FILE -o DIR --stream param` drew the contact sheet of every site, the filter silently ignored (its help
+    says: with --site). It is refused (exit 2), saying what the filters narrow, and nothing is drawn."""
+    p = _history(tmp_path / "f.thist")
+    for flags in (["--stream", "param"], ["--facet", ""], ["--phase", "pre_clip", "--stream", "activation"]):
+        assert main(["plot", str(p), "-o", str(tmp_path / "png"), *flags]) == 2
+        err = capsys.readouterr().err
+        assert "[needs_site]" in err and "narrow" in err and "without --site the contact sheet shows every site" in err
+    assert not (tmp_path / "png").exists()
+
+
+def test_info_of_an_unnamed_run_on_an_unrecorded_host_prints_no_none(tmp_path, capsys, monkeypatch) -> None:
+    """A run manifest's name and a writer manifest's host may be null (their schemas): info printed `run None
+    (…)` and `on None`, as if None were their names."""
+    import socket
+
+    monkeypatch.setattr(socket, "gethostname", lambda: None)  # (the writer records null for an unknown host)
+    p = tmp_path / "u.thist"
+    with trainhist.HistoryWriter(p) as w:
+        w.observe(w.site("a", "activation"), 0, np.arange(3.0))
+    with trainhist.open(p) as h:
+        assert h.runs[0].get("name") is None and h.writers[0]["host"] is None
+    assert main(["info", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "None" not in out and "run       unnamed (" in out and " on an unrecorded host" in out
+
+
+def test_names_with_control_characters_cannot_split_or_rewrite_a_report(tmp_path, capsys) -> None:
+    """A site name is any Unicode (spec 9): one holding ESC sequences or a newline was printed raw by info --sites
+    and triage, recoloring the user's terminal (or rewriting what it shows) and splitting a finding over two lines.
+    Such characters are printed as escapes; JSON keeps the names as they are."""
+    import json
+
+    name = "enc\x1b[31m.0\nFAKE"
+    p = tmp_path / "c.thist"
+    with trainhist.HistoryWriter(p, run_name="r") as w:
+        a = w.site(name, "activation", facet="f\x07")
+        w.observe(a, 0, np.array([1.0, np.nan]))
+    assert main(["info", str(p), "--sites"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "  enc\\x1b[31m.0\\nFAKE[f\\x07] activation" in out
+    assert main(["triage", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and not any(ln.startswith("FAKE") for ln in out.splitlines())
+    assert "`enc\\x1b[31m.0\\nFAKE[f\\x07]` forward (activation) at step 0" in out
+    assert main(["triage", str(p), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["findings"][0]["site"] == name
+
+
+def test_merge_report_prints_control_characters_in_names_as_escapes(tmp_path, capsys) -> None:
+    """The merge report's replica divergences name the site as the file has it: an ESC sequence in it went to the
+    terminal raw. It is printed as an escape; --json keeps the name."""
+    import json
+
+    paths = []
+    for rank in range(2):
+        p = tmp_path / f"r{rank}.thist"
+        with trainhist.HistoryWriter(p, run_id="cd" * 16, rank=rank, world_size=2) as w:
+            s = w.site("w\x1b[2J", "param", sharing="replica")
+            w.observe(s, 0, np.ones(4) * (rank + 1.0))
+        paths.append(str(p))
+    assert main(["merge", *paths, "-o", str(tmp_path / "m.thist"), "--report-divergence"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "replica divergence: site w\\x1b[2J [param]" in out
+    assert main(["merge", *paths, "-o", str(tmp_path / "m.thist"), "--report-divergence", "--json"]) == 0
+    assert "w\x1b[2J" in json.loads(capsys.readouterr().out)["divergences"][0]["where"]
+
+
+def test_python_m_trainhist_runs_the_command(tmp_path) -> None:
+    """`python -m trainhist` said "No module named trainhist.__main__" (exit 1): the command ran only as the
+    console script, which an environment without it on PATH (or a checkout on PYTHONPATH) lacks."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    p = _history(tmp_path / "f.thist")
+    src = str(Path(trainhist.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "trainhist", "verify", str(p)], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "clean" in r.stdout and "4 rows" in r.stdout, r.stderr
+    r = subprocess.run([sys.executable, "-m", "trainhist", "info"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "usage: trainhist info" in r.stderr

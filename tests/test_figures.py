@@ -315,7 +315,7 @@ def test_waterfall_marks_are_visible_on_any_background(tmp_path):
     (marks,) = [ln for ln in ax.lines if ln.get_marker() == "v"]
     assert marks.get_xdata().tolist() == list(range(40))  # (steps 20..29 of the replaced segment, step 5: once)
     assert any(t.get_text().startswith("non-finite values at 41 rows (NaN 328") for t in ax.get_legend().get_texts())
-    assert any("no finite value" in t.get_text() for t in ax.texts)
+    assert any("no non-zero finite value" in t.get_text() for t in ax.texts)
 
 
 def test_waterfall_title_fits_in_the_figure(tmp_path):
@@ -601,7 +601,7 @@ def test_waterfall_labels_a_sketch_of_no_finite_value(tmp_path):
             w.observe(s, st, np.full(4, np.nan if st == 2 else 1.0))
     with trainhist.open(p) as h:
         ax = waterfall(h, "a").axes[0]
-    (c,) = [c for c in ax.collections if "no finite value" in str(c.get_label())]
+    (c,) = [c for c in ax.collections if "no non-zero finite value" in str(c.get_label())]
     assert c.get_hatch() and [(p.vertices[:, 0].min(), p.vertices[:, 0].max()) for p in c.get_paths()] == [(1.5, 2.5)]
 
 

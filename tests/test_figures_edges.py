@@ -234,3 +234,235 @@ def test_the_share_a_sketch_covers_is_not_wrapped_around() -> None:
     s = SimpleNamespace(finite=np.array([3], np.uint64), zero=np.array([0], np.uint64))
     covered, nonzero = _sketch_coverage(s, sk, np.array([0]))
     assert covered[0] >= 2.0**64 and nonzero[0] == 3.0 and not covered[0] < nonzero[0]
+
+
+# --- waterfall columns whose counts add past 2^64 ---------------------------------------------------------------
+
+
+def _big_rows(path, steps, micros, nan: int = 0) -> None:
+    """Rows of site "a" at ``steps``, ``micros`` micro-batches each (from the public writer): bin 200 of each holds
+    2^63, bin 210 one value, the positive underflow band 2^63 (spec 5.5 lets bins plus bands pass the count)."""
+    from trainhist.summary import Sketch, Summary
+
+    with trainhist.HistoryWriter(path, **FAST) as w:
+        a = w.site("a", "activation")
+        for step in steps:
+            for micro in range(micros):
+                sk = Sketch.empty()
+                sk.pos[200], sk.pos[210], sk.under_pos = 2**63, 1, 2**63
+                w.observe(a, step, summary=Summary(count=2**63 + 1 + nan, nan=nan, min=1.0, max=2.0, sketch=sk),
+                          micro=micro if micros > 1 else None)
+
+
+def _image(fig) -> np.ndarray:
+    return np.ma.filled(np.ma.asarray(fig.axes[0].collections[0].get_array(), np.float64), np.nan)
+
+
+def test_a_waterfall_column_of_micro_batches_past_2_64_keeps_its_color(tmp_path, close_figures) -> None:
+    """Two micro-batch rows of a step, each with 2^63 in a bin: their column's count, 2^64, was added as u64 and
+    wrapped around to 0 (log10: no color at all). It is 2^64 now; the band total (2^64 x 3) and the NaN total
+    in the legend are not wrapped either."""
+    p = tmp_path / "big.thist"
+    _big_rows(p, range(3), micros=2, nan=2**63 - 2)
+    with trainhist.open(p) as h:
+        fig = waterfall(h, "a")
+    img = _image(fig)
+    assert img.shape[1] == 3
+    assert np.nanmax(img) == pytest.approx(64 * np.log10(2.0), rel=1e-15)  # (2^64 in every column)
+    assert sorted(np.unique(img[np.isfinite(img)]).tolist()) == pytest.approx([np.log10(2.0), 64 * np.log10(2.0)])
+    assert (np.isfinite(img).sum(axis=0) == 2).all()  # (two bins a column: none lost)
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert f"outside the window (2^-48, 2^16]: {6 * 2**63} values in the under/overflow bands" in texts
+    labels = [" ".join(t.get_text().split()) for t in fig.axes[0].get_legend().get_texts()]
+    assert any(f"(NaN {6 * (2**63 - 2)}, +inf 0, -inf 0;" in t for t in labels), labels
+
+
+def test_a_long_waterfall_adds_columns_past_2_64_exactly(tmp_path, close_figures) -> None:
+    """1500 steps: each column adds the rows of 5 steps (at most about 700 columns), 5 x 2^63 in bin 200, which a
+    u64 sum wrapped around to 2^63 (a color 5 times too faint on a log scale of 2^64)."""
+    p = tmp_path / "long.thist"
+    _big_rows(p, range(1500), micros=1)
+    with trainhist.open(p) as h:
+        fig = waterfall(h, "a")
+    img = _image(fig)
+    assert "added over 5 steps" in fig.axes[-1].get_ylabel()
+    assert np.nanmax(img) == pytest.approx(np.log10(5 * 2.0**63), rel=1e-15)
+    assert np.nanmin(img) == pytest.approx(np.log10(5.0), rel=1e-15)
+
+
+def test_a_waterfall_of_zeros_says_so_not_no_finite_value(tmp_path, close_figures) -> None:
+    """Zeros are counted by the spine, never by a sketch (spec 6.1): a step of 1000 zeros was hatched 'a sketch
+    that holds no finite value', as if nothing had been there, and 999 zeros beside one value drew that one value
+    alone, unsaid. The legend says what an all-0 sketch means, and the figure how many zeros it does not draw."""
+    p = tmp_path / "z.thist"
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        a = w.site("a", "activation")
+        w.observe(a, 0, np.zeros(1000, np.float32))
+        w.observe(a, 1, np.r_[np.zeros(999), 1.0].astype(np.float32))
+        w.observe(a, 2, np.array([NAN, 2.0], np.float32))
+    with trainhist.open(p) as h:
+        ax = waterfall(h, "a").axes[0]
+    labels = [" ".join(t.get_text().split()) for t in ax.get_legend().get_texts()]
+    assert not any("no finite value" in t for t in labels)
+    assert "a sketch with every count 0: no non-zero finite value (zeros and NaN/inf are never in a sketch)" in labels
+    (note,) = [t.get_text() for t in ax.texts if "outside the window" in t.get_text()]
+    assert note.endswith("zeros, not drawn (never in a sketch; the spine's count): 1999 values at 2 sketched rows")
+
+
+# --- names that matplotlib would not draw as they are ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,shown", [("w$\\frac$", "w$\\frac$"), ("a$b$c", "a$b$c"), ("層.0", "\\u5c64.0"),
+                                        ("é\nx", "é\\nx")])
+def test_site_names_are_drawn_as_they_are(tmp_path, name, shown, close_figures) -> None:
+    """matplotlib reads text between two '$' as math: a site named ``w$\\frac$`` made site_figure, waterfall,
+    contact_sheet and `trainhist plot` raise ValueError from deep inside savefig, and ``a$b$c`` drew as "abc" with
+    an italic b. A character the font has no glyph for (CJK in the default font) drew an empty box (and warned),
+    so that two such names read the same; a newline broke the title. Each is drawn as it is, or as its escape."""
+    import warnings
+
+    from trainhist.figures import _has_glyph
+
+    if name == "層.0" and _has_glyph("層"):  # (a font setup with CJK glyphs draws the name itself)
+        shown = name
+    p = tmp_path / "n.thist"
+    with trainhist.HistoryWriter(p, **FAST, run_name="r$\\frac$") as w:
+        a = w.site(name, "activation")
+        for step in range(3):
+            w.observe(a, step, np.array([1.0, 2.0], np.float32))
+    with trainhist.open(p) as h, warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*Glyph.*missing", category=UserWarning)
+        for draw in (site_figure, waterfall):
+            fig = draw(h, name, out=tmp_path / "f.png")
+            title = fig.axes[0].title
+            text, math = title._preprocess_math(title.get_text())  # (what matplotlib draws)
+            assert not math and text.startswith(f"{shown} · activation"), text
+        assert contact_sheet(h, tmp_path / "sheet")
+    from trainhist.cli import main
+
+    assert main(["plot", str(p), "-o", str(tmp_path / "png"), "--site", name]) == 0
+    assert main(["plot", str(p), "-o", str(tmp_path / "png")]) == 0
+
+
+# --- the contact sheet: its footer, and tiles without numbers -------------------------------------------------------
+
+
+def test_contact_sheet_footer_fits_and_tiles_say_what_is_missing(tmp_path, monkeypatch, close_figures) -> None:
+    """The footer ("sites a–b of M — page k of P", what a tile shows, the ranking) was one line wider than the page:
+    both ends cut off, the page count among them. A tile whose rows all failed was an empty 0..1 axis, an all-NaN
+    one an axis of -0.04..0.04 (values near 0?), and failed rows between values an unmarked gap; a tile of rms 2..6
+    was a log axis with no tick in it. Each is said now: rows without numbers are marked grey (the key says:
+    missing, not zero)."""
+    from matplotlib.colors import to_rgba
+    from matplotlib.figure import Figure
+
+    p = tmp_path / "sheet.thist"
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        a, b, c, e = (w.site(n, "activation") for n in ("nan", "failed", "ok", "gap"))
+        for st in range(6):
+            w.mark(b, st, "failed")
+            w.observe(a, st, np.full(3, NAN))
+            w.observe(c, st, np.arange(4.0) + st)
+            if st in (2, 3):
+                w.mark(e, st, "failed")
+            else:
+                w.observe(e, st, np.arange(4.0) + st)
+    drawn = []
+    real = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (real(self, *a, **k), drawn.append((self, k))))
+    with trainhist.open(p) as h:
+        contact_sheet(h, tmp_path / "sheet")
+    ((fig, kw),) = drawn
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig.set_dpi(kw.get("dpi", fig.dpi))  # (measured as saved: text is not laid out in proportion to the dpi)
+    renderer = FigureCanvasAgg(fig).get_renderer()  # (the page was closed: a canvas of its own to measure on)
+    page = fig.bbox
+    (footer,) = fig.texts
+    box = footer.get_window_extent(renderer)
+    assert footer.get_text().startswith("sites 1–4 of 4 — page 1 of 1 · ")
+    assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0, (box, page)
+    (key,) = fig.legends
+    assert any("rows without numbers" in t.get_text() and "missing, not zero" in t.get_text()
+               for t in key.get_texts())
+    tiles = {ax.get_title().split(" · ")[0]: ax for ax in fig.axes if ax.axison}
+    assert [t.get_text() for t in tiles["nan"].texts] == ["no row holds a finite value"]
+    assert [t.get_text() for t in tiles["failed"].texts] == ["no row with numbers"]
+    assert not tiles["nan"].get_yticks().size and not tiles["failed"].get_yticks().size
+    grey = to_rgba("0.6")
+    marks = [sorted(seg[0][0] for seg in col.get_segments()) for col in tiles["gap"].collections
+             if col.get_segments() and tuple(col.get_colors()[0]) == grey]
+    assert marks == [[2.5, 3.5]]
+    ok = tiles["ok"]
+    lo, hi = ok.get_ylim()
+    assert ok.get_yscale() == "linear" and sum(lo <= t <= hi for t in ok.get_yticks()) >= 2
+
+
+def test_contact_sheet_of_a_file_without_sites_says_so(tmp_path, monkeypatch, close_figures) -> None:
+    """A file without sites (an empty or torn one; `trainhist plot` draws it, exit 3) got a blank page whose footer
+    read "sites 1–0 of 0"."""
+    from matplotlib.figure import Figure
+
+    p = tmp_path / "empty.thist"
+    p.write_bytes(b"")
+    drawn = []
+    real = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (real(self, *a, **k), drawn.append(self)))
+    with trainhist.open(p) as h:
+        assert len(contact_sheet(h, tmp_path / "sheet")) == 1
+    texts = [t.get_text() for t in drawn[0].texts]
+    assert "this file has no sites: nothing to draw" in texts
+    assert any(t.startswith("no sites (the file names none) — page 1 of 1") for t in texts)
+    assert not any("1–0" in t for t in texts)
+
+
+def test_a_sketch_that_covers_its_row_past_2_53_is_not_read_as_partial(tmp_path, close_figures) -> None:
+    """Bins of 2^53, 1 and 1 for a row of 2^53 + 2 non-zero values: added as float64 they came to 2^53, below the
+    row's count, so the whole row was read as partly sketched (zeros estimated, and the figure withdrew its bound:
+    "the sketch holds only part of the row's values"). It is decided exactly now."""
+    from trainhist.figures import sketch_row_quantiles
+    from trainhist.summary import Sketch, Summary
+
+    p = tmp_path / "w.thist"
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        a = w.site("a", "activation")
+        for step in range(2):
+            sk = Sketch.empty()
+            sk.pos[200], sk.pos[201], sk.pos[202] = 2**53, 1, 1
+            w.observe(a, step, summary=Summary(count=2**53 + 2, min=1.0, max=2.0, sketch=sk))
+    with trainhist.open(p) as h:
+        _, _, partial = sketch_row_quantiles(h.spine("a"), h.sketch("a"), (0.5,))
+        fig = site_figure(h, "a")
+    assert partial.tolist() == [False, False]
+    labels = [" ".join(t.get_text().split()) for t in fig.axes[0].get_legend().get_texts()]
+    assert any(t.startswith("every derived quantile (p5 to p95): within ±19% relative") for t in labels), labels
+    assert not any("only part of the row's values" in t for t in labels)
+
+
+# --- arguments a figure cannot draw ----------------------------------------------------------------------------------
+
+
+def test_figures_refuse_every_phase_at_once_and_sheets_of_no_tiles(tmp_path, close_figures) -> None:
+    """phase="*" (every phase, as History.spine takes it) drew pre_clip and post_clip rows as one series, and the
+    waterfall added their sketches into one column ("rows of one step summed": the gradient before and after
+    clipping counted together). contact_sheet(per_page=0) or cols=0 raised ZeroDivisionError, and per_page=-1 drew
+    pages without a tile. Each is refused with a typed error."""
+    from trainhist.errors import UsageError
+
+    p = tmp_path / "ph.thist"
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        g = w.site("w", "param_grad")
+        for st in range(3):
+            w.observe(g, st, np.ones(4) * 10, phase="pre_clip")
+            w.observe(g, st, np.ones(4), phase="post_clip")
+    with trainhist.open(p) as h:
+        for draw in (site_figure, waterfall):
+            with pytest.raises(UsageError) as e:
+                draw(h, "w", "param_grad", phase="*")
+            assert e.value.code == "bad_argument" and "one phase" in str(e.value)
+            draw(h, "w", "param_grad", phase="post_clip")
+        for kw in (dict(per_page=0), dict(cols=0), dict(per_page=-1), dict(cols=2.5)):
+            with pytest.raises(UsageError) as e:
+                contact_sheet(h, tmp_path / "sheet", **kw)
+            assert e.value.code == "bad_argument" and "whole number >= 1" in str(e.value)
+        assert len(contact_sheet(h, tmp_path / "sheet", per_page=1, cols=1)) == 1

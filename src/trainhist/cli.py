@@ -7,6 +7,7 @@ prefix was used, 1 invalid or corrupt input (the error code, file and offset go 
 from __future__ import annotations
 
 import argparse
+import codecs
 import itertools
 import json
 import sys
@@ -122,6 +123,8 @@ def _last_step(step: np.ndarray, span: np.ndarray) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    from .triage import printable
+
     with open_history(args.file) as h:
         run = h.run
         print(f"file      {h.path} ({h.size} bytes{': an empty file' if h.size == 0 else ''})")
@@ -135,9 +138,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
             print("run       none: no run manifest was committed")
         else:
             more = "" if len(h.runs) < 2 else f" +{len(h.runs) - 1} more"
-            print(f"run       {run.get('name')!r} ({run.get('run_id')}){more}")
+            name = "unnamed" if run.get("name") is None else repr(run.get("name"))  # (null: "None" read as a name)
+            print(f"run       {name} ({run.get('run_id')}){more}")
         for w in h.writers:
-            print(f"writer    {w['writer_id']} rank {w['rank']}/{w['world_size']} on {w['host']}")
+            host = "an unrecorded host" if w.get("host") is None else printable(str(w["host"]))
+            print(f"writer    {w['writer_id']} rank {w['rank']}/{w['world_size']} on {host}")
         from .triage import run_label, segment_runs
 
         seg_runs = segment_runs(h)
@@ -167,8 +172,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
             print(f"  {stream:16s}{n}")
         if args.sites:
             for s in h.sites:
-                facet = "" if s.facet is None else f"[{s.facet}]"
-                print(f"  {s.path}{facet} {s.stream} {s.dtype or ''} {list(s.shape) if s.shape else ''} "
+                facet = "" if s.facet is None else f"[{printable(s.facet)}]"
+                print(f"  {printable(s.path)}{facet} {s.stream} {s.dtype or ''} {list(s.shape) if s.shape else ''} "
                       f"{s.sharing} cadence spine/{s.cadence_spine} sketch/{s.cadence_sketch}")
         return _status(h)
 
@@ -219,14 +224,16 @@ def _print_report(rep, as_json: bool) -> None:
           f"{_n(rep.rows_in, 'row')} in, {_n(rep.rows_out, 'row')} out ({speed})")
     for p in torn:
         print(f"  note: {p} had a torn tail; its committed prefix was used")
+    from .triage import printable  # (the library's texts hold the file's names as they are)
+
     for d in rep.divergences:
-        print(f"  replica divergence: {d['where']}, step {d['step']}: {' vs '.join(d['files'])}")
+        print(f"  replica divergence: {printable(d['where'])}, step {d['step']}: {' vs '.join(d['files'])}")
     more = rep.divergences_total - len(rep.divergences)
     if more > 0:  # (the report lists the first ones; --json has divergences_total)
         print(f"  ... and {more} more replica divergence{'' if more == 1 else 's'} "
               f"({len(rep.divergences) + more} in all; the first {len(rep.divergences)} are listed)")
     for note in rep.notes:
-        print(f"  note: {note}")
+        print(f"  note: {printable(note)}")
     for m in rep.segment_mismatches:
         firsts = ", ".join(f"{step} in {path}" for step, path in m["first_steps"])
         print(f"  note: the inputs of output segment {m['segment']} start at different steps ({firsts}): if one rank "
@@ -288,7 +295,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     with open_history(args.file) as h:
         write = to_parquet if args.format == "parquet" else to_csv
-        for e in write(h, args.output, streams=args.streams, sites=args.sites, phases=args.phases):
+        sites = None if args.sites is None else [_as_utf8(x) for x in args.sites]
+        for e in write(h, args.output, streams=args.streams, sites=sites, phases=args.phases):
             print(f"{e.path}: {_n(e.rows, 'row')}" if e.table != "manifests" else f"{e.path}: the manifests")
         if h.recovery.status != "clean":  # (as merge and triage say it: the exit status 3 alone says too little)
             _torn_note(h, "exported (its trainhist.recovery metadata says so too)")
@@ -306,20 +314,34 @@ def _file_stem(parts: list[str]) -> str:
     return stem
 
 
+def _as_utf8(text: str) -> str:
+    """A name from the command line as the file holds it (UTF-8, spec 9): in a locale that cannot decode its bytes
+    (LC_ALL=C without Python's UTF-8 mode) Python holds them as lone surrogates (PEP 383), and ``--site 層.0``
+    matched no site; such bytes are decoded as UTF-8 where they are UTF-8."""
+    if text.isascii() or not any("\udc80" <= c <= "\udcff" for c in text):
+        return text
+    import os
+
+    try:
+        return os.fsencode(text).decode("utf-8")
+    except (UnicodeError, ValueError):
+        return text
+
+
 def _plot_targets(h: History, args: argparse.Namespace) -> list[tuple[object, str, bool]]:
     """The (site, phase, phase named in the file name) each ``--site`` path asks for, narrowed by ``--stream``,
     ``--facet`` and ``--phase``; a path or filter that selects nothing is refused, naming what there is."""
     import difflib
 
     targets = []
-    for path in args.site:
+    for path in map(_as_utf8, args.site):
         sites = [s for s in h.sites if s.path == path]
         if not sites:
             close = difflib.get_close_matches(path, sorted({s.path for s in h.sites}), 5)
             raise UsageError(f"no site path {path!r} in this file; closest: {close or 'none'} (trainhist info "
                              f"{h.path} --sites lists them)", code="unknown_site", path=h.path)
         kept = [s for s in sites if (args.stream is None or s.stream == args.stream)
-                and (args.facet is None or (s.facet or "") == args.facet)]
+                and (args.facet is None or (s.facet or "") == _as_utf8(args.facet))]
         if not kept:
             there = sorted(f"{s.stream}{'' if s.facet is None else ' facet ' + repr(s.facet)}" for s in sites)
             want = " ".join(w for w in (args.stream and f"stream {args.stream!r}",
@@ -347,6 +369,11 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         import matplotlib  # noqa: F401 -- (the figures module imports it when drawing)
     except ImportError as e:
         raise UsageError(f"figures need matplotlib: pip install 'trainhist[viz]' ({e})", code="needs_viz") from None
+    given = [f"--{k}" for k in ("stream", "facet", "phase") if getattr(args, k) is not None]
+    if given and not args.site:  # (the contact sheet was drawn of every site, the filter silently ignored)
+        raise UsageError(f"{' and '.join(given)} narrow{'s' if len(given) == 1 else ''} the sites named by --site; "
+                         "without --site the contact sheet shows every site: name the sites (trainhist info FILE "
+                         "--sites lists them)", code="needs_site")
     out = Path(args.output)
     if out.exists() and not out.is_dir():
         raise UsageError(f"-o {out}: a file is there; the figures go to a folder (a new or an existing one)",
@@ -476,8 +503,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _escape(exc: UnicodeError) -> tuple[str | bytes, int]:
+    """The error handler of the command's output (``trainhist.escape``): a character the stream's encoding cannot
+    hold is written as a backslash escape (``\\xe9``, ``\\u5c64``), as Python writes it to stderr; a lone surrogate
+    U+DC80..U+DCFF (a byte of a file name or argument that the locale could not decode, PEP 383) as that byte, so
+    that a path is printed as the bytes it was given."""
+    if not isinstance(exc, UnicodeEncodeError):
+        raise exc
+    c = exc.object[exc.start]
+    if "\udc80" <= c <= "\udcff":
+        return bytes([ord(c) - 0xDC00]), exc.start + 1
+    return c.encode("ascii", "backslashreplace").decode("ascii"), exc.start + 1
+
+
+def _escaping_output() -> None:
+    """Let stdout and stderr write any text: a site, run or file name may hold any Unicode (spec 9), and a console
+    whose encoding cannot hold it (PYTHONIOENCODING=ascii, LC_ALL=C, a Latin-1 terminal; file names of undecodable
+    bytes, which Python holds as lone surrogates, to a UTF-8 one) raised UnicodeEncodeError from print: a traceback
+    and exit 1 after half the output. Such characters are written by :func:`_escape`; text the encoding holds is
+    unchanged, and JSON output is ASCII already (ensure_ascii)."""
+    codecs.register_error("trainhist.escape", _escape)
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) in ("strict", "surrogateescape", "backslashreplace") and callable(
+                getattr(stream, "reconfigure", None)):
+            try:
+                stream.reconfigure(errors="trainhist.escape")
+            except (ValueError, OSError, AttributeError, TypeError):  # (a replaced stream that cannot: leave it)
+                pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
+    _escaping_output()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command == "demo":  # the demo parses its own options

@@ -111,12 +111,30 @@ def sketch_row_quantiles(s: SpineSeries, sk: SketchSeries, qs: tuple[float, ...]
     rows = s.sk_row >= 0
     at[s.sk_row[rows]] = np.flatnonzero(rows)
     zero = s.zero[at].astype(np.uint64)  # (exact: a count beyond 2^53 is no float64)
-    covered, nonzero = _sketch_coverage(s, sk, at)
-    partial = covered < nonzero
-    if partial.any():  # (an estimate, rounded to a whole count)
+    partial = ~_covers_row(s, sk, at)
+    if partial.any():
+        covered, nonzero = _sketch_coverage(s, sk, at)  # (an estimate, rounded to a whole count)
         share = covered[partial] / np.maximum(nonzero[partial], 1)
         zero[partial] = _whole(zero[partial].astype(np.float64) * share)
     return at, quantiles_from_sketch(sk.pos, sk.neg, sk.bands, zero, sk.scale, qs), partial
+
+
+def _covers_row(s: SpineSeries, sk: SketchSeries, at: np.ndarray) -> np.ndarray:
+    """Whether each sketch row of ``sk`` (spine row ``at`` of ``s``) counts at least the row's non-zero finite
+    values, decided exactly: as float64 sums (:func:`_sketch_coverage`) bins of 2^53, 1 and 1 added to 2^53, below
+    the row's 2^53 + 2, and a whole row read as partly sketched (zeros estimated, its bound withdrawn). The high
+    and low 32 bits of the counts are added apart (exact for fewer than 2^32 cells a row) and compared as a pair."""
+    mask, k = np.uint64(0xFFFFFFFF), np.uint64(32)
+    hi = np.zeros(len(at), np.uint64)
+    lo = np.zeros(len(at), np.uint64)
+    for x in (sk.pos, sk.neg, sk.bands):
+        x = np.asarray(x).astype(np.uint64, copy=False)
+        hi += (x >> k).sum(axis=1, dtype=np.uint64)
+        lo += (x & mask).sum(axis=1, dtype=np.uint64)
+    hi, lo = hi + (lo >> k), lo & mask
+    nonzero = (s.finite[at] - s.zero[at]).astype(np.uint64)
+    nhi, nlo = nonzero >> k, nonzero & mask
+    return (hi > nhi) | ((hi == nhi) & (lo >= nlo))
 
 
 def _sketch_coverage(s: SpineSeries, sk: SketchSeries, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -161,9 +179,61 @@ def _symlog_ticks(ax, lin: float) -> None:
 
 
 def _site_title(site: Site, phase: str | None) -> str:
-    facet = "" if site.facet is None else f"[{site.facet}]"
+    facet = "" if site.facet is None else f"[{_shown(site.facet)}]"
     ph = "" if phase in (None, "default") else f" {phase}"
-    return f"{site.path}{facet} · {site.stream}{ph}"
+    return f"{_shown(site.path)}{facet} · {site.stream}{ph}"
+
+
+def _run_label(h: History, runs: tuple[str, ...]) -> str:
+    """:func:`triage.run_label` as a figure shows it (:func:`_shown`)."""
+    from .triage import run_label
+
+    return _shown(run_label(h, runs))
+
+
+def _shown(name: str) -> str:
+    """A name of the file (a site, facet or run: any Unicode, spec 9) as figure text that draws it as it is: a ``$``
+    escaped, since matplotlib reads text between two of them as math (``a$b$c`` drew as "abc" with an italic b, and
+    ``w$\\frac$`` raised ValueError from deep inside savefig), and a character the figure's font has no glyph for
+    (CJK in matplotlib's default font, which drew an empty box, so that ``層.0`` and ``屋.0`` read the same) or that
+    is not printable (a newline) written as its escape (``\\u5c64``), as the command line writes it to an ASCII
+    console."""
+    out = []
+    for c in name:
+        if c == "$":
+            out.append("\\$")
+        elif not c.isprintable():
+            out.append(repr(c)[1:-1])  # (\\n, \\x85)
+        elif not c.isascii() and not _has_glyph(c):
+            out.append(c.encode("ascii", "backslashreplace").decode("ascii"))
+        else:
+            out.append(c)
+    return "".join(out)
+
+
+_GLYPHS: dict[str, frozenset[int] | None] = {}  #: the code points of the fonts of the current font settings
+
+
+def _has_glyph(c: str) -> bool:
+    """Whether the font matplotlib draws text with (its fallback fonts included) has a glyph for ``c``; True when
+    that cannot be found out."""
+    import matplotlib
+    from matplotlib import font_manager
+
+    key = repr((matplotlib.rcParams["font.family"], matplotlib.rcParams.get("font.sans-serif")))
+    if key not in _GLYPHS:
+        try:
+            prop = font_manager.FontProperties()
+            find = getattr(font_manager.fontManager, "_find_fonts_by_props", None)
+            paths = find(prop) if find is not None else [font_manager.findfont(prop)]
+            points: set[int] = set()
+            for path in paths:
+                points.update(font_manager.get_font(path).get_charmap())
+            _GLYPHS[key] = frozenset(points)
+        except Exception:  # (a font setup this cannot read: draw the names as they are)
+            _GLYPHS[key] = None
+    points_ = _GLYPHS[key]
+    return points_ is None or ord(c) in points_
 
 
 def _set_title(ax, text: str, fontsize: float = 10) -> None:
@@ -302,7 +372,7 @@ def _boundaries(ax, h: History, step: np.ndarray, segment: np.ndarray, segments:
     spec 11.3) is no boundary of one history: its line says which run begins there, a history of its own drawn
     over the same steps. Returns how many lines lie beyond +-2^52, where no float axis holds them: those are not
     drawn."""
-    from .triage import other_runs, run_label
+    from .triage import other_runs
 
     k = beyond = 0
     mine_ = [g for g in h.segments if segments is None or g.id in segments]
@@ -322,7 +392,7 @@ def _boundaries(ax, h: History, step: np.ndarray, segment: np.ndarray, segments:
             continue
         if g.id in other:
             ax.axvline(at, **{"color": "C3", "ls": "-.", "lw": 1.2, **style},
-                       label=f"run {run_label(h, other[g.id])} (another run) from here: drawn over the same steps, "
+                       label=f"run {_run_label(h, other[g.id])} (another run) from here: drawn over the same steps, "
                        "not a continuation")
             continue
         ax.axvline(at, **{"color": "k", "ls": "--", "lw": 1.2, **style},
@@ -382,10 +452,20 @@ def _presence_strip(ax, s: SpineSeries, gaps: tuple[np.ndarray, np.ndarray]) -> 
     ax.set_ylabel("no data", fontsize=7)
 
 
+def _one_phase(phase: str | None) -> None:
+    """A figure draws the rows of one phase: ``"*"`` (every phase, :meth:`History.spine`) drew pre_clip and
+    post_clip rows as one series, and a waterfall added their sketches into one column (the gradient before and
+    after clipping counted together, twice its values); refused."""
+    if phase == "*":
+        raise UsageError("a figure draws one phase: name it (default, pre_clip or post_clip), not '*'; draw one "
+                         "figure a phase", code="bad_argument")
+
+
 def site_figure(h: History, path: str, stream: str = "activation", facet: str | None = None, *,
                 phase: str | None = None, out: str | Path | None = None):
     """Quantile fan (derived) with the exact min/max envelope, rows without numbers in a strip below; returns the
     matplotlib figure."""
+    _one_phase(phase)
     plt = _mpl()
     s = _by_step(h.spine(path, stream, facet, phase=phase))
     sk = h.sketch(path, stream, facet, phase=phase)
@@ -468,7 +548,7 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
               borderaxespad=0)  # (beside the values, which it would hide)
     fig.tight_layout()
     spans = s.span > 1
-    from .triage import run_label, segment_runs
+    from .triage import segment_runs
 
     runs = segment_runs(h)
     mine = list(dict.fromkeys(runs.get(g, ()) for g in np.unique(s.segment).tolist()))
@@ -476,7 +556,7 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
                                                  f"{int(s.span.max())} steps, each drawn over its window"
                                                  if spans.any() else "")
                + (f" · {len(mine)} runs kept apart (spec 11.3), drawn over the same steps: "
-                  + "; ".join(run_label(h, r) for r in mine) if len(mine) > 1 else ""), 12)
+                  + "; ".join(_run_label(h, r) for r in mine) if len(mine) > 1 else ""), 12)
     if out is not None:
         fig.savefig(out, dpi=120)
         plt.close(fig)
@@ -534,19 +614,32 @@ def _not_replayed(step: np.ndarray, span: np.ndarray, segment: np.ndarray) -> np
 
 
 def _add_sketches(sk: SketchSeries, rows: np.ndarray, col: np.ndarray, n: int) -> np.ndarray:
-    """(n, 2 * bins) u64: the counts of sketch ``rows`` added into their column ``col`` (negative bins from the
-    largest magnitude down, then positive), exactly; rows are made dense a block at a time, so memory grows with
-    the columns, never with the rows (a dense copy of every row of a long history took gigabytes)."""
+    """(n, 2 * bins) float64: the counts of sketch ``rows`` added into their column ``col`` (negative bins from the
+    largest magnitude down, then positive). Each bin is a u64, but a column's sum of them is not bounded by one (a
+    merged file's micro-batch rows, a long history's columns): added as u64 it wrapped around (2 x 2^63 drew as 0,
+    no color), and as float64 it is not exact past 2^53. The high and low 32 bits of the counts are added apart,
+    exactly (for fewer than 2^32 rows a column), and the sum is rounded once to float64 (relative 2^-52: the log10
+    color is the same). Rows are made dense a block at a time, so memory grows with the columns, never with the
+    rows (a dense copy of every row of a long history took gigabytes)."""
     nb = nbins(sk.scale)
-    out = np.zeros((n, 2 * nb), np.uint64)
+    hi = np.zeros((n, 2 * nb), np.uint64)
+    lo = np.zeros((n, 2 * nb), np.uint64)
     order = np.argsort(col, kind="stable")
     rows, col = rows[order], col[order]
     for k in range(0, rows.size, _BLOCK):
         part = sk._sparse.take(rows[k : k + _BLOCK])  # (the stored ranges; the package's own reader)
-        block = np.concatenate([part.dense(1)[:, ::-1], part.dense(0)], axis=1)
+        block = np.concatenate([part.dense(1)[:, ::-1], part.dense(0)], axis=1).astype(np.uint64, copy=False)
         cols, first = np.unique(col[k : k + _BLOCK], return_index=True)
-        out[cols] += np.add.reduceat(block, first, axis=0)
-    return out
+        hi[cols] += np.add.reduceat(block >> np.uint64(32), first, axis=0)
+        lo[cols] += np.add.reduceat(block & np.uint64(0xFFFFFFFF), first, axis=0)
+    return hi.astype(np.float64) * 2.0**32 + lo.astype(np.float64)
+
+
+def _total(a: np.ndarray) -> int:
+    """The exact sum of the u64 counts ``a`` as a Python integer (a u64 sum wraps around past 2^64, a float64 one
+    is not exact past 2^53); exact for fewer than 2^32 counts."""
+    a = np.asarray(a).astype(np.uint64, copy=False).ravel()
+    return (int((a >> np.uint64(32)).sum()) << 32) + int((a & np.uint64(0xFFFFFFFF)).sum())
 
 
 def _column_bins(step: np.ndarray, span: np.ndarray, segment: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
@@ -648,12 +741,13 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
               phase: str | None = None, out: str | Path | None = None):
     """Steps × signed-log2 bins heat map of the stored sketch counts (log color), bands shown apart; a long
     history's rows are added into at most about :data:`_MAX_COLUMNS` columns, and the figure says so."""
+    _one_phase(phase)
     plt = _mpl()
 
     sk = h.sketch(path, stream, facet, phase=phase)
     s = _by_step(h.spine(path, stream, facet, phase=phase))
     _extent(s)  # (steps no figure can draw are refused before one is made)
-    from .triage import run_label, segment_runs
+    from .triage import segment_runs
 
     # the histories of different runs that a merge kept apart (spec 11.3): one panel each, over the same steps
     runs = segment_runs(h)
@@ -667,7 +761,7 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
     for i, (ax, segs) in enumerate(zip(axes[:, 0], panels)):
         title = _site_title(s.site, phase) if i == 0 else ""
         if len(panels) > 1:
-            title += (" · " if title else "") + (f"run {run_label(h, runs[segs[0]])}"
+            title += (" · " if title else "") + (f"run {_run_label(h, runs[segs[0]])}"
                                                  + (" (another run)" if i else "") + f": segment"
                                                  f"{'s' if len(segs) > 1 else ''} {', '.join(map(str, segs))}")
         ss = _rows(s, np.isin(s.segment, segs)) if len(panels) > 1 else s
@@ -712,13 +806,13 @@ def _waterfall_axes(fig, ax, h: History, s: SpineSeries, sk: SketchSeries, title
         step, span, seg = step[rows], span[rows], seg[rows]
         if int((step + span).max()) - int(step.min()) <= _MAX_COLUMNS * int(span.min()):  # a column per row
             keys, inv = np.unique(np.stack([step, span], axis=1), axis=0, return_inverse=True)
-            grid = _add_sketches(sk, rows, inv.reshape(-1), len(keys)).astype(np.float64)
+            grid = _add_sketches(sk, rows, inv.reshape(-1), len(keys))
             x, img, _, overlapped = _step_columns(keys[:, 0], keys[:, 1], grid)
             summed, past = len(keys) < rows.size, 0
         else:
             x, col, ncols, width = _column_bins(step, span, seg)
             with np.errstate(divide="ignore"):
-                img = np.log10(_add_sketches(sk, rows, col, ncols).T.astype(np.float64))
+                img = np.log10(_add_sketches(sk, rows, col, ncols).T)
             img[:, np.setdiff1d(np.arange(ncols), col)] = np.nan
             summed, overlapped = False, 0
             past = int((step + span - 0.5 > x[col + 1]).sum())  # (rows whose span does not divide the width)
@@ -737,20 +831,22 @@ def _waterfall_axes(fig, ax, h: History, s: SpineSeries, sk: SketchSeries, title
             fig.colorbar(mesh, ax=ax, pad=0.01,
                          label="log10 count" + (f", added over {width} steps" if width > 1 else ""))
         else:
-            ax.text(0.5, 0.5, "the sketches hold no finite value", ha="center", transform=ax.transAxes,
+            ax.text(0.5, 0.5, "the sketches hold no non-zero finite value", ha="center", transform=ax.transAxes,
                     bbox={"facecolor": "w", "alpha": 0.8, "edgecolor": "none"})
         blank = np.isnan(img).all(axis=0)
         inside = _hatch_missing(ax, x, blank, s, first, end, drawn, nb)
-        empty = ~blank & ~np.isfinite(img).any(axis=0)  # (a sketch of no finite value: every count 0, log10 -inf)
+        # (a sketch of no non-zero finite value: every count 0, log10 -inf; its row may hold zeros, never sketched)
+        empty = ~blank & ~np.isfinite(img).any(axis=0)
         if empty.any():
             ax.broken_barh(list(zip(x[:-1][empty].tolist(), np.diff(x)[empty].tolist())), (-nb, 2 * nb),
                            facecolor="w", edgecolor="0.75", hatch="|||", lw=0,
-                           label="a sketch that holds no finite value (every count 0)")
+                           label="a sketch with every count 0: no non-zero finite value (zeros and NaN/inf "
+                           "are never in a sketch)")
         ticks = np.linspace(-nb, nb, 9)
         ax.set_yticks(ticks)
         ax.set_yticklabels([f"{'-' if t < 0 else ''}2^{lo + abs(t) / nb * (hi - lo):.0f}" if t else "0"
                             for t in ticks])
-        outside = int(sk.bands.sum())
+        outside = _total(sk.bands)
         title += (f" · sketch, {2**sk.scale} bins/octave (never rebinned)"
                   + (f" · each column adds the sketches of {width} steps" if width > 1 else "")
                   + (" · rows of one step summed" if summed else "")
@@ -762,7 +858,12 @@ def _waterfall_axes(fig, ax, h: History, s: SpineSeries, sk: SketchSeries, title
         beyond = _boundaries(ax, h, sk.columns["step"], sk.columns["segment"], segments=segments, lw=1.5,
                              path_effects=[patheffects.withStroke(linewidth=3.5, foreground="w")])
         title += f" · {beyond} segment boundaries beyond +-2^52 not drawn" if beyond else ""
-        ax.text(0.01, 0.01, f"outside the window (2^-48, 2^16]: {outside} values in the under/overflow bands",
+        # zeros are counted by the spine, never by the sketch (spec 6.1): a column of them is no empty one
+        zeros = drawn & (s.sk_row >= 0) & s.observed
+        nz, zrows = _total(s.zero[zeros]), int((s.zero[zeros] > 0).sum())
+        ax.text(0.01, 0.01, f"outside the window (2^-48, 2^16]: {outside} values in the under/overflow bands"
+                + (f"\nzeros, not drawn (never in a sketch; the spine's count): {nz} values at {zrows} sketched "
+                   f"row{'' if zrows == 1 else 's'}" if nz else ""),
                 transform=ax.transAxes, fontsize=7, color="k",
                 bbox={"boxstyle": "round,pad=0.2", "facecolor": "w", "alpha": 0.8, "edgecolor": "none"})
     else:
@@ -776,7 +877,7 @@ def _waterfall_axes(fig, ax, h: History, s: SpineSeries, sk: SketchSeries, title
               else np.unique(first[nf] // width) * width + width / 2 - 0.5)
         ax.plot(at, np.full(at.size, 0.97), ls="none", marker="v", color="red", markeredgecolor="w",
                 transform=ax.get_xaxis_transform(), label=f"non-finite values at {int(nf.sum())} rows (NaN "
-                f"{int(s.nan[nf].sum())}, +inf {int(s.pinf[nf].sum())}, -inf {int(s.ninf[nf].sum())}; not in "
+                f"{_total(s.nan[nf])}, +inf {_total(s.pinf[nf])}, -inf {_total(s.ninf[nf])}; not in "
                 "the sketch)")
     if last:
         ax.set_xlabel("step")
@@ -815,6 +916,7 @@ def _rank_key(h: History, site: Site, orders: dict[int, int]) -> tuple:
 
 
 _NONFINITE_TILE = "#fde0e0"  #: a contact-sheet tile's background where the site held NaN or ±inf
+_NO_NUMBERS_TILE = "0.6"  #: the color of a contact-sheet tile's marks of rows without numbers
 
 
 def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: int = 6) -> list[Path]:
@@ -822,6 +924,9 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
 
     Returns the PNG pages written; each carries the footer "sites a–b of M — page k of P".
     """
+    for name, n in (("per_page", per_page), ("cols", cols)):  # (0 raised ZeroDivisionError; -1 drew no tile)
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise UsageError(f"contact_sheet()'s {name} must be a whole number >= 1, got {n!r}", code="bad_argument")
     plt = _mpl()
     from matplotlib.ticker import FixedLocator, LogLocator, MaxNLocator
 
@@ -837,15 +942,29 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
     key = [Line2D([], [], color="C0", lw=1, label="rms (from each row's sums)"),
            Patch(facecolor=_NONFINITE_TILE, label="pink tile: the site held NaN or ±inf"),
            Line2D([], [], color="red", lw=0.5, label="red line: a row with NaN or ±inf"),
-           Line2D([], [], color="k", ls="--", lw=0.8, label="dashed: segment boundary")]
+           Line2D([], [], color="k", ls="--", lw=0.8, label="dashed: segment boundary"),
+           Line2D([], [], color=_NO_NUMBERS_TILE, lw=2, label="grey: rows without numbers (failed, skipped, absent, "
+                  "unknown): missing, not zero")]
     pages = max(1, math.ceil(len(ranked) / per_page))
     written = []
     for k in range(pages):
         tiles = ranked[k * per_page : (k + 1) * per_page]
         rows = max(1, math.ceil(len(tiles) / cols))
-        fig, axes = plt.subplots(rows, cols, figsize=(2.4 * cols, 1.8 * rows + 0.5), squeeze=False)
+        a, b = k * per_page + 1, k * per_page + len(tiles)
+        # (wrapped to the page's width: one line of it ran past both edges, "sites a-b of M" cut off)
+        footer = textwrap.fill(
+            (f"sites {a}–{b} of {len(ranked)}" if ranked else "no sites (the file names none)")
+            + f" — page {k + 1} of {pages} · each tile: the rms of each row (from its "
+            "sums, exact or within their method's bound; rows with unknown sums left out; in the site's own units) "
+            "over its steps, a coarsened row over its window; a log axis where the rms spans a decade or more · "
+            "ranked: sites with non-finite values first (earliest step, then pass), then the others by drift "
+            "|log(rms last / rms first)|, largest first", max(60, int(2.4 * cols * 72 / (0.6 * 6))))
+        lines = footer.count("\n") + 1
+        fig, axes = plt.subplots(rows, cols, figsize=(2.4 * cols, 1.8 * rows + 0.4 + 0.1 * lines), squeeze=False)
         for ax in axes.flat:
             ax.axis("off")
+        if not ranked:  # (a blank page would read as a drawing that failed: "sites 1–0 of 0")
+            fig.text(0.5, 0.6, "this file has no sites: nothing to draw", ha="center", va="center", fontsize=10)
         for ax, site in zip(axes.flat, tiles):
             ax.axis("on")
             phase = _first_phase(h, site)
@@ -859,19 +978,31 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
                         transform=ax.transAxes)
                 continue
             r = np.flatnonzero(obs)
-            _plot_rows(ax, start[r], end[r], s.rms[r], _joins(s, r, _due_gaps(s)[0]), lw=1, color="C0")
+            hole, gap_from, gap_to = _due_gaps(s)
+            _plot_rows(ax, start[r], end[r], s.rms[r], _joins(s, r, hole), lw=1, color="C0")
+            # rows without numbers and due steps without a row: marked as missing, never a gap that says nothing
+            none = (s.presence != Presence.OBSERVED) & (s.presence != Presence.NOT_SCHEDULED)
+            _vmarks(ax, np.r_[start[none], gap_from], np.r_[end[none], gap_to], None, color=_NO_NUMBERS_TILE, lw=1)
             _boundaries(ax, h, s.step, s.segment, lw=0.8)  # (a tile leaves out, unsaid, those beyond +-2^52)
             nf = s.observed & ((s.nan + s.pinf + s.ninf) > 0)
             if nf.any():
                 ax.set_facecolor(_NONFINITE_TILE)
                 ax.vlines((start + end)[nf] / 2, 0, 1, transform=ax.get_xaxis_transform(), color="red", lw=0.5)
-            if obs.any() and (s.rms[obs] > 0).all():
+            v = s.rms[obs]
+            if obs.any() and (v > 0).all() and float(v.max()) >= 10 * float(v.min()):  # (within a decade: no tick)
                 ax.set_yscale("log")
-                _fit_y(ax, s.rms[obs], log=True)
+                _fit_y(ax, v, log=True)
+            if not obs.any():  # (an empty axis, or one of -0.04..0.04, would suggest values near 0)
+                ax.set_yticks([])
+                ax.text(0.5, 0.5, "no row holds a finite value" if s.observed.any() else
+                        "no row with numbers" if len(s) else "no rows", ha="center", va="center", fontsize=6,
+                        transform=ax.transAxes, bbox={"facecolor": "w", "alpha": 0.8, "edgecolor": "none"})
             # few ticks and no minor ticks: tick layout dominates the drawing time of a sheet
             ax.minorticks_off()
             ax.xaxis.set_major_locator(MaxNLocator(3))
-            if ax.get_yscale() == "linear":
+            if not obs.any():
+                pass
+            elif ax.get_yscale() == "linear":
                 ax.yaxis.set_major_locator(MaxNLocator(3))
             else:
                 # three decades within the limits, placed here: matplotlib's LogLocator puts ticks beyond them,
@@ -883,16 +1014,12 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
             ax.set_title(_site_title(site, phase), fontsize=6)
             ax.set_ylabel("rms" + (" (log)" if ax.get_yscale() == "log" else ""), fontsize=5, labelpad=1)
             ax.tick_params(labelsize=5)
-        a, b = k * per_page + 1, k * per_page + len(tiles)
         tall = fig.get_figheight()  # (margins in inches: on a page of one row the footer hid the tick labels)
         fig.legend(handles=key, loc="lower center", ncols=len(key), fontsize=6, frameon=False,
-                   bbox_to_anchor=(0.5, 0.22 / tall))
-        fig.text(0.5, 0.06 / tall, f"sites {a}–{b} of {len(ranked)} — page {k + 1} of {pages} · each tile: the rms "
-                 "of each row (from its sums, exact or within their method's bound; rows with unknown sums left "
-                 "out; in the site's own units) over its steps, a coarsened row over its "
-                 "window · ranked: sites with non-finite values first (earliest step, then pass), then the others by "
-                 "drift |log(rms last / rms first)|, largest first", ha="center", fontsize=6)
-        fig.subplots_adjust(left=0.05, right=0.98, top=1 - 0.25 / tall, bottom=0.75 / tall, hspace=0.6, wspace=0.4)
+                   bbox_to_anchor=(0.5, (0.12 + 0.1 * lines) / tall))
+        fig.text(0.5, 0.06 / tall, footer, ha="center", va="bottom", fontsize=6)
+        fig.subplots_adjust(left=0.05, right=0.98, top=1 - 0.25 / tall, bottom=(0.65 + 0.1 * lines) / tall,
+                            hspace=0.6, wspace=0.4)
         p = out_dir / f"contact_sheet_p{k + 1}.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)

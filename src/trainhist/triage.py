@@ -115,12 +115,21 @@ class Triage:
         return "\n".join(lines)
 
 
+def printable(name: str) -> str:
+    """A name of the file (any Unicode, spec 9) for a line of a terminal report: each character that is not
+    printable (a newline, which split a finding in two; ESC, with which a file's site name could recolor or
+    rewrite the user's terminal) as its escape (``\\n``, ``\\x1b``); every other character as it is."""
+    if name.isprintable():
+        return name
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
+
+
 def _label(site: object, phase: str) -> str:
-    facet = "" if site.facet is None else f"[{site.facet}]"
+    facet = "" if site.facet is None else f"[{printable(site.facet)}]"
     if site.stream == "scalar":
-        return f"`{site.path}` scalar"
+        return f"`{printable(site.path)}` scalar"
     what = _WHAT.get(site.stream, site.stream) + ("" if phase == "default" else f", {phase}")
-    return f"`{site.path}{facet}` {_PASS_NAME[site.stream]} ({what})"
+    return f"`{printable(site.path)}{facet}` {_PASS_NAME[site.stream]} ({what})"
 
 
 def _n(n: int, one: str, many: str | None = None) -> str:
@@ -417,7 +426,7 @@ def triage(h: History) -> Triage:
         else:
             also = [e for e in events if (e.segment, e.step) == (e0.segment, e0.step) and e.site.stream == "scalar"
                     and e is not e0]
-            also_text = ("; also non-finite at that step: " + ", ".join(f"`{e.site.path}`" for e in also[:4])
+            also_text = ("; also non-finite at that step: " + ", ".join(f"`{printable(e.site.path)}`" for e in also[:4])
                          + (" ..." if len(also) > 4 else "")) if e0.site.stream == "scalar" and also else ""
             report.findings.append(Finding("first_nonfinite", e0.step, e0.site.path,
                                            f"the first non-finite value was in {_label(e0.site, e0.phase)} at "
