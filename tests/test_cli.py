@@ -313,6 +313,19 @@ def test_plot_refuses_filters_without_site(tmp_path, capsys) -> None:
     assert not (tmp_path / "png").exists()
 
 
+def test_plot_refuses_a_site_beyond_2_52_before_drawing_any(tmp_path, capsys) -> None:
+    """`plot --site a --site z`, z with a step past 2^52: a's figures were written, then z's refusal; every named
+    site is now checked before anything is drawn, as the guide says (exit 2, undrawable_steps, no folder)."""
+    p = tmp_path / "far.thist"
+    with trainhist.HistoryWriter(p) as w:
+        w.observe(w.site("a", "activation"), 1, np.ones(3))
+        w.observe(w.site("z", "activation"), 2**53, np.ones(3))
+    assert main(["plot", str(p), "-o", str(tmp_path / "png"), "--site", "a", "--site", "z"]) == 2
+    err = capsys.readouterr().err
+    assert "[undrawable_steps]" in err and "z:" in err
+    assert not (tmp_path / "png").exists()
+
+
 def test_info_of_an_unnamed_run_on_an_unrecorded_host_prints_no_none(tmp_path, capsys, monkeypatch) -> None:
     """A run manifest's name and a writer manifest's host may be null (their schemas): info printed `run None
     (…)` and `on None`, as if None were their names."""

@@ -330,8 +330,11 @@ def _as_utf8(text: str) -> str:
 
 def _plot_targets(h: History, args: argparse.Namespace) -> list[tuple[object, str, bool]]:
     """The (site, phase, phase named in the file name) each ``--site`` path asks for, narrowed by ``--stream``,
-    ``--facet`` and ``--phase``; a path or filter that selects nothing is refused, naming what there is."""
+    ``--facet`` and ``--phase``; a path or filter that selects nothing, or a site whose steps no figure can hold
+    (beyond +-2^52, ``undrawable_steps``), is refused, naming what there is."""
     import difflib
+
+    from .figures import _extent
 
     targets = []
     for path in map(_as_utf8, args.site):
@@ -350,6 +353,7 @@ def _plot_targets(h: History, args: argparse.Namespace) -> list[tuple[object, st
         found = []
         for s in kept:
             rows = h.spine(s.path, s.stream, s.facet, phase="*")
+            _extent(rows)  # (steps a figure cannot hold are refused here too, before anything is drawn)
             phases = [Phase.name(int(c)) for c in np.unique(rows.columns["phase"])] or ["default"]
             found += [f"{s.stream} {ph}" for ph in phases]
             if args.phase is not None:
