@@ -1893,6 +1893,30 @@ def gen_merge(s: Suite, base: dict[str, bytes]) -> dict[str, bytes]:
                   "though merge copies nothing of that record", ["11", "4.2", "8"],
                   {"input-0.thist": base["damaged_ignorable_record"]}, {"inputs": ["input-0.thist"]},
                   error="bad_payload_crc")
+    # spec 11, validation order: an input a full check refuses gets the reader's code before any rule of merge
+    recs = parse(forward)  # (merge/segment_order's input, whose segment order merge refuses)
+    edit_chunk([r for r in recs if r.type == RecordType.OBS][-1],
+               lambda m, cs: setattr(col(cs, "presence"), "block", b"\x09"))
+    _derived_case(s, m, "invalid_input_segment_order", "merge/segment_order's input (its segment order is one merge "
+                  "refuses) with a reserved presence code in its last obs chunk: refused with the reader's code, "
+                  "before any rule of merge", ["11", "11.3", "2.6"], {"input-0.thist": build(recs)[0]},
+                  {"inputs": ["input-0.thist"]}, error="unknown_code")
+    _derived_case(s, m, "invalid_input_given_twice", "invalid/bad_row_not_observed given twice (its writer would "
+                  "be counted twice, overlapping_writers): refused with the reader's code, before any rule of merge",
+                  ["11", "11.8", "5.5"], {"input-0.thist": base["invalid/bad_row_not_observed"]},
+                  {"inputs": ["input-0.thist", "input-0.thist"]}, error="bad_row")
+    recs = parse(write_ops(ops_doc([site("z"), site("a"), obs(0, 0, [1.0]), obs(1, 0, [2.0]), COMMIT])))
+    z_chunk, a_chunk = [r for r in recs if r.type == RecordType.OBS]
+    assert (z_chunk.site, a_chunk.site) == (0, 1)
+    edit_chunk(z_chunk, lambda m, cs: setattr(col(cs, "presence"), "block", b"\x09"))
+    edit_chunk(a_chunk, lambda m, cs: setattr(col(cs, "presence"), "block", b"\x02"))
+    two_bad = build(recs)[0]
+    assert refusal(two_bad)[0] == "unknown_code"
+    _derived_case(s, m, "invalid_input_site_order", "an input whose site 0 (key z) holds a reserved presence code "
+                  "and site 1 (key a) an absent row with numbers: refused with site 0's error (unknown_code), the one "
+                  "a full check finds first (sites in id order, spec 8), not site a's (bad_row), though the output "
+                  "orders sites by key", ["11", "8", "11.9"], {"input-0.thist": two_bad},
+                  {"inputs": ["input-0.thist"]}, error="unknown_code")
     unknown = [[site("x", cadence={"spine": 1, "sketch": 0}), obs(0, 0, [1.0, 2.0**-80], sketch=False),
                 obs(0, 1, [0.5], sketch=False), COMMIT],
                [site("x", cadence={"spine": 1, "sketch": 0}),
