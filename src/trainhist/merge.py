@@ -109,7 +109,11 @@ class MergeReport:
     #: selection): their rows combine what each writer recorded, e.g. one rank's rows alone where only it recorded
     settings_mismatches: list[dict] = field(default_factory=list)
     #: sites whose inputs recorded them at different cadences (spec 11.5): the merged cadence is their greatest
-    #: common divisor; ``unplanned_steps_due`` when it makes due steps that no input's cadence made due
+    #: common divisor; ``unplanned_steps_due`` when it makes due steps that no input's cadence made due;
+    #: ``cadences`` groups the files by cadence, ``inputs`` lists every input of the site (``input``: its index in
+    #: the inputs, ``path``, ``spine``/``sketch``: its cadences, ``window``: the width of its coarsened windows, 1
+    #: for rows of one step, ``rows``: its rows of the site, ``steps``: the first and last step its rows start at,
+    #: null when it has none)
     cadence_mismatches: list[dict] = field(default_factory=list)
     #: sites and segments whose merged rows cover the same steps under different spans (an input coarsened,
     #: another not, spec 11.1): the first such pair of rows of each, and the file of the later one
@@ -234,6 +238,15 @@ def _unplanned_due(spine: int, cads: list[tuple[int, int]]) -> bool:
     it planned; otherwise a step may lie where no input that covers it planned it (an input that plans it may end
     earlier, or be another run's segment), and the answer is yes."""
     return spine != 0 and not all(c and w >= c for c, w in cads)
+
+
+def _cadence_input(d: dict) -> str:
+    """One input of a site of differing cadences, as the report's note names it (``cadence_mismatches[].inputs``)."""
+    where = "no rows" if d["steps"] is None else (f"{d['rows']} row{'' if d['rows'] == 1 else 's'} at step "
+                                                  f"{d['steps'][0]}" if d["steps"][0] == d["steps"][1] else
+                                                  f"{d['rows']} rows at steps {d['steps'][0]} to {d['steps'][1]}")
+    window = f"windows of {d['window']} steps, " if d["window"] > 1 else ""
+    return f"input {d['input']} ({d['path']}): {d['spine']}/{d['sketch']}, {window}{where}"
 
 
 def _site_name(key: tuple) -> str:
@@ -637,15 +650,26 @@ class _Engine:
                            for src, site in members})
             windows = sorted({w for _, w in cads if w > 1})
             unplanned = _unplanned_due(spine, cads)
+        inputs = []  # which input had which cadence, and where its rows of the site are (spec 11.5)
+        for src, site in sorted(members, key=lambda m: m[0].idx):
+            c = site.manifest["cadence"]
+            es = src.obs.get(site.id, [])
+            inputs.append({"input": src.idx, "path": src.path, "spine": c["spine"], "sketch": c["sketch"],
+                           "window": src.step_window(), "rows": sum(e.rows for e in es),
+                           "steps": [min(e.step_min for e in es), max(e.step_max for e in es)] if es else None})
         self.report.cadence_mismatches.append({
             "site": _site_name(key), "merged": {"spine": spine, "sketch": sketch}, "unplanned_steps_due": unplanned,
             "cadences": [{"spine": k[0], "sketch": k[1], "files": sorted(v)} for k, v in sorted(found.items())],
+            "inputs": inputs,
         })
-        said = "; ".join(f"{k[0]}/{k[1]} in {', '.join(sorted(v)[:2])}" + (f" and {len(v) - 2} more" if len(v) > 2
-                                                                            else "")
-                         for k, v in sorted(found.items()))
-        text = (f"site {_site_name(key)} was recorded at different cadences (spine/sketch: {said}); the merged "
-                f"cadence is {spine}/{sketch}, their greatest common divisor")
+        said = []
+        for k in sorted(found):
+            group = [d for d in inputs if (d["spine"], d["sketch"]) == k]
+            said += [_cadence_input(d) for d in group[:2]]
+            if len(group) > 2:
+                said.append(f"{len(group) - 2} more input{'s' if len(group) > 3 else ''} at {k[0]}/{k[1]}")
+        text = (f"site {_site_name(key)} was recorded at different cadences (spine/sketch: {'; '.join(said)}); the "
+                f"merged cadence is {spine}/{sketch}, their greatest common divisor")
         lcm = math.lcm(*[c for c in spines if c]) if any(spines) else 0
         if unplanned:
             text += (f": it makes due steps that no input's spine cadence ({', '.join(map(str, spines))}) made due "
