@@ -83,10 +83,17 @@ def test_a_damaged_input_that_also_breaks_segment_order_gets_the_readers_error(t
         assert (e.code, e.offset, e.path) == (code, offset, str(bad)), e
 
 
-def test_a_damaged_input_given_twice_gets_the_readers_error_not_overlapping_writers(tmp_path: Path) -> None:
+def test_a_damaged_input_given_twice_gets_the_readers_error_not_overlapping_writers(tmp_path: Path,
+                                                                                  monkeypatch: pytest.MonkeyPatch
+                                                                                  ) -> None:
     run = uuid.uuid4().hex
     with _writer(a := tmp_path / "a.th", run) as w:
         w.observe(w.site("x", "activation"), 0, np.ones(3))
+    checked: list[str] = []
+    verify = trainhist.reader.History.verify
+    monkeypatch.setattr(trainhist.reader.History, "verify", lambda h: checked.append(h.path) or verify(h))
+    e = _refused(lambda o: trainhist.merge([a, a], o), tmp_path / "o0.th")
+    assert e.code == "overlapping_writers" and checked == [str(a)]  # (a valid input, checked in full once)
     at = _damage_chunk(a, 0)
     e = _refused(lambda o: trainhist.merge([a, a], o), tmp_path / "o.th")
     assert (e.code, e.offset, e.path) == ("bad_payload_crc", at, str(a))

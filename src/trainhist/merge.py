@@ -1303,9 +1303,9 @@ class _Engine:
         before ``e`` (a refusal of merge's own, or a chunk error found out of section 8's order) is raised, the
         inputs are checked in full (the one ``e`` names, for a reader's error; else each, in input order) and the
         first error of that check is raised instead. Only a refused merge reads an input twice."""
-        named = [s for s in self.sources if s.path == e.path] if isinstance(e, FormatError) else []
-        for src in named or self.sources:
-            h = History(src.path)
+        named = [s.path for s in self.sources if s.path == e.path] if isinstance(e, FormatError) else []
+        for path in dict.fromkeys(named or [s.path for s in self.sources]):  # (an input given twice: checked once)
+            h = History(path)
             try:
                 h.verify()
             finally:
