@@ -111,9 +111,9 @@ class MergeReport:
     #: sites whose inputs recorded them at different cadences (spec 11.5): the merged cadence is their greatest
     #: common divisor; ``unplanned_steps_due`` when it makes due steps that no input's cadence made due;
     #: ``cadences`` groups the files by cadence, ``inputs`` lists every input of the site (``input``: its index in
-    #: the inputs, ``path``, ``spine``/``sketch``: its cadences, ``window``: the width of its coarsened windows, 1
-    #: for rows of one step, ``rows``: its rows of the site, ``steps``: the first and last step its rows start at,
-    #: null when it has none)
+    #: the inputs, ``path``, ``spine``/``sketch``: its cadences, ``window``: the width of its coarsened windows,
+    #: read from its step-truth rows as :meth:`_Source.step_window` does (1: rows of one step, or no step truth),
+    #: ``rows``: its rows of the site, ``steps``: the first and last step its rows start at, null when it has none)
     cadence_mismatches: list[dict] = field(default_factory=list)
     #: sites and segments whose merged rows cover the same steps under different spans (an input coarsened,
     #: another not, spec 11.1): the first such pair of rows of each, and the file of the later one
