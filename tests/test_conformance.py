@@ -363,10 +363,14 @@ def test_presence_cases_fail_a_wrong_answer_and_skip_exit_4(tmp_path: Path, mode
         assert conf.run_case(case, conf.default_impl(), strict=True).status == "pass", case.id
         for strict in (False, True):
             r = conf.run_case(case, cmd, strict=strict)
-            want = json.loads((case.dir / "expected.json").read_text("utf-8"))["results"]
             if mode == "unsupported":
                 assert r.status == "skip" and "exit 4" in r.detail, (case.id, r)
-            elif all(v == "unknown" for q in want for v in q.values()):  # (due_without_row, not_recorded)
+                continue
+            if case.doc["expect"]["exit"] == 1:  # (a query the reader refuses: answering it fails)
+                assert r.status == "fail" and r.detail.startswith("exit 0, expected 1"), (case.id, r)
+                continue
+            want = json.loads((case.dir / "expected.json").read_text("utf-8"))["results"]
+            if all(v == "unknown" for q in want for v in q.values()):  # (due_without_row, not_recorded)
                 assert r.status == "pass", (case.id, r)
             else:
                 assert r.status == "fail" and "differs at /results/" in r.detail, (case.id, r)
@@ -382,3 +386,6 @@ def test_case_schema_takes_the_presence_arguments() -> None:
     assert not validator.is_valid({**case, "args": {"file": "input.thist"}})
     assert not validator.is_valid({**case, "category": "valid"})
     assert not validator.is_valid({**case, "command": "read"})
+    refused = conf.load_cases(VECTORS, "presence/phase_ambiguous")[0].doc  # (a refusal: exit 1, a code, no offset)
+    assert refused["expect"] == {"exit": 1, "error": "phase_ambiguous"} and validator.is_valid(refused)
+    assert not validator.is_valid({**refused, "expect": {**refused["expect"], "offset": 0}})

@@ -400,6 +400,47 @@ def test_merge_reports_differing_cadences(tmp_path):
     assert trainhist.merge([files[3]], tmp_path / "m3.th").cadence_mismatches == []
 
 
+def test_differing_cadences_report_says_which_input_had_which_and_where(tmp_path, capsys):
+    """The report said a site's inputs had cadences 2 and 3 but not which input had which, its window, or which
+    steps its rows of the site cover, so a user could not tell which shard to look at. Each mismatch lists every
+    input of the site (index, path, cadences, window, rows and the first and last step its rows start at), and the
+    note (which the command line prints) names them."""
+    from trainhist.cli import main
+
+    run = uuid.uuid4().hex
+    paths = []
+    for rank, (k, steps) in enumerate(((2, range(0, 12)), (3, range(6, 20)), (2, range(20, 24)))):
+        p = tmp_path / f"r{rank}.th"
+        with trainhist.HistoryWriter(p, run_id=run, rank=rank, world_size=3, fsync="never") as w:
+            s = w.site("x", "activation", cadence_spine=k, cadence_sketch=2 * k)
+            for st in steps:
+                if st % k == 0:
+                    w.observe(s, st, np.ones(2))
+                w.step_truth(st, applied=True)
+        paths.append(str(p))
+    c4 = str(tmp_path / "r1c.th")
+    trainhist.coarsen(paths[1], c4, steps=6)  # windows of 6: rows at 6, 12 and 18
+    rep = trainhist.merge([paths[0], c4, paths[2]], tmp_path / "m.th")
+    [cm] = rep.cadence_mismatches
+    assert cm["inputs"] == [
+        {"input": 0, "path": paths[0], "spine": 2, "sketch": 4, "window": 1, "rows": 6, "steps": [0, 10]},
+        {"input": 1, "path": c4, "spine": 3, "sketch": 6, "window": 6, "rows": 3, "steps": [6, 18]},
+        {"input": 2, "path": paths[2], "spine": 2, "sketch": 4, "window": 1, "rows": 2, "steps": [20, 22]}]
+    note = rep.notes[0]
+    assert f"input 1 ({c4}): 3/6, windows of 6 steps, 3 rows at steps 6 to 18" in note, note
+    assert f"input 0 ({paths[0]}): 2/4, 6 rows at steps 0 to 10" in note, note
+    assert main(["merge", paths[0], c4, paths[2], "-o", str(tmp_path / "cli.th")]) == 0
+    assert f"input 1 ({c4}): 3/6, windows of 6 steps, 3 rows at steps 6 to 18" in capsys.readouterr().out
+    # an input with the site declared but no row of it: no steps
+    with trainhist.HistoryWriter(p := tmp_path / "none.th", run_id=run, rank=3, world_size=4, fsync="never") as w:
+        w.site("x", "activation", cadence_spine=5, cadence_sketch=5)
+        w.step_truth(0, applied=True)
+    rep = trainhist.merge([paths[0], str(p)], tmp_path / "m2.th")
+    assert rep.cadence_mismatches[0]["inputs"][1] == {"input": 1, "path": str(p), "spine": 5, "sketch": 5,
+                                                      "window": 1, "rows": 0, "steps": None}
+    assert f"input 1 ({p}): 5/5, no rows" in rep.notes[0], rep.notes[0]
+
+
 def test_coarsen_keeps_the_writers_cadence(tmp_path):
     """Cadence 3 coarsened by 2 became cadence 2 (every window due), so window [4, 6), which holds no step the writer
     planned, read unknown. The cadence is kept (spec 11.7): that window reads not_scheduled, as steps 4 and 5 did."""

@@ -1893,6 +1893,30 @@ def gen_merge(s: Suite, base: dict[str, bytes]) -> dict[str, bytes]:
                   "though merge copies nothing of that record", ["11", "4.2", "8"],
                   {"input-0.thist": base["damaged_ignorable_record"]}, {"inputs": ["input-0.thist"]},
                   error="bad_payload_crc")
+    # spec 11, validation order: an input a full check refuses gets the reader's code before any rule of merge
+    recs = parse(forward)  # (merge/segment_order's input, whose segment order merge refuses)
+    edit_chunk([r for r in recs if r.type == RecordType.OBS][-1],
+               lambda m, cs: setattr(col(cs, "presence"), "block", b"\x09"))
+    _derived_case(s, m, "invalid_input_segment_order", "merge/segment_order's input (its segment order is one merge "
+                  "refuses) with a reserved presence code in its last obs chunk: refused with the reader's code, "
+                  "before any rule of merge", ["11", "11.3", "2.6"], {"input-0.thist": build(recs)[0]},
+                  {"inputs": ["input-0.thist"]}, error="unknown_code")
+    _derived_case(s, m, "invalid_input_given_twice", "invalid/bad_row_not_observed given twice (its writer would "
+                  "be counted twice, overlapping_writers): refused with the reader's code, before any rule of merge",
+                  ["11", "11.8", "5.5"], {"input-0.thist": base["invalid/bad_row_not_observed"]},
+                  {"inputs": ["input-0.thist", "input-0.thist"]}, error="bad_row")
+    recs = parse(write_ops(ops_doc([site("z"), site("a"), obs(0, 0, [1.0]), obs(1, 0, [2.0]), COMMIT])))
+    z_chunk, a_chunk = [r for r in recs if r.type == RecordType.OBS]
+    assert (z_chunk.site, a_chunk.site) == (0, 1)
+    edit_chunk(z_chunk, lambda m, cs: setattr(col(cs, "presence"), "block", b"\x09"))
+    edit_chunk(a_chunk, lambda m, cs: setattr(col(cs, "presence"), "block", b"\x02"))
+    two_bad = build(recs)[0]
+    assert refusal(two_bad)[0] == "unknown_code"
+    _derived_case(s, m, "invalid_input_site_order", "an input whose site 0 (key z) holds a reserved presence code "
+                  "and site 1 (key a) an absent row with numbers: refused with site 0's error (unknown_code), the one "
+                  "a full check finds first (sites in id order, spec 8), not site a's (bad_row), though the output "
+                  "orders sites by key", ["11", "8", "11.9"], {"input-0.thist": two_bad},
+                  {"inputs": ["input-0.thist"]}, error="unknown_code")
     unknown = [[site("x", cadence={"spine": 1, "sketch": 0}), obs(0, 0, [1.0, 2.0**-80], sketch=False),
                 obs(0, 1, [0.5], sketch=False), COMMIT],
                [site("x", cadence={"spine": 1, "sketch": 0}),
@@ -2111,7 +2135,15 @@ def gen_coarsen(s: Suite) -> dict[str, bytes]:
            "scale-1 sketches", ["11.7", "2.3", "7.6"],
            derive(c, one, {"input": "input.thist", "steps": 2, "bins_per_octave": 2})[2])
     assert kept is not None
-    return {"coarsen/cadence_kept": kept}
+    gap = _derived_case(s, c, "window_due_without_row", "a site recorded every 3 steps whose row at step 6 "
+                        "is missing, coarsened by 4: window [4, 8) holds due step 6 and has no row (none is made for "
+                        "it)", ["11.7", "2.6"],
+                        {"input.thist": write_ops(ops_doc([site("x", cadence={"spine": 3, "sketch": 3})]
+                                                          + [obs(0, st, [1.0]) for st in (0, 3, 9)]
+                                                          + [truth(st) for st in range(12)] + [COMMIT]))},
+                        {"input": "input.thist", "steps": 4, "bins_per_octave": 4})
+    assert gap is not None
+    return {"coarsen/cadence_kept": kept, "coarsen/window_due_without_row": gap}
 
 
 def query(path: str, steps: list[int], *, stream: str = "activation", facet: str | None = None,
@@ -2121,11 +2153,13 @@ def query(path: str, steps: list[int], *, stream: str = "activation", facet: str
 
 
 def presence_case(s: Suite, name: str, description: str, spec: list[str], data: bytes,
-                  queries: list[tuple[dict, dict[int, str]]]) -> None:
+                  queries: list[tuple[dict, dict[int, str]]], *, error: str | None = None) -> None:
     """A presence case: ``queries`` pairs a query with the answer spec 2.6 gives, stated here by hand and asserted
-    against the reference's ``IMPL presence`` (a disagreement fails the generation, it is never written)."""
+    against the reference's ``IMPL presence`` (a disagreement fails the generation, it is never written); with
+    ``error``, the code of the refusal the spec gives instead (exit 1; the answers are then ignored)."""
     import contextlib
     import io
+    import re
 
     from trainhist.conformance_impl import main as impl_main
 
@@ -2134,10 +2168,20 @@ def presence_case(s: Suite, name: str, description: str, spec: list[str], data: 
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "f.thist").write_bytes(data)
         (Path(d) / "q.json").write_text(qtext, "utf-8")
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
+        buf, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
             rc = impl_main(["presence", str(Path(d) / "f.thist"), str(Path(d) / "q.json")])
     out = buf.getvalue()
+    if error is not None:
+        assert outcome(data)[0] == 0, f"presence/{name}: the file is not clean"
+        code = re.search(r"\[([A-Za-z0-9_.-]+)\]", err.getvalue())
+        assert rc == 1 and code is not None and code.group(1) == error, \
+            f"presence/{name}: expected [{error}], the reference exits {rc}: {err.getvalue()[:200]}"
+        s._case("presence", name, {"description": description, "spec": spec, "command": "presence",
+                                   "args": {"file": "input.thist", "query": "query.json"},
+                                   "expect": {"exit": 1, "error": error}},
+                {"input.thist": data, "query.json": qtext.encode()})
+        return
     assert rc == 0, f"presence/{name}: the reference exits {rc}"
     want = {"format": "trainhist-presence/1", "results": [{I(k): v for k, v in a.items()} for _, a in queries]}
     assert json.loads(out) == want, f"presence/{name}: spec 2.6 says {want}, the reference answers {out}"
@@ -2203,6 +2247,26 @@ def gen_presence(s: Suite, derived: dict[str, bytes]) -> None:
                   [(query("x", [0, 1, 2, 4, 5, 10, 11, 12]),
                     {0: "observed", 1: "observed", 2: "observed", 4: "not_scheduled", 5: "not_scheduled",
                      10: "not_scheduled", 11: "not_scheduled", 12: "unknown"})])
+    gap = derived["coarsen/window_due_without_row"]
+    presence_case(s, "coarsened_window_due_without_row", "the output of coarsen/window_due_without_row (cadence 3 "
+                  "kept, windows of 4): window [4, 8) has no row and reads step by step as the input read those "
+                  "steps: 6, due, is unknown; 4, 5 and 7, recorded and not due, are not_scheduled; the window rows "
+                  "[0, 4) and [8, 12) answer observed for each of their steps", ["2.6", "11.7"], gap,
+                  [(query("x", list(range(12))), {0: "observed", 1: "observed", 2: "observed", 3: "observed",
+                                                  4: "not_scheduled", 5: "not_scheduled", 6: "unknown",
+                                                  7: "not_scheduled", 8: "observed", 9: "observed", 10: "observed",
+                                                  11: "observed"})])
+    phases = write_ops(ops_doc([site("g", "param_grad", cadence={"spine": 1, "sketch": 0}),
+                                obs(0, 0, [1.0], sketch=False, phase="pre_clip"),
+                                obs(0, 0, [0.5], sketch=False, phase="post_clip"), truth(0), COMMIT]))
+    presence_case(s, "phase_ambiguous", "a site with rows in two phases (pre_clip and post_clip) asked with phase "
+                  "null: the reader refuses the query (spec 2.5, phase_ambiguous), it answers for neither phase",
+                  ["2.5", "2.6"], phases, [(query("g", [0], stream="param_grad"), {})], error="phase_ambiguous")
+    presence_case(s, "phase_named", "the file of presence/phase_ambiguous asked for each phase by name: observed at "
+                  "step 0 in pre_clip and in post_clip, and unknown in default, where the site has no row",
+                  ["2.5", "2.6"], phases, [(query("g", [0], stream="param_grad", phase=ph), {0: ans})
+                                           for ph, ans in (("pre_clip", "observed"), ("post_clip", "observed"),
+                                                           ("default", "unknown"))])
     presence_case(s, "merged_cadence_gcd", "the output of merge/cadences_differ (cadences 2 and 3, merged cadence "
                   "1): steps 1, 5, 7 and 11, which no input planned, are due and without a row: unknown", ["2.6",
                   "11.5"], derived["merge/cadences_differ"],

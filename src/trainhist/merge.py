@@ -52,7 +52,7 @@ from .dyadic import fits_float
 from .exactvec import group_sum
 from .fastpath import kernels
 from . import errors
-from .errors import CorruptError, MergeError, TrainhistError, UsageError
+from .errors import CorruptError, FormatError, MergeError, TrainhistError, UsageError
 from .framing import RECORD_HEADER_SIZE, pad8
 from .grid import nbins
 from .model import CANONICAL_NAN, CANONICAL_NAN_BITS, MICRO_ALL, U64_UNKNOWN, Phase, Presence
@@ -76,6 +76,9 @@ _I64_MAX = np.iinfo(np.int64).max
 _I64_MIN = np.iinfo(np.int64).min
 _LOW63 = np.int64(0x7FFFFFFFFFFFFFFF)
 _U64_MASK = (1 << 64) - 1
+#: merge's refusals that are about no input's content (the output, an input changed while read, a worker): not
+#: preceded by a full check of the inputs (spec 11, validation order)
+_NOT_ABOUT_INPUTS = frozenset({"output_unwritable", "input_changed", "worker_failed", "worker_lost"})
 _UNPACKED = frozenset({-1, Codec.RAW, Codec.FOR, Codec.PATCHED})  #: the codecs mergekernel.unpack decodes
 
 
@@ -106,7 +109,11 @@ class MergeReport:
     #: selection): their rows combine what each writer recorded, e.g. one rank's rows alone where only it recorded
     settings_mismatches: list[dict] = field(default_factory=list)
     #: sites whose inputs recorded them at different cadences (spec 11.5): the merged cadence is their greatest
-    #: common divisor; ``unplanned_steps_due`` when it makes due steps that no input's cadence made due
+    #: common divisor; ``unplanned_steps_due`` when it makes due steps that no input's cadence made due;
+    #: ``cadences`` groups the files by cadence, ``inputs`` lists every input of the site (``input``: its index in
+    #: the inputs, ``path``, ``spine``/``sketch``: its cadences, ``window``: the width of its coarsened windows,
+    #: read from its step-truth rows as :meth:`_Source.step_window` does (1: rows of one step, or no step truth),
+    #: ``rows``: its rows of the site, ``steps``: the first and last step its rows start at, null when it has none)
     cadence_mismatches: list[dict] = field(default_factory=list)
     #: sites and segments whose merged rows cover the same steps under different spans (an input coarsened,
     #: another not, spec 11.1): the first such pair of rows of each, and the file of the later one
@@ -231,6 +238,15 @@ def _unplanned_due(spine: int, cads: list[tuple[int, int]]) -> bool:
     it planned; otherwise a step may lie where no input that covers it planned it (an input that plans it may end
     earlier, or be another run's segment), and the answer is yes."""
     return spine != 0 and not all(c and w >= c for c, w in cads)
+
+
+def _cadence_input(d: dict) -> str:
+    """One input of a site of differing cadences, as the report's note names it (``cadence_mismatches[].inputs``)."""
+    where = "no rows" if d["steps"] is None else (f"{d['rows']} row{'' if d['rows'] == 1 else 's'} at step "
+                                                  f"{d['steps'][0]}" if d["steps"][0] == d["steps"][1] else
+                                                  f"{d['rows']} rows at steps {d['steps'][0]} to {d['steps'][1]}")
+    window = f"windows of {d['window']} steps, " if d["window"] > 1 else ""
+    return f"input {d['input']} ({d['path']}): {d['spine']}/{d['sketch']}, {window}{where}"
 
 
 def _site_name(key: tuple) -> str:
@@ -530,7 +546,8 @@ class _Engine:
         self.report = MergeReport(self.output, [])
 
     # -- planning ------------------------------------------------------------------------------------------
-    def _scan(self) -> None:
+    def _open_sources(self) -> None:
+        """Open every input as the reader does (its scan: framing, commits, manifests; spec 8), in input order."""
         n = min(self._n_workers(), len(self.paths))
         if n > 1:  # each input opened in a worker; errors come back as data and the first, in input order, is raised
             self.sources = []
@@ -544,6 +561,9 @@ class _Engine:
                 results.close()
         else:
             self.sources = [_Source(i, p) for i, p in enumerate(self.paths)]
+
+    def _check_writers(self) -> None:
+        """Refuse inputs whose leaf writers overlap (spec 11.8); list each input in the report."""
         owner: dict[str, str] = {}
         for s in self.sources:
             leaf = s.leaf_writers()
@@ -630,15 +650,26 @@ class _Engine:
                            for src, site in members})
             windows = sorted({w for _, w in cads if w > 1})
             unplanned = _unplanned_due(spine, cads)
+        inputs = []  # which input had which cadence, and where its rows of the site are (spec 11.5)
+        for src, site in sorted(members, key=lambda m: m[0].idx):
+            c = site.manifest["cadence"]
+            es = src.obs.get(site.id, [])
+            inputs.append({"input": src.idx, "path": src.path, "spine": c["spine"], "sketch": c["sketch"],
+                           "window": src.step_window(), "rows": sum(e.rows for e in es),
+                           "steps": [min(e.step_min for e in es), max(e.step_max for e in es)] if es else None})
         self.report.cadence_mismatches.append({
             "site": _site_name(key), "merged": {"spine": spine, "sketch": sketch}, "unplanned_steps_due": unplanned,
             "cadences": [{"spine": k[0], "sketch": k[1], "files": sorted(v)} for k, v in sorted(found.items())],
+            "inputs": inputs,
         })
-        said = "; ".join(f"{k[0]}/{k[1]} in {', '.join(sorted(v)[:2])}" + (f" and {len(v) - 2} more" if len(v) > 2
-                                                                            else "")
-                         for k, v in sorted(found.items()))
-        text = (f"site {_site_name(key)} was recorded at different cadences (spine/sketch: {said}); the merged "
-                f"cadence is {spine}/{sketch}, their greatest common divisor")
+        said = []
+        for k in sorted(found):
+            group = [d for d in inputs if (d["spine"], d["sketch"]) == k]
+            said += [_cadence_input(d) for d in group[:2]]
+            if len(group) > 2:
+                said.append(f"{len(group) - 2} more input{'s' if len(group) > 3 else ''} at {k[0]}/{k[1]}")
+        text = (f"site {_site_name(key)} was recorded at different cadences (spine/sketch: {'; '.join(said)}); the "
+                f"merged cadence is {spine}/{sketch}, their greatest common divisor")
         lcm = math.lcm(*[c for c in spines if c]) if any(spines) else 0
         if unplanned:
             text += (f": it makes due steps that no input's spine cadence ({', '.join(map(str, spines))}) made due "
@@ -768,9 +799,7 @@ class _Engine:
             return None if p_scale is None else -1
         target = sc if self.scale is None else min(sc, self.scale)
         want = self.site_scale.get(out_site)
-        if want is not None and target != want:
-            for member, site in self.site_members[out_site]:  # an input a full check refuses: its error (spec 11)
-                self._check_as_reader(member, site.id)
+        if want is not None and target != want:  # (an input a full check refuses gets its error first: run)
             raise MergeError(
                 f"site {_site_name(self.site_keys[out_site])}: sketches at scale {want} "
                 f"({2 ** want} bins per octave) in {self.scale_file[out_site]} and at scale {sc} in "
@@ -812,7 +841,7 @@ class _Engine:
             scale, sketched = scale_of(i)
             self.report.rows_in += e.rows
             if scale is not None and (seen := self.input_scale.setdefault((src.idx, e.site), scale)) != scale:
-                self._check_as_reader(src, e.site)  # one input's site mixes scales: verify's error (spec 7.5, 11)
+                # one input's site mixes scales (spec 7.5): run raises verify's error, at verify's offset (spec 11)
                 raise CorruptError(f"site {e.site} has chunks at sketch scales {seen} and {scale} (spec 7.5)",
                                    code="mixed_scale", path=src.path, offset=e.offset)
             how = self._route(src, scale, scale if sketched else None, out_site)
@@ -824,15 +853,6 @@ class _Engine:
                 alone.append(self._downscale(decode([i]), how, src))
         rows = ([decode(together)] if together else []) + alone
         return Rows.concat(rows) if len(rows) > 1 else rows[0]
-
-    def _check_as_reader(self, src: _Source, site_id: int) -> None:
-        """Check the chunks of one site of input ``src`` as ``trainhist verify`` does, raising its error (the
-        reader's, in its order and with its offset) if it refuses them (spec 11); for error paths only."""
-        h = History(src.path)
-        try:
-            h._site_chunks(h.sites[site_id], True)
-        finally:
-            h.close()
 
     def _downscale(self, r: Rows, by: int, src: _Source) -> Rows:
         """Sketch bins at scale ``s - by``: bin ``i`` goes to ``i >> by`` (grid.downscale_index); the window maps
@@ -1267,7 +1287,32 @@ class _Engine:
 
     def run(self) -> MergeReport:
         t0 = time.perf_counter()
-        self._scan()
+        self._open_sources()
+        try:
+            return self._run(t0)
+        except (MergeError, FormatError) as e:
+            if isinstance(e, FormatError) or e.code not in _NOT_ABOUT_INPUTS:
+                self._refuse_as_reader(e)
+            raise
+
+    def _refuse_as_reader(self, e: TrainhistError) -> None:
+        """Spec 11, validation order: an input that a full check refuses is refused with that check's error, before
+        any rule of merge. Merge checks each chunk as it reads it, so a merge that succeeds has checked every input
+        in full, reading each once; but it applies its own rules (segments, sites, overflow, replicas, ...) as it
+        goes, and builds the output sites in key order where a full check takes an input's sites in id order. So
+        before ``e`` (a refusal of merge's own, or a chunk error found out of section 8's order) is raised, the
+        inputs are checked in full (the one ``e`` names, for a reader's error; else each, in input order) and the
+        first error of that check is raised instead. Only a refused merge reads an input twice."""
+        named = [s.path for s in self.sources if s.path == e.path] if isinstance(e, FormatError) else []
+        for path in dict.fromkeys(named or [s.path for s in self.sources]):  # (an input given twice: checked once)
+            h = History(path)
+            try:
+                h.verify()
+            finally:
+                h.close()
+
+    def _run(self, t0: float) -> MergeReport:
+        self._check_writers()
         self._plan_sites()
         self._plan_segments()
         self.site_scale: dict[int, int] = {}
@@ -1484,7 +1529,7 @@ def _worker_site(out_site: int) -> tuple:
 
 
 def _worker_source(item: tuple[int, str]) -> tuple:
-    """Open input ``(index, path)`` in a worker (:meth:`_Engine._scan`); any error comes back as data, raised
+    """Open input ``(index, path)`` in a worker (:meth:`_Engine._open_sources`); any error comes back as data, raised
     again in order."""
     idx, path = item
     try:
