@@ -525,7 +525,7 @@ class Collector:
         self._owners = {} if units or self._flat else {
             n: (m, leaf) for path, m in self.inner.named_modules() for leaf, p in m._parameters.items()
             if (n := clean_name(f"{path}.{leaf}" if path else leaf)) in self._params and self._params[n] is p
-            and type(p) is torch.nn.Parameter}
+            and type(p) is torch.nn.Parameter and not isinstance(m, torch.jit.ScriptModule)}  # (TorchScript's: fixed)
         first: dict[int, str] = {id(p): n for n, p in self._params.items()}  # shared parameters: recorded once,
         aliases = {clean_name(n): first[id(p)] for n, p in self.inner.named_parameters(remove_duplicate=False)
                    if clean_name(n) not in self._params and id(p) in first}  # under their first name
@@ -548,7 +548,16 @@ class Collector:
         later = fsdp_later_copies(model)  # (FSDP1 HYBRID_SHARD: another group's rank holds the first copy)
         self._copies = {n for n, p in self._params.items() if not _first_copy(p) or id(p) in later}
         # in the model's order (reductions run in it, and 'first non-finite' means first in execution order)
-        self._sel_modules = dict.fromkeys(n for n in self._modules if n in sel_modules)
+        # a TorchScript module (torch.jit.script, trace) refuses hooks: its outputs are not recorded (its parameters
+        # are), and a warning names it
+        self._scripted = {n for n, m in self._modules.items() if isinstance(m, torch.jit.ScriptModule)}
+        self._sel_modules = dict.fromkeys(n for n in self._modules if n in sel_modules and n not in self._scripted)
+        unhooked = [n for n in self._modules if n in self._scripted and n in sel_modules and not (
+            n != ROOT and (n.rpartition(".")[0] or ROOT) in self._scripted)]  # (the outermost ones)
+        if unhooked and {"activation", "activation_grad"} & set(self.streams):
+            warnings.warn("trainhist: TorchScript modules take no hooks: the outputs of "
+                          f"{', '.join(map(repr, unhooked))} and of their submodules are not recorded (their parameters are); to record them, give the "
+                          "collector the model before it is scripted or traced", RuntimeWarning, stacklevel=2)
         self._sel_params = dict.fromkeys(n for n in self._params if n in sel_params and n not in self._copies)
         self._unselected = [n for n in self._params if n not in self._sel_params and n not in self._copies]
         self._facets: dict[str, list[tuple[str | None, tuple[int, ...], str]]] | None = None
@@ -743,7 +752,7 @@ class Collector:
         opts = [_unwrap_optimizer(o) for o in opts]  # (before anything is opened or hooked)
         self._open()
         if not self._fwd_handles:
-            hooked = {ROOT}
+            hooked = {ROOT} - self._scripted
             if {"activation", "activation_grad"} & set(self.streams):
                 hooked.update(self._sel_modules)
             for path in hooked:
