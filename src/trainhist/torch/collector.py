@@ -556,8 +556,9 @@ class Collector:
             n != ROOT and (n.rpartition(".")[0] or ROOT) in self._scripted)]  # (the outermost ones)
         if unhooked and {"activation", "activation_grad"} & set(self.streams):
             warnings.warn("trainhist: TorchScript modules take no hooks: the outputs of "
-                          f"{', '.join(map(repr, unhooked))} and of their submodules are not recorded (their parameters are); to record them, give the "
-                          "collector the model before it is scripted or traced", RuntimeWarning, stacklevel=2)
+                          f"{', '.join(map(repr, unhooked))} and of their submodules are not recorded (their "
+                          "parameters are); to record them, give the collector the model before it is scripted or "
+                          "traced", RuntimeWarning, stacklevel=2)
         self._sel_params = dict.fromkeys(n for n in self._params if n in sel_params and n not in self._copies)
         self._unselected = [n for n in self._params if n not in self._sel_params and n not in self._copies]
         self._facets: dict[str, list[tuple[str | None, tuple[int, ...], str]]] | None = None
