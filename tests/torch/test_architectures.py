@@ -331,3 +331,51 @@ def test_a_torchscript_model_records_its_parameters_and_says_why_not_its_outputs
     assert {s.stream for s in h.sites} == {"param", "param_grad", "param_delta", "scalar"}
     assert_row(h, "0.weight", "param_grad", 0, ref_summary([grad]))
     assert_row(h, "0.weight", "param", 0, ref_summary([model.state_dict()["0.weight"]]))
+
+
+class _Spectral(nn.Module):
+    """A Fourier layer (as in Fourier neural operators): complex weights on the lowest modes."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 3, dtype=torch.cfloat) / 4)
+        self.lift = nn.Linear(1, 4)
+
+    def forward(self, x):  # x: (batch, points, 1)
+        h = self.lift(x).transpose(1, 2)  # (batch, 4, points)
+        modes = torch.fft.rfft(h)[..., :3] * self.weight
+        return torch.fft.irfft(modes, n=h.shape[-1]).square().mean()
+
+
+def test_complex_parameters_are_left_out_with_a_warning_and_stay_in_the_norm(tmp_path):
+    """A complex parameter (the format has no complex dtype) recorded 'failed' at every step for its value and
+    gradient, which also took grad_norm away at every step, and an update of its real part alone as 'observed'
+    (the imaginary part's change dropped). It gets no site, one warning names it, and the norm includes it."""
+    torch.manual_seed(0)
+    model = _Spectral()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    norms = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        col = Collector(model, tmp_path / "c.thist", mode="w")
+        col.discover(torch.randn(2, 8, 1))
+        col.attach(optimizer=opt)
+        for step in range(2):
+            with col.step(step):
+                model(torch.randn(2, 8, 1)).backward()
+                grad = model.lift.weight.grad.clone()
+                norms.append(float(torch.linalg.vector_norm(
+                    torch.cat([p.grad.reshape(-1).abs() for p in model.parameters()]).double())))
+                before = model.lift.weight.detach().clone()
+                opt.step()
+                opt.zero_grad()
+        col.close()
+    said = [str(w.message) for w in caught if "trainhist" in str(w.message)]
+    assert len(said) == 1 and "complex" in said[0] and "'weight'" in said[0], said
+    h = trainhist.open(tmp_path / "c.thist")
+    assert not [s.key for s in h.sites if s.path == "weight"]
+    assert_row(h, "lift.weight", "param_grad", 1, ref_summary([grad]), sketch=False)
+    assert_row(h, "lift.weight", "param_delta", 1, ref_summary([model.lift.weight.detach() - before]), sketch=False)
+    sp = h.spine("grad_norm", "scalar")
+    assert sp.step.tolist() == [0, 1]
+    np.testing.assert_allclose(sp.max, norms, rtol=1e-6)

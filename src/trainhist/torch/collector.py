@@ -559,7 +559,16 @@ class Collector:
                           f"{', '.join(map(repr, unhooked))} and of their submodules are not recorded (their "
                           "parameters are); to record them, give the collector the model before it is scripted or "
                           "traced", RuntimeWarning, stacklevel=2)
-        self._sel_params = dict.fromkeys(n for n in self._params if n in sel_params and n not in self._copies)
+        # a complex parameter (the format has no complex dtype; Fourier layers' weights) gets no site, as a complex
+        # output gets none: a warning names it, and the gradient norms include it (torch's norm of its gradient)
+        cplx = [n for n in self._params if n in sel_params and self._params[n].is_complex()]
+        skip = set(cplx)
+        if cplx and {"param", "param_grad", "param_delta"} & set(self.streams):
+            warnings.warn(f"trainhist: complex parameters are not recorded ({', '.join(map(repr, cplx[:5]))}"
+                          f"{', ...' if len(cplx) > 5 else ''}): the format has no complex dtype (record .real and "
+                          ".imag where you need them); the gradient norms include them", RuntimeWarning, stacklevel=2)
+        self._sel_params = dict.fromkeys(n for n in self._params if n in sel_params and n not in self._copies
+                                         and n not in skip)
         self._unselected = [n for n in self._params if n not in self._sel_params and n not in self._copies]
         self._facets: dict[str, list[tuple[str | None, tuple[int, ...], str]]] | None = None
         # the sites' order (spec 2.2), kept by merge where ids are not: modules in the order their outputs were
