@@ -243,6 +243,7 @@ CASES = {
 }
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("name", list(CASES))
 def test_real_architectures_record_what_ran(tmp_path, name):
     make, batch, loss, sites = CASES[name]
@@ -282,7 +283,11 @@ def test_gradient_checkpointing_records_what_the_plain_forward_records(tmp_path)
         torch.manual_seed(0)
         model = _hf("llama")
         if ckpt:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            kw = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # (transformers 5's name)
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
         model.train()
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         col = Collector(model, tmp_path / f"c{ckpt}.thist", mode="w", sketch_every=1)
@@ -308,6 +313,7 @@ def test_gradient_checkpointing_records_what_the_plain_forward_records(tmp_path)
         np.testing.assert_allclose(a.max, b.max, rtol=1e-5, atol=1e-7, err_msg=str(s.key))
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 @pytest.mark.parametrize("how", ["script", "trace"])
 def test_a_torchscript_model_records_its_parameters_and_says_why_not_its_outputs(tmp_path, how):
     """Hooks on a TorchScript module raise: a scripted or traced model crashed discover() and attach()."""
