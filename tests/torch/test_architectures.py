@@ -278,16 +278,18 @@ def test_gradient_checkpointing_records_what_the_plain_forward_records(tmp_path)
     """HF LLaMA with gradient checkpointing recomputes each layer's forward in the backward pass: those forwards are
     not the step's (nothing counted twice), and every row equals the one the same run records without it."""
     pytest.importorskip("transformers")
-    files = []
+    files, rerun = [], []
     for ckpt in (False, True):
         torch.manual_seed(0)
         model = _hf("llama")
         if ckpt:
-            kw = {"use_reentrant": False}
+            kw = {"use_reentrant": True}  # (the layers' forwards run again inside the backward pass)
             if hasattr(model, "activation_checkpointing_enable"):  # (transformers 5's name)
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+            model.model.layers[0].mlp.register_forward_hook(
+                lambda *a: rerun.append(torch._C._current_graph_task_id() != -1))
         model.train()
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         col = Collector(model, tmp_path / f"c{ckpt}.thist", mode="w", sketch_every=1)
@@ -301,6 +303,7 @@ def test_gradient_checkpointing_records_what_the_plain_forward_records(tmp_path)
                 opt.zero_grad()
         col.close()
         files.append(trainhist.open(tmp_path / f"c{ckpt}.thist"))
+    assert rerun == [False] + [False, True] * 2  # (discover(), then each step: its forward and the recomputation)
     plain, ckpt = files
     assert {s.key for s in plain.sites} == {s.key for s in ckpt.sites}
     for s in plain.sites:
