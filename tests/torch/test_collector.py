@@ -1590,6 +1590,45 @@ def test_ranks_agree_on_the_run_id_through_the_store(tmp_path, monkeypatch, publ
         assert len(said) == 1 and "could not agree" in said[0] and "run_id=" in said[0], said
 
 
+@pytest.mark.parametrize("published", ["ab" * 16, "cd" * 16, None])
+def test_a_run_id_given_to_every_rank_still_agrees_on_the_segment(tmp_path, monkeypatch, published):
+    """With run_id= given, the ranks skipped the exchange: a rank whose file is new wrote segment 0 while rank 0
+    resumed at segment 3, and merge paired the segments by number (silently wrong). It takes rank 0's segment
+    (and run manifest, where the ids agree); a different id given to rank 0, or no word from it, is warned about."""
+    import trainhist.torch.collector as cm
+
+    store = torch.distributed.HashStore()
+    monkeypatch.setattr(cm, "_dist", lambda: (1, 2))
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", lambda: store)
+    monkeypatch.setattr(cm, "_run_keys", {})
+    monkeypatch.setattr(cm, "RUN_ID_WAIT_S", 0.05)
+    model = torch.nn.Linear(3, 2)
+    col = Collector(model, tmp_path / "r.thist", mode="w", run_id="ab" * 16)
+    lead = {"run_id": published, "segment": 3, "created": "2026-01-01T00:00:00+00:00", "name": "exp",
+            "config": {"a": 1}}
+    if published is not None:
+        store.set(f"trainhist/run/{col._pairing()}/0", json.dumps(lead))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        col.attach()
+    with col.step(0):
+        model(torch.randn(2, 3))
+    col.close()
+    h = trainhist.open(tmp_path / "r.rank1.thist")
+    said = [str(w.message) for w in caught if "trainhist" in str(w.message)]
+    assert h.runs[0]["run_id"] == "ab" * 16
+    if published == "ab" * 16:  # rank 0's segment and run manifest: merge sums the ranks segment by segment
+        assert h.runs[0] == {"kind": "run", **{k: lead[k] for k in ("run_id", "created", "name", "config")}}
+        assert [(g.id, g.reason) for g in h.segments] == [(3, "start")] and not said
+    elif published is not None:  # another run: its segment (for --across-runs), its own manifest, and a warning
+        assert h.runs[0]["name"] is None and h.runs[0]["created"] != lead["created"]
+        assert [(g.id, g.reason) for g in h.segments] == [(3, "start")]
+        assert len(said) == 1 and "given run_id " + "ab" * 16 in said[0] and "cd" * 16 in said[0], said
+    else:
+        assert [(g.id, g.reason) for g in h.segments] == [(0, "start")]
+        assert len(said) == 1 and "could not agree on the segment number" in said[0], said
+
+
 def test_rank_zero_publishes_its_run_id(tmp_path, monkeypatch):
     import trainhist.torch.collector as cm
 

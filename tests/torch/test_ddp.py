@@ -9,6 +9,7 @@ from __future__ import annotations
 import textwrap
 
 import numpy as np
+import pytest
 
 import trainhist
 
@@ -117,7 +118,8 @@ RESUME = textwrap.dedent("""
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(3, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    col = Collector(model, sys.argv[1], commit_every=1).attach(optimizer=opt)  # appends to an existing file
+    run_id = sys.argv[4] if len(sys.argv) > 4 else None
+    col = Collector(model, sys.argv[1], commit_every=1, run_id=run_id).attach(optimizer=opt)  # appends to a file
     g = torch.Generator().manual_seed(dist.get_rank())
     for step in range(int(sys.argv[2]), int(sys.argv[3])):
         with col.step(step):
@@ -129,14 +131,18 @@ RESUME = textwrap.dedent("""
 """)
 
 
-def test_a_rank_that_lost_its_file_rejoins_the_resumed_run_at_its_segment(tmp_path):
+@pytest.mark.parametrize("run_id", [None, "ab" * 16])
+def test_a_rank_that_lost_its_file_rejoins_the_resumed_run_at_its_segment(tmp_path, run_id):
     """A resumed job where one rank's file is gone (a replaced node): that rank starts its file at the segment the
     other ranks resume at (spec 2.4), so merge pairs the attempts as they ran; it paired the new attempt's rank 1
-    with the first attempt's rank 0 and reported a replica divergence that did not exist."""
+    with the first attempt's rank 0 and reported a replica divergence that did not exist. With the same ``run_id=``
+    given to every rank, the ranks skipped the exchange, and with it the segment: rank 1 started segment 0 again,
+    which merge paired with rank 0's first attempt (its steps 2, 3 counted twice, steps 4 of one rank only)."""
     path = str(tmp_path / "r.thist")
-    run_ranks(RESUME, tmp_path, path, "0", "4")
+    given = () if run_id is None else (run_id,)
+    run_ranks(RESUME, tmp_path, path, "0", "4", *given)
     (tmp_path / "r.rank1.thist").unlink()
-    outs = run_ranks(RESUME, tmp_path, path, "2", "5")
+    outs = run_ranks(RESUME, tmp_path, path, "2", "5", *given)
     assert "rank 0 at segment" not in "".join(outs)
     shards = [trainhist.open(tmp_path / f"r.rank{r}.thist") for r in range(2)]
     assert [[(g.id, g.reason) for g in h.segments] for h in shards] == [[(0, "start"), (1, "resume")], [(1, "start")]]
@@ -146,3 +152,5 @@ def test_a_rank_that_lost_its_file_rejoins_the_resumed_run_at_its_segment(tmp_pa
     rows = sorted(zip(sp.segment.tolist(), sp.step.tolist(), sp.columns["count"].tolist()))
     # the first attempt: rank 0 alone (rank 1's file is gone); the second: both ranks, each step once
     assert rows == [(0, s, 8) for s in range(4)] + [(1, s, 16) for s in range(2, 5)]
+    if run_id is not None:
+        assert {m.runs[0]["run_id"]} == {h.runs[0]["run_id"] for h in shards} == {run_id} and len(m.runs) == 1

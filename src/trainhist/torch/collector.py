@@ -83,7 +83,8 @@ DEFER_BYTES = 256 << 20
 DEFAULT_SKETCH_EVERY = 10
 #: Under torch.distributed, how long a rank other than 0 waits (seconds) for rank 0's collector to publish the
 #: run id that every rank's shard records (so that merge sums the ranks). Past it, the rank records a run id of its
-#: own and warns: pass the same ``run_id=`` to every rank's Collector to skip the wait.
+#: own and warns. A ``run_id=`` given to every rank's Collector makes the ranks' run ids agree without it, but not
+#: their segment numbers: those ranks wait for rank 0's segment all the same (and warn where it does not come).
 RUN_ID_WAIT_S = 120.0
 #: collectors made so far in this process, per recording (see Collector._open): the k-th collector of a recording on
 #: each rank agrees with the k-th of the same recording on rank 0
@@ -524,7 +525,7 @@ class Collector:
         self._owners = {} if units or self._flat else {
             n: (m, leaf) for path, m in self.inner.named_modules() for leaf, p in m._parameters.items()
             if (n := clean_name(f"{path}.{leaf}" if path else leaf)) in self._params and self._params[n] is p
-            and type(p) is torch.nn.Parameter}
+            and type(p) is torch.nn.Parameter and not isinstance(m, torch.jit.ScriptModule)}  # (TorchScript's: fixed)
         first: dict[int, str] = {id(p): n for n, p in self._params.items()}  # shared parameters: recorded once,
         aliases = {clean_name(n): first[id(p)] for n, p in self.inner.named_parameters(remove_duplicate=False)
                    if clean_name(n) not in self._params and id(p) in first}  # under their first name
@@ -547,8 +548,27 @@ class Collector:
         later = fsdp_later_copies(model)  # (FSDP1 HYBRID_SHARD: another group's rank holds the first copy)
         self._copies = {n for n, p in self._params.items() if not _first_copy(p) or id(p) in later}
         # in the model's order (reductions run in it, and 'first non-finite' means first in execution order)
-        self._sel_modules = dict.fromkeys(n for n in self._modules if n in sel_modules)
-        self._sel_params = dict.fromkeys(n for n in self._params if n in sel_params and n not in self._copies)
+        # a TorchScript module (torch.jit.script, trace) refuses hooks: its outputs are not recorded (its parameters
+        # are), and a warning names it
+        self._scripted = {n for n, m in self._modules.items() if isinstance(m, torch.jit.ScriptModule)}
+        self._sel_modules = dict.fromkeys(n for n in self._modules if n in sel_modules and n not in self._scripted)
+        unhooked = [n for n in self._modules if n in self._scripted and n in sel_modules and not (
+            n != ROOT and (n.rpartition(".")[0] or ROOT) in self._scripted)]  # (the outermost ones)
+        if unhooked and {"activation", "activation_grad"} & set(self.streams):
+            warnings.warn("trainhist: TorchScript modules take no hooks: the outputs of "
+                          f"{', '.join(map(repr, unhooked))} and of their submodules are not recorded (their "
+                          "parameters are); to record them, give the collector the model before it is scripted or "
+                          "traced", RuntimeWarning, stacklevel=2)
+        # a complex parameter (the format has no complex dtype; Fourier layers' weights) gets no site, as a complex
+        # output gets none: a warning names it, and the gradient norms include it (torch's norm of its gradient)
+        cplx = [n for n in self._params if n in sel_params and self._params[n].is_complex()]
+        skip = set(cplx)
+        if cplx and {"param", "param_grad", "param_delta"} & set(self.streams):
+            warnings.warn(f"trainhist: complex parameters are not recorded ({', '.join(map(repr, cplx[:5]))}"
+                          f"{', ...' if len(cplx) > 5 else ''}): the format has no complex dtype (record .real and "
+                          ".imag where you need them); the gradient norms include them", RuntimeWarning, stacklevel=2)
+        self._sel_params = dict.fromkeys(n for n in self._params if n in sel_params and n not in self._copies
+                                         and n not in skip)
         self._unselected = [n for n in self._params if n not in self._sel_params and n not in self._copies]
         self._facets: dict[str, list[tuple[str | None, tuple[int, ...], str]]] | None = None
         # the sites' order (spec 2.2), kept by merge where ids are not: modules in the order their outputs were
@@ -742,7 +762,7 @@ class Collector:
         opts = [_unwrap_optimizer(o) for o in opts]  # (before anything is opened or hooked)
         self._open()
         if not self._fwd_handles:
-            hooked = {ROOT}
+            hooked = {ROOT} - self._scripted
             if {"activation", "activation_grad"} & set(self.streams):
                 hooked.update(self._sel_modules)
             for path in hooked:
@@ -839,29 +859,41 @@ class Collector:
         settings = {**self.settings(), **dict(opts.pop("settings", None) or {})}  # type: ignore[arg-type]
         # every rank's shard records rank 0's run id and segment number, so that merge sums the ranks segment by
         # segment instead of keeping each rank apart as a run of its own (a rank that lost its file rejoins at
-        # rank 0's segment, spec 2.4)
+        # rank 0's segment, spec 2.4). A run id given to every rank makes the id agree, not the segment: the ranks
+        # exchange the segment (and check the ids) all the same
         key = None
         for name in ("run_id", "run_name", "config"):  # (None given: as if not given)
             if opts.get(name) is None:
                 opts.pop(name, None)
-        if self.world_size > 1 and "run_id" not in opts and self._path_arg is not None:
+        given = opts.get("run_id")
+        if self.world_size > 1 and self._path_arg is not None:
             what = self._pairing()
             n = _run_keys[what] = _run_keys.get(what, -1) + 1
             key = f"trainhist/run/{what}/{n}"
         lead = _agree_run(key, self.rank, None) if key is not None and self.rank != 0 else None
         if lead is not None:
-            opts.update(run_id=lead["run_id"], min_segment=lead["segment"], run_created=lead["created"])
-            opts.setdefault("run_name", lead.get("name"))  # (the run's, where this rank gives none of its own)
-            opts.setdefault("config", lead.get("config"))
+            opts["min_segment"] = lead["segment"]  # (segments pair by number, across runs too: --across-runs)
+            if given is None or given == lead["run_id"]:  # (another run's time, name and config are not this one's)
+                opts.update(run_id=lead["run_id"], run_created=lead["created"])
+                opts.setdefault("run_name", lead.get("name"))  # (the run's, where this rank gives none of its own)
+                opts.setdefault("config", lead.get("config"))
         self._writer = w = HistoryWriter(self.path, settings=settings, **opts)  # type: ignore[arg-type]
         if key is not None and self.rank == 0:
             run = w.run_manifest
             lead = _agree_run(key, 0, {"run_id": w.run_id, "segment": w.segment, "created": run.get("created"),
                                        "name": run.get("name"), "config": run.get("config")})
         if key is not None and (lead is None or (lead["run_id"], lead["segment"]) != (w.run_id, w.segment)):
-            if lead is None or lead["run_id"] != w.run_id:
+            if lead is None and given is not None and w.run_id == given:
+                self._warn_once("run_id", f"trainhist: rank {self.rank} could not agree on the segment number with "
+                                f"rank 0 (its collector for this path did not publish within {RUN_ID_WAIT_S:g} s); "
+                                f"this shard records run {w.run_id} at segment {w.segment}, which merge pairs with "
+                                "the other ranks' segment of that number, whatever segment they are at. Give every "
+                                "rank the same path (the collector inserts .rank<r>) or a '{rank}' template")
+            elif lead is None or lead["run_id"] != w.run_id:
                 self._warn_once("run_id", (
                     f"trainhist: rank {self.rank} could not agree on the run id with rank 0" if lead is None else
+                    f"trainhist: rank {self.rank} was given run_id {given}, rank 0 records run {lead['run_id']}"
+                    if given is not None and w.run_id == given else
                     f"trainhist: {self.path} resumes run {w.run_id}, rank 0 records run {lead['run_id']}")
                     + f"; this shard records run {w.run_id}, which merge keeps apart from the other ranks' unless "
                     "given --across-runs. Give every rank the same path (the collector inserts .rank<r>) or a "
