@@ -84,7 +84,8 @@ DEFAULT_SKETCH_EVERY = 10
 #: Under torch.distributed, how long a rank other than 0 waits (seconds) for rank 0's collector to publish the
 #: run id that every rank's shard records (so that merge sums the ranks). Past it, the rank records a run id of its
 #: own and warns. A ``run_id=`` given to every rank's Collector makes the ranks' run ids agree without it, but not
-#: their segment numbers: those ranks wait for rank 0's segment all the same (and warn where it does not come).
+#: their segment numbers: those ranks wait for the segment of rank 0's collector given the same id all the same
+#: (paired by the id, whatever paths the ranks spell), and warn where it does not come.
 RUN_ID_WAIT_S = 120.0
 #: collectors made so far in this process, per recording (see Collector._open): the k-th collector of a recording on
 #: each rank agrees with the k-th of the same recording on rank 0
@@ -356,6 +357,27 @@ def _rank_path(path: str | os.PathLike, rank: int, world_size: int) -> str:
         root, ext = os.path.splitext(p)
         return f"{root}.rank{rank}{ext}"
     return p
+
+
+@contextlib.contextmanager
+def _probe(model: torch.nn.Module) -> Iterator[None]:
+    """A forward that leaves no trace on the run (discover's): the random generators its dropout draws from and the
+    module buffers it changes (BatchNorm's running statistics and counts) are as they were afterwards, so that a
+    run with a collector trains exactly as the same run without one."""
+    saved = [(m, k, b, b.detach().clone()) for m in model.modules() for k, b in m._buffers.items() if b is not None]
+    where = {t.device for t in (*model.parameters(), *(b for _, _, b, _ in saved))} - {torch.device("cpu")}
+    kinds = {d.type for d in where}
+    kind = kinds.pop() if len(kinds) == 1 else "cuda"  # (several accelerator kinds at once: cuda's, as torch does)
+    devices = sorted({d.index or 0 for d in where if d.type == kind})
+    try:
+        with torch.random.fork_rng(devices=devices, device_type=kind):
+            yield
+    finally:
+        with torch.no_grad():
+            for m, k, b, value in saved:
+                if m._buffers.get(k) is not b:  # (a module that replaced its buffer gets the original back)
+                    m._buffers[k] = b
+                b.copy_(value)
 
 
 def _call(model: torch.nn.Module, batch: object) -> object:
@@ -636,7 +658,10 @@ class Collector:
 
     # -- planning ------------------------------------------------------------------------------------------
     def discover(self, batch: object) -> object:
-        """Run one real forward of ``batch`` to learn every module's output facets; returns the model output."""
+        """Run one real forward of ``batch`` to learn every module's output facets; returns the model output.
+
+        The forward is a probe: the random state and the module buffers are restored afterwards (:func:`_probe`), so
+        the run trains as it would without the collector; its output is for inspection, not a training step."""
         if self._closed:
             raise UsageError("the collector is closed: make a new one to record more")
         self._discovery = {}
@@ -649,7 +674,8 @@ class Collector:
             if n in self._sel_modules
         ]
         try:
-            out = _call(self.model, batch)
+            with _probe(self.model):
+                out = _call(self.model, batch)
             self._place_completed()
             # an output a later operation of the forward changes in place (a ReLU(inplace=True) after it, say)
             # must be reduced as soon as it is produced, never held for a batch
@@ -867,7 +893,9 @@ class Collector:
                 opts.pop(name, None)
         given = opts.get("run_id")
         if self.world_size > 1 and self._path_arg is not None:
-            what = self._pairing()
+            # (a run id given pairs the ranks by itself, whatever paths they spell: the k-th collector of run X on
+            # each rank with rank 0's k-th of run X; without one, by the path given, the same on every rank)
+            what = f"id-{given}" if given is not None else self._pairing()
             n = _run_keys[what] = _run_keys.get(what, -1) + 1
             key = f"trainhist/run/{what}/{n}"
         lead = _agree_run(key, self.rank, None) if key is not None and self.rank != 0 else None
@@ -885,10 +913,11 @@ class Collector:
         if key is not None and (lead is None or (lead["run_id"], lead["segment"]) != (w.run_id, w.segment)):
             if lead is None and given is not None and w.run_id == given:
                 self._warn_once("run_id", f"trainhist: rank {self.rank} could not agree on the segment number with "
-                                f"rank 0 (its collector for this path did not publish within {RUN_ID_WAIT_S:g} s); "
+                                f"rank 0 (no collector of run {given} on rank 0 published within {RUN_ID_WAIT_S:g} s: "
+                                "was it given another run_id?); "
                                 f"this shard records run {w.run_id} at segment {w.segment}, which merge pairs with "
                                 "the other ranks' segment of that number, whatever segment they are at. Give every "
-                                "rank the same path (the collector inserts .rank<r>) or a '{rank}' template")
+                                "rank's collector the same run_id=")
             elif lead is None or lead["run_id"] != w.run_id:
                 self._warn_once("run_id", (
                     f"trainhist: rank {self.rank} could not agree on the run id with rank 0" if lead is None else
