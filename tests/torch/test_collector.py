@@ -2373,3 +2373,28 @@ def test_a_run_with_a_collector_trains_exactly_as_the_same_run_without_one(tmp_p
         assert torch.equal(plain[k], recorded[k]), k
     with trainhist.open(tmp_path / "probe.thist") as h:  # (and it did record)
         assert h.spine("3", "activation").count.tolist() == [128, 128, 128]
+
+
+def test_data_parallel_is_unwrapped_on_one_device_and_refused_over_several(tmp_path):
+    """nn.DataParallel was not unwrapped: names took a 'module.' prefix and sites=["0"] matched nothing. On one device
+    (or the CPU) it is a plain wrapper and is unwrapped; over several it runs module copies in threads: refused."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+    dp = torch.nn.DataParallel(net)
+    col = Collector(dp, tmp_path / "dp.thist", sites=["0"], mode="w")
+    x = torch.randn(5, 4)
+    col.discover(x)
+    col.attach()
+    with col.step(0):
+        out = dp(x)
+    col.close()
+    with trainhist.open(tmp_path / "dp.thist") as h:
+        assert {(s.path, s.stream) for s in h.sites} >= {("0", "activation"), ("0.weight", "param")}
+        assert not any(s.path.startswith("module") for s in h.sites)
+        row = h.spine("0", "activation")
+        ref = net[0](x).detach()
+        assert row.count.tolist() == [ref.numel()] and row.max.tolist() == [float(ref.max())]
+    assert out.shape == (5, 3)
+    dp.device_ids = [0, 1]  # (as over two GPUs)
+    with pytest.raises(trainhist.errors.UsageError, match="DistributedDataParallel"):
+        Collector(dp, tmp_path / "dp2.thist")

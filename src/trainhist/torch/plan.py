@@ -46,12 +46,20 @@ SKETCH_ROW_BYTES = 8 * (2 * 256 + 4)
 
 
 def unwrap(model: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
-    """The user's module inside DDP / torch.compile / FSDP wrappers, and whether a DDP wrapper was seen."""
+    """The user's module inside DDP / DataParallel / torch.compile / FSDP wrappers, and whether a DDP wrapper was
+    seen. DataParallel over several devices is refused: it runs copies of the module in threads, each calling the
+    hooks at once (DistributedDataParallel runs one copy per process)."""
     ddp = False
     while True:
         name = type(model).__name__
         if name == "OptimizedModule" and hasattr(model, "_orig_mod"):
             model = model._orig_mod
+        elif name == "DataParallel" and hasattr(model, "module"):
+            if len(getattr(model, "device_ids", None) or ()) > 1:
+                raise UsageError(f"nn.DataParallel over devices {model.device_ids} runs a copy of the model per device "
+                                 "in threads, which the collector's hooks cannot follow: use DistributedDataParallel "
+                                 "(one process per device, each recording its shard), or DataParallel on one device")
+            model = model.module
         elif name in ("DistributedDataParallel", "FullyShardedDataParallel") and hasattr(model, "module"):
             ddp = ddp or name == "DistributedDataParallel"
             model = model.module
