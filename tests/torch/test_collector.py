@@ -2398,3 +2398,64 @@ def test_data_parallel_is_unwrapped_on_one_device_and_refused_over_several(tmp_p
     dp.device_ids = [0, 1]  # (as over two GPUs)
     with pytest.raises(trainhist.errors.UsageError, match="DistributedDataParallel"):
         Collector(dp, tmp_path / "dp2.thist")
+
+
+class _Scaled(torch.nn.Module):
+    """A buffer saved for backward (``scale``), an output viewing a buffer (``pos``), an inference-mode buffer, and
+    a cache the forward replaces with one for a longer input (as dynamic rotary embeddings do) with an attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 2.0))
+        self.register_buffer("pos", torch.randn(16, 4))
+        with torch.inference_mode():
+            self.register_buffer("table", torch.ones(4))
+        self.register_buffer("cache", torch.zeros(2))
+        self.cached = 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.cached:
+            self.cache, self.cached = torch.arange(float(x.shape[0])), x.shape[0]  # (replaced, not changed in place)
+        return self.lin(x + self.pos[: x.shape[0]]) * self.scale + self.table + self.cache[: x.shape[0], None]
+
+
+@pytest.mark.parametrize("case", ["script", "trace", "lazy", "buffers"])
+def test_discover_probe_restores_what_changed_and_leaves_the_rest(tmp_path, case, monkeypatch):
+    """Review of the probe: it crashed on TorchScript buffers (no dict .get), lazy and inference-mode buffers; wrote
+    every buffer back (bumping versions: backward through discover's output failed, an output viewing a buffer
+    was taken as changed in place) and put back a cache the module had replaced (leaving its attribute stale).
+    Only buffers whose values changed are written back, a replaced one is left to the module, a large one changed
+    in place is warned about."""
+    import trainhist.torch.collector as cm
+
+    torch.manual_seed(0)
+    if case in ("script", "trace"):
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+        model = torch.jit.script(net) if case == "script" else torch.jit.trace(net, torch.randn(3, 4))
+        x = torch.randn(3, 4)
+    elif case == "lazy":
+        model, x = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.LazyBatchNorm1d()), torch.randn(3, 5)
+    else:
+        model, x = _Scaled(), torch.randn(8, 4)
+    before = {k: v.clone() for k, v in model.state_dict().items()} if case != "lazy" else {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        col = Collector(model, tmp_path / "p.thist", streams=("activation",))
+        out = col.discover(x)
+    said = [str(w.message) for w in caught if "discover()'s forward changed" in str(w.message)]
+    assert not said, said
+    if case == "lazy":
+        assert model[1].running_mean.shape == (4,) and int(model[1].num_batches_tracked) == 0
+    for k, v in before.items():
+        if case == "buffers" and k == "cache":
+            assert model.cache.tolist() == list(range(8)) and model.cached == 8  # (the module's own replacement)
+        else:
+            assert torch.equal(model.state_dict()[k], v), k
+    if case == "buffers":
+        out.sum().backward()  # (the saved buffer was not written: its version did not move)
+        assert model.lin.weight.grad is not None and not col._eager
+        monkeypatch.setattr(cm, "PROBE_COPY_BYTES", 8)  # a buffer too large to copy, changed in place: warned about
+        bn = torch.nn.BatchNorm1d(4)
+        with pytest.warns(RuntimeWarning, match=r"changed buffers too large to keep a copy of \(running_mean, "):
+            Collector(bn, tmp_path / "q.thist", streams=("activation",)).discover(torch.randn(3, 4))

@@ -359,13 +359,41 @@ def _rank_path(path: str | os.PathLike, rank: int, world_size: int) -> str:
     return p
 
 
+#: discover()'s probe keeps a copy of each buffer up to this size (bytes), at most :data:`PROBE_KEEP_BYTES` in all,
+#: to put back what its forward changes in place (running statistics are small; a quantised layer's weights held
+#: as buffers are large and not changed by a forward); a larger buffer changed in place is warned about
+PROBE_COPY_BYTES = 16 << 20
+PROBE_KEEP_BYTES = 256 << 20
+
+
+def _checksum(b: torch.Tensor) -> torch.Tensor:
+    """A sum of a buffer's bytes read as 64-bit words (wrapping), on its device, with no copy of the buffer: whether
+    a buffer too large to copy changed (almost surely)."""
+    raw = b.detach().reshape(-1).view(torch.uint8)
+    whole = raw.numel() // 8 * 8
+    return raw[:whole].view(torch.int64).sum() + raw[whole:].sum(dtype=torch.int64)
+
+
 @contextlib.contextmanager
 def _probe(model: torch.nn.Module) -> Iterator[None]:
     """A forward that leaves no trace on the run (discover's): the random generators its dropout draws from and the
-    module buffers it changes (BatchNorm's running statistics and counts) are as they were afterwards, so that a
-    run with a collector trains exactly as the same run without one."""
-    saved = [(m, k, b, b.detach().clone()) for m in model.modules() for k, b in m._buffers.items() if b is not None]
-    where = {t.device for t in (*model.parameters(), *(b for _, _, b, _ in saved))} - {torch.device("cpu")}
+    buffers it changes in place (BatchNorm's running statistics and counts) are as they were afterwards, so that a
+    run with a collector trains exactly as the same run without one. A buffer the module replaces (a cache rebuilt
+    for a longer input) stays replaced, as the run's first forward would leave it; lazy and inference buffers (no
+    version counter) are left alone; only a buffer whose values changed is written back (a write moves its version,
+    which a buffer saved for the backward of the returned output must keep); one too large to copy is checked by
+    :func:`_checksum` and warned about when it changed."""
+    kept, budget = [], PROBE_KEEP_BYTES
+    for name, m in model.named_modules():
+        for k, b in m._buffers.items():
+            if b is None or torch.nn.parameter.is_lazy(b) or b.is_inference() or b.is_meta:
+                continue
+            size = b.numel() * b.element_size()
+            copy = size <= min(PROBE_COPY_BYTES, budget)
+            budget -= size if copy else 0
+            kept.append((f"{name}.{k}" if name else k, m, k, b, None if copy else _checksum(b),
+                         b.detach().clone() if copy else None))
+    where = {t.device for t in (*model.parameters(), *(b for *_, b, _, _ in kept))} - {torch.device("cpu")}
     kinds = {d.type for d in where}
     kind = kinds.pop() if len(kinds) == 1 else "cuda"  # (several accelerator kinds at once: cuda's, as torch does)
     devices = sorted({d.index or 0 for d in where if d.type == kind})
@@ -373,11 +401,21 @@ def _probe(model: torch.nn.Module) -> Iterator[None]:
         with torch.random.fork_rng(devices=devices, device_type=kind):
             yield
     finally:
+        lost = []
         with torch.no_grad():
-            for m, k, b, value in saved:
-                if m._buffers.get(k) is not b:  # (a module that replaced its buffer gets the original back)
-                    m._buffers[k] = b
-                b.copy_(value)
+            for name, m, k, b, check, value in kept:
+                if k not in m._buffers or m._buffers[k] is not b:
+                    continue  # (replaced by the module)
+                if value is None:  # (native kernels, BatchNorm's and TorchScript's, write without moving a version)
+                    if not torch.equal(_checksum(b), check):
+                        lost.append(name)
+                elif not torch.equal(b, value):
+                    b.copy_(value)
+        if lost:
+            warnings.warn(f"trainhist: discover()'s forward changed buffers too large to keep a copy of "
+                          f"({', '.join(lost[:5])}{', ...' if len(lost) > 5 else ''}): they keep its change, so the "
+                          "run may differ from the same run without the collector (call discover() under "
+                          "model.eval() or torch.no_grad() to avoid it)", RuntimeWarning, stacklevel=4)
 
 
 def _call(model: torch.nn.Module, batch: object) -> object:
