@@ -400,3 +400,42 @@ def test_python_m_trainhist_runs_the_command(tmp_path) -> None:
     r = subprocess.run([sys.executable, "-m", "trainhist", "info"], env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "usage: trainhist info" in r.stderr
+
+
+def test_main_leaves_the_calling_programs_streams_as_they_were(tmp_path, monkeypatch) -> None:
+    """main() reconfigured sys.stdout to escape what it cannot encode and left it so: the calling program's own
+    print of a non-ASCII text no longer raised, it was silently escaped. Its handlers are back after main()."""
+    import io
+    import sys
+
+    p = _unicode_history(tmp_path / "u.thist")
+    for stream in ("stdout", "stderr"):
+        monkeypatch.setattr(sys, stream, io.TextIOWrapper(io.BytesIO(), encoding="ascii", errors="strict",
+                                                          write_through=True))
+    assert main(["info", str(p)]) == 0
+    assert main(["info", str(tmp_path / "missing.thist")]) == 1
+    assert sys.stdout.errors == "strict" and sys.stderr.errors == "strict"
+    assert b"\\u5c64" in sys.stdout.buffer.getvalue() or b"\\xe9" in sys.stdout.buffer.getvalue()  # (escaped)
+    with pytest.raises(UnicodeEncodeError):
+        print("caf\u00e9")
+
+
+def test_control_characters_in_settings_keys_and_error_messages_are_escaped(tmp_path, capsys) -> None:
+    """The merge report's settings keys and the messages of refusals (a site name inside) reached the terminal raw:
+    an ESC in a file's names could recolour or clear the user's screen."""
+    run = "ab" * 16
+    for rank in (0, 1):
+        with trainhist.HistoryWriter(tmp_path / f"s{rank}.thist", run_id=run, rank=rank, world_size=2,
+                                     settings={"lr\x1b[2J": rank}) as w:
+            w.observe(w.site("x", "activation"), 0, np.ones(3))
+    assert main(["merge", "-o", str(tmp_path / "m.thist"), str(tmp_path / "s0.thist"),
+                 str(tmp_path / "s1.thist")]) == 0
+    out = capsys.readouterr().out
+    assert "lr\\x1b[2J" in out and "\x1b" not in out
+    for rank, sharing in ((0, "shard"), (1, "replica")):
+        with trainhist.HistoryWriter(tmp_path / f"t{rank}.thist", run_id=run, rank=rank, world_size=2, mode="w") as w:
+            w.observe(w.site("y\x1b[31m", "param", sharing=sharing), 0, np.ones(3))
+    assert main(["merge", "-o", str(tmp_path / "n.thist"), str(tmp_path / "t0.thist"),
+                 str(tmp_path / "t1.thist")]) == 1
+    err = capsys.readouterr().err
+    assert "y\\x1b[31m" in err and "\x1b" not in err

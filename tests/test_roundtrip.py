@@ -865,7 +865,7 @@ def test_a_summary_is_refused_exactly_where_readers_refuse_its_row(tmp_path: Pat
 
 def test_a_closed_history_refuses_queries_with_a_typed_error(tmp_path) -> None:
     """Queries after close raised the memoryview's bare ValueError ("operation forbidden on released memoryview");
-    they are UsageError now (code ``usage``), even for the site read last (kept decoded), and the manifests stay."""
+    they are UsageError now (code ``closed``), even for the site read last (kept decoded), and the manifests stay."""
     p = tmp_path / "x.thist"
     with trainhist.HistoryWriter(p) as w:
         w.observe(w.site("a", "activation"), 0, np.ones(3))
@@ -875,5 +875,5 @@ def test_a_closed_history_refuses_queries_with_a_typed_error(tmp_path) -> None:
                   lambda: h.presence("a", "activation"), h.verify, lambda: h.chunk(h._obs[h.sites[0].id][0])):
         with pytest.raises(trainhist.errors.UsageError, match="is closed") as e:
             query()
-        assert e.value.code == "usage"
+        assert e.value.code == "closed"
     assert [s.path for s in h.sites] == ["a"]

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
 import itertools
 import json
 import sys
 import zlib
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -241,8 +242,8 @@ def _print_report(rep, as_json: bool) -> None:
               "split across two output segments; check the per-step totals there")
     for m in rep.settings_mismatches:
         print(f"  note: the writers of output segment {m['segment']} recorded with different settings "
-              f"({', '.join(m['keys'])}): a row holds what each of them recorded (where only some recorded a site or "
-              "step, theirs alone)")
+              f"({', '.join(map(printable, m['keys']))}): a row holds what each of them recorded (where only some "
+              "recorded a site or step, theirs alone)")
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:
@@ -520,25 +521,48 @@ def _escape(exc: UnicodeError) -> tuple[str | bytes, int]:
     return c.encode("ascii", "backslashreplace").decode("ascii"), exc.start + 1
 
 
-def _escaping_output() -> None:
+@contextlib.contextmanager
+def _escaping_output() -> Iterator[None]:
     """Let stdout and stderr write any text: a site, run or file name may hold any Unicode (spec 9), and a console
     whose encoding cannot hold it (PYTHONIOENCODING=ascii, LC_ALL=C, a Latin-1 terminal; file names of undecodable
     bytes, which Python holds as lone surrogates, to a UTF-8 one) raised UnicodeEncodeError from print: a traceback
     and exit 1 after half the output. Such characters are written by :func:`_escape`; text the encoding holds is
-    unchanged, and JSON output is ASCII already (ensure_ascii)."""
+    unchanged, and JSON output is ASCII already (ensure_ascii). The streams' own handlers are back afterwards: a
+    program that calls :func:`main` keeps its streams as they were."""
     codecs.register_error("trainhist.escape", _escape)
+    changed = []
     for stream in (sys.stdout, sys.stderr):
-        if getattr(stream, "errors", None) in ("strict", "surrogateescape", "backslashreplace") and callable(
+        errors = getattr(stream, "errors", None)
+        if errors in ("strict", "surrogateescape", "backslashreplace") and callable(
                 getattr(stream, "reconfigure", None)):
             try:
                 stream.reconfigure(errors="trainhist.escape")
+                changed.append((stream, errors))
             except (ValueError, OSError, AttributeError, TypeError):  # (a replaced stream that cannot: leave it)
                 pass
+    try:
+        yield
+    finally:
+        for stream, errors in changed:
+            with contextlib.suppress(ValueError, OSError, AttributeError, TypeError):
+                stream.reconfigure(errors=errors)
+
+
+def _said(e: BaseException) -> str:
+    """An error's message for the terminal: names in it (any Unicode, from the file) with their control characters
+    escaped, as in every report (:func:`~trainhist.triage.printable`); its own line breaks kept."""
+    from .triage import printable
+
+    return "\n".join(printable(line) for line in str(e).split("\n"))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
-    _escaping_output()
+    with _escaping_output():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command == "demo":  # the demo parses its own options
@@ -548,10 +572,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UsageError as e:
-        print(f"trainhist: error {e}", file=sys.stderr)
+        print(f"trainhist: error {_said(e)}", file=sys.stderr)
         return EXIT_USAGE
     except TrainhistError as e:
-        print(f"trainhist: error {e}", file=sys.stderr)
+        print(f"trainhist: error {_said(e)}", file=sys.stderr)
         return EXIT_INVALID
     except BrokenPipeError:  # the reader of our output went away (`trainhist dump ... | head`): not an error
         return EXIT_OK

@@ -1231,8 +1231,8 @@ class History:
     def _check_open(self) -> None:
         """Refuse a query of a closed history (its file map is released) with a typed error, not the memoryview's."""
         if self._closed:
-            raise UsageError(f"{self.path}: this History is closed; query it inside `with trainhist.open(...) as h:` "
-                             "or before h.close() (h.sites and the manifests stay readable)")
+            raise UsageError("this History is closed; query it inside `with trainhist.open(...) as h:` or before "
+                             "h.close() (h.sites and the manifests stay readable)", code="closed", path=self.path)
 
     def close(self) -> None:
         """Release the file map; later queries of rows raise :class:`~trainhist.errors.UsageError`."""
