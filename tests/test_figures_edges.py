@@ -466,3 +466,36 @@ def test_figures_refuse_every_phase_at_once_and_sheets_of_no_tiles(tmp_path, clo
                 contact_sheet(h, tmp_path / "sheet", **kw)
             assert e.value.code == "bad_argument" and "whole number >= 1" in str(e.value)
         assert len(contact_sheet(h, tmp_path / "sheet", per_page=1, cols=1)) == 1
+
+
+@pytest.mark.parametrize("cols", [1, 2, 3, 4, 6])
+def test_contact_sheet_key_and_footer_fit_pages_of_any_width(tmp_path, monkeypatch, close_figures, cols) -> None:
+    """The key was one row of its five entries whatever the page's width: at cols=4 it ran past both edges (its
+    first entry read "om each row's sums)"), at 1 and 2 further; the footer was wrapped at 60 characters at least,
+    wider than a one-tile page. Both now fit, and the tiles keep room above them."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    p = tmp_path / "k.thist"
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        for n in ("a", "b"):
+            s = w.site(n, "activation")
+            for st in range(3):
+                w.observe(s, st, np.arange(4.0) + st)
+    drawn = []
+    real = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (real(self, *a, **k), drawn.append((self, k))))
+    with trainhist.open(p) as h:
+        contact_sheet(h, tmp_path / "sheet", cols=cols)
+    ((fig, kw),) = drawn
+    fig.set_dpi(kw.get("dpi", fig.dpi))
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    page = fig.bbox
+    (key,) = fig.legends
+    (footer,) = fig.texts
+    boxes = {"key": key.get_window_extent(renderer), "footer": footer.get_window_extent(renderer)}
+    for name, box in boxes.items():
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0, (name, box, page)
+    assert boxes["footer"].y1 <= boxes["key"].y0 + 1  # (the key above the footer, not over it)
+    lowest = min(ax.get_tightbbox(renderer).y0 for ax in fig.axes if ax.axison)
+    assert boxes["key"].y1 <= lowest + 1, (boxes["key"], lowest)  # (and below the tiles' tick labels)

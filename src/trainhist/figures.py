@@ -24,6 +24,7 @@ import itertools
 import math
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -958,7 +959,7 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
             "sums, exact or within their method's bound; rows with unknown sums left out; in the site's own units) "
             "over its steps, a coarsened row over its window; a log axis where the rms spans a decade or more · "
             "ranked: sites with non-finite values first (earliest step, then pass), then the others by drift "
-            "|log(rms last / rms first)|, largest first", max(60, int(2.4 * cols * 72 / (0.6 * 6))))
+            "|log(rms last / rms first)|, largest first", int(2.4 * cols * 72 / (0.6 * 6)))  # (the page's width)
         lines = footer.count("\n") + 1
         fig, axes = plt.subplots(rows, cols, figsize=(2.4 * cols, 1.8 * rows + 0.4 + 0.1 * lines), squeeze=False)
         for ax in axes.flat:
@@ -1014,17 +1015,42 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
             ax.set_title(_site_title(site, phase), fontsize=6)
             ax.set_ylabel("rms" + (" (log)" if ax.get_yscale() == "log" else ""), fontsize=5, labelpad=1)
             ax.tick_params(labelsize=5)
-        tall = fig.get_figheight()  # (margins in inches: on a page of one row the footer hid the tick labels)
-        fig.legend(handles=key, loc="lower center", ncols=len(key), fontsize=6, frameon=False,
-                   bbox_to_anchor=(0.5, (0.12 + 0.1 * lines) / tall))
+        # the key in as many columns as the page's width holds (one row on a wide page ran past both edges of a
+        # narrow one), its labels wrapped in one column if need be; the page grows by the key's extra height
+        legend, extra = _fitted_key(fig, key)
+        tall = fig.get_figheight() + extra  # (margins in inches: on a page of one row the footer hid the tick labels)
+        fig.set_figheight(tall)
+        legend.set_bbox_to_anchor((0.5, (0.12 + 0.1 * lines) / tall), transform=fig.transFigure)
         fig.text(0.5, 0.06 / tall, footer, ha="center", va="bottom", fontsize=6)
-        fig.subplots_adjust(left=0.05, right=0.98, top=1 - 0.25 / tall, bottom=(0.65 + 0.1 * lines) / tall,
+        fig.subplots_adjust(left=max(0.05, 0.4 / fig.get_figwidth()), right=0.98, top=1 - 0.25 / tall,
+                            bottom=(0.65 + 0.1 * lines + extra) / tall,
                             hspace=0.6, wspace=0.4)
         p = out_dir / f"contact_sheet_p{k + 1}.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)
         written.append(p)
     return written
+
+
+def _fitted_key(fig: Any, key: list) -> tuple[Any, float]:
+    """The contact sheet's legend in the most columns (up to one per entry) that fit the page's width, and how much
+    taller than one line of entries (inches) it is; in one column its labels are wrapped to the width."""
+    renderer = fig.canvas.get_renderer()
+    labels = [k.get_label() for k in key]
+    for n in range(len(key), 0, -1):
+        legend = fig.legend(handles=key, labels=labels, loc="lower center", ncols=n, fontsize=6, frameon=False)
+        box = legend.get_window_extent(renderer)
+        if box.width <= 0.98 * fig.bbox.width:
+            break
+        legend.remove()
+        if n == 1:  # (wrapped at the characters a line of the page holds, about 3.3 points each at 6 points)
+            chars = max(20, int(0.98 * fig.get_figwidth() * 72 / 3.3) - 6)
+            labels = [textwrap.fill(t, chars) for t in labels]
+            legend = fig.legend(handles=key, labels=labels, loc="lower center", ncols=1, fontsize=6,
+                                frameon=False)
+            box = legend.get_window_extent(renderer)
+    one_line = 0.12  # (inches: the key's height as one row of one-line entries, which the layout leaves room for)
+    return legend, max(0.0, box.height / fig.dpi - one_line)
 
 
 def _first_phase(h: History, site: Site) -> str:
