@@ -2400,7 +2400,7 @@ def test_data_parallel_is_unwrapped_on_one_device_and_refused_over_several(tmp_p
         Collector(dp, tmp_path / "dp2.thist")
 
 
-class _Scaled(torch.nn.Module):
+class _Buffered(torch.nn.Module):
     """A buffer saved for backward (``scale``), an output viewing a buffer (``pos``), an inference-mode buffer, and
     a cache the forward replaces with one for a longer input (as dynamic rotary embeddings do) with an attribute."""
 
@@ -2437,7 +2437,7 @@ def test_discover_probe_restores_what_changed_and_leaves_the_rest(tmp_path, case
     elif case == "lazy":
         model, x = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.LazyBatchNorm1d()), torch.randn(3, 5)
     else:
-        model, x = _Scaled(), torch.randn(8, 4)
+        model, x = _Buffered(), torch.randn(8, 4)
     before = {k: v.clone() for k, v in model.state_dict().items()} if case != "lazy" else {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
