@@ -2459,3 +2459,43 @@ def test_discover_probe_restores_what_changed_and_leaves_the_rest(tmp_path, case
         bn = torch.nn.BatchNorm1d(4)
         with pytest.warns(RuntimeWarning, match=r"changed buffers too large to keep a copy of \(running_mean, "):
             Collector(bn, tmp_path / "q.thist", streams=("activation",)).discover(torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("method", ["index_add", "fused"])
+@pytest.mark.parametrize("layout", ["coo", "coo_repeated", "empty"])
+def test_a_sparse_tensor_is_reduced_from_its_values_and_implicit_zeros(tmp_path, monkeypatch, method, layout):
+    """A sparse gradient went through a dense copy (to_dense): the whole table's memory and a pass over it every
+    step. Its stored values are reduced, its implicit zeros counted: the same row as the dense tensor's, sketch
+    (zero key) included, with repeated COO indexes added and a gradient with no stored value all zeros."""
+    import trainhist.torch.reduce as rd
+
+    monkeypatch.setattr(rd, "CPU_METHOD", method)
+    torch.manual_seed(0)
+    dense = torch.zeros(50, 6)
+    dense[[3, 7, 41]] = torch.randn(3, 6) * 4
+    dense[7, 2] = -0.0  # (a stored negative zero is counted as one)
+    dense[41, 5] = 0.0
+    if layout == "coo":
+        sparse = dense.to_sparse(1)  # (hybrid: sparse rows of dense values, as nn.Embedding's gradient)
+    elif layout == "coo_repeated":  # row 3 given twice, as halves: COO adds repeated indexes
+        sparse = torch.sparse_coo_tensor(torch.tensor([[3, 7, 41, 3]]), torch.stack(
+            [dense[3] / 2, dense[7], dense[41], dense[3] / 2]), (50, 6))
+        assert not sparse.is_coalesced()
+    else:
+        dense, sparse = torch.zeros(50, 6), torch.zeros(50, 6).to_sparse(1)
+
+    class Holder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(50, 6))
+
+    m = Holder()
+    col = Collector(m, tmp_path / "s.thist", streams=("param_grad",), every=1, sketch_every=1)
+    col.attach()
+    monkeypatch.setattr(torch.Tensor, "to_dense", lambda *a, **k: pytest.fail("a dense copy of the sparse tensor"))
+    with col.step(0):
+        m.w.grad = sparse
+    col.close()
+    monkeypatch.undo()
+    with trainhist.open(tmp_path / "s.thist") as h:
+        assert_row(h, "w", "param_grad", 0, ref_summary([dense]), sketch=True)

@@ -65,9 +65,9 @@ from .plan import (
     unwrap,
 )
 from . import reduce as _reduction
-from .reduce import (DecodedRows, Ledger, PendingTransfer, decode_arrays, decode_rows, fusable_at, fusable_ats,
-                     fused_at, fused_into, fused_many_at, is_plain, merge_row, reduce_into, triton_batchable,
-                     triton_many)
+from .reduce import (DecodedRows, Ledger, PendingTransfer, add_zeros, decode_arrays, decode_rows, fusable_at,
+                     fusable_ats, fused_at, fused_into, fused_many_at, is_plain, merge_row, reduce_into,
+                     triton_batchable, triton_many)
 
 __all__ = ["Collector", "StepTruth"]
 
@@ -1388,8 +1388,9 @@ class Collector:
                 self._reduce_plain(st, key, t, alias, at)
                 return
             t = local_tensor(t)
-            if t.layout in _SPARSE:  # (a sparse gradient: its values and implicit zeros, through a dense copy)
-                t = t.to_dense()
+            if t.layout in _SPARSE:
+                self._reduce_sparse(st, key, t)
+                return
             site = (key[1], key[0], key[2])
             if site not in self._dtypes:
                 self._dtypes[site] = _dtype_name(t)
@@ -1414,6 +1415,24 @@ class Collector:
             st.counts[key] = st.counts.get(key, 0) + n
         except Exception as e:  # noqa: BLE001 -- one bad site must not stop training
             self._fail(key, e)
+
+    def _reduce_sparse(self, st: _Step, key: tuple, t: torch.Tensor) -> None:
+        """A sparse tensor (``nn.Embedding(sparse=True)``'s gradient): its stored values reduced as a dense tensor
+        would be, its implicit zeros counted into the row (:func:`add_zeros`): a dense copy cost the whole table's
+        memory and a pass over it every step. Repeated indexes of a COO tensor add first, as they do in it."""
+        vals = (t.coalesce() if t.layout is torch.sparse_coo else t).values().reshape(-1)
+        site = (key[1], key[0], key[2])
+        self._dtypes.setdefault(site, _dtype_name(t))
+        sketch = st.sketch.get(key[0], True)
+        if vals.numel():
+            if st.fused and is_plain(vals):
+                fused_into(vals if vals.is_cpu else vals.to("cpu"), self._ledger.address(key), sketch)
+            else:
+                reduce_into(vals.to(self._ledger.device, non_blocking=True), self._ledger.row(key), sketch=sketch,
+                            method="bincount" if st.fused else None)
+        add_zeros(self._ledger.row(key), t.numel() - vals.numel(), sketch=sketch)
+        st.reductions[key] = st.reductions.get(key, 0) + 1
+        st.counts[key] = st.counts.get(key, 0) + t.numel()
 
     def _reduce_plain(self, st: _Step, key: tuple, t: torch.Tensor, alias: bool,
                       at: tuple[int, int, torch.dtype]) -> None:

@@ -42,7 +42,8 @@ except ImportError as _e:  # numba missing, or not yet released for this Python
 
 __all__ = ["ROW", "CHUNK", "METHODS", "reduce_into", "device_method", "batch_method", "triton_into", "triton_many",
            "triton_batchable", "fused_into", "fused_many_at", "fusable_at", "fusable_ats", "is_plain",
-           "merge_row", "decode_row", "decode_rows", "decode_arrays", "DecodedRows", "Ledger", "PendingTransfer"]
+           "merge_row", "add_zeros", "decode_row", "decode_rows", "decode_arrays", "DecodedRows", "Ledger",
+           "PendingTransfer"]
 
 NK = grid.NKEYS
 COL_NEGZERO = NK  # count of -0.0 (the grid's zero key counts +0.0 only here; decode adds them)
@@ -489,6 +490,16 @@ def merge_row(dst: torch.Tensor, src: torch.Tensor) -> None:
     f, g = dst[COL_MIN:].view(torch.float64), src[COL_MIN:].view(torch.float64)
     torch.minimum(f[0:2], g[0:2], out=f[0:2])
     f[2:4].add_(g[2:4])
+
+
+def add_zeros(row: torch.Tensor, zeros: int, *, sketch: bool) -> None:
+    """Count ``zeros`` more +0.0 values into ledger row ``row`` without making them (a sparse tensor's implicit
+    zeros): a spine row counts them from the row's element count alone (every raw count leaves +0.0 out), a sketch
+    row in its zero key too; the extremes take 0 in (the sign of a zero extreme comes from the zero counts)."""
+    if zeros:
+        if sketch:
+            row[grid.KEY_ZERO] += zeros
+        row[COL_MIN : COL_MAX + 1].view(torch.float64).clamp_(max=0.0)  # (min, -max)
 
 
 def decode_row(row: np.ndarray, count: int, *, sketch: bool) -> Summary:
