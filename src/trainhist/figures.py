@@ -521,11 +521,13 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
             "the row's values: quantiles of that part, zeros estimated, no bound for the row's")
             + (f"; drawn only at the {f.size} of {int(obs.sum())} rows with values that have a "
                "sketch, never joined across a row without one" if unsketched.any() else "")))
-    _marks(ax, h, s)
-    if obs.any():
+    if obs.any():  # (before the marks: on the linear axis that values near +-1.8e308 autoscale, the limits'
+        # span overflows and the marks' transform cannot be inverted, LinAlgError)
         lin = max(1e-12, float(np.nanmax(np.abs(np.r_[s.min[obs], s.max[obs], 1e-12]))) * 1e-3)
         ax.set_yscale("symlog", linthresh=lin)
         _fit_y(ax, np.r_[s.min[obs], s.max[obs], 0.0], log=False)
+    _marks(ax, h, s)
+    if obs.any():
         _symlog_ticks(ax, lin)
     else:  # (no value axis to draw: an empty one would suggest a scale)
         ax.set_yticks([])
