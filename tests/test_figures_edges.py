@@ -168,6 +168,56 @@ def test_site_figure_draws_rows_without_a_finite_value(tmp_path, case, close_fig
     assert (tmp_path / "png" / "a.activation.site.png").stat().st_size > 1000
 
 
+
+def test_values_at_both_ends_of_float64_with_a_non_finite_one_are_drawn(tmp_path, close_figures) -> None:
+    """A row holding -1.8e308, 1.8e308 and inf (public writer; it verifies): the min/max lines autoscaled the still
+    linear y axis to a span that overflows, and the non-finite mark raised numpy's LinAlgError ("Singular matrix")
+    from inside matplotlib in site_figure and `trainhist plot --site`. The value axis is set before the marks."""
+    big = np.finfo(np.float64).max
+    p = tmp_path / "ends.thist"
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        a = w.site("a", "activation")
+        w.observe(a, 0, np.array([1.0, 2.0]))
+        w.observe(a, 1, np.array([-big, big, np.inf]))
+    with trainhist.open(p) as h:
+        fig = site_figure(h, "a", out=tmp_path / "s.png")
+        labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+        assert "non-finite values" in labels
+        lo, hi = fig.axes[0].get_ylim()
+        assert lo <= -big / 2 and hi >= big / 2
+    from trainhist.cli import main
+
+    assert main(["plot", str(p), "-o", str(tmp_path / "png"), "--site", "a"]) == 0
+
+
+@pytest.mark.parametrize("rows", [[[1.7976931348623157e308, 8.98846567431158e307]], [[0.0], [1.7976931348623157e308]]],
+                         ids=["one_rms_near_max", "zero_then_max"])
+def test_a_contact_sheet_tile_of_rms_near_the_float_max_is_drawn(tmp_path, rows, monkeypatch, close_figures) -> None:
+    """A site whose rms is near 1.8e308 on a linear tile (public writer; it verifies): matplotlib autoscaled the
+    tile to limits that overflow and its MaxNLocator raised ValueError ("arange: cannot compute length") from
+    contact_sheet and `trainhist plot`. Such a tile gets limits set without overflow and ticks within them."""
+    import matplotlib.figure
+
+    p = tmp_path / "max.thist"
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        a = w.site("a", "activation")
+        for step, vals in enumerate(rows):
+            w.observe(a, step, np.array(vals))
+    drawn = []
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, *a, **k: (drawn.append(fig), save(fig, *a, **k)))
+    with trainhist.open(p) as h:
+        rms = h.spine("a").rms
+        assert contact_sheet(h, tmp_path / "sheet")
+    (tile,) = [ax for ax in drawn[0].axes if ax.axison]
+    lo, hi = tile.get_ylim()
+    assert tile.get_yscale() == "linear" and np.isfinite(hi - lo) and lo <= rms.min() and rms.max() <= hi
+    assert all(lo <= t <= hi for t in tile.get_yticks())
+    from trainhist.cli import main
+
+    assert main(["plot", str(p), "-o", str(tmp_path / "png")]) == 0
+
 # --- cadences beyond int64 -----------------------------------------------------------------------------------------
 
 

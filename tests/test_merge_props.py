@@ -441,6 +441,29 @@ def test_differing_cadences_report_says_which_input_had_which_and_where(tmp_path
     assert f"input 1 ({p}): 5/5, no rows" in rep.notes[0], rep.notes[0]
 
 
+
+def test_differing_huge_cadences_merge_without_printing_their_lcm(tmp_path, capsys):
+    """Cadences are unbounded manifest integers (spec 9): two inputs at coprime cadences of 2201 digits each merged
+    with a ValueError from inside merge (the note printed their least common multiple, 4401 digits, beyond what
+    Python converts to text) and a traceback from `trainhist merge`. The note suggests a window only where coarsen
+    can take it (at most 2^32 - 1 steps)."""
+    from trainhist.cli import main
+
+    run = uuid.uuid4().hex
+    paths = []
+    for rank, k in enumerate((10**2200 + 1, 10**2200 + 3)):
+        p = tmp_path / f"r{rank}.th"
+        with trainhist.HistoryWriter(p, run_id=run, rank=rank, world_size=2, fsync="never") as w:
+            w.observe(w.site("x", "activation", cadence_spine=k), 0, np.ones(2))
+        paths.append(str(p))
+    rep = trainhist.merge(paths, tmp_path / "m.th")
+    [cm] = rep.cadence_mismatches
+    assert cm["merged"]["spine"] == 1 and cm["unplanned_steps_due"] is True
+    assert "coarsen the inputs to a multiple of every cadence first to avoid that" in rep.notes[0]
+    trainhist.open(tmp_path / "m.th").verify()
+    assert main(["merge", *paths, "-o", str(tmp_path / "cli.th"), "--json"]) == 0
+    assert '"unplanned_steps_due": true' in capsys.readouterr().out
+
 def test_coarsen_keeps_the_writers_cadence(tmp_path):
     """Cadence 3 coarsened by 2 became cadence 2 (every window due), so window [4, 6), which holds no step the writer
     planned, read unknown. The cadence is kept (spec 11.7): that window reads not_scheduled, as steps 4 and 5 did."""

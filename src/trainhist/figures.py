@@ -164,7 +164,11 @@ def _fit_y(ax, values: np.ndarray, log: bool) -> None:
     else:
         lo, hi = float(v.min()), float(v.max())
         m = (0.05 * hi - 0.05 * lo) or max(abs(lo) * 0.05, 1.0)
-        ax.set_ylim(max(lo - m, -_FMAX), min(hi + m, _FMAX))
+        bottom, top = max(lo - m, -_FMAX), min(hi + m, _FMAX)
+        if math.isinf(top - bottom) and math.isfinite(hi - lo):  # (limits whose span overflows break a linear
+            top = min(top, lo + _FMAX)  # axis: the margins are cut instead, the values kept within)
+            bottom = max(bottom, top - _FMAX)
+        ax.set_ylim(bottom, top)
 
 
 def _symlog_ticks(ax, lin: float) -> None:
@@ -522,11 +526,13 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
             "the row's values: quantiles of that part, zeros estimated, no bound for the row's")
             + (f"; drawn only at the {f.size} of {int(obs.sum())} rows with values that have a "
                "sketch, never joined across a row without one" if unsketched.any() else "")))
-    _marks(ax, h, s)
-    if obs.any():
+    if obs.any():  # (before the marks: on the linear axis that values near +-1.8e308 autoscale, the limits'
+        # span overflows and the marks' transform cannot be inverted, LinAlgError)
         lin = max(1e-12, float(np.nanmax(np.abs(np.r_[s.min[obs], s.max[obs], 1e-12]))) * 1e-3)
         ax.set_yscale("symlog", linthresh=lin)
         _fit_y(ax, np.r_[s.min[obs], s.max[obs], 0.0], log=False)
+    _marks(ax, h, s)
+    if obs.any():
         _symlog_ticks(ax, lin)
     else:  # (no value axis to draw: an empty one would suggest a scale)
         ax.set_yticks([])
@@ -929,7 +935,7 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise UsageError(f"contact_sheet()'s {name} must be a whole number >= 1, got {n!r}", code="bad_argument")
     plt = _mpl()
-    from matplotlib.ticker import FixedLocator, LogLocator, MaxNLocator
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, MaxNLocator
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -1003,8 +1009,15 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
             ax.xaxis.set_major_locator(MaxNLocator(3))
             if not obs.any():
                 pass
-            elif ax.get_yscale() == "linear":
+            elif ax.get_yscale() == "linear" and not (np.abs(v[np.isfinite(v)]) >= 1e300).any():
                 ax.yaxis.set_major_locator(MaxNLocator(3))
+            elif ax.get_yscale() == "linear":
+                # (rms near 1.8e308 autoscaled to limits whose span overflows, and there matplotlib's locator and
+                # formatter overflow too, ValueError: limits set without overflow, and ticks of our own)
+                _fit_y(ax, v, log=False)
+                lo, hi = ax.get_ylim()
+                ax.yaxis.set_major_locator(FixedLocator([lo, lo / 2 + hi / 2, hi]))
+                ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:.2g}"))
             else:
                 # three decades within the limits, placed here: matplotlib's LogLocator puts ticks beyond them,
                 # past 1e308 for data near the ends of the float range, where its formatter overflows

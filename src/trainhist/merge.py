@@ -672,9 +672,12 @@ class _Engine:
                 f"merged cadence is {spine}/{sketch}, their greatest common divisor")
         lcm = math.lcm(*[c for c in spines if c]) if any(spines) else 0
         if unplanned:
+            # (the least common multiple is named only as a window coarsen can take, 1 .. 2^32 - 1 steps: of huge
+            # cadences, which a manifest may hold (spec 9), it can have more digits than Python prints)
+            width = f" ({lcm} steps, say)" if 0 < lcm <= 0xFFFFFFFF else ""
             text += (f": it makes due steps that no input's spine cadence ({', '.join(map(str, spines))}) made due "
                      "(spec 11.5), which read as unknown where they have no row; coarsen the inputs to a multiple of "
-                     f"every cadence first ({lcm} steps, say) to avoid that")
+                     f"every cadence first{width} to avoid that")
         elif windows:
             text += (f": the steps it makes due that no input's spine cadence ({', '.join(map(str, spines))}) made "
                      f"due lie inside the inputs' coarsened windows ({', '.join(map(str, windows))} steps), each "
