@@ -1557,10 +1557,8 @@ def test_a_model_compiled_before_the_collector_is_said_not_silently_lost(tmp_pat
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("published", [True, False])
-def test_ranks_agree_on_the_run_id_through_the_store(tmp_path, monkeypatch, published):
-    """A rank other than 0 records the run id rank 0 published in the process group's store (so merge sums the
-    ranks); where none comes within the wait, it records its own and says how to merge or fix it."""
+def _as_rank_1_of_2(monkeypatch) -> torch.distributed.HashStore:
+    """Make this process rank 1 of 2 with an in-process store for the run exchange (a short wait for rank 0)."""
     import trainhist.torch.collector as cm
 
     store = torch.distributed.HashStore()
@@ -1568,6 +1566,14 @@ def test_ranks_agree_on_the_run_id_through_the_store(tmp_path, monkeypatch, publ
     monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", lambda: store)
     monkeypatch.setattr(cm, "_run_keys", {})
     monkeypatch.setattr(cm, "RUN_ID_WAIT_S", 0.05)
+    return store
+
+
+@pytest.mark.parametrize("published", [True, False])
+def test_ranks_agree_on_the_run_id_through_the_store(tmp_path, monkeypatch, published):
+    """A rank other than 0 records the run id rank 0 published in the process group's store (so merge sums the
+    ranks); where none comes within the wait, it records its own and says how to merge or fix it."""
+    store = _as_rank_1_of_2(monkeypatch)
     model = torch.nn.Linear(3, 2)
     col = Collector(model, tmp_path / "r.thist", mode="w")
     if published:  # (rank 0 resumed the run: it is at segment 3; this rank's file is new)
@@ -1597,13 +1603,7 @@ def test_a_run_id_given_to_every_rank_still_agrees_on_the_segment(tmp_path, monk
     resumed at segment 3, and merge paired the segments by number (silently wrong). It takes rank 0's segment
     (and run manifest). Ranks given a run id pair by it, not by path: a rank 0 given another id, or no word from
     rank 0, leaves the rank at its own segment, with a warning."""
-    import trainhist.torch.collector as cm
-
-    store = torch.distributed.HashStore()
-    monkeypatch.setattr(cm, "_dist", lambda: (1, 2))
-    monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", lambda: store)
-    monkeypatch.setattr(cm, "_run_keys", {})
-    monkeypatch.setattr(cm, "RUN_ID_WAIT_S", 0.05)
+    store = _as_rank_1_of_2(monkeypatch)
     model = torch.nn.Linear(3, 2)
     col = Collector(model, tmp_path / "mine_1.thist", mode="w", run_id="ab" * 16)  # (a path spelled per rank)
     lead = {"run_id": published, "segment": 3, "created": "2026-01-01T00:00:00+00:00", "name": "exp",
