@@ -1569,6 +1569,17 @@ def _as_rank_1_of_2(monkeypatch) -> torch.distributed.HashStore:
     return store
 
 
+def _one_step(col: Collector, model: torch.nn.Module) -> tuple[trainhist.History, list[str]]:
+    """Attach, record one step of ``model``, close: the file (open) and the trainhist warnings said."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        col.attach()
+    with col.step(0):
+        model(torch.randn(2, 3))
+    col.close()
+    return trainhist.open(col.path), [str(w.message) for w in caught if "trainhist" in str(w.message)]
+
+
 @pytest.mark.parametrize("published", [True, False])
 def test_ranks_agree_on_the_run_id_through_the_store(tmp_path, monkeypatch, published):
     """A rank other than 0 records the run id rank 0 published in the process group's store (so merge sums the
@@ -1580,14 +1591,7 @@ def test_ranks_agree_on_the_run_id_through_the_store(tmp_path, monkeypatch, publ
         store.set(f"trainhist/run/{col._pairing()}/0", json.dumps({
             "run_id": "ab" * 16, "segment": 3, "created": "2026-01-01T00:00:00+00:00", "name": "exp",
             "config": {"a": 1}}))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        col.attach()
-    with col.step(0):
-        model(torch.randn(2, 3))
-    col.close()
-    h = trainhist.open(tmp_path / "r.rank1.thist")
-    said = [str(w.message) for w in caught if "trainhist" in str(w.message)]
+    h, said = _one_step(col, model)
     if published:  # its run and segment number, so that merge pairs it with rank 0's (spec 2.4)
         assert h.runs[0] == {"kind": "run", "run_id": "ab" * 16, "created": "2026-01-01T00:00:00+00:00", "name": "exp",
                              "config": {"a": 1}} and not said
@@ -1610,14 +1614,7 @@ def test_a_run_id_given_to_every_rank_still_agrees_on_the_segment(tmp_path, monk
             "config": {"a": 1}}
     if published is not None:
         store.set(f"trainhist/run/id-{published}/0", json.dumps(lead))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        col.attach()
-    with col.step(0):
-        model(torch.randn(2, 3))
-    col.close()
-    h = trainhist.open(col.path)
-    said = [str(w.message) for w in caught if "trainhist" in str(w.message)]
+    h, said = _one_step(col, model)
     assert h.runs[0]["run_id"] == "ab" * 16
     if published == "ab" * 16:  # rank 0's segment and run manifest: merge sums the ranks segment by segment
         assert h.runs[0] == {"kind": "run", **{k: lead[k] for k in ("run_id", "created", "name", "config")}}
