@@ -359,63 +359,65 @@ def _rank_path(path: str | os.PathLike, rank: int, world_size: int) -> str:
     return p
 
 
-#: discover()'s probe keeps a copy of each buffer up to this size (bytes), at most :data:`PROBE_KEEP_BYTES` in all,
-#: to put back what its forward changes in place (running statistics are small; a quantised layer's weights held
-#: as buffers are large and not changed by a forward); a larger buffer changed in place is warned about
-PROBE_COPY_BYTES = 16 << 20
-PROBE_KEEP_BYTES = 256 << 20
+def _statistics(m: torch.nn.Module) -> bool:
+    """Whether a forward of ``m`` accumulates into its buffers statistics of the data it sees: the running means
+    and variances (and counts) of normalisation layers, the ranges of quantisation observers (QAT)."""
+    quant = torch.ao.quantization
+    bases = (torch.nn.modules.batchnorm._NormBase, quant.ObserverBase, quant.FakeQuantizeBase)
+    if not isinstance(m, torch.jit.ScriptModule):
+        return isinstance(m, bases)
+    # (a scripted or traced module keeps only its class's name)
+    todo, names = list(bases), set()
+    while todo:
+        c = todo.pop()
+        names.add(c.__name__)
+        todo.extend(c.__subclasses__())
+    return getattr(m, "original_name", None) in names
 
 
-def _checksum(b: torch.Tensor) -> torch.Tensor:
-    """A sum of a buffer's bytes read as 64-bit words (wrapping), on its device, with no copy of the buffer: whether
-    a buffer too large to copy changed (almost surely)."""
-    raw = b.detach().reshape(-1).view(torch.uint8)
-    whole = raw.numel() // 8 * 8
-    return raw[:whole].view(torch.int64).sum() + raw[whole:].sum(dtype=torch.int64)
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
 @contextlib.contextmanager
 def _probe(model: torch.nn.Module) -> Iterator[None]:
-    """A forward that leaves no trace on the run (discover's): the random generators its dropout draws from and the
-    buffers it changes in place (BatchNorm's running statistics and counts) are as they were afterwards, so that a
-    run with a collector trains exactly as the same run without one. A buffer the module replaces (a cache rebuilt
-    for a longer input) stays replaced, as the run's first forward would leave it; lazy and inference buffers (no
-    version counter) are left alone; only a buffer whose values changed is written back (a write moves its version,
-    which a buffer saved for the backward of the returned output must keep); one too large to copy is checked by
-    :func:`_checksum` and warned about when it changed."""
-    kept, budget = [], PROBE_KEEP_BYTES
-    for name, m in model.named_modules():
-        for k, b in m._buffers.items():
-            if b is None or torch.nn.parameter.is_lazy(b) or b.is_inference() or b.is_meta:
-                continue
-            size = b.numel() * b.element_size()
-            copy = size <= min(PROBE_COPY_BYTES, budget)
-            budget -= size if copy else 0
-            kept.append((f"{name}.{k}" if name else k, m, k, b, None if copy else _checksum(b),
-                         b.detach().clone() if copy else None))
-    where = {t.device for t in (*model.parameters(), *(b for *_, b, _, _ in kept))} - {torch.device("cpu")}
+    """A forward that leaves no trace on the run (discover's): the random generators its dropout draws from, and
+    the statistics its batch added to normalisation layers and quantisation observers (:func:`_statistics`), are as
+    they were afterwards, so that a run with a collector trains exactly as the same run without one. Other module
+    state (a cache a rotary embedding fills, with the attributes that say so) is left as the forward left it, as the
+    run's first forward would leave it; a statistics buffer is written back only where its bits changed (a write
+    moves its version, which a buffer saved for the backward of the returned output must keep)."""
+    kept = [(m, k, b, b.detach().clone()) for m in model.modules() if _statistics(m) for k, b in m._buffers.items()
+            if b is not None and not torch.nn.parameter.is_lazy(b) and b.layout is torch.strided and not b.is_meta
+            and not b.is_inference()]
+    where = {t.device for t in (*model.parameters(), *model.buffers())} - {torch.device("cpu"), torch.device("meta")}
     kinds = {d.type for d in where}
     kind = kinds.pop() if len(kinds) == 1 else "cuda"  # (several accelerator kinds at once: cuda's, as torch does)
     devices = sorted({d.index or 0 for d in where if d.type == kind})
-    try:
-        with torch.random.fork_rng(devices=devices, device_type=kind):
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(torch.random.fork_rng(devices=devices, device_type=kind))
+        except Exception as e:  # noqa: BLE001 -- a device kind without a random-state module (XLA unregistered)
+            stack.enter_context(torch.random.fork_rng(devices=[]))
+            warnings.warn(f"trainhist: discover() could not keep the {kind} random state ({e!r}); only the CPU's is "
+                          "restored after its forward", RuntimeWarning, stacklevel=4)
+        try:
             yield
-    finally:
-        lost = []
-        with torch.no_grad():
-            for name, m, k, b, check, value in kept:
-                if k not in m._buffers or m._buffers[k] is not b:
-                    continue  # (replaced by the module)
-                if value is None:  # (native kernels, BatchNorm's and TorchScript's, write without moving a version)
-                    if not torch.equal(_checksum(b), check):
-                        lost.append(name)
-                elif not torch.equal(b, value):
-                    b.copy_(value)
-        if lost:
-            warnings.warn(f"trainhist: discover()'s forward changed buffers too large to keep a copy of "
-                          f"({', '.join(lost[:5])}{', ...' if len(lost) > 5 else ''}): they keep its change, so the "
-                          "run may differ from the same run without the collector (call discover() under "
-                          "model.eval() or torch.no_grad() to avoid it)", RuntimeWarning, stacklevel=4)
+        finally:
+            with torch.no_grad():
+                for m, k, b, value in kept:
+                    if k not in m._buffers or m._buffers[k] is not b:
+                        continue  # (replaced by the module: its own state)
+                    try:
+                        if b.shape != value.shape:  # (an observer's range, empty until its first batch)
+                            b.resize_(value.shape)
+                        elif torch.equal(_bits(b), _bits(value)):
+                            continue
+                        b.copy_(value)
+                    except (RuntimeError, TypeError) as e:
+                        warnings.warn(f"trainhist: discover() could not restore the buffer {k!r} of a "
+                                      f"{type(m).__name__} ({e!r}): it keeps its forward's batch",
+                                      RuntimeWarning, stacklevel=4)
 
 
 def _call(model: torch.nn.Module, batch: object) -> object:
@@ -1428,9 +1430,11 @@ class Collector:
             if st.fused and is_plain(vals):
                 fused_into(vals if vals.is_cpu else vals.to("cpu"), self._ledger.address(key), sketch)
             else:
-                reduce_into(vals.to(self._ledger.device, non_blocking=True), self._ledger.row(key), sketch=sketch,
-                            method="bincount" if st.fused else None)
-        add_zeros(self._ledger.row(key), t.numel() - vals.numel(), sketch=sketch)
+                vals = vals.to(self._ledger.device, non_blocking=True)
+                reduce_into(vals, self._ledger.row(key), sketch=sketch, method="bincount" if st.fused else None)
+        # (a row the Triton kernel's device writes holds key counts even between sketches: the zeros' key too)
+        keyed = sketch or (not st.fused and _reduction._keyed_device(vals))
+        add_zeros(self._ledger.row(key), t.numel() - vals.numel(), sketch=keyed)
         st.reductions[key] = st.reductions.get(key, 0) + 1
         st.counts[key] = st.counts.get(key, 0) + t.numel()
 
