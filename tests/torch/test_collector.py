@@ -2528,3 +2528,22 @@ def test_a_sparse_tensor_is_reduced_from_its_values_and_implicit_zeros(tmp_path,
     with trainhist.open(tmp_path / "s.thist") as h:
         assert_row(h, "w", "param_grad", 0, ref_summary([dense]), sketch=True)
         assert_row(h, "w", "param_grad", 1, ref_summary([dense]), sketch=False)
+
+
+def test_discover_restores_the_cpu_random_state_beside_meta_parameters(tmp_path):
+    """Parameters on the meta device (an offloaded model) made the probe fork the 'meta' generators, which forks
+    nothing, CPU included: the dropout of discover()'s forward moved the CPU random state."""
+    class Offloaded(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2, device="meta")
+            self.drop = torch.nn.Dropout(0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.drop(x)
+
+    model = Offloaded()
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    Collector(model, tmp_path / "m.thist", streams=("activation",)).discover(torch.ones(64))
+    assert torch.equal(torch.get_rng_state(), state)
