@@ -2392,6 +2392,10 @@ def test_data_parallel_is_unwrapped_on_one_device_and_refused_over_several(tmp_p
         ref = net[0](x).detach()
         assert row.count.tolist() == [ref.numel()] and row.max.tolist() == [float(ref.max())]
     assert out.shape == (5, 3)
+    class Mine(torch.nn.DataParallel):  # (a subclass is unwrapped too)
+        pass
+
+    assert Collector(Mine(net), tmp_path / "dp3.thist", sites=["0"]).inner is net
     dp.device_ids = [0, 1]  # (as over two GPUs)
     with pytest.raises(trainhist.errors.UsageError, match="DistributedDataParallel"):
         Collector(dp, tmp_path / "dp2.thist")

@@ -54,7 +54,7 @@ def unwrap(model: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
         name = type(model).__name__
         if name == "OptimizedModule" and hasattr(model, "_orig_mod"):
             model = model._orig_mod
-        elif name == "DataParallel" and hasattr(model, "module"):
+        elif isinstance(model, torch.nn.DataParallel):  # (a subclass too)
             if len(getattr(model, "device_ids", None) or ()) > 1:
                 raise UsageError(f"nn.DataParallel over devices {model.device_ids} runs a copy of the model per device "
                                  "in threads, which the collector's hooks cannot follow: use DistributedDataParallel "
