@@ -21,6 +21,7 @@ from . import __version__
 from .errors import TrainhistError, UsageError
 from .model import Phase
 from .reader import History, open_history
+from .triage import printable  # (names of the file, any Unicode, for a terminal line)
 
 __all__ = ["main", "EXIT_OK", "EXIT_INVALID", "EXIT_USAGE", "EXIT_TORN"]
 
@@ -124,8 +125,6 @@ def _last_step(step: np.ndarray, span: np.ndarray) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from .triage import printable
-
     with open_history(args.file) as h:
         run = h.run
         print(f"file      {h.path} ({h.size} bytes{': an empty file' if h.size == 0 else ''})")
@@ -225,8 +224,6 @@ def _print_report(rep, as_json: bool) -> None:
           f"{_n(rep.rows_in, 'row')} in, {_n(rep.rows_out, 'row')} out ({speed})")
     for p in torn:
         print(f"  note: {p} had a torn tail; its committed prefix was used")
-    from .triage import printable  # (the library's texts hold the file's names as they are)
-
     for d in rep.divergences:
         print(f"  replica divergence: {printable(d['where'])}, step {d['step']}: {' vs '.join(d['files'])}")
     more = rep.divergences_total - len(rep.divergences)
@@ -551,8 +548,6 @@ def _escaping_output() -> Iterator[None]:
 def _said(e: BaseException) -> str:
     """An error's message for the terminal: names in it (any Unicode, from the file) with their control characters
     escaped, as in every report (:func:`~trainhist.triage.printable`); its own line breaks kept."""
-    from .triage import printable
-
     return "\n".join(printable(line) for line in str(e).split("\n"))
 
 
