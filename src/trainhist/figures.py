@@ -124,18 +124,24 @@ def _covers_row(s: SpineSeries, sk: SketchSeries, at: np.ndarray) -> np.ndarray:
     """Whether each sketch row of ``sk`` (spine row ``at`` of ``s``) counts at least the row's non-zero finite
     values, decided exactly: as float64 sums (:func:`_sketch_coverage`) bins of 2^53, 1 and 1 added to 2^53, below
     the row's 2^53 + 2, and a whole row read as partly sketched (zeros estimated, its bound withdrawn). The high
-    and low 32 bits of the counts are added apart (exact for fewer than 2^32 cells a row) and compared as a pair."""
-    mask, k = np.uint64(0xFFFFFFFF), np.uint64(32)
+    and low 32 bits of the counts are added apart (:func:`_halves`) and compared as a pair."""
     hi = np.zeros(len(at), np.uint64)
     lo = np.zeros(len(at), np.uint64)
     for x in (sk.pos, sk.neg, sk.bands):
-        x = np.asarray(x).astype(np.uint64, copy=False)
-        hi += (x >> k).sum(axis=1, dtype=np.uint64)
-        lo += (x & mask).sum(axis=1, dtype=np.uint64)
-    hi, lo = hi + (lo >> k), lo & mask
-    nonzero = (s.finite[at] - s.zero[at]).astype(np.uint64)
-    nhi, nlo = nonzero >> k, nonzero & mask
+        x_hi, x_lo = _halves(x)
+        hi += x_hi.sum(axis=1, dtype=np.uint64)
+        lo += x_lo.sum(axis=1, dtype=np.uint64)
+    carry, lo = _halves(lo)
+    hi += carry
+    nhi, nlo = _halves(s.finite[at] - s.zero[at])
     return (hi > nhi) | ((hi == nhi) & (lo >= nlo))
+
+
+def _halves(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The high and low 32 bits of the u64 counts ``a``: added apart, neither sum wraps around for fewer than 2^32
+    counts, where a u64 sum wraps past 2^64 and a float64 one is not exact past 2^53."""
+    a = np.asarray(a).astype(np.uint64, copy=False)
+    return a >> np.uint64(32), a & np.uint64(0xFFFFFFFF)
 
 
 def _sketch_coverage(s: SpineSeries, sk: SketchSeries, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -625,9 +631,9 @@ def _add_sketches(sk: SketchSeries, rows: np.ndarray, col: np.ndarray, n: int) -
     largest magnitude down, then positive). Each bin is a u64, but a column's sum of them is not bounded by one (a
     merged file's micro-batch rows, a long history's columns): added as u64 it wrapped around (2 x 2^63 drew as 0,
     no color), and as float64 it is not exact past 2^53. The high and low 32 bits of the counts are added apart,
-    exactly (for fewer than 2^32 rows a column), and the sum is rounded once to float64 (relative 2^-52: the log10
-    color is the same). Rows are made dense a block at a time, so memory grows with the columns, never with the
-    rows (a dense copy of every row of a long history took gigabytes)."""
+    exactly (:func:`_halves`, for fewer than 2^32 rows a column), and the sum is rounded once to float64
+    (relative 2^-52: the log10 color is the same). Rows are made dense a block at a time, so memory grows with the
+    columns, never with the rows (a dense copy of every row of a long history took gigabytes)."""
     nb = nbins(sk.scale)
     hi = np.zeros((n, 2 * nb), np.uint64)
     lo = np.zeros((n, 2 * nb), np.uint64)
@@ -635,18 +641,18 @@ def _add_sketches(sk: SketchSeries, rows: np.ndarray, col: np.ndarray, n: int) -
     rows, col = rows[order], col[order]
     for k in range(0, rows.size, _BLOCK):
         part = sk._sparse.take(rows[k : k + _BLOCK])  # (the stored ranges; the package's own reader)
-        block = np.concatenate([part.dense(1)[:, ::-1], part.dense(0)], axis=1).astype(np.uint64, copy=False)
+        b_hi, b_lo = _halves(np.concatenate([part.dense(1)[:, ::-1], part.dense(0)], axis=1))
         cols, first = np.unique(col[k : k + _BLOCK], return_index=True)
-        hi[cols] += np.add.reduceat(block >> np.uint64(32), first, axis=0)
-        lo[cols] += np.add.reduceat(block & np.uint64(0xFFFFFFFF), first, axis=0)
+        hi[cols] += np.add.reduceat(b_hi, first, axis=0)
+        lo[cols] += np.add.reduceat(b_lo, first, axis=0)
     return hi.astype(np.float64) * 2.0**32 + lo.astype(np.float64)
 
 
 def _total(a: np.ndarray) -> int:
     """The exact sum of the u64 counts ``a`` as a Python integer (a u64 sum wraps around past 2^64, a float64 one
     is not exact past 2^53); exact for fewer than 2^32 counts."""
-    a = np.asarray(a).astype(np.uint64, copy=False).ravel()
-    return (int((a >> np.uint64(32)).sum()) << 32) + int((a & np.uint64(0xFFFFFFFF)).sum())
+    hi, lo = _halves(np.ravel(a))
+    return (int(hi.sum(dtype=np.uint64)) << 32) + int(lo.sum(dtype=np.uint64))
 
 
 def _column_bins(step: np.ndarray, span: np.ndarray, segment: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
