@@ -700,8 +700,9 @@ class Collector:
     def discover(self, batch: object) -> object:
         """Run one real forward of ``batch`` to learn every module's output facets; returns the model output.
 
-        The forward is a probe: the random state and the module buffers are restored afterwards (:func:`_probe`), so
-        the run trains as it would without the collector; its output is for inspection, not a training step."""
+        The forward is a probe: the random state and the statistics its batch added (normalisation layers',
+        quantisation observers') are restored afterwards (:func:`_probe`), so the run trains as it would without the
+        collector; its output is for inspection, not a training step."""
         if self._closed:
             raise UsageError("the collector is closed: make a new one to record more")
         self._discovery = {}
