@@ -439,3 +439,24 @@ def test_control_characters_in_settings_keys_and_error_messages_are_escaped(tmp_
                  str(tmp_path / "t1.thist")]) == 1
     err = capsys.readouterr().err
     assert "y\\x1b[31m" in err and "\x1b" not in err
+
+
+def test_paths_with_control_characters_are_printed_as_escapes(tmp_path, capsys) -> None:
+    """The paths a command prints (the file of info and verify, merge's output, the figures plot wrote, the
+    tables export wrote, a missing file's name) reached the terminal raw: a folder named with an ESC sequence or
+    a newline recoloured the screen or split a line. They are escaped, as site names are."""
+    d = tmp_path / "d\x1b[2J\n"
+    d.mkdir()
+    p = _history(d / "f.thist")
+    esc = str(d).replace("\x1b", "\\x1b").replace("\n", "\\n")
+    commands = [["info", str(p)], ["verify", str(p)], ["merge", str(p), "-o", str(d / "m.thist")],
+                ["plot", str(p), "--site", "h.0", "-o", str(d / "figs")], ["export", str(p), "-o", str(d / "csv"),
+                                                                             "--format", "csv"]]
+    for argv in commands:
+        assert main(argv) == 0, argv
+        out = capsys.readouterr().out
+        assert "\x1b" not in out and esc in out, (argv, out)
+        assert all(not ln.startswith("f.thist") and not ln.startswith("figs") for ln in out.splitlines()), out
+    assert main(["info", str(d / "missing.thist")]) == 1
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and f"{esc}/missing.thist" in err

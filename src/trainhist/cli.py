@@ -11,6 +11,7 @@ import codecs
 import contextlib
 import itertools
 import json
+import os
 import sys
 import zlib
 from typing import Callable, Iterator
@@ -86,10 +87,20 @@ def _n(n: int, one: str) -> str:
     return f"{n} {one}{'' if n == 1 else 's'}"
 
 
+def _shown(path: object) -> str:
+    """A path (the user's, or one derived from it) for a line of output: its control characters (a newline, ESC)
+    escaped, as in site names (:func:`~trainhist.triage.printable`). The bytes of a name the locale could not
+    decode (PEP 383's lone surrogates) are kept: the output writes them back as they were given."""
+    text = os.fsdecode(path) if isinstance(path, bytes) else str(path)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or "\udc80" <= c <= "\udcff" else printable(c) for c in text)
+
+
 def _torn_note(h: History, done: str) -> None:
     """Say that only the committed prefix of ``h`` (a torn tail) was ``done``: the exit status 3 alone says too
     little."""
-    print(f"  note: {h.path}: {h.recovery.describe()}; only the committed prefix was {done}")
+    print(f"  note: {_shown(h.path)}: {h.recovery.describe()}; only the committed prefix was {done}")
 
 
 def _status(h: History) -> int:
@@ -127,7 +138,7 @@ def _last_step(step: np.ndarray, span: np.ndarray) -> int:
 def _cmd_info(args: argparse.Namespace) -> int:
     with open_history(args.file) as h:
         run = h.run
-        print(f"file      {h.path} ({h.size} bytes{': an empty file' if h.size == 0 else ''})")
+        print(f"file      {_shown(h.path)} ({h.size} bytes{': an empty file' if h.size == 0 else ''})")
         if h.header is not None:
             print(f"format    read v{h.header.read_version}, write v{h.header.write_version}"
                   + (" (newer writer: read-only)" if h.read_only else ""))
@@ -184,7 +195,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(report, sort_keys=True))
         else:
-            print(f"{h.path}: {h.recovery.describe()}; {report['chunks']} chunks, {report['rows']} rows, "
+            print(f"{_shown(h.path)}: {h.recovery.describe()}; {report['chunks']} chunks, {report['rows']} rows, "
                   f"{report['sites']} sites verified")
         return _status(h)
 
@@ -220,12 +231,13 @@ def _print_report(rep, as_json: bool) -> None:
     # (a throughput of inputs under 1 MB is mostly fixed costs, and printed as 0.0 MB/s: the bytes and time instead)
     speed = (f"{rep.bytes_in / max(rep.seconds, 1e-9) / 1e6:.1f} MB/s of input" if rep.bytes_in >= 1e6
              else f"{_n(rep.bytes_in, 'input byte')} in {rep.seconds:.2f} s")
-    print(f"{rep.output}: {_n(rep.bytes_out, 'byte')}, {_n(rep.sites, 'site')}, {_n(rep.segments, 'segment')}, "
+    print(f"{_shown(rep.output)}: {_n(rep.bytes_out, 'byte')}, {_n(rep.sites, 'site')}, {_n(rep.segments, 'segment')}, "
           f"{_n(rep.rows_in, 'row')} in, {_n(rep.rows_out, 'row')} out ({speed})")
     for p in torn:
-        print(f"  note: {p} had a torn tail; its committed prefix was used")
+        print(f"  note: {_shown(p)} had a torn tail; its committed prefix was used")
     for d in rep.divergences:
-        print(f"  replica divergence: {printable(d['where'])}, step {d['step']}: {' vs '.join(d['files'])}")
+        files = " vs ".join(map(_shown, d["files"]))
+        print(f"  replica divergence: {printable(d['where'])}, step {d['step']}: {files}")
     more = rep.divergences_total - len(rep.divergences)
     if more > 0:  # (the report lists the first ones; --json has divergences_total)
         print(f"  ... and {more} more replica divergence{'' if more == 1 else 's'} "
@@ -295,7 +307,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         write = to_parquet if args.format == "parquet" else to_csv
         sites = None if args.sites is None else [_as_utf8(x) for x in args.sites]
         for e in write(h, args.output, streams=args.streams, sites=sites, phases=args.phases):
-            print(f"{e.path}: {_n(e.rows, 'row')}" if e.table != "manifests" else f"{e.path}: the manifests")
+            print(f"{_shown(e.path)}: {_n(e.rows, 'row') if e.table != 'manifests' else 'the manifests'}")
         if h.recovery.status != "clean":  # (as merge and triage say it: the exit status 3 alone says too little)
             _torn_note(h, "exported (its trainhist.recovery metadata says so too)")
         return _status(h)
@@ -383,7 +395,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     with open_history(args.file) as h:
         if not args.site:
             for page in contact_sheet(h, out, per_page=args.per_page):
-                print(page)
+                print(_shown(page))
         else:
             targets = _plot_targets(h, args)  # (every name is checked before a figure is drawn)
             out.mkdir(parents=True, exist_ok=True)
@@ -391,7 +403,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
                 stem = _file_stem([x for x in (s.path, s.stream, s.facet, phase if named else None) if x is not None])
                 for kind, draw in (("site", site_figure), ("waterfall", waterfall)):
                     draw(h, s.path, s.stream, s.facet, phase=phase, out=out / f"{stem}.{kind}.png")
-                    print(out / f"{stem}.{kind}.png")
+                    print(_shown(out / f"{stem}.{kind}.png"))
         if h.recovery.status != "clean":
             _torn_note(h, "drawn")
         return _status(h)
@@ -546,9 +558,10 @@ def _escaping_output() -> Iterator[None]:
 
 
 def _said(e: BaseException) -> str:
-    """An error's message for the terminal: names in it (any Unicode, from the file) with their control characters
-    escaped, as in every report (:func:`~trainhist.triage.printable`); its own line breaks kept."""
-    return "\n".join(printable(line) for line in str(e).split("\n"))
+    """An error's message for the terminal, on one line: the names and paths in it (any Unicode, from the file or
+    the user) with their control characters escaped, as in every report (:func:`~trainhist.triage.printable`); a
+    newline in a path was a line break no one could tell from the message's own."""
+    return printable(str(e))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -575,10 +588,11 @@ def _main(argv: list[str] | None) -> int:
     except BrokenPipeError:  # the reader of our output went away (`trainhist dump ... | head`): not an error
         return EXIT_OK
     except FileNotFoundError as e:
-        print(f"trainhist: error [not_found] {e.filename}: no such file", file=sys.stderr)
+        print(f"trainhist: error [not_found] {_shown(e.filename)}: no such file", file=sys.stderr)
         return EXIT_INVALID
     except OSError as e:  # permission denied, a directory, disk full: say so, no traceback
-        print(f"trainhist: error [io_error] {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        print(f"trainhist: error [io_error] {_shown(e.filename or '')}: {printable(str(e.strerror or e))}",
+              file=sys.stderr)
         return EXIT_INVALID
 
 
