@@ -627,21 +627,26 @@ def _not_replayed(step: np.ndarray, span: np.ndarray, segment: np.ndarray) -> np
 
 
 def _add_sketches(sk: SketchSeries, rows: np.ndarray, col: np.ndarray, n: int) -> np.ndarray:
-    """(n, 2 * bins) float64: the counts of sketch ``rows`` added into their column ``col`` (negative bins from the
-    largest magnitude down, then positive). Each bin is a u64, but a column's sum of them is not bounded by one (a
+    """(n, 2 * bins + 1) float64: the counts of sketch ``rows`` added into their column ``col`` (negative bins from
+    the largest magnitude down, then positive), and last the values of the four under/overflow bands, which no bin
+    of the image draws (a column of band values alone holds values, never "every count 0"). Each bin is a u64, but
+    a column's sum of them is not bounded by one (a
     merged file's micro-batch rows, a long history's columns): added as u64 it wrapped around (2 x 2^63 drew as 0,
     no color), and as float64 it is not exact past 2^53. The high and low 32 bits of the counts are added apart,
     exactly (:func:`_halves`, for fewer than 2^32 rows a column), and the sum is rounded once to float64
     (relative 2^-52: the log10 color is the same). Rows are made dense a block at a time, so memory grows with the
     columns, never with the rows (a dense copy of every row of a long history took gigabytes)."""
     nb = nbins(sk.scale)
-    hi = np.zeros((n, 2 * nb), np.uint64)
-    lo = np.zeros((n, 2 * nb), np.uint64)
+    hi = np.zeros((n, 2 * nb + 1), np.uint64)
+    lo = np.zeros((n, 2 * nb + 1), np.uint64)
     order = np.argsort(col, kind="stable")
     rows, col = rows[order], col[order]
     for k in range(0, rows.size, _BLOCK):
         part = sk._sparse.take(rows[k : k + _BLOCK])  # (the stored ranges; the package's own reader)
         b_hi, b_lo = _halves(np.concatenate([part.dense(1)[:, ::-1], part.dense(0)], axis=1))
+        band_hi, band_lo = _halves(np.stack(part.bands, axis=1))  # (4 u64 halves of < 2^32: no wrap)
+        b_hi = np.concatenate([b_hi, band_hi.sum(axis=1, dtype=np.uint64)[:, None]], axis=1)
+        b_lo = np.concatenate([b_lo, band_lo.sum(axis=1, dtype=np.uint64)[:, None]], axis=1)
         cols, first = np.unique(col[k : k + _BLOCK], return_index=True)
         hi[cols] += np.add.reduceat(b_hi, first, axis=0)
         lo[cols] += np.add.reduceat(b_lo, first, axis=0)
@@ -838,23 +843,30 @@ def _waterfall_axes(fig, ax, h: History, s: SpineSeries, sk: SketchSeries, title
                 x, img = np.r_[x, b], np.concatenate([img, blank_col], axis=1)
         if width == 1:  # (a column a row: a column without a sketch is cut where a row without numbers starts or ends)
             x, img = _split_blank(x, img, s, first, end, drawn)
+        img, banded = img[:-1], np.isfinite(img[-1])  # (the band values of each column: none drawn as a bin)
         mesh = ax.pcolormesh(x, np.linspace(-nb, nb, 2 * nb + 1), np.ma.masked_invalid(img), cmap="viridis",
                              shading="flat")
         if np.isfinite(img).any():
             fig.colorbar(mesh, ax=ax, pad=0.01,
                          label="log10 count" + (f", added over {width} steps" if width > 1 else ""))
         else:
-            ax.text(0.5, 0.5, "the sketches hold no non-zero finite value", ha="center", transform=ax.transAxes,
-                    bbox={"facecolor": "w", "alpha": 0.8, "edgecolor": "none"})
+            ax.text(0.5, 0.5, "the sketches hold no value inside the window (2^-48, 2^16]: theirs lie in the "
+                    "under/overflow bands" if banded.any() else "the sketches hold no non-zero finite value",
+                    ha="center", transform=ax.transAxes, bbox={"facecolor": "w", "alpha": 0.8, "edgecolor": "none"})
         blank = np.isnan(img).all(axis=0)
         inside = _hatch_missing(ax, x, blank, s, first, end, drawn, nb)
-        # (a sketch of no non-zero finite value: every count 0, log10 -inf; its row may hold zeros, never sketched)
+        # (a sketch of no non-zero finite value: every count 0, log10 -inf; its row may hold zeros, never sketched;
+        # one whose values all lie outside the window holds values, in the bands the image has no bin for)
         empty = ~blank & ~np.isfinite(img).any(axis=0)
-        if empty.any():
-            ax.broken_barh(list(zip(x[:-1][empty].tolist(), np.diff(x)[empty].tolist())), (-nb, 2 * nb),
-                           facecolor="w", edgecolor="0.75", hatch="|||", lw=0,
-                           label="a sketch with every count 0: no non-zero finite value (zeros and NaN/inf "
-                           "are never in a sketch)")
+        for here, hatch, label in (
+                (empty & ~banded, "|||", "a sketch with every count 0: no non-zero finite value (zeros and NaN/inf "
+                 "are never in a sketch)"),
+                (empty & banded, "+++", f"{int((empty & banded).sum())} column{'' if (empty & banded).sum() == 1 else 's'}"
+                 " whose sketches hold no value inside the window (2^-48, 2^16]: their values lie in the "
+                 "under/overflow bands, not drawn")):
+            if here.any():
+                ax.broken_barh(list(zip(x[:-1][here].tolist(), np.diff(x)[here].tolist())), (-nb, 2 * nb),
+                               facecolor="w", edgecolor="0.75", hatch=hatch, lw=0, label=label)
         ticks = np.linspace(-nb, nb, 9)
         ax.set_yticks(ticks)
         ax.set_yticklabels([f"{'-' if t < 0 else ''}2^{lo + abs(t) / nb * (hi - lo):.0f}" if t else "0"
