@@ -59,3 +59,24 @@ def test_a_waterfall_of_values_outside_the_window_does_not_say_no_value(tmp_path
         texts = _texts(waterfall(h, "a").axes[0])
     assert not any("no non-zero finite value" in t for t in texts), texts
     assert any("outside the window" in t and "100 values" in t for t in texts), texts
+
+
+def test_a_site_figure_says_where_derived_quantiles_lie_outside_the_window(tmp_path, close_figures) -> None:
+    """A quantile that falls in an under/overflow band has no bin to place it (NaN, never the window's edge): the
+    fan and median had a hole there while the legend said "every derived quantile ... within ±19%", and nothing
+    said why none was drawn. The legend says at how many rows a quantile is not drawn, and why."""
+    rng = np.random.default_rng(1)
+    p = tmp_path / "q.thist"
+    rows = {k: rng.standard_normal(100) for k in range(10)}
+    rows.update({k: rng.standard_normal(100) * 1e-20 for k in (3, 4)})  # (every quantile in the under band)
+    rows[7] = rng.standard_normal(100) * 1e7  # (most in the overflow band)
+    _band_history(p, rows)
+    with trainhist.open(p) as h:
+        texts = _texts(site_figure(h, "a").axes[0])
+    notes = [t for t in texts if "outside the window" in t]
+    assert notes and "3 of 10 sketched rows" in notes[0] and "not drawn" in notes[0], texts
+    p2 = tmp_path / "q2.thist"
+    _band_history(p2, {k: rng.standard_normal(100) for k in range(4)})
+    with trainhist.open(p2) as h:
+        texts = _texts(site_figure(h, "a").axes[0])
+    assert not any("outside the window" in t for t in texts), texts  # (every quantile placed: nothing to say)

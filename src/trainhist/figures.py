@@ -532,6 +532,13 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
             "the row's values: quantiles of that part, zeros estimated, no bound for the row's")
             + (f"; drawn only at the {f.size} of {int(obs.sum())} rows with values that have a "
                "sketch, never joined across a row without one" if unsketched.any() else "")))
+        # (a quantile in an under/overflow band has no bin to place it: NaN, a hole in the fan, said here)
+        outside = int(np.isnan(q[f]).any(axis=1).sum())
+        if outside:
+            notes.append(Line2D([], [], ls="none", label=(
+                f"at {outside} of {f.size} sketched rows a quantile (p5 to p95) lies outside the window "
+                "(2^-48, 2^16], in an under/overflow band where no bin places it: not drawn there (min / max "
+                "are)")))
     if obs.any():  # (before the marks: on the linear axis that values near +-1.8e308 autoscale, the limits'
         # span overflows and the marks' transform cannot be inverted, LinAlgError)
         lin = max(1e-12, float(np.nanmax(np.abs(np.r_[s.min[obs], s.max[obs], 1e-12]))) * 1e-3)
