@@ -80,3 +80,44 @@ def test_a_site_figure_says_where_derived_quantiles_lie_outside_the_window(tmp_p
     with trainhist.open(p2) as h:
         texts = _texts(site_figure(h, "a").axes[0])
     assert not any("outside the window" in t for t in texts), texts  # (every quantile placed: nothing to say)
+
+
+def test_contact_sheet_tiles_tell_the_states_without_numbers_apart(tmp_path, monkeypatch, close_figures) -> None:
+    """A tile marked every row without numbers in one grey, failed, unknown, skipped and absent alike (the key
+    said "grey: rows without numbers (failed, skipped, absent, unknown)"), so a failed reduction read as a site
+    that did not run. Each state has its own mark, in the colours of site_figure's strip, and the key names them."""
+    from matplotlib.colors import to_rgba
+    from matplotlib.figure import Figure
+
+    p = tmp_path / "states.thist"
+    states = {2: "failed", 4: "unknown", 6: "skipped", 8: "absent"}
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        a = w.site("a", "activation")
+        for st in range(10):
+            if st in states:
+                w.mark(a, st, states[st])
+            else:
+                w.observe(a, st, np.arange(4.0) + st)
+    drawn = []
+    real = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (real(self, *a, **k), drawn.append(self)))
+    with trainhist.open(p) as h:
+        contact_sheet(h, tmp_path / "sheet")
+    (fig,) = drawn
+    (tile,) = [ax for ax in fig.axes if ax.axison]
+    marks: dict[tuple, list[float]] = {}
+    for col in tile.collections:
+        segs = col.get_segments()
+        if segs and len(col.get_colors()):
+            key = (tuple(np.round(col.get_colors()[0], 3)), str(col.get_linestyle()[0]))
+            marks.setdefault(key, []).extend(float(s[0][0]) for s in segs)
+    by_x = {tuple(v): k for k, v in marks.items()}
+    assert sorted(by_x) == [(2.5,), (4.5,), (6.5,), (8.5,)], marks  # (one mark a state, each apart)
+    assert len(set(by_x.values())) == 4, marks
+    colors = {x[0]: k[0] for x, k in by_x.items()}
+    assert colors[4.5] == tuple(np.round(to_rgba("purple"), 3)) and colors[6.5] == tuple(np.round(to_rgba("orange"), 3))
+    (key,) = fig.legends
+    text = " ".join(" ".join(t.get_text().split()) for t in key.get_texts())
+    assert "missing, not zero" in text
+    for name in states.values():
+        assert name in text

@@ -14,7 +14,8 @@ a segment boundary.
   spine, and steps without a sketch are hatched by what the spine says of them (failed, unknown, skipped, absent:
   the colors of the site figure's strip; else "no sketch").
 - :func:`contact_sheet`: every site as a small tile, non-finite sites first then by drift, paginated with an
-  "N of M — page k of P" footer; nothing is silently left out.
+  "N of M — page k of P" footer; rows without numbers are marked in each state's color (failed, unknown, skipped,
+  absent); nothing is silently left out.
 """
 
 from __future__ import annotations
@@ -948,11 +949,15 @@ def _rank_key(h: History, site: Site, orders: dict[int, int]) -> tuple:
 
 
 _NONFINITE_TILE = "#fde0e0"  #: a contact-sheet tile's background where the site held NaN or ±inf
-_NO_NUMBERS_TILE = "0.6"  #: the color of a contact-sheet tile's marks of rows without numbers
+#: a contact-sheet tile's mark of the rows without numbers of each state (not_scheduled aside: the cadence did not
+#: call for them), in the colors of site_figure's strip; failed dashed, apart from the red line of non-finite rows
+_NO_NUMBERS_TILE = {Presence.FAILED: ("red", "--"), Presence.UNKNOWN: ("purple", "-"),
+                    Presence.SKIPPED: ("orange", "-"), Presence.ABSENT: ("0.4", "-")}
 
 
 def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: int = 6) -> list[Path]:
-    """Every site as a tile (rms over steps, exact min/max envelope), ranked "nonfinite first, then drift".
+    """Every site as a tile (the rms of each row over its steps; rows without numbers marked, each state in its
+    own color: failed, unknown, skipped, absent), ranked "nonfinite first, then drift".
 
     Returns the PNG pages written; each carries the footer "sites a–b of M — page k of P".
     """
@@ -975,8 +980,10 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
            Patch(facecolor=_NONFINITE_TILE, label="pink tile: the site held NaN or ±inf"),
            Line2D([], [], color="red", lw=0.5, label="red line: a row with NaN or ±inf"),
            Line2D([], [], color="k", ls="--", lw=0.8, label="dashed: segment boundary"),
-           Line2D([], [], color=_NO_NUMBERS_TILE, lw=2, label="grey: rows without numbers (failed, skipped, absent, "
-                  "unknown): missing, not zero")]
+           tuple(Line2D([], [], color=c, ls=ls, lw=1.5) for c, ls in _NO_NUMBERS_TILE.values())]
+    key_labels = [k.get_label() for k in key[:-1]] + [
+        "rows without numbers, missing, not zero: failed (red dashed), unknown (purple: rows, or due steps without "
+        "one), skipped (orange), absent (grey)"]
     pages = max(1, math.ceil(len(ranked) / per_page))
     written = []
     for k in range(pages):
@@ -1013,8 +1020,12 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
             hole, gap_from, gap_to = _due_gaps(s)
             _plot_rows(ax, start[r], end[r], s.rms[r], _joins(s, r, hole), lw=1, color="C0")
             # rows without numbers and due steps without a row: marked as missing, never a gap that says nothing
-            none = (s.presence != Presence.OBSERVED) & (s.presence != Presence.NOT_SCHEDULED)
-            _vmarks(ax, np.r_[start[none], gap_from], np.r_[end[none], gap_to], None, color=_NO_NUMBERS_TILE, lw=1)
+            for code, (color, ls) in _NO_NUMBERS_TILE.items():  # (each state its own mark: a failed reduction
+                none = s.presence == code  # is no site that did not run)
+                a_, b_ = start[none], end[none]
+                if code == Presence.UNKNOWN:
+                    a_, b_ = np.r_[a_, gap_from], np.r_[b_, gap_to]
+                _vmarks(ax, a_, b_, None, color=color, ls=ls, lw=1)
             _boundaries(ax, h, s.step, s.segment, lw=0.8)  # (a tile leaves out, unsaid, those beyond +-2^52)
             nf = s.observed & ((s.nan + s.pinf + s.ninf) > 0)
             if nf.any():
@@ -1055,7 +1066,7 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
             ax.tick_params(labelsize=5)
         # the key in as many columns as the page's width holds (one row on a wide page ran past both edges of a
         # narrow one), its labels wrapped in one column if need be; the page grows by the key's extra height
-        legend, extra = _fitted_key(fig, key)
+        legend, extra = _fitted_key(fig, key, key_labels)
         tall = fig.get_figheight() + extra  # (margins in inches: on a page of one row the footer hid the tick labels)
         fig.set_figheight(tall)
         legend.set_bbox_to_anchor((0.5, (0.12 + 0.1 * lines) / tall), transform=fig.transFigure)
@@ -1070,13 +1081,17 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
     return written
 
 
-def _fitted_key(fig: Any, key: list) -> tuple[Any, float]:
+def _fitted_key(fig: Any, key: list, labels: list[str]) -> tuple[Any, float]:
     """The contact sheet's legend in the most columns (up to one per entry) that fit the page's width, and how much
-    taller than one line of entries (inches) it is; in one column its labels are wrapped to the width."""
+    taller than one line of entries (inches) it is; in one column its labels are wrapped to the width. An entry
+    that is a tuple of handles draws them side by side."""
+    from matplotlib.legend_handler import HandlerTuple
+
     renderer = fig.canvas.get_renderer()
-    labels = [k.get_label() for k in key]
+    side = {tuple: HandlerTuple(ndivide=None, pad=0.3)}
     for n in range(len(key), 0, -1):
-        legend = fig.legend(handles=key, labels=labels, loc="lower center", ncols=n, fontsize=6, frameon=False)
+        legend = fig.legend(handles=key, labels=labels, loc="lower center", ncols=n, fontsize=6, frameon=False,
+                            handler_map=side)
         box = legend.get_window_extent(renderer)
         if box.width <= 0.98 * fig.bbox.width:
             break
@@ -1085,7 +1100,7 @@ def _fitted_key(fig: Any, key: list) -> tuple[Any, float]:
             chars = max(20, int(0.98 * fig.get_figwidth() * 72 / 3.3) - 6)
             labels = [textwrap.fill(t, chars) for t in labels]
             legend = fig.legend(handles=key, labels=labels, loc="lower center", ncols=1, fontsize=6,
-                                frameon=False)
+                                frameon=False, handler_map=side)
             box = legend.get_window_extent(renderer)
     one_line = 0.12  # (inches: the key's height as one row of one-line entries, which the layout leaves room for)
     return legend, max(0.0, box.height / fig.dpi - one_line)
