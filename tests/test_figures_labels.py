@@ -10,7 +10,7 @@ import trainhist
 
 pytest.importorskip("matplotlib")
 
-from trainhist.figures import contact_sheet, site_figure, waterfall  # noqa: E402
+from trainhist.figures import contact_sheet, site_figure, waterfall
 
 FAST = dict(fsync="never")
 
@@ -121,3 +121,29 @@ def test_contact_sheet_tiles_tell_the_states_without_numbers_apart(tmp_path, mon
     assert "missing, not zero" in text
     for name in states.values():
         assert name in text
+
+
+def test_a_waterfall_hatches_not_scheduled_rows_apart_from_rows_without_a_sketch(tmp_path, close_figures) -> None:
+    """A ``not_scheduled`` row (no numbers: the writer did not plan one) was hatched as "no sketch at these steps",
+    like a row observed without a sketch (it has numbers): two states of spec 2.6 drawn as one. Each is its own
+    hatch and legend entry now, as in site_figure's strip."""
+    p = tmp_path / "ns.thist"
+    x = np.arange(1.0, 5.0)
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        a = w.site("a", "activation")
+        w.observe(a, 0, x)
+        w.mark(a, 1, "not_scheduled")
+        w.observe(a, 2, x, sketch=False)
+        w.observe(a, 3, x)
+        w.mark(a, 4, "absent")
+        w.observe(a, 5, x)
+    with trainhist.open(p) as h:
+        ax = waterfall(h, "a").axes[0]
+    texts = _texts(ax)
+    assert "not_scheduled: 1 row without numbers" in texts, texts
+    assert "no sketch at these steps (missing, not zero)" in texts and "absent: 1 row without numbers" in texts
+    hatched = {}
+    for col in ax.collections[1:]:  # (the mesh first, then the hatches)
+        for path in col.get_paths():
+            hatched[float(path.vertices[:, 0].min())] = col.get_hatch()
+    assert len({hatched[0.5], hatched[1.5], hatched[3.5]}) == 3, hatched  # (steps 1, 2, 4: three states)

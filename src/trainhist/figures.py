@@ -11,8 +11,8 @@ a segment boundary.
   axis.
 - :func:`waterfall`: steps × signed-log2 bins, the sketch counts as they are stored (never rebinned); a long
   history's rows are added into at most about one column a pixel (labelled); the axis covers every step of the
-  spine, and steps without a sketch are hatched by what the spine says of them (failed, unknown, skipped, absent:
-  the colors of the site figure's strip; else "no sketch").
+  spine, and steps without a sketch are hatched by what the spine says of them (failed, unknown, skipped, absent,
+  not_scheduled: the colors of the site figure's strip; else "no sketch").
 - :func:`contact_sheet`: every site as a small tile, non-finite sites first then by drift, paginated with an
   "N of M — page k of P" footer; rows without numbers are marked in each state's color (failed, unknown, skipped,
   absent); nothing is silently left out.
@@ -698,14 +698,15 @@ def _column_bins(step: np.ndarray, span: np.ndarray, segment: np.ndarray) -> tup
 #: how a waterfall hatches a column without a sketch, by the state of the spine's rows there (the colors of
 #: site_figure's "no data" strip); the first that occurs in a column names it, else the column is "no sketch"
 _NO_SKETCH = ((Presence.FAILED, "xxx", "red"), (Presence.UNKNOWN, "\\\\\\", "purple"),
-              (Presence.SKIPPED, "---", "orange"), (Presence.ABSENT, "...", "0.3"))
+              (Presence.SKIPPED, "---", "orange"), (Presence.ABSENT, "...", "0.3"),
+              (Presence.NOT_SCHEDULED, "oo", "0.6"))
 
 
 def _split_blank(x: np.ndarray, img: np.ndarray, s: SpineSeries, first: np.ndarray, end: np.ndarray,
                  drawn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Cut the columns without a sketch of ``img`` (edges ``x``) at the first and end step of every row without
-    numbers (failed, unknown, skipped, absent) and of every run of due steps without a row, so that each part is
-    hatched by its own state (:func:`_hatch_missing`)."""
+    numbers (failed, unknown, skipped, absent, not_scheduled) and of every run of due steps without a row, so that
+    each part is hatched by its own state (:func:`_hatch_missing`)."""
     _, gap_from, gap_to = _due_gaps(s)
     sel = drawn & np.isin(s.presence, [code for code, _, _ in _NO_SKETCH])
     cuts = np.r_[first[sel], end[sel], gap_from, gap_to].astype(np.float64) - 0.5
@@ -722,9 +723,9 @@ def _split_blank(x: np.ndarray, img: np.ndarray, s: SpineSeries, first: np.ndarr
 def _hatch_missing(ax, x: np.ndarray, blank: np.ndarray, s: SpineSeries, first: np.ndarray, end: np.ndarray,
                    drawn: np.ndarray, nb: int) -> int:
     """Hatch the columns without a sketch (``blank``; edges ``x``) by what the spine says of their steps: failed,
-    unknown (rows, or steps its cadence called for without a row), skipped or absent rows each with their own hatch
-    and color, the first of those in a column naming it, and the other columns (rows observed without a sketch,
-    ``not_scheduled`` rows, steps nothing was due at) "no sketch"; every one is missing, never zero. Returns how
+    unknown (rows, or steps its cadence called for without a row), skipped, absent or ``not_scheduled`` rows each
+    with their own hatch and color, the first of those in a column naming it, and the other columns (rows observed
+    without a sketch, steps nothing was due at) "no sketch"; every one is missing, never zero. Returns how
     many rows without numbers lie in columns that hold sketches (a long history's added columns), which no hatch
     can mark."""
     n = blank.size
@@ -866,12 +867,13 @@ def _waterfall_axes(fig, ax, h: History, s: SpineSeries, sk: SketchSeries, title
         # (a sketch of no non-zero finite value: every count 0, log10 -inf; its row may hold zeros, never sketched;
         # one whose values all lie outside the window holds values, in the bands the image has no bin for)
         empty = ~blank & ~np.isfinite(img).any(axis=0)
+        nband = int((empty & banded).sum())
         for here, hatch, label in (
-                (empty & ~banded, "|||", "a sketch with every count 0: no non-zero finite value (zeros and NaN/inf "
-                 "are never in a sketch)"),
-                (empty & banded, "+++", f"{int((empty & banded).sum())} column{'' if (empty & banded).sum() == 1 else 's'}"
-                 " whose sketches hold no value inside the window (2^-48, 2^16]: their values lie in the "
-                 "under/overflow bands, not drawn")):
+                (empty & ~banded, "|||", ("a sketch with every count 0: no non-zero finite value (zeros and "
+                                          "NaN/inf are never in a sketch)")),
+                (empty & banded, "+++", (f"{nband} column{'' if nband == 1 else 's'} whose sketches hold no value "
+                                         "inside the window (2^-48, 2^16]: their values lie in the under/overflow "
+                                         "bands, not drawn"))):
             if here.any():
                 ax.broken_barh(list(zip(x[:-1][here].tolist(), np.diff(x)[here].tolist())), (-nb, 2 * nb),
                                facecolor="w", edgecolor="0.75", hatch=hatch, lw=0, label=label)
@@ -982,8 +984,8 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
            Line2D([], [], color="k", ls="--", lw=0.8, label="dashed: segment boundary"),
            tuple(Line2D([], [], color=c, ls=ls, lw=1.5) for c, ls in _NO_NUMBERS_TILE.values())]
     key_labels = [k.get_label() for k in key[:-1]] + [
-        "rows without numbers, missing, not zero: failed (red dashed), unknown (purple: rows, or due steps without "
-        "one), skipped (orange), absent (grey)"]
+        ("rows without numbers, missing, not zero: failed (red dashed), unknown (purple: rows, or due steps without "
+         "one), skipped (orange), absent (grey)")]
     pages = max(1, math.ceil(len(ranked) / per_page))
     written = []
     for k in range(pages):
