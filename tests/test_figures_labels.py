@@ -147,3 +147,19 @@ def test_a_waterfall_hatches_not_scheduled_rows_apart_from_rows_without_a_sketch
         for path in col.get_paths():
             hatched[float(path.vertices[:, 0].min())] = col.get_hatch()
     assert len({hatched[0.5], hatched[1.5], hatched[3.5]}) == 3, hatched  # (steps 1, 2, 4: three states)
+
+
+def test_a_site_figure_says_how_wide_the_linear_part_of_its_axis_is(tmp_path, close_figures) -> None:
+    """The value axis is symlog, linear within a thousandth of the largest magnitude: rows of values near 1e-20
+    beside rows near 1 drew their exact min and max on the 0 tick, as if every value were 0, and the axis said only
+    "symlog". The label says where the axis is linear (values within it sit near 0, and are not 0)."""
+    rng = np.random.default_rng(2)
+    p = tmp_path / "lin.thist"
+    _band_history(p, {0: rng.standard_normal(50) * 2.0, 1: rng.standard_normal(50) * 1e-20})
+    with trainhist.open(p) as h:
+        s = h.spine("a", "activation")
+        ax = site_figure(h, "a").axes[0]
+    lin = ax.yaxis.get_transform().linthresh
+    label = " ".join(ax.get_ylabel().split())
+    assert f"linear within ±{lin:.2g}" in label, label
+    assert lin == pytest.approx(1e-3 * float(np.nanmax(np.abs(np.r_[s.min, s.max]))))

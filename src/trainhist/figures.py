@@ -564,7 +564,8 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
         more = strip.get_legend_handles_labels()
         handles, labels = handles + more[0], labels + more[1]
     (ax if strip is None else strip).set_xlabel("step")
-    ax.set_ylabel("value (symlog)")
+    # (values within the linear part sit near the 0 tick without being 0: the label says how far it reaches)
+    ax.set_ylabel(f"value (symlog, linear within ±{lin:.2g})" if obs.any() else "value")
     ax.legend(handles, [textwrap.fill(t, 48) for t in labels], fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1),
               borderaxespad=0)  # (beside the values, which it would hide)
     fig.tight_layout()
