@@ -163,3 +163,22 @@ def test_a_site_figure_says_how_wide_the_linear_part_of_its_axis_is(tmp_path, cl
     label = " ".join(ax.get_ylabel().split())
     assert f"linear within ±{lin:.2g}" in label, label
     assert lin == pytest.approx(1e-3 * float(np.nanmax(np.abs(np.r_[s.min, s.max]))))
+
+
+def test_a_waterfall_says_which_sketches_hold_only_part_of_their_rows_values(tmp_path, close_figures) -> None:
+    """A coarsened window whose steps were sketched at a sparser cadence has a sketch of those steps' values alone
+    (spec 11.2): its column drew a fraction of the window's counts as if they were all of them (site_figure says so
+    of its quantiles; the waterfall said nothing). The title says how many sketches hold part of their row."""
+    rng = np.random.default_rng(4)
+    p = tmp_path / "sparse.thist"
+    with trainhist.HistoryWriter(p, **FAST) as w:
+        a = w.site("a", "activation")
+        for step in range(20):
+            w.observe(a, step, rng.standard_normal(40), sketch=step % 3 == 0 or step >= 15)
+    trainhist.coarsen(p, tmp_path / "c.thist", steps=5)
+    with trainhist.open(tmp_path / "c.thist") as h:
+        title = " ".join(waterfall(h, "a").axes[0].get_title().split())
+    assert "3 of 4 sketches hold only part of their row's values" in title, title  # (the last window: all 5)
+    with trainhist.open(p) as h:
+        title = " ".join(waterfall(h, "a").axes[0].get_title().split())
+    assert "only part" not in title, title

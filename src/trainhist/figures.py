@@ -784,6 +784,12 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
     for g in present:
         groups.setdefault(runs.get(g, ()), []).append(g)
     panels = sorted(groups.values()) or [[]]
+    # a sketch may hold part of its row's values (a coarsened window sketched at a sparser cadence, spec 11.2): its
+    # column counts that part alone, and the title says how many do
+    at = np.zeros(len(sk), np.int64)
+    with_sketch = s.sk_row >= 0
+    at[s.sk_row[with_sketch]] = np.flatnonzero(with_sketch)
+    partial = ~_covers_row(s, sk, at) if len(sk) else np.zeros(0, bool)
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 4 if len(panels) == 1 else 3.2 * len(panels)),
                              sharex=True, squeeze=False)
     for i, (ax, segs) in enumerate(zip(axes[:, 0], panels)):
@@ -793,8 +799,10 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
                                                  + (" (another run)" if i else "") + f": segment"
                                                  f"{'s' if len(segs) > 1 else ''} {', '.join(map(str, segs))}")
         ss = _rows(s, np.isin(s.segment, segs)) if len(panels) > 1 else s
-        sks = _sketch_rows(sk, np.isin(sk.columns["segment"], segs)) if len(panels) > 1 else sk
-        _waterfall_axes(fig, ax, h, ss, sks, title, segs if len(panels) > 1 else None, last=i == len(panels) - 1)
+        mine = np.isin(sk.columns["segment"], segs) if len(panels) > 1 else np.ones(len(sk), bool)
+        sks = _sketch_rows(sk, mine) if len(panels) > 1 else sk
+        _waterfall_axes(fig, ax, h, ss, sks, title, segs if len(panels) > 1 else None, last=i == len(panels) - 1,
+                        partial=partial[mine])
     if out is not None:
         fig.savefig(out, dpi=120)
         plt.close(fig)
@@ -814,9 +822,9 @@ def _sketch_rows(sk: SketchSeries, sel: np.ndarray) -> SketchSeries:
 
 
 def _waterfall_axes(fig, ax, h: History, s: SpineSeries, sk: SketchSeries, title: str, segments: list[int] | None,
-                    last: bool = True) -> None:
+                    last: bool = True, partial: np.ndarray | None = None) -> None:
     """Draw the waterfall of ``s`` and ``sk`` (the rows of one run's segments, ``segments``; None: every row) on
-    ``ax`` and set its title."""
+    ``ax`` and set its title. ``partial``: whether each sketch row of ``sk`` holds only part of its row's values."""
     from matplotlib import patheffects
 
     first, end = _extent(s)
@@ -831,6 +839,7 @@ def _waterfall_axes(fig, ax, h: History, s: SpineSeries, sk: SketchSeries, title
         keep = _not_replayed(step, span, seg)
         replaced = int(step.size - keep.sum())
         rows = np.flatnonzero(keep)
+        npart = int(partial[rows].sum()) if partial is not None else 0
         step, span, seg = step[rows], span[rows], seg[rows]
         if int((step + span).max()) - int(step.min()) <= _MAX_COLUMNS * int(span.min()):  # a column per row
             keys, inv = np.unique(np.stack([step, span], axis=1), axis=0, return_inverse=True)
@@ -889,6 +898,8 @@ def _waterfall_axes(fig, ax, h: History, s: SpineSeries, sk: SketchSeries, title
                   + (f" · {overlapped} rows overlapping later ones cut or left out" if overlapped else "")
                   + (f" · {past} rows reaching past their column's steps added where they begin" if past else "")
                   + (f" · {replaced} rows of a segment a resume replayed not drawn" if replaced else "")
+                  + (f" · {npart} of {rows.size} sketches hold only part of their row's values (sketched at a "
+                     "sparser cadence): their columns count that part alone" if npart else "")
                   + (f" · {inside} row{' without numbers lies' if inside == 1 else 's without numbers lie'} in "
                      "columns that hold sketches: not marked here (see site_figure's strip)" if inside else ""))
         beyond = _boundaries(ax, h, sk.columns["step"], sk.columns["segment"], segments=segments, lw=1.5,
