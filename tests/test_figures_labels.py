@@ -182,3 +182,32 @@ def test_a_waterfall_says_which_sketches_hold_only_part_of_their_rows_values(tmp
     with trainhist.open(p) as h:
         title = " ".join(waterfall(h, "a").axes[0].get_title().split())
     assert "only part" not in title, title
+
+
+def test_a_mean_from_sums_of_a_newer_writers_method_claims_no_bound(tmp_path, close_figures) -> None:
+    """Sum methods 3 to 254 are a newer writer's: a reader takes them with their bound unknown (spec 5.4). The site
+    figure's mean line read "from sums: code-7, bounded (spec 5.4)", a bound nobody stated."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from history_helpers import obs_payload, rewrite
+
+    p = tmp_path / "m.thist"
+    with trainhist.HistoryWriter(p, codec="raw", **FAST) as w:
+        a = w.site("a", "activation")
+        for step in range(2):
+            t = trainhist.summarize(np.array([1.0, 2.0, 4.0]), sketch=False)
+            t.sum_method = trainhist.SumMethod.F64
+            w.observe(a, step, summary=t)
+    data = bytearray(p.read_bytes())
+    pos, payload, cols = obs_payload(bytes(data), 0)
+    _, _, _, off, slen, _ = cols["method"]
+    payload[off : off + slen] = bytes([7]) * slen
+    rewrite(data, pos, bytes(payload))
+    p.write_bytes(bytes(data))
+    with trainhist.open(p) as h:
+        assert h.spine("a", "activation").columns["method"].tolist() == [7, 7]
+        texts = _texts(site_figure(h, "a").axes[0])
+    (mean,) = [t for t in texts if t.startswith("mean")]
+    assert "code-7" in mean and "bounded" not in mean and "no bound known" in mean, mean

@@ -270,8 +270,12 @@ def _sums_note(s: SpineSeries, rows: np.ndarray) -> str:
     methods = {SumMethod.NAMES.get(int(m), f"code-{int(m)}") for m in s.columns["method"][rows].tolist()}
     lost = int((~s.sums_known[rows]).sum())
     methods.discard("unknown")
+    # (codes 3 to 254 are a newer writer's methods: a reader knows no bound of theirs, spec 5.4)
+    newer = {m for m in methods if m.startswith("code-")}
+    parts = ([f"{', '.join(sorted(methods - newer))}, bounded (spec 5.4)"] if methods - newer else []) + (
+        [f"{', '.join(sorted(newer))}: a newer writer's method, no bound known"] if newer else [])
     how = ("from exact sums" if methods == {"exact"} else
-           f"from sums: {', '.join(sorted(methods))}, bounded (spec 5.4)" if methods else "no sums known")
+           f"from sums: {'; '.join(parts)}" if methods else "no sums known")
     left = f"; {lost} {'row' if lost == 1 else 'rows'} with unknown sums left out" if lost else ""
     return f"({how}{left})"
 
@@ -1008,7 +1012,8 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
         footer = textwrap.fill(
             (f"sites {a}–{b} of {len(ranked)}" if ranked else "no sites (the file names none)")
             + f" — page {k + 1} of {pages} · each tile: the rms of each row (from its "
-            "sums, exact or within their method's bound; rows with unknown sums left out; in the site's own units) "
+            "sums: exact, or within their method's bound where spec 5.4 states one; rows with unknown sums left out; "
+            "in the site's own units) "
             "over its steps, a coarsened row over its window; a log axis where the rms spans a decade or more · "
             "ranked: sites with non-finite values first (earliest step, then pass), then the others by drift "
             "|log(rms last / rms first)|, largest first", int(2.4 * cols * 72 / (0.6 * 6)))  # (the page's width)
