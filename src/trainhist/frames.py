@@ -82,8 +82,8 @@ COLUMN_NOTES: dict[str, dict[str, str]] = {
         "min": "exact: the least finite value; NaN where none or not observed",
         "max": "exact: the greatest finite value; NaN where none or not observed",
         "sum": "approximate: the stored sum rounded to float64 (SpineSeries.sum_exact has it exactly), which is "
-               "the tensor's within the bound of method (spec 5.4: exact for method exact); NaN where unknown or "
-               "not observed",
+               "the tensor's within the bound of method (spec 5.4: exact for method exact; no bound known for a "
+               "newer writer's code-N); NaN where unknown or not observed",
         "sumsq": "approximate: the stored sum of squares rounded to float64, as sum",
         "method": "exact: how sum and sumsq relate to the tensor's (spec 5.4)",
         "mean": "approximate: derived, sum / finite values, rounded to float64 (within method's bound); NaN where "
