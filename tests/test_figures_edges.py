@@ -401,8 +401,8 @@ def test_contact_sheet_footer_fits_and_tiles_say_what_is_missing(tmp_path, monke
     """The footer ("sites a–b of M — page k of P", what a tile shows, the ranking) was one line wider than the page:
     both ends cut off, the page count among them. A tile whose rows all failed was an empty 0..1 axis, an all-NaN
     one an axis of -0.04..0.04 (values near 0?), and failed rows between values an unmarked gap; a tile of rms 2..6
-    was a log axis with no tick in it. Each is said now: rows without numbers are marked grey (the key says:
-    missing, not zero)."""
+    was a log axis with no tick in it. Each is said now: rows without numbers are marked, each state in its own
+    color (failed red dashed; the key says: missing, not zero)."""
     from matplotlib.colors import to_rgba
     from matplotlib.figure import Figure
 
@@ -439,9 +439,9 @@ def test_contact_sheet_footer_fits_and_tiles_say_what_is_missing(tmp_path, monke
     assert [t.get_text() for t in tiles["nan"].texts] == ["no row holds a finite value"]
     assert [t.get_text() for t in tiles["failed"].texts] == ["no row with numbers"]
     assert not tiles["nan"].get_yticks().size and not tiles["failed"].get_yticks().size
-    grey = to_rgba("0.6")
+    red = to_rgba("red")
     marks = [sorted(seg[0][0] for seg in col.get_segments()) for col in tiles["gap"].collections
-             if col.get_segments() and tuple(col.get_colors()[0]) == grey]
+             if col.get_segments() and tuple(col.get_colors()[0]) == red]
     assert marks == [[2.5, 3.5]]
     ok = tiles["ok"]
     lo, hi = ok.get_ylim()

@@ -11,10 +11,11 @@ a segment boundary.
   axis.
 - :func:`waterfall`: steps × signed-log2 bins, the sketch counts as they are stored (never rebinned); a long
   history's rows are added into at most about one column a pixel (labelled); the axis covers every step of the
-  spine, and steps without a sketch are hatched by what the spine says of them (failed, unknown, skipped, absent:
-  the colors of the site figure's strip; else "no sketch").
+  spine, and steps without a sketch are hatched by what the spine says of them (failed, unknown, skipped, absent,
+  not_scheduled: the colors of the site figure's strip; else "no sketch").
 - :func:`contact_sheet`: every site as a small tile, non-finite sites first then by drift, paginated with an
-  "N of M — page k of P" footer; nothing is silently left out.
+  "N of M — page k of P" footer; rows without numbers are marked in each state's color (failed, unknown, skipped,
+  absent); nothing is silently left out.
 """
 
 from __future__ import annotations
@@ -269,8 +270,12 @@ def _sums_note(s: SpineSeries, rows: np.ndarray) -> str:
     methods = {SumMethod.NAMES.get(int(m), f"code-{int(m)}") for m in s.columns["method"][rows].tolist()}
     lost = int((~s.sums_known[rows]).sum())
     methods.discard("unknown")
+    # (codes 3 to 254 are a newer writer's methods: a reader knows no bound of theirs, spec 5.4)
+    newer = {m for m in methods if m.startswith("code-")}
+    parts = ([f"{', '.join(sorted(methods - newer))}, bounded (spec 5.4)"] if methods - newer else []) + (
+        [f"{', '.join(sorted(newer))}: a newer writer's method, no bound known"] if newer else [])
     how = ("from exact sums" if methods == {"exact"} else
-           f"from sums: {', '.join(sorted(methods))}, bounded (spec 5.4)" if methods else "no sums known")
+           f"from sums: {'; '.join(parts)}" if methods else "no sums known")
     left = f"; {lost} {'row' if lost == 1 else 'rows'} with unknown sums left out" if lost else ""
     return f"({how}{left})"
 
@@ -532,6 +537,13 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
             "the row's values: quantiles of that part, zeros estimated, no bound for the row's")
             + (f"; drawn only at the {f.size} of {int(obs.sum())} rows with values that have a "
                "sketch, never joined across a row without one" if unsketched.any() else "")))
+        # (a quantile in an under/overflow band has no bin to place it: NaN, a hole in the fan, said here)
+        outside = int(np.isnan(q[f]).any(axis=1).sum())
+        if outside:
+            notes.append(Line2D([], [], ls="none", label=(
+                f"at {outside} of {f.size} sketched rows a quantile (p5 to p95) lies outside the window "
+                "(2^-48, 2^16], in an under/overflow band where no bin places it: not drawn there (min / max "
+                "are)")))
     if obs.any():  # (before the marks: on the linear axis that values near +-1.8e308 autoscale, the limits'
         # span overflows and the marks' transform cannot be inverted, LinAlgError)
         lin = max(1e-12, float(np.nanmax(np.abs(np.r_[s.min[obs], s.max[obs], 1e-12]))) * 1e-3)
@@ -556,7 +568,8 @@ def site_figure(h: History, path: str, stream: str = "activation", facet: str | 
         more = strip.get_legend_handles_labels()
         handles, labels = handles + more[0], labels + more[1]
     (ax if strip is None else strip).set_xlabel("step")
-    ax.set_ylabel("value (symlog)")
+    # (values within the linear part sit near the 0 tick without being 0: the label says how far it reaches)
+    ax.set_ylabel(f"value (symlog, linear within ±{lin:.2g})" if obs.any() else "value")
     ax.legend(handles, [textwrap.fill(t, 48) for t in labels], fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1),
               borderaxespad=0)  # (beside the values, which it would hide)
     fig.tight_layout()
@@ -627,21 +640,26 @@ def _not_replayed(step: np.ndarray, span: np.ndarray, segment: np.ndarray) -> np
 
 
 def _add_sketches(sk: SketchSeries, rows: np.ndarray, col: np.ndarray, n: int) -> np.ndarray:
-    """(n, 2 * bins) float64: the counts of sketch ``rows`` added into their column ``col`` (negative bins from the
-    largest magnitude down, then positive). Each bin is a u64, but a column's sum of them is not bounded by one (a
+    """(n, 2 * bins + 1) float64: the counts of sketch ``rows`` added into their column ``col`` (negative bins from
+    the largest magnitude down, then positive), and last the values of the four under/overflow bands, which no bin
+    of the image draws (a column of band values alone holds values, never "every count 0"). Each bin is a u64, but
+    a column's sum of them is not bounded by one (a
     merged file's micro-batch rows, a long history's columns): added as u64 it wrapped around (2 x 2^63 drew as 0,
     no color), and as float64 it is not exact past 2^53. The high and low 32 bits of the counts are added apart,
     exactly (:func:`_halves`, for fewer than 2^32 rows a column), and the sum is rounded once to float64
     (relative 2^-52: the log10 color is the same). Rows are made dense a block at a time, so memory grows with the
     columns, never with the rows (a dense copy of every row of a long history took gigabytes)."""
     nb = nbins(sk.scale)
-    hi = np.zeros((n, 2 * nb), np.uint64)
-    lo = np.zeros((n, 2 * nb), np.uint64)
+    hi = np.zeros((n, 2 * nb + 1), np.uint64)
+    lo = np.zeros((n, 2 * nb + 1), np.uint64)
     order = np.argsort(col, kind="stable")
     rows, col = rows[order], col[order]
     for k in range(0, rows.size, _BLOCK):
         part = sk._sparse.take(rows[k : k + _BLOCK])  # (the stored ranges; the package's own reader)
         b_hi, b_lo = _halves(np.concatenate([part.dense(1)[:, ::-1], part.dense(0)], axis=1))
+        band_hi, band_lo = _halves(np.stack(part.bands, axis=1))  # (4 u64 halves of < 2^32: no wrap)
+        b_hi = np.concatenate([b_hi, band_hi.sum(axis=1, dtype=np.uint64)[:, None]], axis=1)
+        b_lo = np.concatenate([b_lo, band_lo.sum(axis=1, dtype=np.uint64)[:, None]], axis=1)
         cols, first = np.unique(col[k : k + _BLOCK], return_index=True)
         hi[cols] += np.add.reduceat(b_hi, first, axis=0)
         lo[cols] += np.add.reduceat(b_lo, first, axis=0)
@@ -685,14 +703,15 @@ def _column_bins(step: np.ndarray, span: np.ndarray, segment: np.ndarray) -> tup
 #: how a waterfall hatches a column without a sketch, by the state of the spine's rows there (the colors of
 #: site_figure's "no data" strip); the first that occurs in a column names it, else the column is "no sketch"
 _NO_SKETCH = ((Presence.FAILED, "xxx", "red"), (Presence.UNKNOWN, "\\\\\\", "purple"),
-              (Presence.SKIPPED, "---", "orange"), (Presence.ABSENT, "...", "0.3"))
+              (Presence.SKIPPED, "---", "orange"), (Presence.ABSENT, "...", "0.3"),
+              (Presence.NOT_SCHEDULED, "oo", "0.6"))
 
 
 def _split_blank(x: np.ndarray, img: np.ndarray, s: SpineSeries, first: np.ndarray, end: np.ndarray,
                  drawn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Cut the columns without a sketch of ``img`` (edges ``x``) at the first and end step of every row without
-    numbers (failed, unknown, skipped, absent) and of every run of due steps without a row, so that each part is
-    hatched by its own state (:func:`_hatch_missing`)."""
+    numbers (failed, unknown, skipped, absent, not_scheduled) and of every run of due steps without a row, so that
+    each part is hatched by its own state (:func:`_hatch_missing`)."""
     _, gap_from, gap_to = _due_gaps(s)
     sel = drawn & np.isin(s.presence, [code for code, _, _ in _NO_SKETCH])
     cuts = np.r_[first[sel], end[sel], gap_from, gap_to].astype(np.float64) - 0.5
@@ -709,9 +728,9 @@ def _split_blank(x: np.ndarray, img: np.ndarray, s: SpineSeries, first: np.ndarr
 def _hatch_missing(ax, x: np.ndarray, blank: np.ndarray, s: SpineSeries, first: np.ndarray, end: np.ndarray,
                    drawn: np.ndarray, nb: int) -> int:
     """Hatch the columns without a sketch (``blank``; edges ``x``) by what the spine says of their steps: failed,
-    unknown (rows, or steps its cadence called for without a row), skipped or absent rows each with their own hatch
-    and color, the first of those in a column naming it, and the other columns (rows observed without a sketch,
-    ``not_scheduled`` rows, steps nothing was due at) "no sketch"; every one is missing, never zero. Returns how
+    unknown (rows, or steps its cadence called for without a row), skipped, absent or ``not_scheduled`` rows each
+    with their own hatch and color, the first of those in a column naming it, and the other columns (rows observed
+    without a sketch, steps nothing was due at) "no sketch"; every one is missing, never zero. Returns how
     many rows without numbers lie in columns that hold sketches (a long history's added columns), which no hatch
     can mark."""
     n = blank.size
@@ -769,6 +788,12 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
     for g in present:
         groups.setdefault(runs.get(g, ()), []).append(g)
     panels = sorted(groups.values()) or [[]]
+    # a sketch may hold part of its row's values (a coarsened window sketched at a sparser cadence, spec 11.2): its
+    # column counts that part alone, and the title says how many do
+    at = np.zeros(len(sk), np.int64)
+    with_sketch = s.sk_row >= 0
+    at[s.sk_row[with_sketch]] = np.flatnonzero(with_sketch)
+    partial = ~_covers_row(s, sk, at) if len(sk) else np.zeros(0, bool)
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 4 if len(panels) == 1 else 3.2 * len(panels)),
                              sharex=True, squeeze=False)
     for i, (ax, segs) in enumerate(zip(axes[:, 0], panels)):
@@ -778,8 +803,10 @@ def waterfall(h: History, path: str, stream: str = "activation", facet: str | No
                                                  + (" (another run)" if i else "") + f": segment"
                                                  f"{'s' if len(segs) > 1 else ''} {', '.join(map(str, segs))}")
         ss = _rows(s, np.isin(s.segment, segs)) if len(panels) > 1 else s
-        sks = _sketch_rows(sk, np.isin(sk.columns["segment"], segs)) if len(panels) > 1 else sk
-        _waterfall_axes(fig, ax, h, ss, sks, title, segs if len(panels) > 1 else None, last=i == len(panels) - 1)
+        mine = np.isin(sk.columns["segment"], segs) if len(panels) > 1 else np.ones(len(sk), bool)
+        sks = _sketch_rows(sk, mine) if len(panels) > 1 else sk
+        _waterfall_axes(fig, ax, h, ss, sks, title, segs if len(panels) > 1 else None, last=i == len(panels) - 1,
+                        partial=partial[mine])
     if out is not None:
         fig.savefig(out, dpi=120)
         plt.close(fig)
@@ -799,9 +826,9 @@ def _sketch_rows(sk: SketchSeries, sel: np.ndarray) -> SketchSeries:
 
 
 def _waterfall_axes(fig, ax, h: History, s: SpineSeries, sk: SketchSeries, title: str, segments: list[int] | None,
-                    last: bool = True) -> None:
+                    last: bool = True, partial: np.ndarray | None = None) -> None:
     """Draw the waterfall of ``s`` and ``sk`` (the rows of one run's segments, ``segments``; None: every row) on
-    ``ax`` and set its title."""
+    ``ax`` and set its title. ``partial``: whether each sketch row of ``sk`` holds only part of its row's values."""
     from matplotlib import patheffects
 
     first, end = _extent(s)
@@ -816,6 +843,7 @@ def _waterfall_axes(fig, ax, h: History, s: SpineSeries, sk: SketchSeries, title
         keep = _not_replayed(step, span, seg)
         replaced = int(step.size - keep.sum())
         rows = np.flatnonzero(keep)
+        npart = int(partial[rows].sum()) if partial is not None else 0
         step, span, seg = step[rows], span[rows], seg[rows]
         if int((step + span).max()) - int(step.min()) <= _MAX_COLUMNS * int(span.min()):  # a column per row
             keys, inv = np.unique(np.stack([step, span], axis=1), axis=0, return_inverse=True)
@@ -838,23 +866,31 @@ def _waterfall_axes(fig, ax, h: History, s: SpineSeries, sk: SketchSeries, title
                 x, img = np.r_[x, b], np.concatenate([img, blank_col], axis=1)
         if width == 1:  # (a column a row: a column without a sketch is cut where a row without numbers starts or ends)
             x, img = _split_blank(x, img, s, first, end, drawn)
+        img, banded = img[:-1], np.isfinite(img[-1])  # (the band values of each column: none drawn as a bin)
         mesh = ax.pcolormesh(x, np.linspace(-nb, nb, 2 * nb + 1), np.ma.masked_invalid(img), cmap="viridis",
                              shading="flat")
         if np.isfinite(img).any():
             fig.colorbar(mesh, ax=ax, pad=0.01,
                          label="log10 count" + (f", added over {width} steps" if width > 1 else ""))
         else:
-            ax.text(0.5, 0.5, "the sketches hold no non-zero finite value", ha="center", transform=ax.transAxes,
-                    bbox={"facecolor": "w", "alpha": 0.8, "edgecolor": "none"})
+            ax.text(0.5, 0.5, "the sketches hold no value inside the window (2^-48, 2^16]: theirs lie in the "
+                    "under/overflow bands" if banded.any() else "the sketches hold no non-zero finite value",
+                    ha="center", transform=ax.transAxes, bbox={"facecolor": "w", "alpha": 0.8, "edgecolor": "none"})
         blank = np.isnan(img).all(axis=0)
         inside = _hatch_missing(ax, x, blank, s, first, end, drawn, nb)
-        # (a sketch of no non-zero finite value: every count 0, log10 -inf; its row may hold zeros, never sketched)
+        # (a sketch of no non-zero finite value: every count 0, log10 -inf; its row may hold zeros, never sketched;
+        # one whose values all lie outside the window holds values, in the bands the image has no bin for)
         empty = ~blank & ~np.isfinite(img).any(axis=0)
-        if empty.any():
-            ax.broken_barh(list(zip(x[:-1][empty].tolist(), np.diff(x)[empty].tolist())), (-nb, 2 * nb),
-                           facecolor="w", edgecolor="0.75", hatch="|||", lw=0,
-                           label="a sketch with every count 0: no non-zero finite value (zeros and NaN/inf "
-                           "are never in a sketch)")
+        nband = int((empty & banded).sum())
+        for here, hatch, label in (
+                (empty & ~banded, "|||", ("a sketch with every count 0: no non-zero finite value (zeros and "
+                                          "NaN/inf are never in a sketch)")),
+                (empty & banded, "+++", (f"{nband} column{'' if nband == 1 else 's'} whose sketches hold no value "
+                                         "inside the window (2^-48, 2^16]: their values lie in the under/overflow "
+                                         "bands, not drawn"))):
+            if here.any():
+                ax.broken_barh(list(zip(x[:-1][here].tolist(), np.diff(x)[here].tolist())), (-nb, 2 * nb),
+                               facecolor="w", edgecolor="0.75", hatch=hatch, lw=0, label=label)
         ticks = np.linspace(-nb, nb, 9)
         ax.set_yticks(ticks)
         ax.set_yticklabels([f"{'-' if t < 0 else ''}2^{lo + abs(t) / nb * (hi - lo):.0f}" if t else "0"
@@ -866,6 +902,8 @@ def _waterfall_axes(fig, ax, h: History, s: SpineSeries, sk: SketchSeries, title
                   + (f" · {overlapped} rows overlapping later ones cut or left out" if overlapped else "")
                   + (f" · {past} rows reaching past their column's steps added where they begin" if past else "")
                   + (f" · {replaced} rows of a segment a resume replayed not drawn" if replaced else "")
+                  + (f" · {npart} of {rows.size} sketches hold only part of their row's values (sketched at a "
+                     "sparser cadence): their columns count that part alone" if npart else "")
                   + (f" · {inside} row{' without numbers lies' if inside == 1 else 's without numbers lie'} in "
                      "columns that hold sketches: not marked here (see site_figure's strip)" if inside else ""))
         beyond = _boundaries(ax, h, sk.columns["step"], sk.columns["segment"], segments=segments, lw=1.5,
@@ -929,11 +967,15 @@ def _rank_key(h: History, site: Site, orders: dict[int, int]) -> tuple:
 
 
 _NONFINITE_TILE = "#fde0e0"  #: a contact-sheet tile's background where the site held NaN or ±inf
-_NO_NUMBERS_TILE = "0.6"  #: the color of a contact-sheet tile's marks of rows without numbers
+#: a contact-sheet tile's mark of the rows without numbers of each state (not_scheduled aside: the cadence did not
+#: call for them), in the colors of site_figure's strip; failed dashed, apart from the red line of non-finite rows
+_NO_NUMBERS_TILE = {Presence.FAILED: ("red", "--"), Presence.UNKNOWN: ("purple", "-"),
+                    Presence.SKIPPED: ("orange", "-"), Presence.ABSENT: ("0.4", "-")}
 
 
 def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: int = 6) -> list[Path]:
-    """Every site as a tile (rms over steps, exact min/max envelope), ranked "nonfinite first, then drift".
+    """Every site as a tile (the rms of each row over its steps; rows without numbers marked, each state in its
+    own color: failed, unknown, skipped, absent), ranked "nonfinite first, then drift".
 
     Returns the PNG pages written; each carries the footer "sites a–b of M — page k of P".
     """
@@ -956,8 +998,10 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
            Patch(facecolor=_NONFINITE_TILE, label="pink tile: the site held NaN or ±inf"),
            Line2D([], [], color="red", lw=0.5, label="red line: a row with NaN or ±inf"),
            Line2D([], [], color="k", ls="--", lw=0.8, label="dashed: segment boundary"),
-           Line2D([], [], color=_NO_NUMBERS_TILE, lw=2, label="grey: rows without numbers (failed, skipped, absent, "
-                  "unknown): missing, not zero")]
+           tuple(Line2D([], [], color=c, ls=ls, lw=1.5) for c, ls in _NO_NUMBERS_TILE.values())]
+    key_labels = [k.get_label() for k in key[:-1]] + [
+        ("rows without numbers, missing, not zero: failed (red dashed), unknown (purple: rows, or due steps without "
+         "one), skipped (orange), absent (grey)")]
     pages = max(1, math.ceil(len(ranked) / per_page))
     written = []
     for k in range(pages):
@@ -968,7 +1012,8 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
         footer = textwrap.fill(
             (f"sites {a}–{b} of {len(ranked)}" if ranked else "no sites (the file names none)")
             + f" — page {k + 1} of {pages} · each tile: the rms of each row (from its "
-            "sums, exact or within their method's bound; rows with unknown sums left out; in the site's own units) "
+            "sums: exact, or within their method's bound where spec 5.4 states one; rows with unknown sums left out; "
+            "in the site's own units) "
             "over its steps, a coarsened row over its window; a log axis where the rms spans a decade or more · "
             "ranked: sites with non-finite values first (earliest step, then pass), then the others by drift "
             "|log(rms last / rms first)|, largest first", int(2.4 * cols * 72 / (0.6 * 6)))  # (the page's width)
@@ -994,8 +1039,12 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
             hole, gap_from, gap_to = _due_gaps(s)
             _plot_rows(ax, start[r], end[r], s.rms[r], _joins(s, r, hole), lw=1, color="C0")
             # rows without numbers and due steps without a row: marked as missing, never a gap that says nothing
-            none = (s.presence != Presence.OBSERVED) & (s.presence != Presence.NOT_SCHEDULED)
-            _vmarks(ax, np.r_[start[none], gap_from], np.r_[end[none], gap_to], None, color=_NO_NUMBERS_TILE, lw=1)
+            for code, (color, ls) in _NO_NUMBERS_TILE.items():  # (each state its own mark: a failed reduction
+                none = s.presence == code  # is no site that did not run)
+                a_, b_ = start[none], end[none]
+                if code == Presence.UNKNOWN:
+                    a_, b_ = np.r_[a_, gap_from], np.r_[b_, gap_to]
+                _vmarks(ax, a_, b_, None, color=color, ls=ls, lw=1)
             _boundaries(ax, h, s.step, s.segment, lw=0.8)  # (a tile leaves out, unsaid, those beyond +-2^52)
             nf = s.observed & ((s.nan + s.pinf + s.ninf) > 0)
             if nf.any():
@@ -1036,7 +1085,7 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
             ax.tick_params(labelsize=5)
         # the key in as many columns as the page's width holds (one row on a wide page ran past both edges of a
         # narrow one), its labels wrapped in one column if need be; the page grows by the key's extra height
-        legend, extra = _fitted_key(fig, key)
+        legend, extra = _fitted_key(fig, key, key_labels)
         tall = fig.get_figheight() + extra  # (margins in inches: on a page of one row the footer hid the tick labels)
         fig.set_figheight(tall)
         legend.set_bbox_to_anchor((0.5, (0.12 + 0.1 * lines) / tall), transform=fig.transFigure)
@@ -1051,13 +1100,17 @@ def contact_sheet(h: History, out_dir: str | Path, *, per_page: int = 24, cols: 
     return written
 
 
-def _fitted_key(fig: Any, key: list) -> tuple[Any, float]:
+def _fitted_key(fig: Any, key: list, labels: list[str]) -> tuple[Any, float]:
     """The contact sheet's legend in the most columns (up to one per entry) that fit the page's width, and how much
-    taller than one line of entries (inches) it is; in one column its labels are wrapped to the width."""
+    taller than one line of entries (inches) it is; in one column its labels are wrapped to the width. An entry
+    that is a tuple of handles draws them side by side."""
+    from matplotlib.legend_handler import HandlerTuple
+
     renderer = fig.canvas.get_renderer()
-    labels = [k.get_label() for k in key]
+    side = {tuple: HandlerTuple(ndivide=None, pad=0.3)}
     for n in range(len(key), 0, -1):
-        legend = fig.legend(handles=key, labels=labels, loc="lower center", ncols=n, fontsize=6, frameon=False)
+        legend = fig.legend(handles=key, labels=labels, loc="lower center", ncols=n, fontsize=6, frameon=False,
+                            handler_map=side)
         box = legend.get_window_extent(renderer)
         if box.width <= 0.98 * fig.bbox.width:
             break
@@ -1066,7 +1119,7 @@ def _fitted_key(fig: Any, key: list) -> tuple[Any, float]:
             chars = max(20, int(0.98 * fig.get_figwidth() * 72 / 3.3) - 6)
             labels = [textwrap.fill(t, chars) for t in labels]
             legend = fig.legend(handles=key, labels=labels, loc="lower center", ncols=1, fontsize=6,
-                                frameon=False)
+                                frameon=False, handler_map=side)
             box = legend.get_window_extent(renderer)
     one_line = 0.12  # (inches: the key's height as one row of one-line entries, which the layout leaves room for)
     return legend, max(0.0, box.height / fig.dpi - one_line)

@@ -21,7 +21,11 @@ pyarrow's ``ARROW:schema``:
   file, whatever the selection); ``trainhist.selection`` (``{"streams": ..., "sites": ..., "phases": ...}``: the
   names and patterns asked for, each a list, or null for all); ``trainhist.recovery`` (how the history was read:
   ``{"status": "clean" | "torn", "committed_bytes": the bytes read (the committed prefix), "dropped_bytes": the
-  bytes of a torn tail left out (0 when clean), "reason": why they were (null when clean)}``).
+  bytes of a torn tail left out (0 when clean), "reason": why they were (null when clean)}``); ``trainhist.columns``
+  (:data:`COLUMN_NOTES`: per table, ``{"spines": {column: note}, "steps": ..., "scalars": ...}``, each note a text
+  starting ``exact`` or ``approximate`` and saying how: ``sum`` and ``sumsq`` are rounded to float64, ``mean`` and
+  ``rms`` derived from them; the frames of :func:`spines`, :func:`steps` and :func:`scalars` carry their table's
+  as ``df.attrs["columns"]``).
 
 :func:`to_csv`'s ``manifests.json`` is one JSON object of the same keys but ``trainhist.table``, their JSON
 decoded (``trainhist.version`` is its text).
@@ -51,7 +55,8 @@ from .summary import SumMethod
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["spines", "steps", "scalars", "quantiles", "to_parquet", "to_csv", "Exported", "SPINE_COLUMNS"]
+__all__ = ["spines", "steps", "scalars", "quantiles", "to_parquet", "to_csv", "Exported", "SPINE_COLUMNS",
+           "COLUMN_NOTES"]
 
 #: the columns of :func:`spines`, in order
 SPINE_COLUMNS = ("path", "stream", "facet", "phase", "segment", "step", "span", "micro", "presence", "count", "nan",
@@ -62,6 +67,49 @@ _FLOATS = ("min", "max", "sum", "sumsq", "mean", "rms")
 _INSTALL = "pip install 'trainhist[export]'"
 #: the Parquet compressions :func:`to_parquet` takes (as pyarrow names them; case insensitive)
 _COMPRESSIONS = ("zstd", "snappy", "gzip", "brotli", "lz4", "none")
+
+
+_EXACT_COUNT = "exact: an integer count (UInt64, exact beyond 2**53); <NA> where the row is not observed"
+_LABEL = "exact: a name"
+#: what each column of each table is: ``exact ...`` or ``approximate ...`` (how), in ``df.attrs["columns"]`` and
+#: the exports' ``trainhist.columns``
+COLUMN_NOTES: dict[str, dict[str, str]] = {
+    "spines": {
+        "path": _LABEL, "stream": _LABEL, "facet": _LABEL, "phase": _LABEL,
+        "segment": "exact", "step": "exact", "span": "exact", "micro": "exact",
+        "presence": "exact: the row's state (spec 2.6); only observed rows carry numbers",
+        **{n: _EXACT_COUNT for n in _COUNTS},
+        "min": "exact: the least finite value; NaN where none or not observed",
+        "max": "exact: the greatest finite value; NaN where none or not observed",
+        "sum": "approximate: the stored sum rounded to float64 (SpineSeries.sum_exact has it exactly), which is "
+               "the tensor's within the bound of method (spec 5.4: exact for method exact; no bound known for a "
+               "newer writer's code-N); NaN where unknown or not observed",
+        "sumsq": "approximate: the stored sum of squares rounded to float64, as sum",
+        "method": "exact: how sum and sumsq relate to the tensor's (spec 5.4)",
+        "mean": "approximate: derived, sum / finite values, rounded to float64 (within method's bound); NaN where "
+                "undefined",
+        "rms": "approximate: derived, sqrt(sumsq / finite values), rounded to float64 (within method's bound); "
+               "NaN where undefined",
+        "has_sketch": "exact",
+        **{n: "exact: the rows in this state the row combines (spec 11.4)" for n in TALLY_COLUMNS},
+    },
+    "steps": {
+        "segment": "exact", "step": "exact", "span": "exact",
+        "applied": "exact: as recorded; <NA> unknown", "grad_basis": "exact: as recorded; <NA> unknown",
+        "clipped": "exact: as recorded; <NA> unknown",
+        "loss_scale": "exact: as recorded; NaN unknown", "clip_threshold": "exact: as recorded; NaN unknown",
+        "micro_batches": "exact: as recorded; <NA> unknown", "tokens": "exact: as recorded; <NA> unknown",
+        "samples": "exact: as recorded; <NA> unknown", "n_rows": "exact",
+    },
+    "scalars": {
+        "name": _LABEL, "segment": "exact", "step": "exact", "span": "exact",
+        "presence": "exact: the row's state (spec 2.6)",
+        "value": "exact: the value as recorded where count is 1; NaN where missing (presence) or several",
+        "count": _EXACT_COUNT,
+        "mean": "approximate: derived from the row's sums, rounded to float64 (as spines' mean)",
+        "min": "exact: the least finite value", "max": "exact: the greatest finite value",
+    },
+}
 
 
 class Exported(NamedTuple):
@@ -254,7 +302,9 @@ def _spines(h: History, chosen: list[Site], phases: str | Iterable[str] | None) 
         "has_sketch": c["has_sketch"].astype(bool),
         **{n: pd.array(c[n].astype(np.uint64), dtype="UInt64") for n in TALLY_COLUMNS},
     }
-    return pd.DataFrame(data, columns=list(SPINE_COLUMNS))
+    df = pd.DataFrame(data, columns=list(SPINE_COLUMNS))
+    df.attrs["columns"] = dict(COLUMN_NOTES["spines"])
+    return df
 
 
 def steps(h: History) -> "pd.DataFrame":
@@ -270,7 +320,7 @@ def steps(h: History) -> "pd.DataFrame":
     def state(name: str, enum: type) -> Any:  # (code 0 is unknown: NA, the others their names)
         return _categorical(pd, t[name].astype(np.int64) - 1, enum.NAMES[1:])  # type: ignore[attr-defined]
 
-    return pd.DataFrame({
+    df = pd.DataFrame({
         "segment": t["segment"].astype(np.int64), "step": t["step"].astype(np.int64),
         "span": t["span"].astype(np.uint32),
         "applied": state("applied", Applied), "grad_basis": state("grad_basis", GradBasis),
@@ -281,6 +331,8 @@ def steps(h: History) -> "pd.DataFrame":
         "samples": _masked(pd, t["samples"], t["samples"] == U64_UNKNOWN, np.uint64),
         "n_rows": t["n_rows"].astype(np.uint64),
     })
+    df.attrs["columns"] = dict(COLUMN_NOTES["steps"])
+    return df
 
 
 def _scalar_view(pd: Any, sp: "pd.DataFrame", chosen: list[Site]) -> "pd.DataFrame":
@@ -292,13 +344,15 @@ def _scalar_view(pd: Any, sp: "pd.DataFrame", chosen: list[Site]) -> "pd.DataFra
     nan, pinf, ninf = ((sp[n] == 1).fillna(False).to_numpy(bool) for n in ("nan", "pinf", "ninf"))
     value = np.where(one, sp["min"].to_numpy(np.float64), np.nan)
     value = np.where(one & pinf, math.inf, np.where(one & ninf, -math.inf, np.where(one & nan, np.nan, value)))
-    return pd.DataFrame({
+    df = pd.DataFrame({
         "name": sp["path"].cat.set_categories(names).array, "segment": sp["segment"].to_numpy(),
         "step": sp["step"].to_numpy(),
         "span": sp["span"].to_numpy(), "presence": sp["presence"].array, "value": value,
         "count": sp["count"].array, "mean": sp["mean"].to_numpy(), "min": sp["min"].to_numpy(),
         "max": sp["max"].to_numpy(),
     })
+    df.attrs["columns"] = dict(COLUMN_NOTES["scalars"])
+    return df
 
 
 def scalars(h: History, *, names: str | Iterable[str] | None = None) -> "pd.DataFrame":
@@ -388,6 +442,7 @@ def _manifests(h: History, selection: dict) -> dict[str, str]:
         "trainhist.runs": js(h.runs), "trainhist.writers": js(h.writers),
         "trainhist.segments": js([g.manifest for g in h.segments]), "trainhist.settings": js(h.settings),
         "trainhist.sites": js([s.manifest for s in h.sites]), "trainhist.selection": js(selection),
+        "trainhist.columns": js(COLUMN_NOTES),
     }
 
 
