@@ -389,3 +389,28 @@ def test_case_schema_takes_the_presence_arguments() -> None:
     refused = conf.load_cases(VECTORS, "presence/phase_ambiguous")[0].doc  # (a refusal: exit 1, a code, no offset)
     assert refused["expect"] == {"exit": 1, "error": "phase_ambiguous"} and validator.is_valid(refused)
     assert not validator.is_valid({**refused, "expect": {**refused["expect"], "offset": 0}})
+
+
+NO_COMMITS = """
+    import json, os, subprocess, sys, tempfile
+    cmd = sys.argv[1:]
+    if cmd[0] != "write":
+        sys.exit(4)
+    doc = json.load(open(cmd[1]))
+    doc["ops"] = [op for op in doc["ops"] if op["op"] != "commit"]   # commits once, when it closes
+    fd, tmp = tempfile.mkstemp(suffix=".json")
+    os.write(fd, json.dumps(doc).encode()); os.close(fd)
+    sys.exit(subprocess.run([sys.executable, "-m", "trainhist.conformance_impl", "write", tmp, cmd[2]]).returncode)
+"""
+
+
+def test_writer_cases_check_every_commit(tmp_path: Path) -> None:
+    """A writer that ignores the ``commit`` ops and commits only when it closes writes the final content of the
+    document, but not its commits (what a reader recovers after a crash): it fails writer/full, which commits
+    several times, even under lenient grading."""
+    impl = tmp_path / "no_commits.py"
+    impl.write_text(textwrap.dedent(NO_COMMITS))
+    (case,) = conf.load_cases(VECTORS, "writer/full")
+    assert conf.run_case(case, conf.default_impl()).status == "pass"
+    r = conf.run_case(case, [sys.executable, str(impl)])
+    assert r.status == "fail" and "readable state after commit 1" in r.detail, r

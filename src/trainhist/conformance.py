@@ -16,6 +16,7 @@ import os
 import re
 import shlex
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -205,6 +206,53 @@ def _reference_dump(path: Path) -> tuple[str, str]:
         return h.recovery.status, dumps(h)
 
 
+def _commit_ends(data: bytes) -> list[int]:
+    """End offsets (after the padding) of the commit records of a file whose framing the reference reader has
+    accepted: spec 4.1's record headers walked from the file header on."""
+    ends, pos = [], 32
+    while pos + 32 <= len(data):
+        rtype, _, length = struct.unpack_from("<HHI", data, pos)
+        pos += 32 + length + (-length % 8)
+        if rtype == 4:  # (commit, spec 4.2)
+            ends.append(pos)
+    return ends
+
+
+def _commit_states(path: Path, ignore: list[str]) -> list[Any]:
+    """The readable state (spec 4.3) after each commit of a file: the reference reader's canonical JSON of the file
+    cut right after each commit record, without ``/recovery/committed_bytes`` and the ``ignore`` pointers; a state
+    equal to the one before it (an empty commit) is listed once."""
+    data = path.read_bytes()
+    states: list[Any] = []
+    with tempfile.TemporaryDirectory(prefix="thist-conf-commits-") as tmp:
+        cut = Path(tmp) / "prefix.thist"
+        for end in _commit_ends(data):
+            cut.write_bytes(data[:end])
+            _, text = _reference_dump(cut)
+            state = _mask(json.loads(text), ["/recovery/committed_bytes", *ignore])
+            if not states or not json_equal(state, states[-1]):
+                states.append(state)
+    return states
+
+
+def _compare_commits(out: Path, case: Case) -> str | None:
+    """None if ``out`` makes the readable states of the case's expected file commit by commit (the ``commit`` ops
+    of a writer-ops document, README section 3), else why not. The final state is compared before this."""
+    exp = case.doc["expect"]
+    if not exp.get("output"):
+        return None
+    ignore = exp.get("ignore", [])
+    got, want = _commit_states(out, ignore), _commit_states(case.dir / exp["output"], ignore)
+    for k, (g, w) in enumerate(zip(got, want), 1):
+        if not json_equal(g, w):
+            return (f"the readable state after commit {k} differs from {exp['output']}'s at "
+                    + _first_difference(g, w) + " (the commit ops are not followed)")
+    if len(got) != len(want):
+        return (f"its commits make {len(got)} readable states, {exp['output']} {len(want)} (the file cut after each "
+                "commit record; the commit ops are not followed)")
+    return None
+
+
 def _compare_dump(text: str, case: Case, strict: bool, also_ignore: tuple[str, ...] = ()) -> str | None:
     """None if ``text`` is the expected canonical JSON of ``case``, else why not."""
     exp = case.doc["expect"]
@@ -293,6 +341,8 @@ def run_case(case: Case, impl: list[str], *, strict: bool = False, timeout: floa
         # a produced file's size is the writer's choice (codec, layout); strict grading compares the bytes, unless
         # the case lets some content differ (`ignore`): a file whose content may differ cannot be byte-identical
         why = _compare_dump(text, case, False, ("/recovery/committed_bytes",))
+        if why is None and cmd == "write":
+            why = _compare_commits(out, case)
         if (strict and exp.get("output") and not exp.get("ignore")
                 and out.read_bytes() != (case.dir / exp["output"]).read_bytes()):
             why = f"output file is not byte-identical to {exp['output']}" + (
