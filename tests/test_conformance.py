@@ -414,3 +414,39 @@ def test_writer_cases_check_every_commit(tmp_path: Path) -> None:
     assert conf.run_case(case, conf.default_impl()).status == "pass"
     r = conf.run_case(case, [sys.executable, str(impl)])
     assert r.status == "fail" and "readable state after commit 1" in r.detail, r
+
+
+HANGS = """
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # (as a wrapper script's java)
+    open(PIDFILE, "w").write(str(child.pid))
+    time.sleep(120)
+"""
+
+
+def test_a_timed_out_implementation_is_killed_with_its_children(tmp_path: Path) -> None:
+    """``--timeout``: a command still running fails the case and is killed with the processes it started, not only
+    the one the runner started (a shell wrapper's child would otherwise outlive the run, one per case)."""
+    import os
+    import time
+
+    pidfile = tmp_path / "child.pid"
+    impl = tmp_path / "hangs.py"
+    impl.write_text(f"PIDFILE = {str(pidfile)!r}\n" + textwrap.dedent(HANGS))
+    (case,) = conf.load_cases(VECTORS, "valid/basic")
+    t0 = time.monotonic()
+    r = conf.run_case(case, [sys.executable, str(impl)], timeout=3)
+    assert r.status == "fail" and "timed out after 3 s" in r.detail, r
+    assert time.monotonic() - t0 < 30
+    child = int(pidfile.read_text())
+    for _ in range(50):  # (killed: gone, or a zombie until its parent's parent reaps it)
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().split(")")[-1].split()[0]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, 9)
+        raise AssertionError(f"the implementation's child {child} outlived the case")

@@ -279,13 +279,27 @@ def _compare_dump(text: str, case: Case, strict: bool, also_ignore: tuple[str, .
 
 
 def _invoke(impl: list[str], args: list[str], timeout: float, cwd: str) -> tuple[int | None, str, str]:
+    """Run the command in a process group of its own, stdin empty; past ``timeout`` the whole group is killed, so
+    that a wrapper script's children (``./my-thist`` starting ``java``) do not outlive the case."""
     try:
-        p = subprocess.run(impl + args, capture_output=True, timeout=timeout, cwd=cwd)
-    except subprocess.TimeoutExpired:
-        return None, "", f"timed out after {timeout:g} s"
+        p = subprocess.Popen(impl + args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             cwd=cwd, start_new_session=True)
     except OSError as e:
         return None, "", f"cannot run {shlex.join(impl)}: {e}"
-    return p.returncode, p.stdout.decode("utf-8", "replace"), p.stderr.decode("utf-8", "replace")
+    with p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, 9)  # (the leader is not reaped yet, so its group id names no one else)
+            except OSError:
+                p.kill()
+            try:
+                p.communicate(timeout=10)
+            except subprocess.TimeoutExpired:  # (a child that left the group holds the pipes: stop reading)
+                p.kill()
+            return None, "", f"timed out after {timeout:g} s (the command and every process it started were killed)"
+    return p.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
 
 
 def run_case(case: Case, impl: list[str], *, strict: bool = False, timeout: float = 120.0) -> Result:
