@@ -450,3 +450,51 @@ def test_a_timed_out_implementation_is_killed_with_its_children(tmp_path: Path) 
     else:
         os.kill(child, 9)
         raise AssertionError(f"the implementation's child {child} outlived the case")
+
+
+RESERVED = """
+    import struct, subprocess, sys
+    import crc32c
+    cmd = sys.argv[1:]
+    if cmd[0] != "write":
+        sys.exit(4)
+    rc = subprocess.run([sys.executable, "-m", "trainhist.conformance_impl", *cmd]).returncode
+    b = bytearray(open(cmd[2], "rb").read())
+    pos = 32
+    while True:                                       # the first commit: its first entry's reserved field set to 1
+        t, _, n = struct.unpack_from("<HHI", b, pos)
+        if t == 4:
+            break
+        pos += 32 + n + (-n % 8)
+    struct.pack_into("<H", b, pos + 32 + 16 + 10, 1)
+    struct.pack_into("<I", b, pos + 24, crc32c.crc32c(bytes(b[pos + 32: pos + 32 + n])))
+    struct.pack_into("<I", b, pos + 28, crc32c.crc32c(bytes(b[pos: pos + 28])))
+    open(cmd[2], "wb").write(b)
+    sys.exit(rc)
+"""
+
+
+def test_writer_cases_check_the_bytes_readers_ignore(tmp_path: Path) -> None:
+    """A reader ignores a commit entry's reserved field (spec 4.3) and the order and encoding of a chunk
+    directory's members (7.2), but a writer MUST write them as the spec says: lenient grading of a produced file
+    checks them too, so a writer that sets the reserved field fails with the entry named."""
+    impl = tmp_path / "reserved.py"
+    impl.write_text(textwrap.dedent(RESERVED))
+    (case,) = conf.load_cases(VECTORS, "writer/basic")
+    r = conf.run_case(case, [sys.executable, str(impl)])
+    assert r.status == "fail" and "entry 0" in r.detail and "reserved 1" in r.detail and "spec 4.3" in r.detail, r
+
+    def chunk(directory: bytes) -> bytes:  # (a file header's worth of bytes, then one obs record: only its layout)
+        payload = struct.pack("<I", len(directory)) + directory
+        return bytes(32) + struct.pack("<HHI", 2, 0, len(payload)) + bytes(24) + payload
+
+    import struct
+
+    import msgpack
+
+    good = msgpack.packb({"site": 0, "segment": 0, "rows": 1, "cols": []})
+    assert conf._writer_rules(chunk(good)) is None
+    order = msgpack.packb({"segment": 0, "site": 0, "rows": 1, "cols": []})
+    assert "directory keys in the order" in conf._writer_rules(chunk(order))
+    long_int = good.replace(b"\xa4rows\x01", b"\xa4rows\xcc\x01")  # (1 as a uint8: not the shortest encoding)
+    assert long_int != good and "shortest MessagePack" in conf._writer_rules(chunk(long_int))

@@ -218,6 +218,50 @@ def _commit_ends(data: bytes) -> list[int]:
     return ends
 
 
+_DIRECTORY_KEYS = ("site", "segment", "rows", "scale", "cols")
+
+
+def _writer_rules(data: bytes) -> str | None:
+    """None if a file the reference reader accepted keeps the rules of a *writer* that readers do not check (they
+    ignore those bytes), else which one it breaks: spec 4.3, a commit entry's reserved field 0, its site
+    ``0xFFFFFFFF`` for records other than obs chunks, its segment ``0xFFFFFFFF`` and rows and steps 0 for records
+    other than chunks; spec 7.2, a chunk directory's keys in the order of its table and every integer in its
+    shortest MessagePack encoding."""
+    import msgpack
+
+    pos, none = 32, 0xFFFFFFFF
+    while pos + 32 <= len(data):
+        rtype, _, length = struct.unpack_from("<HHI", data, pos)
+        body = data[pos + 32: pos + 32 + length]
+        if rtype == 4:
+            for i in range(struct.unpack_from("<Q", body, 8)[0]):
+                off, etype, reserved, site, seg, rows, lo, hi = struct.unpack_from("<QHHIIIqq", body, 16 + 40 * i)
+                want = {"reserved": 0}
+                if etype != 2:
+                    want["site"] = none
+                if etype not in (2, 3):
+                    want.update(segment=none, rows=0, smallest=0, largest=0)
+                got = {"reserved": reserved, "site": site, "segment": seg, "rows": rows, "smallest": lo, "largest": hi}
+                bad = [f"{k} {got[k]}" for k in want if got[k] != want[k]]
+                if bad:
+                    should = ", ".join(f"{k} {v:#x}" if v else f"{k} 0" for k, v in want.items())
+                    return (f"commit at offset {pos}, entry {i} (record type {etype} at offset {off}): "
+                            f"{', '.join(bad)}; writers write {should} (spec 4.3)")
+        elif rtype in (2, 3) and length >= 4:
+            n = struct.unpack_from("<I", body, 0)[0]
+            raw = bytes(body[4: 4 + n])
+            directory = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+            keys = [k for k in directory if k in _DIRECTORY_KEYS]
+            if keys != sorted(keys, key=_DIRECTORY_KEYS.index):
+                return (f"chunk at offset {pos}: directory keys in the order {keys}; writers write them in the order "
+                        f"{list(_DIRECTORY_KEYS)} (spec 7.2)")
+            if msgpack.packb(directory, use_bin_type=True) != raw:
+                return (f"chunk at offset {pos}: its directory is not in the shortest MessagePack encoding of every "
+                        "integer (spec 7.2: writers MUST use it)")
+        pos += 32 + length + (-length % 8)
+    return None
+
+
 def _commit_states(path: Path, ignore: list[str]) -> list[Any]:
     """The readable state (spec 4.3) after each commit of a file: the reference reader's canonical JSON of the file
     cut right after each commit record, without ``/recovery/committed_bytes`` and the ``ignore`` pointers; a state
@@ -355,6 +399,11 @@ def run_case(case: Case, impl: list[str], *, strict: bool = False, timeout: floa
         # a produced file's size is the writer's choice (codec, layout); strict grading compares the bytes, unless
         # the case lets some content differ (`ignore`): a file whose content may differ cannot be byte-identical
         why = _compare_dump(text, case, False, ("/recovery/committed_bytes",))
+        if why is None:
+            try:
+                why = _writer_rules(out.read_bytes())
+            except Exception as e:  # noqa: BLE001 -- (bytes the reference reader accepted, read another way)
+                why = f"cannot check the writer's rules of the output: {e!r}"
         if why is None and cmd == "write":
             why = _compare_commits(out, case)
         if (strict and exp.get("output") and not exp.get("ignore")
