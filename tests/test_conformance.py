@@ -498,3 +498,34 @@ def test_writer_cases_check_the_bytes_readers_ignore(tmp_path: Path) -> None:
     assert "directory keys in the order" in conf._writer_rules(chunk(order))
     long_int = good.replace(b"\xa4rows\x01", b"\xa4rows\xcc\x01")  # (1 as a uint8: not the shortest encoding)
     assert long_int != good and "shortest MessagePack" in conf._writer_rules(chunk(long_int))
+
+
+def _obs_columns(data: bytes) -> dict[str, bytes]:
+    """The raw column blocks of the first obs chunk of a file (spec 4.1, 7.1), for tests of what a vector holds."""
+    import struct
+
+    import msgpack
+
+    pos = 32
+    while True:
+        rtype, _, length = struct.unpack_from("<HHI", data, pos)
+        if rtype == 2:
+            payload = data[pos + 32: pos + 32 + length]
+            n = struct.unpack_from("<I", payload, 0)[0]
+            cols = msgpack.unpackb(payload[4: 4 + n])["cols"]
+            assert all(codec == 0 for _, _, codec, _, _, _ in cols)
+            return {name: payload[off: off + stored] for name, _, _, off, stored, _ in cols}
+        pos += 32 + length + (-length % 8)
+
+
+def test_bad_exact_noncanonical_breaks_only_the_odd_mantissa() -> None:
+    """invalid/bad_exact_noncanonical stores a sum as (2m, e - 1): its one defect must be the even mantissa (spec
+    5.3), with the mantissa in its fewest bytes; else a reader that checks the length alone (another case) passes it
+    without checking that ``m`` is odd."""
+    import struct
+
+    cols = _obs_columns((VECTORS / "invalid" / "bad_exact_noncanonical" / "input.thist").read_bytes())
+    n = struct.unpack_from("<I", cols["sum_xn"], 0)[0]
+    m = int.from_bytes(cols["sum_x"][4:n], "little", signed=True)
+    assert m != 0 and m % 2 == 0
+    assert n - 4 == ((~m).bit_length() if m < 0 else m.bit_length()) // 8 + 1, "the mantissa is not in its fewest bytes"

@@ -1421,7 +1421,9 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
         first_len = int(lens[0])
         e = struct.unpack_from("<i", b.block)[0]
         mant = int.from_bytes(b.block[4:first_len], "little", signed=True)
-        enc = struct.pack("<i", e - 1) + (mant * 2).to_bytes(first_len - 4 + 1, "little", signed=True)
+        even = mant * 2  # (in its fewest bytes: the one defect is the even mantissa, spec 5.3)
+        width = ((~even).bit_length() if even < 0 else even.bit_length()) // 8 + 1
+        enc = struct.pack("<i", e - 1) + even.to_bytes(width, "little", signed=True)
         b.block = enc + b.block[first_len:]
         b.raw = len(b.block)
         lens[0] = len(enc)
