@@ -529,3 +529,20 @@ def test_bad_exact_noncanonical_breaks_only_the_odd_mantissa() -> None:
     m = int.from_bytes(cols["sum_x"][4:n], "little", signed=True)
     assert m != 0 and m % 2 == 0
     assert n - 4 == ((~m).bit_length() if m < 0 else m.bit_length()) // 8 + 1, "the mantissa is not in its fewest bytes"
+
+
+def test_reader_checks_of_the_spec_have_a_case() -> None:
+    """Checks of the spec that an independent reader could leave out with every earlier case still passing (found by
+    disabling each check of a reader written from spec/ alone): each has a case of its own, with its code."""
+    want = {"invalid/unknown_phase_code": "unknown_code",  # 2.5
+            "invalid/missing_sketch_column": "missing_column",  # 7.5
+            "invalid/sketch_flag_zero_with_range": "bad_sketch",  # 7.5
+            "invalid/raw_stored_differs": "bad_chunk",  # 7.4
+            "invalid/rows_not_integer": "bad_chunk",  # 7.2
+            "invalid/exact_zero_f64_nonzero": "bad_exact_value",  # 5.3
+            "forward-compat/damaged_ignorable_record_padding": "bad_padding"}  # 4.1, 4.2
+    cases = {c.id: c for c in conf.load_cases(VECTORS)}
+    for cid, code in want.items():
+        assert cid in cases, cid
+        assert cases[cid].doc["expect"]["exit"] == 1 and cases[cid].doc["expect"]["error"] == code, cid
+        assert conf.run_case(cases[cid], conf.default_impl(), strict=True).status == "pass", cid

@@ -1451,6 +1451,42 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
                lambda m, cs: (dict(m, scale=3), cs))
     chunk_case("unknown_presence_code", "a row with presence code 9 (reserved)", ["2.6"], "unknown_code",
                lambda m, cs: setattr(col(cs, "presence"), "block", b"\x09"))
+    chunk_case("unknown_phase_code", "a row with phase code 3 (reserved: a newer writer's phase)", ["2.5"],
+               "unknown_code", lambda m, cs: setattr(col(cs, "phase"), "block", b"\x03"))
+    chunk_case("missing_sketch_column", "an obs chunk with sketch columns but without `sk_on` (they come all "
+               "together)", ["7.5"], "missing_column", lambda m, cs: (m, [x for x in cs if x.name != "sk_on"]))
+
+    def no_sketch_with_range(m: dict, cs: list[Col]) -> None:  # (sk_counts empty: the ranges of sk = 0 rows alone)
+        col(cs, "sk").block = b"\x00"
+        assert struct.unpack("<H", col(cs, "sk_pn").block)[0] > 0
+        col(cs, "sk_nn").block = struct.pack("<H", 0)
+        x = col(cs, "sk_counts")
+        x.block, x.raw = b"", 0
+
+    chunk_case("sketch_flag_zero_with_range", "a row without a sketch (sk = 0) whose positive range holds bins "
+               "(sk_pn > 0; sk_counts empty)", ["7.5"], "bad_sketch", no_sketch_with_range)
+
+    def raw_stored_differs(m: dict, cs: list[Col]) -> None:
+        x = col(cs, "count")
+        assert x.codec == 0
+        x.block += b"\0" * 8  # (stored 16, raw 8 = rows * 8)
+
+    chunk_case("raw_stored_differs", "a raw (codec 0) `count` column whose stored length (16) is not its raw "
+               "length (8)", ["7.4"], "bad_chunk", raw_stored_differs)
+    chunk_case("rows_not_integer", "a chunk directory whose rows is the float 1.0, not an integer", ["7.2"],
+               "bad_chunk", lambda m, cs: (dict(m, rows=1.0), cs))
+
+    def exact_zero_f64_nonzero(m: dict, cs: list[Col]) -> None:
+        n, b = col(cs, "sum_xn"), col(cs, "sum_x")
+        lens = np.frombuffer(n.block, "<u4").copy()
+        assert lens[0] > 0 and struct.unpack_from("<d", col(cs, "sum").block, 0)[0] != 0
+        b.block = b"\0" * 5 + b.block[int(lens[0]):]
+        b.raw = len(b.block)
+        lens[0] = 5
+        n.block = lens.tobytes()
+
+    chunk_case("exact_zero_f64_nonzero", "an exact sum_x entry holding the zero (m = 0, e = 0) in a row whose f64 sum "
+               "is not zero", ["5.3"], "bad_exact_value", exact_zero_f64_nonzero, src="exact")
     chunk_case("unknown_steps_code", "a step-truth row with applied code 7 (reserved)", ["2.7", "7.6"],
                "unknown_code", lambda m, cs: setattr(col(cs, "applied"), "block", b"\x07"), rtype=RecordType.STEPS)
     chunk_case("span_zero", "an obs row with span 0 (a row covers at least one step)", ["2.3", "7.5"], "bad_span",
@@ -1663,6 +1699,14 @@ def gen_forward(s: Suite, base: dict[str, bytes]) -> None:
     s.read(fc, "damaged_ignorable_record", "forward-compat/unknown_ignorable_record with a byte of the ignorable "
            "record's payload changed: the file's data is readable, but a full check refuses it", ["4.2", "8"],
            bytes(d), error="bad_payload_crc")
+    padded = list(recs)
+    padded[k] = Rec(1000, b"a record of 21 bytes!", flags=1)
+    data, offs = build(padded)
+    d = bytearray(data)
+    d[offs[k] + 32 + 21] = 0x01
+    s.read(fc, "damaged_ignorable_record_padding", "an ignorable record of unknown type whose padding is not zero: "
+           "the file's data is readable, but a full check refuses it", ["4.1", "4.2", "8"], bytes(d),
+           error="bad_padding")
     recs[k] = Rec(1000, b"a record from the future", flags=0)
     s.read(fc, "unknown_required_record", "a committed record of unknown type 1000 without the ignorable flag",
            ["4.2"], build(recs)[0], error="unknown_record_type")
