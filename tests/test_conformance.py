@@ -535,6 +535,7 @@ def test_reader_checks_of_the_spec_have_a_case() -> None:
     """Checks of the spec that an independent reader could leave out with every earlier case still passing (found by
     disabling each check of a reader written from spec/ alone): each has a case of its own, with its code."""
     want = {"invalid/unknown_phase_code": "unknown_code",  # 2.5
+            "invalid/bad_commit_steps_segment": "bad_commit",  # 4.3
             "invalid/missing_sketch_column": "missing_column",  # 7.5
             "invalid/sketch_flag_zero_with_range": "bad_sketch",  # 7.5
             "invalid/raw_stored_differs": "bad_chunk",  # 7.4

@@ -1170,6 +1170,18 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
         ("bad_commit_short", e_short, "a commit payload of 12 bytes, shorter than its 16-byte head (seq, n)"),
     ):
         s.read(c, name, desc, ["4.3"], build(parse(basic), commit_hook=hook(fn))[0], error="bad_commit")
+    changed = []
+
+    def e_steps_segment(k: int, b: bytearray) -> None:  # the steps entry's segment becomes 7
+        for i in range(struct.unpack_from("<Q", b, 8)[0]):
+            if struct.unpack_from("<H", b, 16 + 40 * i + 8)[0] == RecordType.STEPS:
+                b[16 + 40 * i + 16 : 16 + 40 * i + 20] = struct.pack("<I", 7)
+                changed.append(i)
+
+    data = build(parse(base["basic"]), commit_hook=e_steps_segment)[0]  # (nosketch has no steps chunk)
+    assert changed
+    s.read(c, "bad_commit_steps_segment", "a steps entry names segment 7, never declared", ["4.3"], data,
+           error="bad_commit")
     recs = parse(basic)
     seg_i, obs_i = recs.index(first(recs, RecordType.MANIFEST, "segment")), recs.index(first(recs, RecordType.OBS))
     assert seg_i + 1 == obs_i
