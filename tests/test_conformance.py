@@ -547,3 +547,14 @@ def test_reader_checks_of_the_spec_have_a_case() -> None:
         assert cid in cases, cid
         assert cases[cid].doc["expect"]["exit"] == 1 and cases[cid].doc["expect"]["error"] == code, cid
         assert conf.run_case(cases[cid], conf.default_impl(), strict=True).status == "pass", cid
+
+
+def test_output_nested_too_deep_fails_the_case_not_the_runner(tmp_path: Path) -> None:
+    """An implementation whose stdout is JSON nested deeper than the runner's parser goes fails its cases; the
+    runner grades every other case and prints its summary (it stopped at the first one with a traceback)."""
+    impl = tmp_path / "deep.py"
+    impl.write_text("print('[' * 100000 + ']' * 100000)\n")
+    out = io.StringIO()
+    results = conf.run_suite([sys.executable, str(impl)], VECTORS, pattern="valid/b*", out=out)
+    assert len(results) >= 2 and all(r.status == "fail" and "nested too deep" in r.detail for r in results), results
+    assert out.getvalue().splitlines()[-1] == f"0 passed, {len(results)} failed"

@@ -305,6 +305,8 @@ def _compare_dump(text: str, case: Case, strict: bool, also_ignore: tuple[str, .
         full = got = json.loads(text)
     except json.JSONDecodeError as e:
         return f"output is not JSON ({e})"
+    except RecursionError:
+        return "output is not JSON this runner can read (nested too deep)"
     want = json.loads(want_text)
     ignore = exp.get("ignore", []) + list(also_ignore)
     if ignore:
@@ -422,8 +424,14 @@ def run_suite(impl: list[str], vectors: Path, *, strict: bool = False, pattern: 
     cases = load_cases(vectors, pattern)
     results = []
     width = max((len(c.id) for c in cases), default=10)
+    def one(c: Case) -> Result:
+        try:
+            return run_case(c, impl, strict=strict, timeout=timeout)
+        except Exception as e:  # noqa: BLE001 -- (what an implementation gave broke the runner: that case fails)
+            return Result(c, "fail", f"the runner could not grade the output: {type(e).__name__}: {e}"[:300])
+
     with ThreadPoolExecutor(max(1, jobs)) as pool:
-        ordered = pool.map(lambda c: run_case(c, impl, strict=strict, timeout=timeout), cases)
+        ordered = pool.map(one, cases)
         for case, r in zip(cases, ordered):
             results.append(r)
             spec = ",".join(case.doc.get("spec", []))
