@@ -1077,6 +1077,53 @@ def gen_valid_edges(s: Suite, base: dict[str, bytes]) -> None:
                               site("a", cadence={"spine": 1, "sketch": 0}), obs(0, 0, [1.0], sketch=False),
                               obs(1, 0, [2.0], sketch=False), COMMIT])))
 
+    def reserved_method(m: dict, cs: list[Col]) -> None:
+        x = col(cs, "method")
+        x.block = b"\x07" + x.block[1:]
+
+    data = one_row("method_reserved_code", "an observed row of sum method 7, reserved for newer writers: accepted, its "
+                   "bound unknown, dumped as code-7 with its sums", ["5.4", "10"], reserved_method)
+    assert '"method":"code-7"' in outcome(data)[1]
+
+    # ties the dump orders by content (spec 10): runs by run_id, writers by writer_id (file order on ties), settings
+    # by canonical text, rows and step-truth rows of one key by canonical text; each written in the other order
+    ties = write_ops(ops_doc([site("x", cadence={"spine": 1, "sketch": 0}), obs(0, 5, [1.0, 2.0], sketch=False),
+                              obs(0, 6, [1.0], sketch=False), obs(0, 5, [3.0], sketch=False),
+                              truth(0, tokens=U(9)), truth(1), truth(0, tokens=U(1)), COMMIT]))
+    recs = parse(ties)
+    run_doc = json.loads(first(recs, RecordType.MANIFEST, "run").payload)
+    writer_doc = json.loads(first(recs, RecordType.MANIFEST, "writer").payload)
+    extra = [dict(run_doc, run_id="0" * 31 + "0", name="second, sorted first"),
+             dict(run_doc, run_id="0" * 31 + "0", name="third, same id: after the second"),
+             dict(writer_doc, writer_id="0" * 31 + "0", rank=1),
+             {"kind": "settings", "writer_id": writer_doc["writer_id"], "settings": {"b": 1}},
+             {"kind": "settings", "writer_id": writer_doc["writer_id"], "settings": {"a": 2}},
+             {"kind": "settings", "writer_id": writer_doc["writer_id"], "settings": {"b": 1}}]
+    at = recs.index(first(recs, RecordType.MANIFEST, "writer")) + 1
+    recs[at:at] = [Rec(RecordType.MANIFEST, manifest(d)) for d in extra]
+    data = build(recs)[0]
+    s.read(v, "dump_order_ties", "what the dump orders by content, written in the other order: a second and third "
+           "run manifest of a smaller run_id (one id twice: file order), a second writer of a smaller writer_id, "
+           "settings {b}, {a}, {b}; rows of one key (step 5, count 2 before count 1) and step-truth rows of one key "
+           "(step 0, tokens 9 before tokens 1): sorted by their canonical text", ["10", "2.8"], data)
+    dumped = json.loads(outcome(data)[1])
+    assert [r["name"] for r in dumped["runs"]][:2] == ["second, sorted first", "third, same id: after the second"]
+    assert [x["settings"] for x in dumped["settings"]] == [{"a": 2}, {"b": 1}, {"b": 1}]
+    assert [r["count"] for r in dumped["sites"][0]["rows"]][:2] == ["u:1", "u:2"]
+    assert [r["tokens"] for r in dumped["steps"]][:2] == ["u:1", "u:9"]
+
+    data = write_ops(ops_doc([site("\U0001f600", cadence={"spine": 1, "sketch": 0}),
+                              site("\ue000", cadence={"spine": 1, "sketch": 0}),
+                              site("c\x01\b\t\n\x0c\r\x1f\x7f\"\\/\u00e9", cadence={"spine": 1, "sketch": 0}),
+                              obs(0, 0, [1.0], sketch=False), obs(1, 0, [2.0], sketch=False),
+                              obs(2, 0, [3.0], sketch=False), COMMIT], name="tab\there, del\x7f"))
+    s.read(v, "strings_escaped", "strings the dump escapes (spec 10): control characters (\\b \\t \\n \\f \\r, the "
+           "others and U+007F as \\u00XX), quote and backslash, / not escaped, U+00E9; and sites sorted by code "
+           "point: U+E000 before U+1F600 (UTF-16 code units would order them the other way)", ["10"], data)
+    text = outcome(data)[1]
+    assert '"path":"c\\u0001\\b\\t\\n\\f\\r\\u001f\\u007f\\"\\\\/\\u00e9"' in text, text
+    assert text.index('"path":"\\ue000"') < text.index('"path":"\\ud83d\\ude00"')
+
 
 def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
     c = "invalid"
