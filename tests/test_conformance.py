@@ -562,3 +562,19 @@ def test_output_nested_too_deep_fails_the_case_not_the_runner(tmp_path: Path) ->
     results = conf.run_suite([sys.executable, str(impl)], VECTORS, pattern="valid/b*", out=out)
     assert len(results) >= 2 and all(r.status == "fail" and "nested too deep" in r.detail for r in results), results
     assert out.getvalue().splitlines()[-1] == f"0 passed, {len(results)} failed"
+
+
+def test_presence_cases_tell_the_rules_of_spec_2_6_apart() -> None:
+    """Rules of spec 2.6 a presence implementation could get wrong with every case passing: failed over unknown (the
+    one pair of adjacent precedence micro_batch_precedence lacked), a segment's step truth alone recording its steps,
+    a spine cadence of 0 (never due)."""
+    def answers(cid: str) -> list[dict]:
+        return json.loads((VECTORS / "presence" / cid / "expected.json").read_text("utf-8"))["results"]
+
+    query = json.loads((VECTORS / "presence" / "micro_batch_precedence" / "query.json").read_text("utf-8"))
+    assert "failed" in answers("micro_batch_precedence")[0].values()
+    assert len(query["queries"][0]["steps"]) == 6  # (the sixth step: an unknown and a failed micro-batch row)
+    assert answers("micro_batch_precedence")[0]["i:5"] == "failed"
+    x1, x0, z = answers("segment_step_truth_alone")
+    assert x1 == {"i:1": "unknown", "i:3": "not_scheduled"} and x0 == {"i:1": "not_scheduled", "i:3": "unknown"}
+    assert set(z.values()) == {"not_scheduled", "unknown"}

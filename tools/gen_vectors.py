@@ -2322,7 +2322,7 @@ def gen_presence(s: Suite, derived: dict[str, bytes]) -> None:
                   [(query("x", list(range(6))), {0: "observed", 1: "absent", 2: "failed", 3: "skipped",
                                                  4: "unknown", 5: "not_scheduled"})])
     pairs = [("observed", "failed"), ("observed", "unknown"), ("skipped", "observed"), ("absent", "skipped"),
-             ("not_scheduled", "absent")]
+             ("not_scheduled", "absent"), ("unknown", "failed")]
     ops: list[dict] = [site("x", cadence={"spine": 1, "sketch": 0})]
     for st, pair in enumerate(pairs):
         for mb, name in enumerate(pair):
@@ -2333,7 +2333,7 @@ def gen_presence(s: Suite, derived: dict[str, bytes]) -> None:
                   "step's presence is the one of highest precedence, failed > unknown > observed > skipped > "
                   "absent > not_scheduled", ["2.6", "11.4"], write_ops(ops_doc(ops)),
                   [(query("x", list(range(len(pairs)))), {0: "failed", 1: "unknown", 2: "observed", 3: "skipped",
-                                                          4: "absent"})])
+                                                          4: "absent", 5: "failed"})])
     big = 1 << 53
     extreme = write_ops(ops_doc([site("x", cadence={"spine": 2, "sketch": 0}), obs(0, big, [1.0], sketch=False)]
                                 + [truth(st) for st in (-3, big, big + 1, big + 2)] + [COMMIT]))
@@ -2388,6 +2388,18 @@ def gen_presence(s: Suite, derived: dict[str, bytes]) -> None:
                   "step 2 due without a row (unknown) and step 0 not recorded (unknown)", ["2.6", "2.4"], seg,
                   [(query("x", [0, 1, 2], segment=0), {0: "observed", 1: "observed", 2: "observed"}),
                    (query("x", [0, 1, 2], segment=1), {0: "unknown", 1: "failed", 2: "unknown"})])
+    alone = write_ops(ops_doc([site("x", cadence={"spine": 2, "sketch": 0}), site("z", cadence={"spine": 0, "sketch": 0}),
+                               obs(0, 0, [1.0], sketch=False), truth(0), truth(1),
+                               {"op": "new_segment", "first_step": I(2), "reason": "manual"},
+                               obs(0, 2, [2.0], sketch=False), truth(2), truth(3), COMMIT]))
+    presence_case(s, "segment_step_truth_alone", "a segment's step truth alone records its steps: x (cadence 2) asked "
+                  "in segment 1 reads step 1, recorded only in segment 0, as unknown and step 3 as not_scheduled, and "
+                  "in segment 0 the other way round; z, of spine cadence 0 (never due) and without rows, reads every "
+                  "recorded step as not_scheduled and step 4, not recorded, as unknown", ["2.6", "2.4", "2.2"], alone,
+                  [(query("x", [1, 3], segment=1), {1: "unknown", 3: "not_scheduled"}),
+                   (query("x", [1, 3], segment=0), {1: "not_scheduled", 3: "unknown"}),
+                   (query("z", [0, 1, 2, 3, 4]), {0: "not_scheduled", 1: "not_scheduled", 2: "not_scheduled",
+                                                  3: "not_scheduled", 4: "unknown"})])
     g = write_ops(ops_doc([site("x", cadence={"spine": 1, "sketch": 0}), site("y", cadence={"spine": 4, "sketch": 0})]
                           + [obs(0, st, [1.0], sketch=False) for st in range(4)] + [obs(1, 0, [2.0], sketch=False),
                                                                                   COMMIT]))
