@@ -4,6 +4,7 @@ external-command path, and the runner fails implementations that are wrong."""
 from __future__ import annotations
 
 import io
+import struct
 import json
 import subprocess
 import sys
@@ -578,3 +579,60 @@ def test_presence_cases_tell_the_rules_of_spec_2_6_apart() -> None:
     x1, x0, z = answers("segment_step_truth_alone")
     assert x1 == {"i:1": "unknown", "i:3": "not_scheduled"} and x0 == {"i:1": "not_scheduled", "i:3": "unknown"}
     assert set(z.values()) == {"not_scheduled", "unknown"}
+
+
+OTHER_NAN = """
+    import struct, subprocess, sys
+    import crc32c
+    cmd = sys.argv[1:]
+    if cmd[0] != "write":
+        sys.exit(4)
+    rc = subprocess.run([sys.executable, "-m", "trainhist.conformance_impl", *cmd]).returncode
+    b = bytearray(open(cmd[2], "rb").read())
+    pos = 32
+    while True:                                       # the steps chunk: its canonical NaNs get payload 1
+        t, _, n = struct.unpack_from("<HHI", b, pos)
+        if t == 3:
+            break
+        pos += 32 + n + (-n % 8)
+    body = bytes(b[pos + 32: pos + 32 + n])
+    nan = struct.pack("<Q", 0x7FF8000000000000)
+    assert nan in body
+    b[pos + 32: pos + 32 + n] = body.replace(nan, struct.pack("<Q", 0x7FF8000000000001))
+    struct.pack_into("<I", b, pos + 24, crc32c.crc32c(bytes(b[pos + 32: pos + 32 + n])))
+    struct.pack_into("<I", b, pos + 28, crc32c.crc32c(bytes(b[pos: pos + 28])))
+    open(cmd[2], "wb").write(b)
+    sys.exit(rc)
+"""
+
+
+def test_writer_cases_check_the_values_readers_accept_in_place_of_the_written_ones(tmp_path: Path) -> None:
+    """A reader takes any NaN as an unknown loss scale (spec 2.7) and any NaN as the min of a row without finite
+    values (5.5), but writers store the canonical NaN: a writer storing another NaN fails, with the column named."""
+    impl = tmp_path / "other_nan.py"
+    impl.write_text(textwrap.dedent(OTHER_NAN))
+    (case,) = conf.load_cases(VECTORS, "writer/basic")
+    r = conf.run_case(case, [sys.executable, str(impl)])
+    assert r.status == "fail" and "loss_scale is the NaN 0x7ff8000000000001" in r.detail, r
+    import numpy as np
+
+    nan = struct.pack("<d", float("nan"))
+    assert struct.unpack("<Q", nan)[0] == 0x7FF8000000000000
+    assert conf._writer_values(_absent_chunk(np.float64(-0.0)), 0, True).endswith("(spec 2.6, 5.1, 5.3)")
+    assert conf._writer_values(_absent_chunk(np.float64(0.0)), 0, True) is None
+
+
+def _absent_chunk(sum_value: "np.float64") -> bytes:
+    """An obs chunk of one absent row whose sum is ``sum_value`` (readers accept ±0.0 there)."""
+    import numpy as np
+
+    from trainhist.chunk import Codec, encode_chunk
+
+    u8 = lambda v: ("u8", np.array([v], "<u8"))  # noqa: E731
+    f8 = lambda v: ("f8", np.array([v], "<f8"))  # noqa: E731
+    cols = {"step": ("i8", np.array([0], "<i8")), "span": ("u4", np.array([1], "<u4")),
+            "micro": ("u4", np.array([0xFFFFFFFF], "<u4")), "phase": ("u1", np.array([0], "u1")),
+            "presence": ("u1", np.array([2], "u1")), "method": ("u1", np.array([0], "u1")),
+            "count": u8(0), "nan": u8(0), "pinf": u8(0), "ninf": u8(0), "zero": u8(0),
+            "min": f8(np.nan), "max": f8(np.nan), "sum": f8(sum_value), "sumsq": f8(0.0)}
+    return encode_chunk({"site": 0, "segment": 0, "rows": 1}, cols, Codec.RAW)

@@ -226,7 +226,7 @@ def _writer_rules(data: bytes) -> str | None:
     ignore those bytes), else which one it breaks: spec 4.3, a commit entry's reserved field 0, its site
     ``0xFFFFFFFF`` for records other than obs chunks, its segment ``0xFFFFFFFF`` and rows and steps 0 for records
     other than chunks; spec 7.2, a chunk directory's keys in the order of its table and every integer in its
-    shortest MessagePack encoding."""
+    shortest MessagePack encoding; the values of :func:`_writer_values`."""
     import msgpack
 
     pos, none = 32, 0xFFFFFFFF
@@ -248,6 +248,9 @@ def _writer_rules(data: bytes) -> str | None:
                     return (f"commit at offset {pos}, entry {i} (record type {etype} at offset {off}): "
                             f"{', '.join(bad)}; writers write {should} (spec 4.3)")
         elif rtype in (2, 3) and length >= 4:
+            why = _writer_values(bytes(body), pos, rtype == 2)
+            if why:
+                return why
             n = struct.unpack_from("<I", body, 0)[0]
             raw = bytes(body[4: 4 + n])
             directory = msgpack.unpackb(raw, raw=False, strict_map_key=False)
@@ -259,6 +262,44 @@ def _writer_rules(data: bytes) -> str | None:
                 return (f"chunk at offset {pos}: its directory is not in the shortest MessagePack encoding of every "
                         "integer (spec 7.2: writers MUST use it)")
         pos += 32 + length + (-length % 8)
+    return None
+
+
+_CANONICAL_NAN = 0x7FF8000000000000
+
+
+def _writer_values(payload: bytes, pos: int, obs: bool) -> str | None:
+    """None if a chunk holds the values writers store where a reader accepts others (spec 2.6, 5.1, 5.3, 5.5,
+    2.7), else the first it does not: the canonical NaN as the min and max of a row without finite values and of a
+    row that is not observed, +0.0 as a sum of 0 in such rows, the canonical NaN for an unknown loss scale or clip
+    threshold."""
+    import numpy as np
+
+    from .batchdecode import OBS_KNOWN, OBS_VARIABLE, STEPS_KNOWN
+    from .chunk import decode_chunk
+
+    ch = decode_chunk(memoryview(payload), pos, None, OBS_KNOWN if obs else STEPS_KNOWN,
+                      OBS_VARIABLE if obs else frozenset())
+    bits = lambda name: np.asarray(ch.column(name)).view("<u8")  # noqa: E731
+    if obs:
+        finite = (np.asarray(ch.column("count"), dtype=object) - np.asarray(ch.column("nan"), dtype=object)
+                  - np.asarray(ch.column("pinf"), dtype=object) - np.asarray(ch.column("ninf"), dtype=object))
+        empty = (np.asarray(ch.column("presence")) != 1) | (finite == 0)
+        for name, want, what in (("min", _CANONICAL_NAN, "the canonical NaN"), ("max", _CANONICAL_NAN,
+                                                                                "the canonical NaN"),
+                                 ("sum", 0, "+0.0"), ("sumsq", 0, "+0.0")):
+            bad = np.flatnonzero(empty & (bits(name) != want))
+            if bad.size:
+                return (f"chunk at offset {pos}, row {int(bad[0])} (not observed, or no finite value): {name} has the "
+                        f"bits {int(bits(name)[bad[0]]):#018x}; writers store {what} there (spec 2.6, 5.1, 5.3)")
+        return None
+    for name in ("loss_scale", "clip_threshold"):
+        b = bits(name)
+        bad = np.flatnonzero(((b & 0x7FF0000000000000) == 0x7FF0000000000000) & ((b & 0xFFFFFFFFFFFFF) != 0)
+                             & (b != _CANONICAL_NAN))
+        if bad.size:
+            return (f"steps chunk at offset {pos}, row {int(bad[0])}: {name} is the NaN {int(b[bad[0]]):#018x}; "
+                    "writers store the canonical NaN 0x7ff8000000000000 for an unknown value (spec 2.7)")
     return None
 
 
