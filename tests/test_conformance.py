@@ -4,8 +4,8 @@ external-command path, and the runner fails implementations that are wrong."""
 from __future__ import annotations
 
 import io
-import struct
 import json
+import struct
 import subprocess
 import sys
 import textwrap
@@ -622,14 +622,17 @@ def test_writer_cases_check_the_values_readers_accept_in_place_of_the_written_on
     assert conf._writer_values(_absent_chunk(np.float64(0.0)), 0, True) is None
 
 
-def _absent_chunk(sum_value: "np.float64") -> bytes:
+def _absent_chunk(sum_value: float) -> bytes:
     """An obs chunk of one absent row whose sum is ``sum_value`` (readers accept ±0.0 there)."""
     import numpy as np
 
     from trainhist.chunk import Codec, encode_chunk
 
-    u8 = lambda v: ("u8", np.array([v], "<u8"))  # noqa: E731
-    f8 = lambda v: ("f8", np.array([v], "<f8"))  # noqa: E731
+    def u8(v: int) -> tuple[str, np.ndarray]:
+        return "u8", np.array([v], "<u8")
+
+    def f8(v: float) -> tuple[str, np.ndarray]:
+        return "f8", np.array([v], "<f8")
     cols = {"step": ("i8", np.array([0], "<i8")), "span": ("u4", np.array([1], "<u4")),
             "micro": ("u4", np.array([0xFFFFFFFF], "<u4")), "phase": ("u1", np.array([0], "u1")),
             "presence": ("u1", np.array([2], "u1")), "method": ("u1", np.array([0], "u1")),

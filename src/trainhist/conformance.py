@@ -248,9 +248,6 @@ def _writer_rules(data: bytes) -> str | None:
                     return (f"commit at offset {pos}, entry {i} (record type {etype} at offset {off}): "
                             f"{', '.join(bad)}; writers write {should} (spec 4.3)")
         elif rtype in (2, 3) and length >= 4:
-            why = _writer_values(bytes(body), pos, rtype == 2)
-            if why:
-                return why
             n = struct.unpack_from("<I", body, 0)[0]
             raw = bytes(body[4: 4 + n])
             directory = msgpack.unpackb(raw, raw=False, strict_map_key=False)
@@ -261,6 +258,9 @@ def _writer_rules(data: bytes) -> str | None:
             if msgpack.packb(directory, use_bin_type=True) != raw:
                 return (f"chunk at offset {pos}: its directory is not in the shortest MessagePack encoding of every "
                         "integer (spec 7.2: writers MUST use it)")
+            why = _writer_values(bytes(body), pos, rtype == 2)
+            if why:
+                return why
         pos += 32 + length + (-length % 8)
     return None
 
@@ -280,7 +280,14 @@ def _writer_values(payload: bytes, pos: int, obs: bool) -> str | None:
 
     ch = decode_chunk(memoryview(payload), pos, None, OBS_KNOWN if obs else STEPS_KNOWN,
                       OBS_VARIABLE if obs else frozenset())
-    bits = lambda name: np.asarray(ch.column(name)).view("<u8")  # noqa: E731
+    needed = ("count", "nan", "pinf", "ninf", "presence", "min", "max", "sum", "sumsq") if obs else (
+        "loss_scale", "clip_threshold")
+    if not all(ch.has(c) for c in needed):  # (no chunk the reference reader accepted)
+        return None
+
+    def bits(name: str) -> np.ndarray:
+        return np.asarray(ch.column(name)).view("<u8")
+
     if obs:
         finite = (np.asarray(ch.column("count"), dtype=object) - np.asarray(ch.column("nan"), dtype=object)
                   - np.asarray(ch.column("pinf"), dtype=object) - np.asarray(ch.column("ninf"), dtype=object))
