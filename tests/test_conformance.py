@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import struct
 import subprocess
 import sys
 import textwrap
@@ -389,3 +390,252 @@ def test_case_schema_takes_the_presence_arguments() -> None:
     refused = conf.load_cases(VECTORS, "presence/phase_ambiguous")[0].doc  # (a refusal: exit 1, a code, no offset)
     assert refused["expect"] == {"exit": 1, "error": "phase_ambiguous"} and validator.is_valid(refused)
     assert not validator.is_valid({**refused, "expect": {**refused["expect"], "offset": 0}})
+
+
+NO_COMMITS = """
+    import json, os, subprocess, sys, tempfile
+    cmd = sys.argv[1:]
+    if cmd[0] != "write":
+        sys.exit(4)
+    doc = json.load(open(cmd[1]))
+    doc["ops"] = [op for op in doc["ops"] if op["op"] != "commit"]   # commits once, when it closes
+    fd, tmp = tempfile.mkstemp(suffix=".json")
+    os.write(fd, json.dumps(doc).encode()); os.close(fd)
+    sys.exit(subprocess.run([sys.executable, "-m", "trainhist.conformance_impl", "write", tmp, cmd[2]]).returncode)
+"""
+
+
+def test_writer_cases_check_every_commit(tmp_path: Path) -> None:
+    """A writer that ignores the ``commit`` ops and commits only when it closes writes the final content of the
+    document, but not its commits (what a reader recovers after a crash): it fails writer/full, which commits
+    several times, even under lenient grading."""
+    impl = tmp_path / "no_commits.py"
+    impl.write_text(textwrap.dedent(NO_COMMITS))
+    (case,) = conf.load_cases(VECTORS, "writer/full")
+    assert conf.run_case(case, conf.default_impl()).status == "pass"
+    r = conf.run_case(case, [sys.executable, str(impl)])
+    assert r.status == "fail" and "readable state after commit 1" in r.detail, r
+
+
+HANGS = """
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # (as a wrapper script's java)
+    open(PIDFILE, "w").write(str(child.pid))
+    time.sleep(120)
+"""
+
+
+def test_a_timed_out_implementation_is_killed_with_its_children(tmp_path: Path) -> None:
+    """``--timeout``: a command still running fails the case and is killed with the processes it started, not only
+    the one the runner started (a shell wrapper's child would otherwise outlive the run, one per case)."""
+    import os
+    import time
+
+    pidfile = tmp_path / "child.pid"
+    impl = tmp_path / "hangs.py"
+    impl.write_text(f"PIDFILE = {str(pidfile)!r}\n" + textwrap.dedent(HANGS))
+    (case,) = conf.load_cases(VECTORS, "valid/basic")
+    t0 = time.monotonic()
+    r = conf.run_case(case, [sys.executable, str(impl)], timeout=3)
+    assert r.status == "fail" and "timed out after 3 s" in r.detail, r
+    assert time.monotonic() - t0 < 30
+    child = int(pidfile.read_text())
+    for _ in range(50):  # (killed: gone, or a zombie until its parent's parent reaps it)
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().split(")")[-1].split()[0]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, 9)
+        raise AssertionError(f"the implementation's child {child} outlived the case")
+
+
+RESERVED = """
+    import struct, subprocess, sys
+    import crc32c
+    cmd = sys.argv[1:]
+    if cmd[0] != "write":
+        sys.exit(4)
+    rc = subprocess.run([sys.executable, "-m", "trainhist.conformance_impl", *cmd]).returncode
+    b = bytearray(open(cmd[2], "rb").read())
+    pos = 32
+    while True:                                       # the first commit: its first entry's reserved field set to 1
+        t, _, n = struct.unpack_from("<HHI", b, pos)
+        if t == 4:
+            break
+        pos += 32 + n + (-n % 8)
+    struct.pack_into("<H", b, pos + 32 + 16 + 10, 1)
+    struct.pack_into("<I", b, pos + 24, crc32c.crc32c(bytes(b[pos + 32: pos + 32 + n])))
+    struct.pack_into("<I", b, pos + 28, crc32c.crc32c(bytes(b[pos: pos + 28])))
+    open(cmd[2], "wb").write(b)
+    sys.exit(rc)
+"""
+
+
+def test_writer_cases_check_the_bytes_readers_ignore(tmp_path: Path) -> None:
+    """A reader ignores a commit entry's reserved field (spec 4.3) and the order and encoding of a chunk
+    directory's members (7.2), but a writer MUST write them as the spec says: lenient grading of a produced file
+    checks them too, so a writer that sets the reserved field fails with the entry named."""
+    impl = tmp_path / "reserved.py"
+    impl.write_text(textwrap.dedent(RESERVED))
+    (case,) = conf.load_cases(VECTORS, "writer/basic")
+    r = conf.run_case(case, [sys.executable, str(impl)])
+    assert r.status == "fail" and "entry 0" in r.detail and "reserved 1" in r.detail and "spec 4.3" in r.detail, r
+
+    def chunk(directory: bytes) -> bytes:  # (a file header's worth of bytes, then one obs record: only its layout)
+        payload = struct.pack("<I", len(directory)) + directory
+        return bytes(32) + struct.pack("<HHI", 2, 0, len(payload)) + bytes(24) + payload
+
+    import struct
+
+    import msgpack
+
+    good = msgpack.packb({"site": 0, "segment": 0, "rows": 1, "cols": []})
+    assert conf._writer_rules(chunk(good)) is None
+    order = msgpack.packb({"segment": 0, "site": 0, "rows": 1, "cols": []})
+    assert "directory keys in the order" in conf._writer_rules(chunk(order))
+    long_int = good.replace(b"\xa4rows\x01", b"\xa4rows\xcc\x01")  # (1 as a uint8: not the shortest encoding)
+    assert long_int != good and "shortest MessagePack" in conf._writer_rules(chunk(long_int))
+
+
+def _obs_columns(data: bytes) -> dict[str, bytes]:
+    """The raw column blocks of the first obs chunk of a file (spec 4.1, 7.1), for tests of what a vector holds."""
+    import struct
+
+    import msgpack
+
+    pos = 32
+    while True:
+        rtype, _, length = struct.unpack_from("<HHI", data, pos)
+        if rtype == 2:
+            payload = data[pos + 32: pos + 32 + length]
+            n = struct.unpack_from("<I", payload, 0)[0]
+            cols = msgpack.unpackb(payload[4: 4 + n])["cols"]
+            assert all(codec == 0 for _, _, codec, _, _, _ in cols)
+            return {name: payload[off: off + stored] for name, _, _, off, stored, _ in cols}
+        pos += 32 + length + (-length % 8)
+
+
+def test_bad_exact_noncanonical_breaks_only_the_odd_mantissa() -> None:
+    """invalid/bad_exact_noncanonical stores a sum as (2m, e - 1): its one defect must be the even mantissa (spec
+    5.3), with the mantissa in its fewest bytes; else a reader that checks the length alone (another case) passes it
+    without checking that ``m`` is odd."""
+    import struct
+
+    cols = _obs_columns((VECTORS / "invalid" / "bad_exact_noncanonical" / "input.thist").read_bytes())
+    n = struct.unpack_from("<I", cols["sum_xn"], 0)[0]
+    m = int.from_bytes(cols["sum_x"][4:n], "little", signed=True)
+    assert m != 0 and m % 2 == 0
+    assert n - 4 == ((~m).bit_length() if m < 0 else m.bit_length()) // 8 + 1, "the mantissa is not in its fewest bytes"
+
+
+def test_reader_checks_of_the_spec_have_a_case() -> None:
+    """Checks of the spec that an independent reader could leave out with every earlier case still passing (found by
+    disabling each check of a reader written from spec/ alone): each has a case of its own, with its code."""
+    want = {"invalid/unknown_phase_code": "unknown_code",  # 2.5
+            "invalid/bad_commit_steps_segment": "bad_commit",  # 4.3
+            "invalid/missing_sketch_column": "missing_column",  # 7.5
+            "invalid/sketch_flag_zero_with_range": "bad_sketch",  # 7.5
+            "invalid/raw_stored_differs": "bad_chunk",  # 7.4
+            "invalid/rows_not_integer": "bad_chunk",  # 7.2
+            "invalid/exact_zero_f64_nonzero": "bad_exact_value",  # 5.3
+            "forward-compat/damaged_ignorable_record_padding": "bad_padding",  # 4.1, 4.2
+            "valid/method_reserved_code": None,  # 5.4: accepted, dumped code-7
+            "valid/dump_order_ties": None,  # 10: orders by content
+            "valid/strings_escaped": None}  # 10: escapes, code point order
+    cases = {c.id: c for c in conf.load_cases(VECTORS)}
+    for cid, code in want.items():
+        assert cid in cases, cid
+        exp = cases[cid].doc["expect"]
+        assert (exp["exit"], exp.get("error")) == ((1, code) if code else (0, None)), cid
+        assert conf.run_case(cases[cid], conf.default_impl(), strict=True).status == "pass", cid
+
+
+def test_output_nested_too_deep_fails_the_case_not_the_runner(tmp_path: Path) -> None:
+    """An implementation whose stdout is JSON nested deeper than the runner's parser goes fails its cases; the
+    runner grades every other case and prints its summary (it stopped at the first one with a traceback)."""
+    impl = tmp_path / "deep.py"
+    impl.write_text("print('[' * 100000 + ']' * 100000)\n")
+    out = io.StringIO()
+    results = conf.run_suite([sys.executable, str(impl)], VECTORS, pattern="valid/b*", out=out)
+    assert len(results) >= 2 and all(r.status == "fail" and "nested too deep" in r.detail for r in results), results
+    assert out.getvalue().splitlines()[-1] == f"0 passed, {len(results)} failed"
+
+
+def test_presence_cases_tell_the_rules_of_spec_2_6_apart() -> None:
+    """Rules of spec 2.6 a presence implementation could get wrong with every case passing: failed over unknown (the
+    one pair of adjacent precedence micro_batch_precedence lacked), a segment's step truth alone recording its steps,
+    a spine cadence of 0 (never due)."""
+    def answers(cid: str) -> list[dict]:
+        return json.loads((VECTORS / "presence" / cid / "expected.json").read_text("utf-8"))["results"]
+
+    query = json.loads((VECTORS / "presence" / "micro_batch_precedence" / "query.json").read_text("utf-8"))
+    assert "failed" in answers("micro_batch_precedence")[0].values()
+    assert len(query["queries"][0]["steps"]) == 6  # (the sixth step: an unknown and a failed micro-batch row)
+    assert answers("micro_batch_precedence")[0]["i:5"] == "failed"
+    x1, x0, z = answers("segment_step_truth_alone")
+    assert x1 == {"i:1": "unknown", "i:3": "not_scheduled"} and x0 == {"i:1": "not_scheduled", "i:3": "unknown"}
+    assert set(z.values()) == {"not_scheduled", "unknown"}
+
+
+OTHER_NAN = """
+    import struct, subprocess, sys
+    import crc32c
+    cmd = sys.argv[1:]
+    if cmd[0] != "write":
+        sys.exit(4)
+    rc = subprocess.run([sys.executable, "-m", "trainhist.conformance_impl", *cmd]).returncode
+    b = bytearray(open(cmd[2], "rb").read())
+    pos = 32
+    while True:                                       # the steps chunk: its canonical NaNs get payload 1
+        t, _, n = struct.unpack_from("<HHI", b, pos)
+        if t == 3:
+            break
+        pos += 32 + n + (-n % 8)
+    body = bytes(b[pos + 32: pos + 32 + n])
+    nan = struct.pack("<Q", 0x7FF8000000000000)
+    assert nan in body
+    b[pos + 32: pos + 32 + n] = body.replace(nan, struct.pack("<Q", 0x7FF8000000000001))
+    struct.pack_into("<I", b, pos + 24, crc32c.crc32c(bytes(b[pos + 32: pos + 32 + n])))
+    struct.pack_into("<I", b, pos + 28, crc32c.crc32c(bytes(b[pos: pos + 28])))
+    open(cmd[2], "wb").write(b)
+    sys.exit(rc)
+"""
+
+
+def test_writer_cases_check_the_values_readers_accept_in_place_of_the_written_ones(tmp_path: Path) -> None:
+    """A reader takes any NaN as an unknown loss scale (spec 2.7) and any NaN as the min of a row without finite
+    values (5.5), but writers store the canonical NaN: a writer storing another NaN fails, with the column named."""
+    impl = tmp_path / "other_nan.py"
+    impl.write_text(textwrap.dedent(OTHER_NAN))
+    (case,) = conf.load_cases(VECTORS, "writer/basic")
+    r = conf.run_case(case, [sys.executable, str(impl)])
+    assert r.status == "fail" and "loss_scale is the NaN 0x7ff8000000000001" in r.detail, r
+    import numpy as np
+
+    nan = struct.pack("<d", float("nan"))
+    assert struct.unpack("<Q", nan)[0] == 0x7FF8000000000000
+    assert conf._writer_values(_absent_chunk(np.float64(-0.0)), 0, True).endswith("(spec 2.6, 5.1, 5.3)")
+    assert conf._writer_values(_absent_chunk(np.float64(0.0)), 0, True) is None
+
+
+def _absent_chunk(sum_value: float) -> bytes:
+    """An obs chunk of one absent row whose sum is ``sum_value`` (readers accept ±0.0 there)."""
+    import numpy as np
+
+    from trainhist.chunk import Codec, encode_chunk
+
+    def u8(v: int) -> tuple[str, np.ndarray]:
+        return "u8", np.array([v], "<u8")
+
+    def f8(v: float) -> tuple[str, np.ndarray]:
+        return "f8", np.array([v], "<f8")
+    cols = {"step": ("i8", np.array([0], "<i8")), "span": ("u4", np.array([1], "<u4")),
+            "micro": ("u4", np.array([0xFFFFFFFF], "<u4")), "phase": ("u1", np.array([0], "u1")),
+            "presence": ("u1", np.array([2], "u1")), "method": ("u1", np.array([0], "u1")),
+            "count": u8(0), "nan": u8(0), "pinf": u8(0), "ninf": u8(0), "zero": u8(0),
+            "min": f8(np.nan), "max": f8(np.nan), "sum": f8(sum_value), "sumsq": f8(0.0)}
+    return encode_chunk({"site": 0, "segment": 0, "rows": 1}, cols, Codec.RAW)

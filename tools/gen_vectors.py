@@ -1077,6 +1077,53 @@ def gen_valid_edges(s: Suite, base: dict[str, bytes]) -> None:
                               site("a", cadence={"spine": 1, "sketch": 0}), obs(0, 0, [1.0], sketch=False),
                               obs(1, 0, [2.0], sketch=False), COMMIT])))
 
+    def reserved_method(m: dict, cs: list[Col]) -> None:
+        x = col(cs, "method")
+        x.block = b"\x07" + x.block[1:]
+
+    data = one_row("method_reserved_code", "an observed row of sum method 7, reserved for newer writers: accepted, its "
+                   "bound unknown, dumped as code-7 with its sums", ["5.4", "10"], reserved_method)
+    assert '"method":"code-7"' in outcome(data)[1]
+
+    # ties the dump orders by content (spec 10): runs by run_id, writers by writer_id (file order on ties), settings
+    # by canonical text, rows and step-truth rows of one key by canonical text; each written in the other order
+    ties = write_ops(ops_doc([site("x", cadence={"spine": 1, "sketch": 0}), obs(0, 5, [1.0, 2.0], sketch=False),
+                              obs(0, 6, [1.0], sketch=False), obs(0, 5, [3.0], sketch=False),
+                              truth(0, tokens=U(9)), truth(1), truth(0, tokens=U(1)), COMMIT]))
+    recs = parse(ties)
+    run_doc = json.loads(first(recs, RecordType.MANIFEST, "run").payload)
+    writer_doc = json.loads(first(recs, RecordType.MANIFEST, "writer").payload)
+    extra = [dict(run_doc, run_id="0" * 31 + "0", name="second, sorted first"),
+             dict(run_doc, run_id="0" * 31 + "0", name="third, same id: after the second"),
+             dict(writer_doc, writer_id="0" * 31 + "0", rank=1),
+             {"kind": "settings", "writer_id": writer_doc["writer_id"], "settings": {"b": 1}},
+             {"kind": "settings", "writer_id": writer_doc["writer_id"], "settings": {"a": 2}},
+             {"kind": "settings", "writer_id": writer_doc["writer_id"], "settings": {"b": 1}}]
+    at = recs.index(first(recs, RecordType.MANIFEST, "writer")) + 1
+    recs[at:at] = [Rec(RecordType.MANIFEST, manifest(d)) for d in extra]
+    data = build(recs)[0]
+    s.read(v, "dump_order_ties", "what the dump orders by content, written in the other order: a second and third "
+           "run manifest of a smaller run_id (one id twice: file order), a second writer of a smaller writer_id, "
+           "settings {b}, {a}, {b}; rows of one key (step 5, count 2 before count 1) and step-truth rows of one key "
+           "(step 0, tokens 9 before tokens 1): sorted by their canonical text", ["10", "2.8"], data)
+    dumped = json.loads(outcome(data)[1])
+    assert [r["name"] for r in dumped["runs"]][:2] == ["second, sorted first", "third, same id: after the second"]
+    assert [x["settings"] for x in dumped["settings"]] == [{"a": 2}, {"b": 1}, {"b": 1}]
+    assert [r["count"] for r in dumped["sites"][0]["rows"]][:2] == ["u:1", "u:2"]
+    assert [r["tokens"] for r in dumped["steps"]][:2] == ["u:1", "u:9"]
+
+    data = write_ops(ops_doc([site("\U0001f600", cadence={"spine": 1, "sketch": 0}),
+                              site("\ue000", cadence={"spine": 1, "sketch": 0}),
+                              site("c\x01\b\t\n\x0c\r\x1f\x7f\"\\/\u00e9", cadence={"spine": 1, "sketch": 0}),
+                              obs(0, 0, [1.0], sketch=False), obs(1, 0, [2.0], sketch=False),
+                              obs(2, 0, [3.0], sketch=False), COMMIT], name="tab\there, del\x7f"))
+    s.read(v, "strings_escaped", "strings the dump escapes (spec 10): control characters (\\b \\t \\n \\f \\r, the "
+           "others and U+007F as \\u00XX), quote and backslash, / not escaped, U+00E9; and sites sorted by code "
+           "point: U+E000 before U+1F600 (UTF-16 code units would order them the other way)", ["10"], data)
+    text = outcome(data)[1]
+    assert '"path":"c\\u0001\\b\\t\\n\\f\\r\\u001f\\u007f\\"\\\\/\\u00e9"' in text, text
+    assert text.index('"path":"\\ue000"') < text.index('"path":"\\ud83d\\ude00"')
+
 
 def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
     c = "invalid"
@@ -1170,6 +1217,18 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
         ("bad_commit_short", e_short, "a commit payload of 12 bytes, shorter than its 16-byte head (seq, n)"),
     ):
         s.read(c, name, desc, ["4.3"], build(parse(basic), commit_hook=hook(fn))[0], error="bad_commit")
+    changed = []
+
+    def e_steps_segment(k: int, b: bytearray) -> None:  # the steps entry's segment becomes 7
+        for i in range(struct.unpack_from("<Q", b, 8)[0]):
+            if struct.unpack_from("<H", b, 16 + 40 * i + 8)[0] == RecordType.STEPS:
+                b[16 + 40 * i + 16 : 16 + 40 * i + 20] = struct.pack("<I", 7)
+                changed.append(i)
+
+    data = build(parse(base["basic"]), commit_hook=e_steps_segment)[0]  # (nosketch has no steps chunk)
+    assert changed
+    s.read(c, "bad_commit_steps_segment", "a steps entry names segment 7, never declared", ["4.3"], data,
+           error="bad_commit")
     recs = parse(basic)
     seg_i, obs_i = recs.index(first(recs, RecordType.MANIFEST, "segment")), recs.index(first(recs, RecordType.OBS))
     assert seg_i + 1 == obs_i
@@ -1421,7 +1480,9 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
         first_len = int(lens[0])
         e = struct.unpack_from("<i", b.block)[0]
         mant = int.from_bytes(b.block[4:first_len], "little", signed=True)
-        enc = struct.pack("<i", e - 1) + (mant * 2).to_bytes(first_len - 4 + 1, "little", signed=True)
+        even = mant * 2  # (in its fewest bytes: the one defect is the even mantissa, spec 5.3)
+        width = ((~even).bit_length() if even < 0 else even.bit_length()) // 8 + 1
+        enc = struct.pack("<i", e - 1) + even.to_bytes(width, "little", signed=True)
         b.block = enc + b.block[first_len:]
         b.raw = len(b.block)
         lens[0] = len(enc)
@@ -1449,6 +1510,42 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
                lambda m, cs: (dict(m, scale=3), cs))
     chunk_case("unknown_presence_code", "a row with presence code 9 (reserved)", ["2.6"], "unknown_code",
                lambda m, cs: setattr(col(cs, "presence"), "block", b"\x09"))
+    chunk_case("unknown_phase_code", "a row with phase code 3 (reserved: a newer writer's phase)", ["2.5"],
+               "unknown_code", lambda m, cs: setattr(col(cs, "phase"), "block", b"\x03"))
+    chunk_case("missing_sketch_column", "an obs chunk with sketch columns but without `sk_on` (they come all "
+               "together)", ["7.5"], "missing_column", lambda m, cs: (m, [x for x in cs if x.name != "sk_on"]))
+
+    def no_sketch_with_range(m: dict, cs: list[Col]) -> None:  # (sk_counts empty: the ranges of sk = 0 rows alone)
+        col(cs, "sk").block = b"\x00"
+        assert struct.unpack("<H", col(cs, "sk_pn").block)[0] > 0
+        col(cs, "sk_nn").block = struct.pack("<H", 0)
+        x = col(cs, "sk_counts")
+        x.block, x.raw = b"", 0
+
+    chunk_case("sketch_flag_zero_with_range", "a row without a sketch (sk = 0) whose positive range holds bins "
+               "(sk_pn > 0; sk_counts empty)", ["7.5"], "bad_sketch", no_sketch_with_range)
+
+    def raw_stored_differs(m: dict, cs: list[Col]) -> None:
+        x = col(cs, "count")
+        assert x.codec == 0
+        x.block += b"\0" * 8  # (stored 16, raw 8 = rows * 8)
+
+    chunk_case("raw_stored_differs", "a raw (codec 0) `count` column whose stored length (16) is not its raw "
+               "length (8)", ["7.4"], "bad_chunk", raw_stored_differs)
+    chunk_case("rows_not_integer", "a chunk directory whose rows is the float 1.0, not an integer", ["7.2"],
+               "bad_chunk", lambda m, cs: (dict(m, rows=1.0), cs))
+
+    def exact_zero_f64_nonzero(m: dict, cs: list[Col]) -> None:
+        n, b = col(cs, "sum_xn"), col(cs, "sum_x")
+        lens = np.frombuffer(n.block, "<u4").copy()
+        assert lens[0] > 0 and struct.unpack_from("<d", col(cs, "sum").block, 0)[0] != 0
+        b.block = b"\0" * 5 + b.block[int(lens[0]):]
+        b.raw = len(b.block)
+        lens[0] = 5
+        n.block = lens.tobytes()
+
+    chunk_case("exact_zero_f64_nonzero", "an exact sum_x entry holding the zero (m = 0, e = 0) in a row whose f64 sum "
+               "is not zero", ["5.3"], "bad_exact_value", exact_zero_f64_nonzero, src="exact")
     chunk_case("unknown_steps_code", "a step-truth row with applied code 7 (reserved)", ["2.7", "7.6"],
                "unknown_code", lambda m, cs: setattr(col(cs, "applied"), "block", b"\x07"), rtype=RecordType.STEPS)
     chunk_case("span_zero", "an obs row with span 0 (a row covers at least one step)", ["2.3", "7.5"], "bad_span",
@@ -1661,6 +1758,14 @@ def gen_forward(s: Suite, base: dict[str, bytes]) -> None:
     s.read(fc, "damaged_ignorable_record", "forward-compat/unknown_ignorable_record with a byte of the ignorable "
            "record's payload changed: the file's data is readable, but a full check refuses it", ["4.2", "8"],
            bytes(d), error="bad_payload_crc")
+    padded = list(recs)
+    padded[k] = Rec(1000, b"a record of 21 bytes!", flags=1)
+    data, offs = build(padded)
+    d = bytearray(data)
+    d[offs[k] + 32 + 21] = 0x01
+    s.read(fc, "damaged_ignorable_record_padding", "an ignorable record of unknown type whose padding is not zero: "
+           "the file's data is readable, but a full check refuses it", ["4.1", "4.2", "8"], bytes(d),
+           error="bad_padding")
     recs[k] = Rec(1000, b"a record from the future", flags=0)
     s.read(fc, "unknown_required_record", "a committed record of unknown type 1000 without the ignorable flag",
            ["4.2"], build(recs)[0], error="unknown_record_type")
@@ -2217,7 +2322,7 @@ def gen_presence(s: Suite, derived: dict[str, bytes]) -> None:
                   [(query("x", list(range(6))), {0: "observed", 1: "absent", 2: "failed", 3: "skipped",
                                                  4: "unknown", 5: "not_scheduled"})])
     pairs = [("observed", "failed"), ("observed", "unknown"), ("skipped", "observed"), ("absent", "skipped"),
-             ("not_scheduled", "absent")]
+             ("not_scheduled", "absent"), ("unknown", "failed")]
     ops: list[dict] = [site("x", cadence={"spine": 1, "sketch": 0})]
     for st, pair in enumerate(pairs):
         for mb, name in enumerate(pair):
@@ -2228,7 +2333,7 @@ def gen_presence(s: Suite, derived: dict[str, bytes]) -> None:
                   "step's presence is the one of highest precedence, failed > unknown > observed > skipped > "
                   "absent > not_scheduled", ["2.6", "11.4"], write_ops(ops_doc(ops)),
                   [(query("x", list(range(len(pairs)))), {0: "failed", 1: "unknown", 2: "observed", 3: "skipped",
-                                                          4: "absent"})])
+                                                          4: "absent", 5: "failed"})])
     big = 1 << 53
     extreme = write_ops(ops_doc([site("x", cadence={"spine": 2, "sketch": 0}), obs(0, big, [1.0], sketch=False)]
                                 + [truth(st) for st in (-3, big, big + 1, big + 2)] + [COMMIT]))
@@ -2283,6 +2388,18 @@ def gen_presence(s: Suite, derived: dict[str, bytes]) -> None:
                   "step 2 due without a row (unknown) and step 0 not recorded (unknown)", ["2.6", "2.4"], seg,
                   [(query("x", [0, 1, 2], segment=0), {0: "observed", 1: "observed", 2: "observed"}),
                    (query("x", [0, 1, 2], segment=1), {0: "unknown", 1: "failed", 2: "unknown"})])
+    alone = write_ops(ops_doc([site("x", cadence={"spine": 2, "sketch": 0}), site("z", cadence={"spine": 0, "sketch": 0}),
+                               obs(0, 0, [1.0], sketch=False), truth(0), truth(1),
+                               {"op": "new_segment", "first_step": I(2), "reason": "manual"},
+                               obs(0, 2, [2.0], sketch=False), truth(2), truth(3), COMMIT]))
+    presence_case(s, "segment_step_truth_alone", "a segment's step truth alone records its steps: x (cadence 2) asked "
+                  "in segment 1 reads step 1, recorded only in segment 0, as unknown and step 3 as not_scheduled, and "
+                  "in segment 0 the other way round; z, of spine cadence 0 (never due) and without rows, reads every "
+                  "recorded step as not_scheduled and step 4, not recorded, as unknown", ["2.6", "2.4", "2.2"], alone,
+                  [(query("x", [1, 3], segment=1), {1: "unknown", 3: "not_scheduled"}),
+                   (query("x", [1, 3], segment=0), {1: "not_scheduled", 3: "unknown"}),
+                   (query("z", [0, 1, 2, 3, 4]), {0: "not_scheduled", 1: "not_scheduled", 2: "not_scheduled",
+                                                  3: "not_scheduled", 4: "unknown"})])
     g = write_ops(ops_doc([site("x", cadence={"spine": 1, "sketch": 0}), site("y", cadence={"spine": 4, "sketch": 0})]
                           + [obs(0, st, [1.0], sketch=False) for st in range(4)] + [obs(1, 0, [2.0], sketch=False),
                                                                                   COMMIT]))

@@ -16,6 +16,7 @@ import os
 import re
 import shlex
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -205,6 +206,145 @@ def _reference_dump(path: Path) -> tuple[str, str]:
         return h.recovery.status, dumps(h)
 
 
+def _commit_ends(data: bytes) -> list[int]:
+    """End offsets (after the padding) of the commit records of a file whose framing the reference reader has
+    accepted: spec 4.1's record headers walked from the file header on."""
+    ends, pos = [], 32
+    while pos + 32 <= len(data):
+        rtype, _, length = struct.unpack_from("<HHI", data, pos)
+        pos += 32 + length + (-length % 8)
+        if rtype == 4:  # (commit, spec 4.2)
+            ends.append(pos)
+    return ends
+
+
+_DIRECTORY_KEYS = ("site", "segment", "rows", "scale", "cols")
+
+
+def _writer_rules(data: bytes) -> str | None:
+    """None if a file the reference reader accepted keeps the rules of a *writer* that readers do not check (they
+    ignore those bytes), else which one it breaks: spec 4.3, a commit entry's reserved field 0, its site
+    ``0xFFFFFFFF`` for records other than obs chunks, its segment ``0xFFFFFFFF`` and rows and steps 0 for records
+    other than chunks; spec 7.2, a chunk directory's keys in the order of its table and every integer in its
+    shortest MessagePack encoding; the values of :func:`_writer_values`."""
+    import msgpack
+
+    pos, none = 32, 0xFFFFFFFF
+    while pos + 32 <= len(data):
+        rtype, _, length = struct.unpack_from("<HHI", data, pos)
+        body = data[pos + 32: pos + 32 + length]
+        if rtype == 4:
+            for i in range(struct.unpack_from("<Q", body, 8)[0]):
+                off, etype, reserved, site, seg, rows, lo, hi = struct.unpack_from("<QHHIIIqq", body, 16 + 40 * i)
+                want = {"reserved": 0}
+                if etype != 2:
+                    want["site"] = none
+                if etype not in (2, 3):
+                    want.update(segment=none, rows=0, smallest=0, largest=0)
+                got = {"reserved": reserved, "site": site, "segment": seg, "rows": rows, "smallest": lo, "largest": hi}
+                bad = [f"{k} {got[k]}" for k in want if got[k] != want[k]]
+                if bad:
+                    should = ", ".join(f"{k} {v:#x}" if v else f"{k} 0" for k, v in want.items())
+                    return (f"commit at offset {pos}, entry {i} (record type {etype} at offset {off}): "
+                            f"{', '.join(bad)}; writers write {should} (spec 4.3)")
+        elif rtype in (2, 3) and length >= 4:
+            n = struct.unpack_from("<I", body, 0)[0]
+            raw = bytes(body[4: 4 + n])
+            directory = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+            keys = [k for k in directory if k in _DIRECTORY_KEYS]
+            if keys != sorted(keys, key=_DIRECTORY_KEYS.index):
+                return (f"chunk at offset {pos}: directory keys in the order {keys}; writers write them in the order "
+                        f"{list(_DIRECTORY_KEYS)} (spec 7.2)")
+            if msgpack.packb(directory, use_bin_type=True) != raw:
+                return (f"chunk at offset {pos}: its directory is not in the shortest MessagePack encoding of every "
+                        "integer (spec 7.2: writers MUST use it)")
+            why = _writer_values(bytes(body), pos, rtype == 2)
+            if why:
+                return why
+        pos += 32 + length + (-length % 8)
+    return None
+
+
+_CANONICAL_NAN = 0x7FF8000000000000
+
+
+def _writer_values(payload: bytes, pos: int, obs: bool) -> str | None:
+    """None if a chunk holds the values writers store where a reader accepts others (spec 2.6, 5.1, 5.3, 5.5,
+    2.7), else the first it does not: the canonical NaN as the min and max of a row without finite values and of a
+    row that is not observed, +0.0 as a sum of 0 in such rows, the canonical NaN for an unknown loss scale or clip
+    threshold."""
+    import numpy as np
+
+    from .batchdecode import OBS_KNOWN, OBS_VARIABLE, STEPS_KNOWN
+    from .chunk import decode_chunk
+
+    ch = decode_chunk(memoryview(payload), pos, None, OBS_KNOWN if obs else STEPS_KNOWN,
+                      OBS_VARIABLE if obs else frozenset())
+    needed = ("count", "nan", "pinf", "ninf", "presence", "min", "max", "sum", "sumsq") if obs else (
+        "loss_scale", "clip_threshold")
+    if not all(ch.has(c) for c in needed):  # (no chunk the reference reader accepted)
+        return None
+
+    def bits(name: str) -> np.ndarray:
+        return np.asarray(ch.column(name)).view("<u8")
+
+    if obs:
+        finite = (np.asarray(ch.column("count"), dtype=object) - np.asarray(ch.column("nan"), dtype=object)
+                  - np.asarray(ch.column("pinf"), dtype=object) - np.asarray(ch.column("ninf"), dtype=object))
+        empty = (np.asarray(ch.column("presence")) != 1) | (finite == 0)
+        for name, want, what in (("min", _CANONICAL_NAN, "the canonical NaN"), ("max", _CANONICAL_NAN,
+                                                                                "the canonical NaN"),
+                                 ("sum", 0, "+0.0"), ("sumsq", 0, "+0.0")):
+            bad = np.flatnonzero(empty & (bits(name) != want))
+            if bad.size:
+                return (f"chunk at offset {pos}, row {int(bad[0])} (not observed, or no finite value): {name} has the "
+                        f"bits {int(bits(name)[bad[0]]):#018x}; writers store {what} there (spec 2.6, 5.1, 5.3)")
+        return None
+    for name in ("loss_scale", "clip_threshold"):
+        b = bits(name)
+        bad = np.flatnonzero(((b & 0x7FF0000000000000) == 0x7FF0000000000000) & ((b & 0xFFFFFFFFFFFFF) != 0)
+                             & (b != _CANONICAL_NAN))
+        if bad.size:
+            return (f"steps chunk at offset {pos}, row {int(bad[0])}: {name} is the NaN {int(b[bad[0]]):#018x}; "
+                    "writers store the canonical NaN 0x7ff8000000000000 for an unknown value (spec 2.7)")
+    return None
+
+
+def _commit_states(path: Path, ignore: list[str]) -> list[Any]:
+    """The readable state (spec 4.3) after each commit of a file: the reference reader's canonical JSON of the file
+    cut right after each commit record, without ``/recovery/committed_bytes`` and the ``ignore`` pointers; a state
+    equal to the one before it (an empty commit) is listed once."""
+    data = path.read_bytes()
+    states: list[Any] = []
+    with tempfile.TemporaryDirectory(prefix="thist-conf-commits-") as tmp:
+        cut = Path(tmp) / "prefix.thist"
+        for end in _commit_ends(data):
+            cut.write_bytes(data[:end])
+            _, text = _reference_dump(cut)
+            state = _mask(json.loads(text), ["/recovery/committed_bytes", *ignore])
+            if not states or not json_equal(state, states[-1]):
+                states.append(state)
+    return states
+
+
+def _compare_commits(out: Path, case: Case) -> str | None:
+    """None if ``out`` makes the readable states of the case's expected file commit by commit (the ``commit`` ops
+    of a writer-ops document, README section 3), else why not. The final state is compared before this."""
+    exp = case.doc["expect"]
+    if not exp.get("output"):
+        return None
+    ignore = exp.get("ignore", [])
+    got, want = _commit_states(out, ignore), _commit_states(case.dir / exp["output"], ignore)
+    for k, (g, w) in enumerate(zip(got, want), 1):
+        if not json_equal(g, w):
+            return (f"the readable state after commit {k} differs from {exp['output']}'s at "
+                    + _first_difference(g, w) + " (the commit ops are not followed)")
+    if len(got) != len(want):
+        return (f"its commits make {len(got)} readable states, {exp['output']} {len(want)} (the file cut after each "
+                "commit record; the commit ops are not followed)")
+    return None
+
+
 def _compare_dump(text: str, case: Case, strict: bool, also_ignore: tuple[str, ...] = ()) -> str | None:
     """None if ``text`` is the expected canonical JSON of ``case``, else why not."""
     exp = case.doc["expect"]
@@ -213,6 +353,8 @@ def _compare_dump(text: str, case: Case, strict: bool, also_ignore: tuple[str, .
         full = got = json.loads(text)
     except json.JSONDecodeError as e:
         return f"output is not JSON ({e})"
+    except RecursionError:
+        return "output is not JSON this runner can read (nested too deep)"
     want = json.loads(want_text)
     ignore = exp.get("ignore", []) + list(also_ignore)
     if ignore:
@@ -231,13 +373,27 @@ def _compare_dump(text: str, case: Case, strict: bool, also_ignore: tuple[str, .
 
 
 def _invoke(impl: list[str], args: list[str], timeout: float, cwd: str) -> tuple[int | None, str, str]:
+    """Run the command in a process group of its own, stdin empty; past ``timeout`` the whole group is killed, so
+    that a wrapper script's children (``./my-thist`` starting ``java``) do not outlive the case."""
     try:
-        p = subprocess.run(impl + args, capture_output=True, timeout=timeout, cwd=cwd)
-    except subprocess.TimeoutExpired:
-        return None, "", f"timed out after {timeout:g} s"
+        p = subprocess.Popen(impl + args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             cwd=cwd, start_new_session=True)
     except OSError as e:
         return None, "", f"cannot run {shlex.join(impl)}: {e}"
-    return p.returncode, p.stdout.decode("utf-8", "replace"), p.stderr.decode("utf-8", "replace")
+    with p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, 9)  # (the leader is not reaped yet, so its group id names no one else)
+            except OSError:
+                p.kill()
+            try:
+                p.communicate(timeout=10)
+            except subprocess.TimeoutExpired:  # (a child that left the group holds the pipes: stop reading)
+                p.kill()
+            return None, "", f"timed out after {timeout:g} s (the command and every process it started were killed)"
+    return p.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
 
 
 def run_case(case: Case, impl: list[str], *, strict: bool = False, timeout: float = 120.0) -> Result:
@@ -293,6 +449,13 @@ def run_case(case: Case, impl: list[str], *, strict: bool = False, timeout: floa
         # a produced file's size is the writer's choice (codec, layout); strict grading compares the bytes, unless
         # the case lets some content differ (`ignore`): a file whose content may differ cannot be byte-identical
         why = _compare_dump(text, case, False, ("/recovery/committed_bytes",))
+        if why is None:
+            try:
+                why = _writer_rules(out.read_bytes())
+            except Exception as e:  # noqa: BLE001 -- (bytes the reference reader accepted, read another way)
+                why = f"cannot check the writer's rules of the output: {e!r}"
+        if why is None and cmd == "write":
+            why = _compare_commits(out, case)
         if (strict and exp.get("output") and not exp.get("ignore")
                 and out.read_bytes() != (case.dir / exp["output"]).read_bytes()):
             why = f"output file is not byte-identical to {exp['output']}" + (
@@ -309,8 +472,14 @@ def run_suite(impl: list[str], vectors: Path, *, strict: bool = False, pattern: 
     cases = load_cases(vectors, pattern)
     results = []
     width = max((len(c.id) for c in cases), default=10)
+    def one(c: Case) -> Result:
+        try:
+            return run_case(c, impl, strict=strict, timeout=timeout)
+        except Exception as e:  # noqa: BLE001 -- (what an implementation gave broke the runner: that case fails)
+            return Result(c, "fail", f"the runner could not grade the output: {type(e).__name__}: {e}"[:300])
+
     with ThreadPoolExecutor(max(1, jobs)) as pool:
-        ordered = pool.map(lambda c: run_case(c, impl, strict=strict, timeout=timeout), cases)
+        ordered = pool.map(one, cases)
         for case, r in zip(cases, ordered):
             results.append(r)
             spec = ",".join(case.doc.get("spec", []))
