@@ -110,6 +110,29 @@ def test_damaged_middle_chunk_same_error_and_offset(tmp_path: Path, damage: str)
             assert (ei.value.code, ei.value.offset) == (want, target)
 
 
+def test_nonzero_directory_padding_is_bad_chunk_on_every_path(tmp_path: Path) -> None:
+    """Spec 7.4: the padding after a chunk's directory is zero. None of the three directory checks (the full one,
+    the per-chunk fast path of a layout seen before, the batch layout of a site's chunks) looked at it: a file with
+    a non-zero byte there read clean. Now each names it, at the chunk's offset."""
+    import struct
+
+    p = tmp_path / "f.thist"
+    write_patched(p, seed=0)
+    data = bytearray(p.read_bytes())
+    target, payload, _ = obs_payload(bytes(data), 2)
+    (mlen,) = struct.unpack_from("<I", payload)
+    assert (4 + mlen) % 8, "this chunk's directory needs no padding: pick another"
+    payload[4 + mlen] = 7
+    rewrite(data, target, bytes(payload))
+    p.write_bytes(bytes(data))
+    for fn in (lambda h: h.spine("a"), lambda h: h.sketch("a"), lambda h: h.verify()):
+        with trainhist.open(p) as h:
+            with pytest.raises(CorruptError) as ei:
+                fn(h)
+            assert (ei.value.code, ei.value.offset) == ("bad_chunk", target)
+            assert "directory" in str(ei.value)
+
+
 def _dirs(h, entries):
     out = []
     for e in entries:

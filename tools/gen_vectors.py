@@ -284,11 +284,11 @@ def parse_chunk(payload: bytes) -> tuple[dict, list[Col]]:
 
 
 def pack_chunk(meta: dict, cols: list[Col], *, override: dict[str, dict[int, Any]] | None = None,
-               col_pad: bytes = b"", trailing: bytes = b"", dir_extra: bytes = b"",
+               col_pad: bytes = b"", trailing: bytes = b"", dir_extra: bytes = b"", dir_pad: bytes = b"",
                pack: Callable[[dict], bytes] | None = None) -> bytes:
     """A chunk payload laid out as spec 7.1; ``override`` replaces entry fields (by position) in the directory
-    only; ``col_pad`` replaces the first padding bytes after the first column whose block needs padding;
-    ``dir_extra`` is counted in the directory length after the map; ``pack`` replaces the MessagePack packer."""
+    only; ``col_pad`` replaces the first padding bytes after the first column whose block needs padding, ``dir_pad``
+    those after the directory (which must have as many); ``dir_extra`` is counted in the directory length after the map; ``pack`` replaces the MessagePack packer."""
     override = override or {}
     pk = pack or (lambda d: msgpack.packb(d, use_bin_type=True))
     entries = [[c.name, c.dt, c.codec, 0, len(c.block), c.raw] for c in cols]
@@ -306,7 +306,8 @@ def pack_chunk(meta: dict, cols: list[Col], *, override: dict[str, dict[int, Any
             e[k] = v(e[k]) if callable(v) else v
     packed = pk(dict(meta, cols=shown)) + dir_extra
     out = bytearray(struct.pack("<I", len(packed)) + packed)
-    out += b"\0" * pad8(len(out))
+    assert len(dir_pad) <= pad8(len(out)), "the directory is followed by fewer padding bytes than dir_pad"
+    out += dir_pad + b"\0" * (pad8(len(out)) - len(dir_pad))
     padded = False
     for c in cols:
         out += c.block
@@ -1372,6 +1373,8 @@ def gen_invalid(s: Suite, base: dict[str, bytes]) -> None:
                "bad_chunk", lambda m, cs: None, override={"span": {3: lambda off: off + 8}})
     chunk_case("bad_column_padding", "a padding byte after the `span` column block is not zero", ["7.4", "7.1"],
                "bad_chunk", lambda m, cs: None, col_pad=b"\x00\x07")
+    chunk_case("directory_padding", "a padding byte after the chunk directory is not zero", ["7.4", "7.1"],
+               "bad_chunk", lambda m, cs: None, dir_pad=b"\x07")
     chunk_case("chunk_trailing_bytes", "8 bytes after the last column block", ["7.1"], "bad_chunk",
                lambda m, cs: None, trailing=b"\0" * 8)
 

@@ -517,7 +517,10 @@ def layout(view: memoryview, entries: list, chunk_of: Callable[[Any], Chunk], *,
             raise Fallback
         dirs.append(payload[4 : 4 + mlen])
         d = 4 + mlen
-        dir_end.append(d + (-d % 8))
+        end = d + (-d % 8)
+        if end > e.length or any(payload[d:end]):  # (the directory's padding: zero, spec 7.4)
+            raise Fallback
+        dir_end.append(end)
     fast = _directories_by_template(dirs, entries)
     if fast is not None:
         names, dts, t, ncols, scales = fast

@@ -475,6 +475,8 @@ def decode_chunk(
         return Chunk(meta, payload, offset, path, fast)
     directory: dict[str, list] = {}
     end = 4 + mlen + pad8(4 + mlen)
+    if any(payload[4 + mlen : end]):
+        raise _bad("padding after the chunk directory is not zero", path, offset)
     for c in cols:
         if (
             not isinstance(c, list) or len(c) != 6 or not isinstance(c[0], str) or not isinstance(c[1], str)
@@ -547,6 +549,8 @@ def _fast_directory(payload: memoryview, n: int, mlen: int, rows: int, cols: lis
         return None
     end = 4 + mlen
     end += -end % 8
+    if any(payload[4 + mlen : end]):
+        return None
     directory = {}
     limit = 64 * MAX_ROWS * 8
     for c, size in zip(cols, info[1]):
