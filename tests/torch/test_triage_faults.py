@@ -1,0 +1,167 @@
+"""The triage of real (tiny) torch training runs recorded by the Collector, each with one injected fault whose
+site, pass and step are known: the diagnosis must name them, and claim no more than the history supports."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import trainhist
+from trainhist.torch import Collector
+from trainhist.triage import triage
+
+K = 3  #: the step of the fault
+
+
+class _NanBackward(torch.autograd.Function):
+    """The identity, whose backward puts a NaN into the gradient it passes on."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        g = g.clone()
+        g.view(-1)[0] = float("nan")
+        return g
+
+
+class BadBackward(nn.Module):
+    """The identity in the forward; its backward yields a NaN while ``on``."""
+
+    on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _NanBackward.apply(x) if self.on else x
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def _nan_at(module: nn.Module, now: dict, value: float = float("nan"), micro: int | None = None) -> None:
+    """Make ``module``'s output hold ``value`` in one element at step K (in micro-batch ``micro`` alone)."""
+
+    def hook(mod, inputs, out):
+        if now["step"] == K and micro in (None, now["micro"]):
+            out = out.clone()
+            out.view(-1)[0] = value
+        return out
+
+    module.register_forward_hook(hook)
+
+
+def _train(tmp_path, *, model=None, steps=6, every=1, micro=1, opt=None, scaler=None, setup=None, loss_fn=None,
+           before_step=None) -> trainhist.History:
+    """Train ``model`` (default: a small MLP) on synthetic data for ``steps`` steps of ``micro`` micro-batches,
+    recorded every ``every`` steps; ``setup(model, now)`` installs the fault (``now``: the step and micro-batch)."""
+    torch.set_num_threads(1)
+    m = model if model is not None else _mlp()
+    opt = opt(m) if opt is not None else torch.optim.SGD(m.parameters(), lr=0.05)
+    path = tmp_path / "run.thist"
+    gen = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        col = Collector(m, path, mode="w", every=every, sketch_every=max(every, 10))
+        col.discover(torch.randn(4, 8, generator=gen))
+        col.attach(optimizer=opt, scaler=scaler)
+        now = {"step": -1, "micro": -1}
+        if setup is not None:
+            setup(m, now)
+        for step in range(steps):
+            now["step"] = step
+            with col.step(step):
+                total = torch.zeros(())
+                for mb in range(micro):
+                    now["micro"] = mb
+                    x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 2, generator=gen)
+                    out = m(x)
+                    loss = (loss_fn(out, y, now) if loss_fn else ((out - y) ** 2).mean()) / micro
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                    total = total + loss.detach()
+                if before_step is not None:
+                    before_step(m, now)
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
+                opt.zero_grad()
+            col.scalars(step, loss=total)
+        col.close()
+    return trainhist.open(path)
+
+
+def _first(h: trainhist.History) -> tuple[int, str, str]:
+    f = triage(h).first_nonfinite
+    return f.step, f.site, f.text
+
+
+# -- faults the triage names exactly (regression) ------------------------------------------------------------------
+
+
+def _poison_grad(m, now):
+    if now["step"] == K:
+        m[4].weight.grad.view(-1)[0] = float("nan")
+
+
+class _Frozen(nn.Module):
+    """A linear model with a parameter whose gradient is always exactly 0 (Adam with eps=0 makes its update 0/0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 2)
+        self.idle = nn.Parameter(torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + 0 * self.idle.sum()
+
+
+@pytest.mark.parametrize("case", ["forward_nan", "forward_inf", "backward_only", "second_micro_batch",
+                                  "poisoned_gradient", "adam_eps0"])
+def test_an_injected_fault_is_named_at_its_site_pass_and_step(tmp_path, case) -> None:
+    if case == "forward_nan":
+        h = _train(tmp_path, setup=lambda m, now: _nan_at(m[2], now))
+        want = (K, "2", "`2` forward (activation) at step 3 (1 NaN)")
+    elif case == "forward_inf":
+        h = _train(tmp_path, setup=lambda m, now: _nan_at(m[2], now, float("inf")))
+        want = (K, "2", "`2` forward (activation) at step 3 (1 inf)")
+    elif case == "backward_only":  # the NaN is made by BadBackward's backward: it reaches the output of `2`
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), BadBackward(), nn.ReLU(), nn.Linear(16, 2))
+        h = _train(tmp_path, model=m, setup=lambda m, now: m[3].register_forward_pre_hook(
+            lambda mod, i: setattr(mod, "on", now["step"] == K)))
+        want = (K, "2", "`2` backward (activation_grad: the gradient reaching its output) at step 3 (1 NaN)")
+    elif case == "second_micro_batch":
+        h = _train(tmp_path, micro=2, setup=lambda m, now: _nan_at(m[2], now, micro=1))
+        want = (K, "2", "`2` forward (activation) at step 3 (1 NaN)")
+    elif case == "poisoned_gradient":
+        h = _train(tmp_path, before_step=_poison_grad)
+        want = (K, "4.weight", "`4.weight` gradient (param_grad) at step 3 (1 NaN)")
+    else:
+        h = _train(tmp_path, model=_Frozen(), opt=lambda m: torch.optim.Adam(
+            [{"params": list(m.lin.parameters())}, {"params": [m.idle], "eps": 0.0}], lr=0.01))
+        want = (0, "idle", "`idle` update (param_delta) at step 0 (3 NaN)")
+    with h:
+        step, site, text = _first(h)
+        assert (step, site) == want[:2] and want[2] in text, text
+        kinds = [f.kind for f in triage(h).findings]
+    assert "first_nonfinite_site" not in kinds and "scaler_overflow" not in kinds, kinds
+
+
+def test_a_gradscaler_overflow_alone_is_no_divergence(tmp_path) -> None:
+    """A scale so large that every step's gradients overflow (a real GradScaler, on the CPU): each step is skipped,
+    and the triage names no first non-finite value, only the expected overflow."""
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0**127, growth_interval=1000)
+    with _train(tmp_path, scaler=sc, loss_fn=lambda o, y, now: ((o - y) ** 2).mean() * 1e6) as h:
+        t = triage(h)
+    kinds = [f.kind for f in t.findings]
+    assert t.first_nonfinite is None and "nonfinite" not in kinds, t.format()
+    (f,) = [f for f in t.findings if f.kind == "scaler_overflow"]
+    assert f.step == 0 and "6 steps skipped by the loss scaler" in f.text
