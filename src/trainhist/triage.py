@@ -63,6 +63,26 @@ def site_orders(h: History) -> dict[int, int]:
 _BACKWARD = ("activation_grad", "param_grad")
 
 
+#: a training loss's rank among the passes of a step: computed from the forward's output, before the backward that
+#: it starts (so a loss made non-finite by its own computation, or overflowing from a finite forward, comes before
+#: the backward's non-finite gradients); every other run-level scalar ranks after the update (PASS_ORDER)
+_LOSS_RANK = 0.5
+
+
+def _training_loss(name: str) -> bool:
+    """Whether a run-level scalar's name says it is the step's training loss (``loss``, ``train/loss``,
+    ``train_loss``): an evaluation's (``val_loss``, ``eval/loss``), which may be computed after the update, is not."""
+    n = name.lower()
+    leaf = n.rsplit("/", 1)[-1]
+    return (leaf in ("loss", "train_loss", "training_loss", "loss_train")
+            and not any(w in n for w in ("val", "eval", "test")))
+
+
+def _pass_rank(site: Site) -> float:
+    """The rank of ``site``'s pass within a step (PASS_ORDER; a training loss between the forward and backward)."""
+    return _LOSS_RANK if site.stream == "scalar" and _training_loss(site.path) else PASS_ORDER[site.stream]
+
+
 def _scalar_rank(x: Site) -> int:
     """A run-level scalar's place among the scalars of a step: the loss (computed in the forward) before the
     gradient norms (after backward); the others between, by id."""
@@ -147,7 +167,7 @@ class _Event(NamedTuple):
 
     segment: int
     step: int
-    pass_rank: int
+    pass_rank: float
     order: int
     phase: str
     site: Any
@@ -369,7 +389,7 @@ def triage(h: History) -> Triage:
                 for i, k in zip(bad_rows.tolist(), earlier.tolist()):
                     prev = int(mine[k - 1]) if k else None
                     before = None if prev is None else int(step[prev])
-                    events.append(_Event(int(g), int(step[i]), PASS_ORDER[site.stream], order, phase, site,
+                    events.append(_Event(int(g), int(step[i]), _pass_rank(site), order, phase, site,
                                          int(s.nan[i]), int(s.pinf[i] + s.ninf[i]), before,
                                          None if prev is None else _observed_end(before, int(span[prev]), site),
                                          int(span[i]), prev is not None and bool(bad[prev])))

@@ -165,3 +165,28 @@ def test_a_gradscaler_overflow_alone_is_no_divergence(tmp_path) -> None:
     assert t.first_nonfinite is None and "nonfinite" not in kinds, t.format()
     (f,) = [f for f in t.findings if f.kind == "scaler_overflow"]
     assert f.step == 0 and "6 steps skipped by the loss scaler" in f.text
+
+
+# -- defects found by these runs ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["nan_loss", "overflowing_loss"])
+def test_a_non_finite_loss_comes_before_the_backward_it_feeds(tmp_path, case) -> None:
+    """The loss is computed after the forward and before the backward. A loss made NaN by its own computation (the
+    model's outputs finite), or one that overflows to inf from a finite spike in the forward (1e30 in `2`'s output:
+    every module output stays finite, the squared error does not), makes the backward non-finite: the triage named
+    the backward (`(root)`'s output gradient, or `4.weight`'s gradient) as the first non-finite value, because it
+    ranked every run-level scalar after the update. The loss held the first one."""
+    if case == "nan_loss":
+        h = _train(tmp_path, loss_fn=lambda o, y, now: ((o - y) ** 2).mean() * (float("nan") if now["step"] == K
+                                                                                 else 1.0))
+        what, site = "(1 NaN)", "`(root)` backward (activation_grad"
+    else:
+        h = _train(tmp_path, setup=lambda m, now: _nan_at(m[2], now, 1e30))
+        what, site = "(1 inf)", "`4.weight` gradient (param_grad) at step 3"
+    with h:
+        t = triage(h)
+    first = t.first_nonfinite
+    assert (first.step, first.site) == (K, "loss") and f"`loss` scalar at step 3 {what}" in first.text, t.format()
+    (s,) = [f for f in t.findings if f.kind == "first_nonfinite_site"]
+    assert s.step == K and site in s.text, t.format()
