@@ -426,6 +426,9 @@ def triage(h: History) -> Triage:
     scaled = {r["segment"] for r in rows if r["loss_scale"] is not None}
     scaler_skipped = {(r["segment"], r["step"], r["span"]) for r in rows
                       if r["applied"] == "skipped" and (r["loss_scale"] is not None or r["segment"] in scaled)}
+    # a step whose forward or training loss was non-finite too: its gradients are that value's, not an overflow (the
+    # scaler skips that step as well, and the loss scale does not explain it)
+    scaler_skipped -= {(e.segment, e.step, e.span) for e in events if e.pass_rank < PASS_ORDER["activation_grad"]}
     overflows = [e for e in events if _overflow(e, scaler_skipped)]
     events = [e for e in events if not _overflow(e, scaler_skipped)]
     # within a step: forward, then backward, the pre-clip gradients before the post-clip ones, then the update

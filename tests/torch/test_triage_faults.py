@@ -190,3 +190,25 @@ def test_a_non_finite_loss_comes_before_the_backward_it_feeds(tmp_path, case) ->
     assert (first.step, first.site) == (K, "loss") and f"`loss` scalar at step 3 {what}" in first.text, t.format()
     (s,) = [f for f in t.findings if f.kind == "first_nonfinite_site"]
     assert s.step == K and site in s.text, t.format()
+
+
+@pytest.mark.parametrize("overflowing", [False, True])
+def test_a_step_the_scaler_skipped_for_a_forward_nan_is_not_called_an_overflow(tmp_path, overflowing) -> None:
+    """A real GradScaler skips the step whose forward held a NaN (its gradients are non-finite too). The triage
+    named the forward NaN first, but put that step's gradients aside as "an overflow, expected with a GradScaler",
+    and counted the step among the overflows: gradients a non-finite forward (or loss) made non-finite are no
+    overflow. With a scale that overflows every step (``overflowing``), the other steps remain the overflows."""
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0**127, growth_interval=1000)
+    scale = 1e6 if overflowing else 1.0
+    with _train(tmp_path, scaler=sc, setup=lambda m, now: _nan_at(m[2], now),
+                loss_fn=lambda o, y, now: ((o - y) ** 2).mean() * scale) as h:
+        t = triage(h)
+    first = t.first_nonfinite
+    assert (first.step, first.site) == (K, "2") and "forward" in first.text, t.format()
+    n = next(f for f in t.findings if f.kind == "nonfinite")
+    assert "all at step 3" in n.text and "1 observation" not in n.text, t.format()
+    over = [f for f in t.findings if f.kind == "scaler_overflow"]
+    if overflowing:
+        assert len(over) == 1 and "5 steps skipped by the loss scaler" in over[0].text, t.format()
+    else:
+        assert not over, t.format()
