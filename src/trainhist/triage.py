@@ -260,11 +260,14 @@ def _at(e: _Event, segments: int, runs: dict[int, str] | None = None) -> str:
     return _steps(e.step, e.span) + _seg(e.segment, segments, runs)
 
 
-def _site_finding(e: _Event, segments: int, runs: dict[int, str] | None = None) -> Finding:
-    """The first site-level non-finite observation, bracketed by the site's previous (finite) observation.
+def _site_finding(e: _Event, segments: int, runs: dict[int, str] | None = None, hit: int = 1) -> Finding:
+    """The first site-level non-finite observation, bracketed by the site's previous (finite) observation (``hit``:
+    the site/phase pairs non-finite at its step).
 
-    With spines at a cadence the site first seen non-finite may be downstream of the origin, so the finding says
-    which steps were not observed rather than attributing the origin to it.
+    With spines at a cadence the site first seen non-finite is only the first in the step's order among those the
+    values had reached by then: over the steps not observed they spread through the updates to every site, so the
+    finding says which steps were not observed and that any site may have held them first, attributing the origin
+    neither to it nor to what is upstream of it.
     """
     where = (f"the first site with non-finite values is {_label(e.site, e.phase)} at {_at(e, segments, runs)} "
              f"({_what(e.nan, e.inf)})")
@@ -274,8 +277,10 @@ def _site_finding(e: _Event, segments: int, runs: dict[int, str] | None = None) 
         why = ("(its rows there are missing or carry no numbers: see below)" if e.site.cadence_spine == 1 else
                "(record every step to pin it)")
         where += (f"; its previous observation, at step {e.before}{covered}, {held} and steps {e.before_end}.."
-                  f"{e.step - 1} were not observed there, so the values may have turned non-finite earlier, or first "
-                  f"upstream of this site {why}")
+                  f"{e.step - 1} were not observed there, so the values may have turned non-finite earlier, and first "
+                  "at any site (over steps not observed they can spread through the updates to every site: "
+                  f"{_n(hit, 'site/phase pair')} held non-finite values at {_steps(e.step, e.span)}): which site held "
+                  f"them first is not recorded {why}")
     elif e.before is not None and e.before_end - e.before > 1:  # (a coarsened window just before: not pinned)
         where += (f"; its previous row, steps {e.before}–{e.before_end - 1} (a coarsened window), {held}, but which "
                   "of its steps were observed is not recorded, so the values may have turned non-finite inside it")
@@ -456,7 +461,9 @@ def triage(h: History) -> Triage:
                                            f"{_at(e0, n_segments, run_of)} ({_what(e0.nan, e0.inf)}){also_text}"))
         first_site = next((e for e in events if e.site.stream != "scalar"), None)
         if first_site is not None and (e0.site.stream == "scalar" or _gap(first_site)):
-            report.findings.append(_site_finding(first_site, n_segments, run_of))
+            hit = len({(e.site.id, e.phase) for e in events if e.site.stream != "scalar"
+                       and (e.segment, e.step) == (first_site.segment, first_site.step)})
+            report.findings.append(_site_finding(first_site, n_segments, run_of, hit))
         elif first_site is None:
             report.findings.append(Finding("model_finite", None, None,
                                            "no recorded site of the model held a non-finite value, only run-level "

@@ -212,3 +212,18 @@ def test_a_step_the_scaler_skipped_for_a_forward_nan_is_not_called_an_overflow(t
         assert len(over) == 1 and "5 steps skipped by the loss scaler" in over[0].text, t.format()
     else:
         assert not over, t.format()
+
+
+def test_a_cadence_gap_does_not_place_the_origin_at_or_upstream_of_the_first_site_seen(tmp_path) -> None:
+    """Spines every 5 steps, a NaN born in `2`'s forward at step 3: the per-step loss gives the exact step, and the
+    first site seen non-finite is `0` (the first module) at step 5, after the update spread the NaN to every site.
+    The triage said the values "may have turned non-finite earlier, or first upstream of this site": the origin,
+    `2`, is downstream of `0`. Over steps not observed any site may have held them first; it must say so."""
+    with _train(tmp_path, every=5, steps=8, setup=lambda m, now: _nan_at(m[2], now)) as h:
+        t = triage(h)
+    first = t.first_nonfinite
+    assert (first.step, first.site) == (K, "loss"), t.format()
+    (s,) = [f for f in t.findings if f.kind == "first_nonfinite_site"]
+    assert s.step == 5 and s.site == "0" and "steps 1..4 were not observed" in s.text, s.text
+    assert "upstream" not in s.text and "which site held them first is not recorded" in s.text, s.text
+    assert "site/phase pairs held non-finite values at step 5" in s.text, s.text
