@@ -353,9 +353,9 @@ def triage(h: History) -> Triage:
     report = Triage(h.path, recovery=h.recovery)
     events: list[_Event] = []
     failed: dict[str, list[tuple[int, int]]] = {}  # site label -> (step, span) of its failed rows
-    # presence -> (first step, site order, span, rows, site label) per site
-    missing: dict[str, list[tuple[int, int, int, int, str]]] = {}
-    partly: list[tuple[int, int, int, int, str]] = []  # observed rows that combine skipped ones (derived files)
+    # presence -> (first step, (pass, site order), span, rows, site label) per site
+    missing: dict[str, list[tuple[int, tuple[float, int], int, int, str]]] = {}
+    partly: list[tuple[int, tuple[float, int], int, int, str]] = []  # observed rows that combine skipped ones (derived files)
     n_segments = len(h.segments)
     seg_runs = segment_runs(h)  # (a file holding several runs names each place's run: segment -> its label)
     run_of = {g: run_label(h, r) for g, r in seg_runs.items()} if len(set(seg_runs.values())) > 1 else {}
@@ -369,8 +369,8 @@ def triage(h: History) -> Triage:
         table.setdefault(r["segment"], []).append((r["step"], r["span"]))
     tables = {g: (np.array([a for a, _ in v], np.int64), np.array([n for _, n in v], np.int64))
               for g, v in table.items()}
-    # (first step, its span, site order, due steps without a row, due windows without a row, label)
-    no_row: list[tuple[int, int, int, int, int, str]] = []
+    # (first step, its span, (pass, site order), due steps without a row, due windows without a row, label)
+    no_row: list[tuple[int, int, tuple[float, int], int, int, str]] = []
     writers = {g.id: len((g.manifest.get("origin") or {}).get("writers", ())) for g in h.segments}
     merged = {g for g, n in writers.items() if n > 1}
     in_merge = False  # (a due step without a row in a segment that merges several writers)
@@ -383,6 +383,7 @@ def triage(h: History) -> Triage:
             obs = s.observed
             bad = obs & ((s.nan > 0) | (s.pinf > 0) | (s.ninf > 0))
             order = orders[site.id]
+            at_pass = (_pass_rank(site), order)  # (rows without numbers: the earliest by pass, then position)
             step, span, seg = s.step, s.span.astype(np.int64), s.segment
             for g in np.unique(seg).tolist():
                 seen.setdefault(int(g), []).append((step[seg == g], span[seg == g]))
@@ -406,13 +407,13 @@ def triage(h: History) -> Triage:
                 at = np.flatnonzero(s.presence == code)
                 if at.size:
                     i = int(at[np.argmin(s.step[at])])
-                    missing.setdefault(name, []).append((int(s.step[i]), order, int(s.span[i]), int(at.size),
+                    missing.setdefault(name, []).append((int(s.step[i]), at_pass, int(s.span[i]), int(at.size),
                                                          _label(site, phase)))
             if "n_skipped" in s.columns:  # (a derived row: observed with skipped inputs, spec 11.4)
                 at = np.flatnonzero((s.presence == Presence.OBSERVED) & (s.columns["n_skipped"] > 0))
                 if at.size:
                     i = int(at[np.argmin(s.step[at])])
-                    partly.append((int(s.step[i]), order, int(s.span[i]), int(at.size), _label(site, phase)))
+                    partly.append((int(s.step[i]), at_pass, int(s.span[i]), int(at.size), _label(site, phase)))
         # due steps of the step table with no row of this site at all (nothing was written: a failed write, say);
         # a coarsened step-truth window is due when the site's cadence (the writers', spec 11.7) makes a step of it
         # due, and has a row when a row of the site covers a step of it
@@ -424,7 +425,8 @@ def triage(h: History) -> Triage:
                 if lost:
                     steps_, windows = sum(n == 1 for _, n in lost), sum(n > 1 for _, n in lost)
                     first = min(lost)
-                    no_row.append((first[0], first[1], orders[site.id], steps_, windows, _label(site, "default")))
+                    no_row.append((first[0], first[1], (_pass_rank(site), orders[site.id]), steps_, windows,
+                                   _label(site, "default")))
                     in_merge |= g in merged and _maybe_unplanned(lost, seen[g], site.cadence_spine)
     # gradients that overflowed at steps the loss scaler skipped: expected, reported apart from the rest
     # (a segment whose rows record a loss scale ran under a scaler: a coarsened window of differing scales keeps none)

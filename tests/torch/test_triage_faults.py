@@ -227,3 +227,20 @@ def test_a_cadence_gap_does_not_place_the_origin_at_or_upstream_of_the_first_sit
     assert s.step == 5 and s.site == "0" and "steps 1..4 were not observed" in s.text, s.text
     assert "upstream" not in s.text and "which site held them first is not recorded" in s.text, s.text
     assert "site/phase pairs held non-finite values at step 5" in s.text, s.text
+
+
+def test_a_parameter_frozen_mid_run_is_named_by_its_gradient_first(tmp_path) -> None:
+    """`4.weight` frozen (requires_grad off) during step 3: from step 4 on it has no gradient and no update. The
+    finding about rows that did not run named its update as the first, although the gradient comes before the
+    update in a step (rows without numbers were ranked by site position alone, whatever their pass)."""
+
+    def freeze(m, now):
+        if now["step"] == K:
+            m[4].weight.requires_grad_(False)
+
+    with _train(tmp_path, before_step=freeze) as h:
+        t = triage(h)
+    (f,) = [f for f in t.findings if f.kind == "rows_absent"]
+    assert f.step == K + 1 and "2 site/phase pairs did not run" in f.text, t.format()
+    assert "first `4.weight` gradient (param_grad) at step 4" in f.text, t.format()
+    assert t.first_nonfinite is None
