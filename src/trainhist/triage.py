@@ -298,6 +298,36 @@ def _overflow(e: _Event, skipped: set[tuple[int, int, int]]) -> bool:
     return e.site.stream in _SCALED or (e.site.stream == "scalar" and e.site.path.startswith("grad_norm"))
 
 
+def _overflow_runs(rows: list[dict], skipped: set[tuple[int, int, int]]) -> tuple[set[tuple[int, int, int]], list]:
+    """Split the steps the loss scaler skipped (``skipped``: (segment, step, span)) into the overflows and the rest.
+
+    A scaler halves its scale at each skip, so an overflow clears as the scale goes down: a run of consecutive
+    skipped steps that reaches a loss scale of 1 or below (gradients not amplified, so non-finite of their own) is no
+    overflow, nor is any step of it. Returns the overflows, and the runs of several skips that reach their
+    segment's last step-table row, each as ``((segment, first step, its span), rows, lowest loss scale or None)``:
+    the data do not tell them from overflows, but they never cleared."""
+    by_seg: dict[int, list[dict]] = {}
+    for r in rows:
+        by_seg.setdefault(r["segment"], []).append(r)
+    keep = set(skipped)
+    through_end = []
+    for g, rs in by_seg.items():
+        rs = sorted(rs, key=lambda r: r["step"])
+        run: list[dict] = []
+        for i, r in enumerate(rs + [None]):
+            if r is not None and (g, r["step"], r["span"]) in skipped:
+                run.append(r)
+                continue
+            if run:
+                scales = [x["loss_scale"] for x in run if x["loss_scale"] is not None]
+                if scales and min(scales) <= 1:
+                    keep -= {(g, x["step"], x["span"]) for x in run}
+                elif r is None and len(run) > 1:
+                    through_end.append(((g, run[0]["step"], run[0]["span"]), len(run), min(scales) if scales else None))
+            run = []
+    return keep, through_end
+
+
 def segment_runs(h: History) -> dict[int, tuple[str, ...]]:
     """Segment id -> the runs whose history it records (spec 11.3): a derived file's segment names them in its
     ``origin``, a writer's segment is its writer's run (else the file's first run). A merge keeps the segments of
@@ -436,6 +466,7 @@ def triage(h: History) -> Triage:
     # a step whose forward or training loss was non-finite too: its gradients are that value's, not an overflow (the
     # scaler skips that step as well, and the loss scale does not explain it)
     scaler_skipped -= {(e.segment, e.step, e.span) for e in events if e.pass_rank < PASS_ORDER["activation_grad"]}
+    scaler_skipped, through_end = _overflow_runs(rows, scaler_skipped)
     overflows = [e for e in events if _overflow(e, scaler_skipped)]
     events = [e for e in events if not _overflow(e, scaler_skipped)]
     # within a step: forward, then backward, the pre-clip gradients before the post-clip ones, then the update
@@ -494,10 +525,18 @@ def triage(h: History) -> Triage:
         scale = next((r["loss_scale"] for r in rows if (r["segment"], r["step"], r["span"]) == at[0]), None)
         where = _steps(at[0][1], at[0][2]) + _seg(at[0][0], n_segments, run_of)
         kept = "its loss scale not kept by the window" if scale is None else f"loss scale {scale:g}"
+        tail = [t for t in through_end if t[0] in set(at)]
+        end = ""
+        if tail:  # (the longest such run: skips an overflow explains end once the scale has gone down far enough)
+            (g, step0, span0), n_run, low = max(tail, key=lambda t: t[1])
+            low_ = "its loss scale not kept" if low is None else f"the loss scale down to {low:g}"
+            end = (f"; the last {n_run} of them ran through the end of the history{_seg(g, n_segments, run_of)} "
+                   f"without an applied step ({low_}): an overflow clears as the scale goes down, so these may be "
+                   f"non-finite gradients of the model's own, from {_steps(step0, span0)} on")
         report.findings.append(Finding("scaler_overflow", at[0][1], None,
                                        f"{_n(len(at), unit)} skipped by the loss scaler held non-finite gradients "
                                        f"(an overflow, expected with a GradScaler: no update was applied), first at "
-                                       f"{where} ({kept}); they are not counted above"))
+                                       f"{where} ({kept}){end}; they are not counted above"))
     for label, steps in failed.items():
         report.findings.append(Finding("failed", steps[0][0], label,
                                        f"the reduction failed for {label} at {_n(len(steps), 'row')}, first at "

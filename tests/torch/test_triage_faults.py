@@ -244,3 +244,37 @@ def test_a_parameter_frozen_mid_run_is_named_by_its_gradient_first(tmp_path) -> 
     assert f.step == K + 1 and "2 site/phase pairs did not run" in f.text, t.format()
     assert "first `4.weight` gradient (param_grad) at step 4" in f.text, t.format()
     assert t.first_nonfinite is None
+
+
+def _scaled_bad_backward(tmp_path, init_scale: float, steps: int) -> trainhist.History:
+    """A GradScaler run whose module `3` yields a NaN in its backward at every step from K on."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), BadBackward(), nn.ReLU(), nn.Linear(16, 2))
+    sc = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1000)
+    return _train(tmp_path, model=m, scaler=sc, steps=steps, setup=lambda m, now: m[3].register_forward_pre_hook(
+        lambda mod, i: setattr(mod, "on", now["step"] >= K)))
+
+
+def test_a_persistent_backward_nan_under_a_gradscaler_is_not_hidden_as_overflows(tmp_path) -> None:
+    """A backward that yields a NaN at every step from K on, under a GradScaler of scale 16: the scaler skips every
+    step, halving the scale down to 0.25. The triage called all seven skipped steps "an overflow, expected with a
+    GradScaler" and named no non-finite value at all: the divergence was hidden. Gradients that stay non-finite as
+    the scale falls to 1 or below are no overflow of the scaling (unscaled, they are non-finite themselves), and
+    neither are those of the skips that led there."""
+    with _scaled_bad_backward(tmp_path, 2.0**4, 10) as h:
+        t = triage(h)
+    first = t.first_nonfinite
+    assert first is not None and (first.step, first.site) == (K, "2") and "backward" in first.text, t.format()
+    assert not [f for f in t.findings if f.kind == "scaler_overflow"], t.format()
+    assert any(f.kind == "skipped_step" and f.step == K for f in t.findings), t.format()
+
+
+def test_skips_through_the_end_of_a_run_are_not_called_expected_without_a_word(tmp_path) -> None:
+    """The same fault under a scale that is still above 1 when the run ends (2^16, 6 steps): the data cannot tell
+    these skips from overflows, but an overflow clears as the scale goes down, and these did not: the overflow
+    finding must say that the last skips ran through the end without an applied step."""
+    with _scaled_bad_backward(tmp_path, 2.0**16, 6) as h:
+        t = triage(h)
+    (f,) = [f for f in t.findings if f.kind == "scaler_overflow"]
+    assert "3 steps skipped by the loss scaler" in f.text, f.text
+    assert "the last 3 of them ran through the end" in f.text and "down to 16384" in f.text, f.text
