@@ -96,7 +96,7 @@ class Finding:
 
     kind: str  # first_nonfinite(_site, _segment), model_finite, nonfinite, ranks, scaler_overflow, failed,
     # rows_absent/_skipped/_unknown/_missing, rows_partly_skipped, skipped_step, interrupted, truth_partial,
-    # unknown_applied, segment, segment_run
+    # unknown_applied, segment, segment_run, zero_forward, zero_update
     step: int | None
     site: str | None
     text: str
@@ -123,9 +123,9 @@ class Triage:
                 "may hold what went wrong (run `trainhist verify` for the details)" if torn else None)
         if not self.findings:
             if torn:
-                return (f"{self.path}: no non-finite values, failures, skipped steps or gaps found in the committed "
-                        f"prefix, but the file's tail was torn:\n{note}")
-            return f"{self.path}: no non-finite values, failures, skipped steps or gaps found"
+                return (f"{self.path}: no non-finite values, failures, skipped steps, gaps or sites stuck at zero "
+                        f"found in the committed prefix, but the file's tail was torn:\n{note}")
+            return f"{self.path}: no non-finite values, failures, skipped steps, gaps or sites stuck at zero found"
         limit = len(self.findings) if limit <= 0 else limit
         lines = [f"triage of {self.path}:"] + ([note] if torn else [])
         for f in self.findings[:limit]:
@@ -298,6 +298,32 @@ def _overflow(e: _Event, skipped: set[tuple[int, int, int]]) -> bool:
     return e.site.stream in _SCALED or (e.site.stream == "scalar" and e.site.path.startswith("grad_norm"))
 
 
+#: streams whose rows of zeros alone, through a site's last row, are worth a finding: what they mean
+_ZERO_WHAT = {"activation": "a dead layer passes no signal forward and no gradient back (a ReLU whose inputs all "
+                            "turned negative, an output multiplied by 0)",
+              "param_delta": "the parameter stopped changing, at every element measured (a learning rate of 0, a "
+                             "gradient of 0)"}
+
+
+def _zero_tail(s: Any, rows: np.ndarray) -> tuple[int, int, int, bool] | None:
+    """The stretch of ``s``'s rows (``rows``: a mask of observed rows holding values, of one segment) that hold only
+    zeros through the last of them, when it has at least two rows: (its first step, rows, last step, whether it
+    starts at the first of them), else None."""
+    at = np.flatnonzero(rows)
+    if at.size < 2:
+        return None
+    at = at[np.argsort(s.step[at], kind="stable")]
+    allzero = s.zero[at] == s.count[at]
+    if not allzero[-1]:
+        return None
+    nz = np.flatnonzero(~allzero)
+    start = int(nz[-1]) + 1 if nz.size else 0
+    n = at.size - start
+    if n < 2:
+        return None
+    return int(s.step[at[start]]), n, int(s.step[at[-1]] + s.span[at[-1]] - 1), start == 0
+
+
 def _overflow_runs(rows: list[dict], skipped: set[tuple[int, int, int]]) -> tuple[set[tuple[int, int, int]], list]:
     """Split the steps the loss scaler skipped (``skipped``: (segment, step, span)) into the overflows and the rest.
 
@@ -385,7 +411,10 @@ def triage(h: History) -> Triage:
     failed: dict[str, list[tuple[int, int]]] = {}  # site label -> (step, span) of its failed rows
     # presence -> (first step, (pass, site order), span, rows, site label) per site
     missing: dict[str, list[tuple[int, tuple[float, int], int, int, str]]] = {}
-    partly: list[tuple[int, tuple[float, int], int, int, str]] = []  # observed rows that combine skipped ones (derived files)
+    partly: list[tuple[int, tuple[float, int], int, int, str]] = []
+    # stream -> (segment, first step, (pass, order), rows, last step, from the segment's first row, label, path) of
+    # the site/phase pairs whose observed rows held only zeros from some step through their last one
+    zeros: dict[str, list[tuple]] = {}  # observed rows that combine skipped ones (derived files)
     n_segments = len(h.segments)
     seg_runs = segment_runs(h)  # (a file holding several runs names each place's run: segment -> its label)
     run_of = {g: run_label(h, r) for g, r in seg_runs.items()} if len(set(seg_runs.values())) > 1 else {}
@@ -429,6 +458,12 @@ def triage(h: History) -> Triage:
                                          int(s.nan[i]), int(s.pinf[i] + s.ninf[i]), before,
                                          None if prev is None else _observed_end(before, int(span[prev]), site),
                                          int(span[i]), prev is not None and bool(bad[prev])))
+            if site.stream in _ZERO_WHAT and (site.dtype is None or "float" in site.dtype):
+                for g in np.unique(seg[obs]).tolist():
+                    z = _zero_tail(s, obs & (seg == g) & (s.count > 0))
+                    if z is not None:
+                        zeros.setdefault(site.stream, []).append(
+                            (int(g), z[0], at_pass, z[1], z[2], z[3], _label(site, phase), site.path))
             fails = np.flatnonzero(s.presence == Presence.FAILED)
             if fails.size:
                 failed[_label(site, phase)] = list(zip(s.step[fails].tolist(), s.span[fails].tolist()))
@@ -541,6 +576,14 @@ def triage(h: History) -> Triage:
         report.findings.append(Finding("failed", steps[0][0], label,
                                        f"the reduction failed for {label} at {_n(len(steps), 'row')}, first at "
                                        f"{_steps(*steps[0])}"))
+    for stream, found in zeros.items():  # (a dead layer; a parameter that stopped changing)
+        g, step, _, n, last, whole, label, path = min(found)
+        since = f"from its first row, step {step}," if whole else f"from step {step}"
+        more = f"; {_n(len(found), 'site/phase pair')} in all (the first named)" if len(found) > 1 else ""
+        report.findings.append(Finding(f"zero_{'forward' if stream == 'activation' else 'update'}", step, path,
+                                       f"{label} held only zeros {since} to step {last}, its last row"
+                                       f"{_seg(g, n_segments, run_of)} ({_n(n, 'row')}): {_ZERO_WHAT[stream]}"
+                                       f"{more}"))
     why = {"absent": "did not run", "skipped": "had nothing to observe (skipped)", "unknown": "are unknown"}
     for name, found in missing.items():  # rows without numbers, by state: one finding each, naming the earliest
         step, _, span, _, label = min(found)

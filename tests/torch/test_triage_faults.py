@@ -278,3 +278,31 @@ def test_skips_through_the_end_of_a_run_are_not_called_expected_without_a_word(t
     (f,) = [f for f in t.findings if f.kind == "scaler_overflow"]
     assert "3 steps skipped by the loss scaler" in f.text, f.text
     assert "the last 3 of them ran through the end" in f.text and "down to 16384" in f.text, f.text
+
+
+def test_a_dead_layer_and_a_parameter_that_stopped_changing_are_said(tmp_path) -> None:
+    """`3` (a ReLU) outputs only zeros from step K on, and the parameters of `4` sit in a group of learning rate 0:
+    no value is non-finite, no row is missing, and the triage said "no non-finite values, failures, skipped steps or
+    gaps found" and nothing more, although the spine records both exactly (zero == count)."""
+
+    def dead(m, now):
+        m[3].register_forward_hook(lambda mod, i, o: o * 0 if now["step"] >= K else o)
+
+    def opt(m):
+        return torch.optim.SGD([{"params": list(m[0].parameters()) + list(m[2].parameters())},
+                                {"params": list(m[4].parameters()), "lr": 0.0}], lr=0.05)
+
+    with _train(tmp_path, setup=dead, opt=opt) as h:
+        t = triage(h)
+    kinds = [f.kind for f in t.findings]
+    assert t.first_nonfinite is None and "nonfinite" not in kinds, t.format()
+    (z,) = [f for f in t.findings if f.kind == "zero_forward"]
+    assert (z.step, z.site) == (K, "3") and "`3` forward (activation) held only zeros from step 3" in z.text, z.text
+    (u,) = [f for f in t.findings if f.kind == "zero_update"]
+    assert (u.step, u.site) == (0, "4.weight") and "from its first row, step 0" in u.text, u.text
+
+
+
+def test_a_healthy_run_has_no_zero_findings(tmp_path) -> None:
+    with _train(tmp_path) as h:
+        assert triage(h).findings == []
