@@ -414,7 +414,8 @@ def triage(h: History) -> Triage:
     partly: list[tuple[int, tuple[float, int], int, int, str]] = []
     # stream -> (segment, first step, (pass, order), rows, last step, from the segment's first row, label, path) of
     # the site/phase pairs whose observed rows held only zeros from some step through their last one
-    zeros: dict[str, list[tuple]] = {}  # observed rows that combine skipped ones (derived files)
+    zeros: dict[str, list[tuple]] = {}
+    sampled: dict[str, str] = {}  # label -> what a sampled update site measured  # observed rows that combine skipped ones (derived files)
     n_segments = len(h.segments)
     seg_runs = segment_runs(h)  # (a file holding several runs names each place's run: segment -> its label)
     run_of = {g: run_label(h, r) for g, r in seg_runs.items()} if len(set(seg_runs.values())) > 1 else {}
@@ -462,6 +463,10 @@ def triage(h: History) -> Triage:
                 for g in np.unique(seg[obs]).tolist():
                     z = _zero_tail(s, obs & (seg == g) & (s.count > 0))
                     if z is not None:
+                        smp = site.sample or {}
+                        if smp.get("elements", 0) < smp.get("of", 0):
+                            sampled[_label(site, phase)] = (f"at each of the {smp['elements']} elements sampled of "
+                                                            f"{smp['of']}: the others were not measured")
                         zeros.setdefault(site.stream, []).append(
                             (int(g), z[0], at_pass, z[1], z[2], z[3], _label(site, phase), site.path))
             fails = np.flatnonzero(s.presence == Presence.FAILED)
@@ -582,8 +587,10 @@ def triage(h: History) -> Triage:
         more = f"; {_n(len(found), 'site/phase pair')} in all (the first named)" if len(found) > 1 else ""
         report.findings.append(Finding(f"zero_{'forward' if stream == 'activation' else 'update'}", step, path,
                                        f"{label} held only zeros {since} to step {last}, its last row"
-                                       f"{_seg(g, n_segments, run_of)} ({_n(n, 'row')}): {_ZERO_WHAT[stream]}"
-                                       f"{more}"))
+                                       f"{_seg(g, n_segments, run_of)} ({_n(n, 'row')}): "
+                                       + _ZERO_WHAT[stream].replace("at every element measured",
+                                                                    sampled.get(label, "at every element"))
+                                       + more))
     why = {"absent": "did not run", "skipped": "had nothing to observe (skipped)", "unknown": "are unknown"}
     for name, found in missing.items():  # rows without numbers, by state: one finding each, naming the earliest
         step, _, span, _, label = min(found)

@@ -306,3 +306,17 @@ def test_a_dead_layer_and_a_parameter_that_stopped_changing_are_said(tmp_path) -
 def test_a_healthy_run_has_no_zero_findings(tmp_path) -> None:
     with _train(tmp_path) as h:
         assert triage(h).findings == []
+
+
+def test_a_sampled_update_of_zeros_says_what_was_measured(tmp_path) -> None:
+    """`param_delta` is measured on a sample of a large parameter: a zero update there says so, not 'every element'."""
+    def opt(m):
+        return torch.optim.SGD([{"params": list(m[0].parameters()) + list(m[2].parameters())},
+                                {"params": list(m[4].parameters()), "lr": 0.0}], lr=0.05)
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 300))
+    h = _train(tmp_path, model=m, opt=opt, loss_fn=lambda o, y, now: o.square().mean())
+    with h:
+        (u,) = [f for f in triage(h).findings if f.kind == "zero_update"]
+    assert u.site == "4.weight" and "at each of the 4096 elements sampled of 4800" in u.text, u.text
