@@ -411,11 +411,11 @@ def triage(h: History) -> Triage:
     failed: dict[str, list[tuple[int, int]]] = {}  # site label -> (step, span) of its failed rows
     # presence -> (first step, (pass, site order), span, rows, site label) per site
     missing: dict[str, list[tuple[int, tuple[float, int], int, int, str]]] = {}
-    partly: list[tuple[int, tuple[float, int], int, int, str]] = []
+    partly: list[tuple[int, tuple[float, int], int, int, str]] = []  # observed rows that combine skipped ones
     # stream -> (segment, first step, (pass, order), rows, last step, from the segment's first row, label, path) of
     # the site/phase pairs whose observed rows held only zeros from some step through their last one
     zeros: dict[str, list[tuple]] = {}
-    sampled: dict[str, str] = {}  # label -> what a sampled update site measured  # observed rows that combine skipped ones (derived files)
+    sampled: dict[str, str] = {}  # label -> what a sampled update site measured
     n_segments = len(h.segments)
     seg_runs = segment_runs(h)  # (a file holding several runs names each place's run: segment -> its label)
     run_of = {g: run_label(h, r) for g, r in seg_runs.items()} if len(set(seg_runs.values())) > 1 else {}
