@@ -110,6 +110,8 @@ class Triage:
     findings: list[Finding] = field(default_factory=list)
     #: how reading ended (``History.recovery``): a torn tail's dropped bytes were not triaged
     recovery: Any = None
+    #: what the site spines did not observe (recorded at a cadence), said with a verdict of nothing found
+    unobserved: str | None = None
 
     @property
     def first_nonfinite(self) -> Finding | None:
@@ -122,10 +124,12 @@ class Triage:
         note = (f"  note: {self.recovery.describe()}; only the committed prefix was triaged, so the dropped records "
                 "may hold what went wrong (run `trainhist verify` for the details)" if torn else None)
         if not self.findings:
+            seen = "" if self.unobserved is None else f" ({self.unobserved})"
             if torn:
                 return (f"{self.path}: no non-finite values, failures, skipped steps, gaps or sites stuck at zero "
-                        f"found in the committed prefix, but the file's tail was torn:\n{note}")
-            return f"{self.path}: no non-finite values, failures, skipped steps, gaps or sites stuck at zero found"
+                        f"found in the committed prefix{seen}, but the file's tail was torn:\n{note}")
+            return (f"{self.path}: no non-finite values, failures, skipped steps, gaps or sites stuck at zero "
+                    f"found{seen}")
         limit = len(self.findings) if limit <= 0 else limit
         lines = [f"triage of {self.path}:"] + ([note] if torn else [])
         for f in self.findings[:limit]:
@@ -305,10 +309,10 @@ _ZERO_WHAT = {"activation": "a dead layer passes no signal forward and no gradie
                              "gradient of 0)"}
 
 
-def _zero_tail(s: Any, rows: np.ndarray) -> tuple[int, int, int, bool] | None:
+def _zero_tail(s: Any, rows: np.ndarray) -> tuple | None:
     """The stretch of ``s``'s rows (``rows``: a mask of observed rows holding values, of one segment) that hold only
     zeros through the last of them, when it has at least two rows: (its first step, rows, last step, whether it
-    starts at the first of them), else None."""
+    starts at the first of them, the previous row's (step, step after its span) or None), else None."""
     at = np.flatnonzero(rows)
     if at.size < 2:
         return None
@@ -321,7 +325,8 @@ def _zero_tail(s: Any, rows: np.ndarray) -> tuple[int, int, int, bool] | None:
     n = at.size - start
     if n < 2:
         return None
-    return int(s.step[at[start]]), n, int(s.step[at[-1]] + s.span[at[-1]] - 1), start == 0
+    prev = None if start == 0 else (int(s.step[at[start - 1]]), int(s.step[at[start - 1]] + s.span[at[start - 1]]))
+    return int(s.step[at[start]]), n, int(s.step[at[-1]] + s.span[at[-1]] - 1), start == 0, prev
 
 
 def _overflow_runs(rows: list[dict], skipped: set[tuple[int, int, int]]) -> tuple[set[tuple[int, int, int]], list]:
@@ -406,7 +411,11 @@ def _ranks_note(h: History) -> str | None:
 def triage(h: History) -> Triage:
     """Scan every site's spine of ``h`` and the step table; return the findings, most important first. Time runs
     by segment, then step (a run resumed at an earlier step is later in time)."""
-    report = Triage(h.path, recovery=h.recovery)
+    cadences = sorted({x.cadence_spine for x in h.sites if x.stream != "scalar" and x.cadence_spine > 1})
+    every = None if not cadences else (f"every {cadences[0]}" if len(cadences) == 1 else
+                                       f"every {cadences[0]} to {cadences[-1]}")
+    report = Triage(h.path, recovery=h.recovery, unobserved=None if every is None else
+                    f"site spines recorded {every} steps: the steps between were not observed")
     events: list[_Event] = []
     failed: dict[str, list[tuple[int, int]]] = {}  # site label -> (step, span) of its failed rows
     # presence -> (first step, (pass, site order), span, rows, site label) per site
@@ -468,7 +477,7 @@ def triage(h: History) -> Triage:
                             sampled[_label(site, phase)] = (f"at each of the {smp['elements']} elements sampled of "
                                                             f"{smp['of']}: the others were not measured")
                         zeros.setdefault(site.stream, []).append(
-                            (int(g), z[0], at_pass, z[1], z[2], z[3], _label(site, phase), site.path))
+                            (int(g), z[0], at_pass, z[1], z[2], z[3], _label(site, phase), site.path, z[4]))
             fails = np.flatnonzero(s.presence == Presence.FAILED)
             if fails.size:
                 failed[_label(site, phase)] = list(zip(s.step[fails].tolist(), s.span[fails].tolist()))
@@ -582,8 +591,11 @@ def triage(h: History) -> Triage:
                                        f"the reduction failed for {label} at {_n(len(steps), 'row')}, first at "
                                        f"{_steps(*steps[0])}"))
     for stream, found in zeros.items():  # (a dead layer; a parameter that stopped changing)
-        g, step, _, n, last, whole, label, path = min(found)
+        g, step, _, n, last, whole, label, path, prev = min(found)
         since = f"from its first row, step {step}," if whole else f"from step {step}"
+        if prev is not None and prev[1] < step:  # (a cadence gap before it: when they turned to zeros is not known)
+            gap = f"step {prev[1]} was" if prev[1] == step - 1 else f"steps {prev[1]}..{step - 1} were"
+            since += f" (its previous row, at step {prev[0]}, held other values: {gap} not observed)"
         more = f"; {_n(len(found), 'site/phase pair')} in all (the first named)" if len(found) > 1 else ""
         report.findings.append(Finding(f"zero_{'forward' if stream == 'activation' else 'update'}", step, path,
                                        f"{label} held only zeros {since} to step {last}, its last row"

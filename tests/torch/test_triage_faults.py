@@ -320,3 +320,19 @@ def test_a_sampled_update_of_zeros_says_what_was_measured(tmp_path) -> None:
     with h:
         (u,) = [f for f in triage(h).findings if f.kind == "zero_update"]
     assert u.site == "4.weight" and "at each of the 4096 elements sampled of 4800" in u.text, u.text
+
+
+def test_at_a_cadence_a_dead_layer_is_bracketed_and_a_clean_verdict_says_what_was_not_observed(tmp_path) -> None:
+    """Spines every 2 steps, `3` dead from step K=3: its rows at 0 and 2 hold values, those from 4 on only zeros. The
+    layer died at step 3 or 4, which the rows cannot tell: the finding must not say "from step 4" as if exact. And a
+    run without a finding, recorded at a cadence, must not read as if every step had been looked at."""
+
+    def dead(m, now):
+        m[3].register_forward_hook(lambda mod, i, o: o * 0 if now["step"] >= K else o)
+
+    with _train(tmp_path, every=2, steps=8, setup=dead) as h:
+        (z,) = [f for f in triage(h).findings if f.kind == "zero_forward"]
+    assert z.step == 4 and "its previous row, at step 2, held other values: step 3 was not observed" in z.text, z.text
+    with _train(tmp_path, every=2, steps=4) as h:
+        text = triage(h).format()
+    assert "site spines recorded every 2 steps: the steps between were not observed" in text, text
