@@ -425,6 +425,7 @@ def triage(h: History) -> Triage:
     # the site/phase pairs whose observed rows held only zeros from some step through their last one
     zeros: dict[str, list[tuple]] = {}
     sampled: dict[str, str] = {}  # label -> what a sampled update site measured
+    site_rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (segment, step, span) of sites' observed rows
     n_segments = len(h.segments)
     seg_runs = segment_runs(h)  # (a file holding several runs names each place's run: segment -> its label)
     run_of = {g: run_label(h, r) for g, r in seg_runs.items()} if len(set(seg_runs.values())) > 1 else {}
@@ -456,6 +457,8 @@ def triage(h: History) -> Triage:
             step, span, seg = s.step, s.span.astype(np.int64), s.segment
             for g in np.unique(seg).tolist():
                 seen.setdefault(int(g), []).append((step[seg == g], span[seg == g]))
+            if site.stream != "scalar":
+                site_rows.append((seg[obs], step[obs], span[obs]))
             for g in np.unique(seg[bad]).tolist():
                 mine = np.flatnonzero(obs & (seg == g))
                 mine = mine[np.argsort(step[mine], kind="stable")]  # the segment's observed rows by step
@@ -538,9 +541,16 @@ def triage(h: History) -> Triage:
                     and e is not e0]
             also_text = ("; also non-finite at that step: " + ", ".join(f"`{printable(e.site.path)}`" for e in also[:4])
                          + (" ..." if len(also) > 4 else "")) if e0.site.stream == "scalar" and also else ""
+            unseen = e0.site.stream == "scalar" and not any(
+                bool(np.any((g == e0.segment) & (a <= e0.step) & (a + n > e0.step))) for g, a, n in site_rows)
+            recorded = " recorded" if unseen else ""
+            later = any(e.site.stream != "scalar" for e in events)
+            unseen_text = ("; no site spine was observed at that step, so where it started is not recorded"
+                           + (": see the first site seen non-finite below" if later else "")) if unseen else ""
             report.findings.append(Finding("first_nonfinite", e0.step, e0.site.path,
-                                           f"the first non-finite value was in {_label(e0.site, e0.phase)} at "
-                                           f"{_at(e0, n_segments, run_of)} ({_what(e0.nan, e0.inf)}){also_text}"))
+                                           f"the first non-finite value{recorded} was in {_label(e0.site, e0.phase)} "
+                                           f"at {_at(e0, n_segments, run_of)} ({_what(e0.nan, e0.inf)}){also_text}"
+                                           f"{unseen_text}"))
         first_site = next((e for e in events if e.site.stream != "scalar"), None)
         if first_site is not None and (e0.site.stream == "scalar" or _gap(first_site)):
             hit = len({(e.site.id, e.phase) for e in events if e.site.stream != "scalar"

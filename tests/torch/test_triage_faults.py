@@ -336,3 +336,19 @@ def test_at_a_cadence_a_dead_layer_is_bracketed_and_a_clean_verdict_says_what_wa
     with _train(tmp_path, every=2, steps=4) as h:
         text = triage(h).format()
     assert "site spines recorded every 2 steps: the steps between were not observed" in text, text
+
+
+def test_at_a_cadence_a_non_finite_loss_is_not_called_the_origin(tmp_path) -> None:
+    """Spines every 5 steps, the NaN born in `2` at step 3: the per-step loss is the first non-finite value *recorded*,
+    at the exact step, but no site was observed at that step, so the headline must not read as if the loss's own
+    computation were where it started."""
+    with _train(tmp_path, every=5, steps=8, setup=lambda m, now: _nan_at(m[2], now)) as h:
+        t = triage(h)
+    first = t.first_nonfinite
+    assert (first.step, first.site) == (K, "loss"), t.format()
+    assert "the first non-finite value recorded was in `loss` scalar at step 3" in first.text, first.text
+    assert "no site spine was observed at that step" in first.text, first.text
+    with _train(tmp_path, loss_fn=lambda o, y, now: ((o - y) ** 2).mean() * (float("nan") if now["step"] == K
+                                                                              else 1.0)) as h:
+        first = triage(h).first_nonfinite  # (every step observed: the loss is where it started)
+    assert first.text.startswith("the first non-finite value was in `loss`"), first.text
