@@ -325,8 +325,9 @@ def _zero_tail(s: Any, rows: np.ndarray) -> tuple | None:
     n = at.size - start
     if n < 2:
         return None
-    prev = None if start == 0 else (int(s.step[at[start - 1]]), int(s.step[at[start - 1]] + s.span[at[start - 1]]))
-    return int(s.step[at[start]]), n, int(s.step[at[-1]] + s.span[at[-1]] - 1), start == 0, prev
+    p, q = (None, None) if start == 0 else (int(s.step[at[start - 1]]), int(s.span[at[start - 1]]))
+    prev = None if p is None else (p, p + q)  # (exact integers: steps may lie anywhere in the i64 range)
+    return int(s.step[at[start]]), n, int(s.step[at[-1]]) + int(s.span[at[-1]]) - 1, start == 0, prev
 
 
 def _overflow_runs(rows: list[dict], skipped: set[tuple[int, int, int]]) -> tuple[set[tuple[int, int, int]], list]:
@@ -345,7 +346,7 @@ def _overflow_runs(rows: list[dict], skipped: set[tuple[int, int, int]]) -> tupl
     for g, rs in by_seg.items():
         rs = sorted(rs, key=lambda r: r["step"])
         run: list[dict] = []
-        for i, r in enumerate(rs + [None]):
+        for r in [*rs, None]:
             if r is not None and (g, r["step"], r["span"]) in skipped:
                 run.append(r)
                 continue
@@ -542,7 +543,7 @@ def triage(h: History) -> Triage:
             also_text = ("; also non-finite at that step: " + ", ".join(f"`{printable(e.site.path)}`" for e in also[:4])
                          + (" ..." if len(also) > 4 else "")) if e0.site.stream == "scalar" and also else ""
             unseen = e0.site.stream == "scalar" and not any(
-                bool(np.any((g == e0.segment) & (a <= e0.step) & (a + n > e0.step))) for g, a, n in site_rows)
+                bool(np.any((g == e0.segment) & (a <= e0.step) & (a > e0.step - n))) for g, a, n in site_rows)
             recorded = " recorded" if unseen else ""
             later = any(e.site.stream != "scalar" for e in events)
             unseen_text = ("; no site spine was observed at that step, so where it started is not recorded"
