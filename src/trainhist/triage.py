@@ -1,8 +1,9 @@
 """Triage: where and when a history first went wrong, read from the spine alone (no torch).
 
 The order of checks follows a training-monitor doctrine: first non-finite values (which site, which pass, which
-step), then failed reductions, skipped optimizer steps and missing rows, then segment boundaries. Every finding
-names the site, stream, phase and step so that a person can go straight to it.
+step), then failed reductions, sites stuck at zero (a dead layer, a parameter that stopped changing), skipped
+optimizer steps and missing rows, then segment boundaries. Every finding names the site, stream, phase and step so
+that a person can go straight to it.
 """
 
 from __future__ import annotations
