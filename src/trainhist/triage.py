@@ -1,8 +1,9 @@
 """Triage: where and when a history first went wrong, read from the spine alone (no torch).
 
 The order of checks follows a training-monitor doctrine: first non-finite values (which site, which pass, which
-step), then failed reductions, skipped optimizer steps and missing rows, then segment boundaries. Every finding
-names the site, stream, phase and step so that a person can go straight to it.
+step), then failed reductions, sites stuck at zero (a dead layer, a parameter that stopped changing), skipped
+optimizer steps and missing rows, then segment boundaries. Every finding names the site, stream, phase and step so
+that a person can go straight to it.
 """
 
 from __future__ import annotations
@@ -63,6 +64,26 @@ def site_orders(h: History) -> dict[int, int]:
 _BACKWARD = ("activation_grad", "param_grad")
 
 
+#: a training loss's rank among the passes of a step: computed from the forward's output, before the backward that
+#: it starts (so a loss made non-finite by its own computation, or overflowing from a finite forward, comes before
+#: the backward's non-finite gradients); every other run-level scalar ranks after the update (PASS_ORDER)
+_LOSS_RANK = 0.5
+
+
+def _training_loss(name: str) -> bool:
+    """Whether a run-level scalar's name says it is the step's training loss (``loss``, ``train/loss``,
+    ``train_loss``): an evaluation's (``val_loss``, ``eval/loss``), which may be computed after the update, is not."""
+    n = name.lower()
+    leaf = n.rsplit("/", 1)[-1]
+    return (leaf in ("loss", "train_loss", "training_loss", "loss_train")
+            and not any(w in n for w in ("val", "eval", "test")))
+
+
+def _pass_rank(site: Site) -> float:
+    """The rank of ``site``'s pass within a step (PASS_ORDER; a training loss between the forward and backward)."""
+    return _LOSS_RANK if site.stream == "scalar" and _training_loss(site.path) else PASS_ORDER[site.stream]
+
+
 def _scalar_rank(x: Site) -> int:
     """A run-level scalar's place among the scalars of a step: the loss (computed in the forward) before the
     gradient norms (after backward); the others between, by id."""
@@ -76,7 +97,7 @@ class Finding:
 
     kind: str  # first_nonfinite(_site, _segment), model_finite, nonfinite, ranks, scaler_overflow, failed,
     # rows_absent/_skipped/_unknown/_missing, rows_partly_skipped, skipped_step, interrupted, truth_partial,
-    # unknown_applied, segment, segment_run
+    # unknown_applied, segment, segment_run, zero_forward, zero_update
     step: int | None
     site: str | None
     text: str
@@ -90,6 +111,8 @@ class Triage:
     findings: list[Finding] = field(default_factory=list)
     #: how reading ended (``History.recovery``): a torn tail's dropped bytes were not triaged
     recovery: Any = None
+    #: what the site spines did not observe (recorded at a cadence), said with a verdict of nothing found
+    unobserved: str | None = None
 
     @property
     def first_nonfinite(self) -> Finding | None:
@@ -102,10 +125,12 @@ class Triage:
         note = (f"  note: {self.recovery.describe()}; only the committed prefix was triaged, so the dropped records "
                 "may hold what went wrong (run `trainhist verify` for the details)" if torn else None)
         if not self.findings:
+            seen = "" if self.unobserved is None else f" ({self.unobserved})"
             if torn:
-                return (f"{self.path}: no non-finite values, failures, skipped steps or gaps found in the committed "
-                        f"prefix, but the file's tail was torn:\n{note}")
-            return f"{self.path}: no non-finite values, failures, skipped steps or gaps found"
+                return (f"{self.path}: no non-finite values, failures, skipped steps, gaps or sites stuck at zero "
+                        f"found in the committed prefix{seen}, but the file's tail was torn:\n{note}")
+            return (f"{self.path}: no non-finite values, failures, skipped steps, gaps or sites stuck at zero "
+                    f"found{seen}")
         limit = len(self.findings) if limit <= 0 else limit
         lines = [f"triage of {self.path}:"] + ([note] if torn else [])
         for f in self.findings[:limit]:
@@ -147,7 +172,7 @@ class _Event(NamedTuple):
 
     segment: int
     step: int
-    pass_rank: int
+    pass_rank: float
     order: int
     phase: str
     site: Any
@@ -240,11 +265,14 @@ def _at(e: _Event, segments: int, runs: dict[int, str] | None = None) -> str:
     return _steps(e.step, e.span) + _seg(e.segment, segments, runs)
 
 
-def _site_finding(e: _Event, segments: int, runs: dict[int, str] | None = None) -> Finding:
-    """The first site-level non-finite observation, bracketed by the site's previous (finite) observation.
+def _site_finding(e: _Event, segments: int, runs: dict[int, str] | None = None, hit: int = 1) -> Finding:
+    """The first site-level non-finite observation, bracketed by the site's previous (finite) observation (``hit``:
+    the site/phase pairs non-finite at its step).
 
-    With spines at a cadence the site first seen non-finite may be downstream of the origin, so the finding says
-    which steps were not observed rather than attributing the origin to it.
+    With spines at a cadence the site first seen non-finite is only the first in the step's order among those the
+    values had reached by then: over the steps not observed they spread through the updates to every site, so the
+    finding says which steps were not observed and that any site may have held them first, attributing the origin
+    neither to it nor to what is upstream of it.
     """
     where = (f"the first site with non-finite values is {_label(e.site, e.phase)} at {_at(e, segments, runs)} "
              f"({_what(e.nan, e.inf)})")
@@ -254,8 +282,10 @@ def _site_finding(e: _Event, segments: int, runs: dict[int, str] | None = None) 
         why = ("(its rows there are missing or carry no numbers: see below)" if e.site.cadence_spine == 1 else
                "(record every step to pin it)")
         where += (f"; its previous observation, at step {e.before}{covered}, {held} and steps {e.before_end}.."
-                  f"{e.step - 1} were not observed there, so the values may have turned non-finite earlier, or first "
-                  f"upstream of this site {why}")
+                  f"{e.step - 1} were not observed there, so the values may have turned non-finite earlier, and first "
+                  "at any site (over steps not observed they can spread through the updates to every site: "
+                  f"{_n(hit, 'site/phase pair')} held non-finite values at {_steps(e.step, e.span)}): which site held "
+                  f"them first is not recorded {why}")
     elif e.before is not None and e.before_end - e.before > 1:  # (a coarsened window just before: not pinned)
         where += (f"; its previous row, steps {e.before}–{e.before_end - 1} (a coarsened window), {held}, but which "
                   "of its steps were observed is not recorded, so the values may have turned non-finite inside it")
@@ -271,6 +301,64 @@ def _overflow(e: _Event, skipped: set[tuple[int, int, int]]) -> bool:
     if (e.segment, e.step, e.span) not in skipped:  # (a coarsened window: when every step of it was skipped)
         return False
     return e.site.stream in _SCALED or (e.site.stream == "scalar" and e.site.path.startswith("grad_norm"))
+
+
+#: streams whose rows of zeros alone, through a site's last row, are worth a finding: what they mean
+_ZERO_WHAT = {"activation": "a dead layer passes no signal forward and no gradient back (a ReLU whose inputs all "
+                            "turned negative, an output multiplied by 0)",
+              "param_delta": "the parameter stopped changing, at every element measured (a learning rate of 0, a "
+                             "gradient of 0)"}
+
+
+def _zero_tail(s: Any, rows: np.ndarray) -> tuple | None:
+    """The stretch of ``s``'s rows (``rows``: a mask of observed rows holding values, of one segment) that hold only
+    zeros through the last of them, when it has at least two rows: (its first step, rows, last step, whether it
+    starts at the first of them, the previous row's (step, step after its span) or None), else None."""
+    at = np.flatnonzero(rows)
+    if at.size < 2:
+        return None
+    at = at[np.argsort(s.step[at], kind="stable")]
+    allzero = s.zero[at] == s.count[at]
+    if not allzero[-1]:
+        return None
+    nz = np.flatnonzero(~allzero)
+    start = int(nz[-1]) + 1 if nz.size else 0
+    n = at.size - start
+    if n < 2:
+        return None
+    p, q = (None, None) if start == 0 else (int(s.step[at[start - 1]]), int(s.span[at[start - 1]]))
+    prev = None if p is None else (p, p + q)  # (exact integers: steps may lie anywhere in the i64 range)
+    return int(s.step[at[start]]), n, int(s.step[at[-1]]) + int(s.span[at[-1]]) - 1, start == 0, prev
+
+
+def _overflow_runs(rows: list[dict], skipped: set[tuple[int, int, int]]) -> tuple[set[tuple[int, int, int]], list]:
+    """Split the steps the loss scaler skipped (``skipped``: (segment, step, span)) into the overflows and the rest.
+
+    A scaler halves its scale at each skip, so an overflow clears as the scale goes down: a run of consecutive
+    skipped steps that reaches a loss scale of 1 or below (gradients not amplified, so non-finite of their own) is no
+    overflow, nor is any step of it. Returns the overflows, and the runs of several skips that reach their
+    segment's last step-table row, each as ``((segment, first step, its span), rows, lowest loss scale or None)``:
+    the data do not tell them from overflows, but they never cleared."""
+    by_seg: dict[int, list[dict]] = {}
+    for r in rows:
+        by_seg.setdefault(r["segment"], []).append(r)
+    keep = set(skipped)
+    through_end = []
+    for g, rs in by_seg.items():
+        rs = sorted(rs, key=lambda r: r["step"])
+        run: list[dict] = []
+        for r in [*rs, None]:
+            if r is not None and (g, r["step"], r["span"]) in skipped:
+                run.append(r)
+                continue
+            if run:
+                scales = [x["loss_scale"] for x in run if x["loss_scale"] is not None]
+                if scales and min(scales) <= 1:
+                    keep -= {(g, x["step"], x["span"]) for x in run}
+                elif r is None and len(run) > 1:
+                    through_end.append(((g, run[0]["step"], run[0]["span"]), len(run), min(scales) if scales else None))
+            run = []
+    return keep, through_end
 
 
 def segment_runs(h: History) -> dict[int, tuple[str, ...]]:
@@ -325,12 +413,21 @@ def _ranks_note(h: History) -> str | None:
 def triage(h: History) -> Triage:
     """Scan every site's spine of ``h`` and the step table; return the findings, most important first. Time runs
     by segment, then step (a run resumed at an earlier step is later in time)."""
-    report = Triage(h.path, recovery=h.recovery)
+    cadences = sorted({x.cadence_spine for x in h.sites if x.stream != "scalar" and x.cadence_spine > 1})
+    every = None if not cadences else (f"every {cadences[0]}" if len(cadences) == 1 else
+                                       f"every {cadences[0]} to {cadences[-1]}")
+    report = Triage(h.path, recovery=h.recovery, unobserved=None if every is None else
+                    f"site spines recorded {every} steps: the steps between were not observed")
     events: list[_Event] = []
     failed: dict[str, list[tuple[int, int]]] = {}  # site label -> (step, span) of its failed rows
-    # presence -> (first step, site order, span, rows, site label) per site
-    missing: dict[str, list[tuple[int, int, int, int, str]]] = {}
-    partly: list[tuple[int, int, int, int, str]] = []  # observed rows that combine skipped ones (derived files)
+    # presence -> (first step, (pass, site order), span, rows, site label) per site
+    missing: dict[str, list[tuple[int, tuple[float, int], int, int, str]]] = {}
+    partly: list[tuple[int, tuple[float, int], int, int, str]] = []  # observed rows that combine skipped ones
+    # stream -> (segment, first step, (pass, order), rows, last step, from the segment's first row, label, path) of
+    # the site/phase pairs whose observed rows held only zeros from some step through their last one
+    zeros: dict[str, list[tuple]] = {}
+    sampled: dict[str, str] = {}  # label -> what a sampled update site measured
+    site_rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (segment, step, span) of sites' observed rows
     n_segments = len(h.segments)
     seg_runs = segment_runs(h)  # (a file holding several runs names each place's run: segment -> its label)
     run_of = {g: run_label(h, r) for g, r in seg_runs.items()} if len(set(seg_runs.values())) > 1 else {}
@@ -344,8 +441,8 @@ def triage(h: History) -> Triage:
         table.setdefault(r["segment"], []).append((r["step"], r["span"]))
     tables = {g: (np.array([a for a, _ in v], np.int64), np.array([n for _, n in v], np.int64))
               for g, v in table.items()}
-    # (first step, its span, site order, due steps without a row, due windows without a row, label)
-    no_row: list[tuple[int, int, int, int, int, str]] = []
+    # (first step, its span, (pass, site order), due steps without a row, due windows without a row, label)
+    no_row: list[tuple[int, int, tuple[float, int], int, int, str]] = []
     writers = {g.id: len((g.manifest.get("origin") or {}).get("writers", ())) for g in h.segments}
     merged = {g for g, n in writers.items() if n > 1}
     in_merge = False  # (a due step without a row in a segment that merges several writers)
@@ -358,9 +455,12 @@ def triage(h: History) -> Triage:
             obs = s.observed
             bad = obs & ((s.nan > 0) | (s.pinf > 0) | (s.ninf > 0))
             order = orders[site.id]
+            at_pass = (_pass_rank(site), order)  # (rows without numbers: the earliest by pass, then position)
             step, span, seg = s.step, s.span.astype(np.int64), s.segment
             for g in np.unique(seg).tolist():
                 seen.setdefault(int(g), []).append((step[seg == g], span[seg == g]))
+            if site.stream != "scalar":
+                site_rows.append((seg[obs], step[obs], span[obs]))
             for g in np.unique(seg[bad]).tolist():
                 mine = np.flatnonzero(obs & (seg == g))
                 mine = mine[np.argsort(step[mine], kind="stable")]  # the segment's observed rows by step
@@ -369,10 +469,20 @@ def triage(h: History) -> Triage:
                 for i, k in zip(bad_rows.tolist(), earlier.tolist()):
                     prev = int(mine[k - 1]) if k else None
                     before = None if prev is None else int(step[prev])
-                    events.append(_Event(int(g), int(step[i]), PASS_ORDER[site.stream], order, phase, site,
+                    events.append(_Event(int(g), int(step[i]), _pass_rank(site), order, phase, site,
                                          int(s.nan[i]), int(s.pinf[i] + s.ninf[i]), before,
                                          None if prev is None else _observed_end(before, int(span[prev]), site),
                                          int(span[i]), prev is not None and bool(bad[prev])))
+            if site.stream in _ZERO_WHAT and (site.dtype is None or "float" in site.dtype):
+                for g in np.unique(seg[obs]).tolist():
+                    z = _zero_tail(s, obs & (seg == g) & (s.count > 0))
+                    if z is not None:
+                        smp = site.sample or {}
+                        if smp.get("elements", 0) < smp.get("of", 0):
+                            sampled[_label(site, phase)] = (f"at each of the {smp['elements']} elements sampled of "
+                                                            f"{smp['of']}: the others were not measured")
+                        zeros.setdefault(site.stream, []).append(
+                            (int(g), z[0], at_pass, z[1], z[2], z[3], _label(site, phase), site.path, z[4]))
             fails = np.flatnonzero(s.presence == Presence.FAILED)
             if fails.size:
                 failed[_label(site, phase)] = list(zip(s.step[fails].tolist(), s.span[fails].tolist()))
@@ -381,13 +491,13 @@ def triage(h: History) -> Triage:
                 at = np.flatnonzero(s.presence == code)
                 if at.size:
                     i = int(at[np.argmin(s.step[at])])
-                    missing.setdefault(name, []).append((int(s.step[i]), order, int(s.span[i]), int(at.size),
+                    missing.setdefault(name, []).append((int(s.step[i]), at_pass, int(s.span[i]), int(at.size),
                                                          _label(site, phase)))
             if "n_skipped" in s.columns:  # (a derived row: observed with skipped inputs, spec 11.4)
                 at = np.flatnonzero((s.presence == Presence.OBSERVED) & (s.columns["n_skipped"] > 0))
                 if at.size:
                     i = int(at[np.argmin(s.step[at])])
-                    partly.append((int(s.step[i]), order, int(s.span[i]), int(at.size), _label(site, phase)))
+                    partly.append((int(s.step[i]), at_pass, int(s.span[i]), int(at.size), _label(site, phase)))
         # due steps of the step table with no row of this site at all (nothing was written: a failed write, say);
         # a coarsened step-truth window is due when the site's cadence (the writers', spec 11.7) makes a step of it
         # due, and has a row when a row of the site covers a step of it
@@ -399,13 +509,18 @@ def triage(h: History) -> Triage:
                 if lost:
                     steps_, windows = sum(n == 1 for _, n in lost), sum(n > 1 for _, n in lost)
                     first = min(lost)
-                    no_row.append((first[0], first[1], orders[site.id], steps_, windows, _label(site, "default")))
+                    no_row.append((first[0], first[1], (_pass_rank(site), orders[site.id]), steps_, windows,
+                                   _label(site, "default")))
                     in_merge |= g in merged and _maybe_unplanned(lost, seen[g], site.cadence_spine)
     # gradients that overflowed at steps the loss scaler skipped: expected, reported apart from the rest
     # (a segment whose rows record a loss scale ran under a scaler: a coarsened window of differing scales keeps none)
     scaled = {r["segment"] for r in rows if r["loss_scale"] is not None}
     scaler_skipped = {(r["segment"], r["step"], r["span"]) for r in rows
                       if r["applied"] == "skipped" and (r["loss_scale"] is not None or r["segment"] in scaled)}
+    # a step whose forward or training loss was non-finite too: its gradients are that value's, not an overflow (the
+    # scaler skips that step as well, and the loss scale does not explain it)
+    scaler_skipped -= {(e.segment, e.step, e.span) for e in events if e.pass_rank < PASS_ORDER["activation_grad"]}
+    scaler_skipped, through_end = _overflow_runs(rows, scaler_skipped)
     overflows = [e for e in events if _overflow(e, scaler_skipped)]
     events = [e for e in events if not _overflow(e, scaler_skipped)]
     # within a step: forward, then backward, the pre-clip gradients before the post-clip ones, then the update
@@ -428,12 +543,21 @@ def triage(h: History) -> Triage:
                     and e is not e0]
             also_text = ("; also non-finite at that step: " + ", ".join(f"`{printable(e.site.path)}`" for e in also[:4])
                          + (" ..." if len(also) > 4 else "")) if e0.site.stream == "scalar" and also else ""
+            unseen = e0.site.stream == "scalar" and not any(
+                bool(np.any((g == e0.segment) & (a <= e0.step) & (a > e0.step - n))) for g, a, n in site_rows)
+            recorded = " recorded" if unseen else ""
+            later = any(e.site.stream != "scalar" for e in events)
+            unseen_text = ("; no site spine was observed at that step, so where it started is not recorded"
+                           + (": see the first site seen non-finite below" if later else "")) if unseen else ""
             report.findings.append(Finding("first_nonfinite", e0.step, e0.site.path,
-                                           f"the first non-finite value was in {_label(e0.site, e0.phase)} at "
-                                           f"{_at(e0, n_segments, run_of)} ({_what(e0.nan, e0.inf)}){also_text}"))
+                                           f"the first non-finite value{recorded} was in {_label(e0.site, e0.phase)} "
+                                           f"at {_at(e0, n_segments, run_of)} ({_what(e0.nan, e0.inf)}){also_text}"
+                                           f"{unseen_text}"))
         first_site = next((e for e in events if e.site.stream != "scalar"), None)
         if first_site is not None and (e0.site.stream == "scalar" or _gap(first_site)):
-            report.findings.append(_site_finding(first_site, n_segments, run_of))
+            hit = len({(e.site.id, e.phase) for e in events if e.site.stream != "scalar"
+                       and (e.segment, e.step) == (first_site.segment, first_site.step)})
+            report.findings.append(_site_finding(first_site, n_segments, run_of, hit))
         elif first_site is None:
             report.findings.append(Finding("model_finite", None, None,
                                            "no recorded site of the model held a non-finite value, only run-level "
@@ -462,14 +586,35 @@ def triage(h: History) -> Triage:
         scale = next((r["loss_scale"] for r in rows if (r["segment"], r["step"], r["span"]) == at[0]), None)
         where = _steps(at[0][1], at[0][2]) + _seg(at[0][0], n_segments, run_of)
         kept = "its loss scale not kept by the window" if scale is None else f"loss scale {scale:g}"
+        tail = [t for t in through_end if t[0] in set(at)]
+        end = ""
+        if tail:  # (the longest such run: skips an overflow explains end once the scale has gone down far enough)
+            (g, step0, span0), n_run, low = max(tail, key=lambda t: t[1])
+            low_ = "its loss scale not kept" if low is None else f"the loss scale down to {low:g}"
+            end = (f"; the last {n_run} of them ran through the end of the history{_seg(g, n_segments, run_of)} "
+                   f"without an applied step ({low_}): an overflow clears as the scale goes down, so these may be "
+                   f"non-finite gradients of the model's own, from {_steps(step0, span0)} on")
         report.findings.append(Finding("scaler_overflow", at[0][1], None,
                                        f"{_n(len(at), unit)} skipped by the loss scaler held non-finite gradients "
                                        f"(an overflow, expected with a GradScaler: no update was applied), first at "
-                                       f"{where} ({kept}); they are not counted above"))
+                                       f"{where} ({kept}){end}; they are not counted above"))
     for label, steps in failed.items():
         report.findings.append(Finding("failed", steps[0][0], label,
                                        f"the reduction failed for {label} at {_n(len(steps), 'row')}, first at "
                                        f"{_steps(*steps[0])}"))
+    for stream, found in zeros.items():  # (a dead layer; a parameter that stopped changing)
+        g, step, _, n, last, whole, label, path, prev = min(found)
+        since = f"from its first row, step {step}," if whole else f"from step {step}"
+        if prev is not None and prev[1] < step:  # (a cadence gap before it: when they turned to zeros is not known)
+            gap = f"step {prev[1]} was" if prev[1] == step - 1 else f"steps {prev[1]}..{step - 1} were"
+            since += f" (its previous row, at step {prev[0]}, held other values: {gap} not observed)"
+        more = f"; {_n(len(found), 'site/phase pair')} in all (the first named)" if len(found) > 1 else ""
+        report.findings.append(Finding(f"zero_{'forward' if stream == 'activation' else 'update'}", step, path,
+                                       f"{label} held only zeros {since} to step {last}, its last row"
+                                       f"{_seg(g, n_segments, run_of)} ({_n(n, 'row')}): "
+                                       + _ZERO_WHAT[stream].replace("at every element measured",
+                                                                    sampled.get(label, "at every element"))
+                                       + more))
     why = {"absent": "did not run", "skipped": "had nothing to observe (skipped)", "unknown": "are unknown"}
     for name, found in missing.items():  # rows without numbers, by state: one finding each, naming the earliest
         step, _, span, _, label = min(found)
