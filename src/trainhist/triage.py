@@ -306,8 +306,8 @@ def _overflow(e: _Event, skipped: set[tuple[int, int, int]]) -> bool:
 #: streams whose rows of zeros alone, through a site's last row, are worth a finding: what they mean
 _ZERO_WHAT = {"activation": "a dead layer passes no signal forward and no gradient back (a ReLU whose inputs all "
                             "turned negative, an output multiplied by 0)",
-              "param_delta": "the parameter stopped changing, at every element measured (a learning rate of 0, a "
-                             "gradient of 0)"}
+              "param_delta": "its update was 0 at every element: the parameter stopped changing (a learning rate "
+                             "of 0, a gradient of 0)"}
 
 
 def _zero_tail(s: Any, rows: np.ndarray) -> tuple | None:
@@ -479,8 +479,9 @@ def triage(h: History) -> Triage:
                     if z is not None:
                         smp = site.sample or {}
                         if smp.get("elements", 0) < smp.get("of", 0):
-                            sampled[_label(site, phase)] = (f"at each of the {smp['elements']} elements sampled of "
-                                                            f"{smp['of']}: the others were not measured")
+                            sampled[_label(site, phase)] = (
+                                f"at each of the {smp['elements']} elements sampled of {smp['of']} (the others were "
+                                "not measured): the parameter may have stopped changing")
                         zeros.setdefault(site.stream, []).append(
                             (int(g), z[0], at_pass, z[1], z[2], z[3], _label(site, phase), site.path, z[4]))
             fails = np.flatnonzero(s.presence == Presence.FAILED)
@@ -612,8 +613,8 @@ def triage(h: History) -> Triage:
         report.findings.append(Finding(f"zero_{'forward' if stream == 'activation' else 'update'}", step, path,
                                        f"{label} held only zeros {since} to step {last}, its last row"
                                        f"{_seg(g, n_segments, run_of)} ({_n(n, 'row')}): "
-                                       + _ZERO_WHAT[stream].replace("at every element measured",
-                                                                    sampled.get(label, "at every element"))
+                                       + (_ZERO_WHAT[stream] if label not in sampled else _ZERO_WHAT[stream].replace(
+                                           "at every element: the parameter stopped changing", sampled[label]))
                                        + more))
     why = {"absent": "did not run", "skipped": "had nothing to observe (skipped)", "unknown": "are unknown"}
     for name, found in missing.items():  # rows without numbers, by state: one finding each, naming the earliest

@@ -300,6 +300,7 @@ def test_a_dead_layer_and_a_parameter_that_stopped_changing_are_said(tmp_path) -
     assert (z.step, z.site) == (K, "3") and "`3` forward (activation) held only zeros from step 3" in z.text, z.text
     (u,) = [f for f in t.findings if f.kind == "zero_update"]
     assert (u.step, u.site) == (0, "4.weight") and "from its first row, step 0" in u.text, u.text
+    assert "update was 0 at every element: the parameter stopped changing" in u.text, u.text
 
 
 
@@ -320,6 +321,7 @@ def test_a_sampled_update_of_zeros_says_what_was_measured(tmp_path) -> None:
     with h:
         (u,) = [f for f in triage(h).findings if f.kind == "zero_update"]
     assert u.site == "4.weight" and "at each of the 4096 elements sampled of 4800" in u.text, u.text
+    assert "may have stopped changing" in u.text and "the parameter stopped changing" not in u.text, u.text
 
 
 def test_at_a_cadence_a_dead_layer_is_bracketed_and_a_clean_verdict_says_what_was_not_observed(tmp_path) -> None:
