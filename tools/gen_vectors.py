@@ -288,7 +288,8 @@ def pack_chunk(meta: dict, cols: list[Col], *, override: dict[str, dict[int, Any
                pack: Callable[[dict], bytes] | None = None) -> bytes:
     """A chunk payload laid out as spec 7.1; ``override`` replaces entry fields (by position) in the directory
     only; ``col_pad`` replaces the first padding bytes after the first column whose block needs padding, ``dir_pad``
-    those after the directory (which must have as many); ``dir_extra`` is counted in the directory length after the map; ``pack`` replaces the MessagePack packer."""
+    those after the directory (which must have as many); ``dir_extra`` is counted in the directory length after the
+    map; ``pack`` replaces the MessagePack packer."""
     override = override or {}
     pk = pack or (lambda d: msgpack.packb(d, use_bin_type=True))
     entries = [[c.name, c.dt, c.codec, 0, len(c.block), c.raw] for c in cols]
@@ -2391,7 +2392,8 @@ def gen_presence(s: Suite, derived: dict[str, bytes]) -> None:
                   "step 2 due without a row (unknown) and step 0 not recorded (unknown)", ["2.6", "2.4"], seg,
                   [(query("x", [0, 1, 2], segment=0), {0: "observed", 1: "observed", 2: "observed"}),
                    (query("x", [0, 1, 2], segment=1), {0: "unknown", 1: "failed", 2: "unknown"})])
-    alone = write_ops(ops_doc([site("x", cadence={"spine": 2, "sketch": 0}), site("z", cadence={"spine": 0, "sketch": 0}),
+    alone = write_ops(ops_doc([site("x", cadence={"spine": 2, "sketch": 0}),
+                               site("z", cadence={"spine": 0, "sketch": 0}),
                                obs(0, 0, [1.0], sketch=False), truth(0), truth(1),
                                {"op": "new_segment", "first_step": I(2), "reason": "manual"},
                                obs(0, 2, [2.0], sketch=False), truth(2), truth(3), COMMIT]))
