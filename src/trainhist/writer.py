@@ -59,6 +59,7 @@ __all__ = ["HistoryWriter", "SiteHandle"]
 NO_ID = 0xFFFFFFFF
 _FLUSH_ROWS = MAX_ROWS // 16  #: rows of one (site, segment) written as a chunk without waiting for the commit
 _PHASE_CODES = {name: code for code, name in enumerate(Phase.NAMES)}
+_SEGMENT_REASONS = ("start", "resume", "manual")  #: a segment manifest's reasons (spec 2.4, segment.schema.json)
 
 
 def _now() -> str:
@@ -985,6 +986,12 @@ class HistoryWriter:
     def new_segment(self, first_step: int | None, reason: str = "manual") -> int:
         """Start a new segment (a resume): rows after this belong to it; boundaries are never merged away."""
         self._check_open()
+        # (checked now: the segment manifest is written with the segment's first rows, and a value refused then
+        # would fail that commit instead of this call)
+        if first_step is not None:
+            first_step = _whole("first_step", first_step, *_I64)
+        if type(reason) is not str or reason not in _SEGMENT_REASONS:
+            raise UsageError(f"reason must be one of {', '.join(_SEGMENT_REASONS)}, got {reason!r}", code="bad_value")
         if self.segment >= 0:
             self.commit()
         if self._segment_manifest is not None:  # the current segment recorded nothing: replace it
@@ -1014,9 +1021,11 @@ class HistoryWriter:
         self._record(RecordType.OBS, payload, site=sid, segment=segment, rows=len(rows), steps=(lo, hi))
 
     def _write_segment_manifest(self) -> None:
-        if self._segment_manifest is not None:
-            doc, self._segment_manifest = self._segment_manifest, None
-            self._manifest(doc)
+        doc = self._segment_manifest
+        if doc is not None:
+            payload = _encode_manifest(doc)  # (kept until written: a failure here leaves the segment to declare)
+            self._record(RecordType.MANIFEST, payload)
+            self._segment_manifest = None
 
     def _flush_all(self) -> None:
         """Write every buffered row, one chunk per (site, segment) in that order, the chunks encoded together in
