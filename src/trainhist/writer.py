@@ -601,6 +601,8 @@ class HistoryWriter:
         self._steps: dict[int, list[tuple]] = {}
         self._entries: list[tuple] = []
         self._closed = False
+        #: why the writer stopped writing (an exception while it wrote a record or synced), or None: see _fail
+        self._failed: str | None = None
         self._last_step: int | None = None
         self._steps_since_commit = 0
         self._last_commit_time = time.monotonic()
@@ -697,11 +699,36 @@ class HistoryWriter:
     def _record(self, rtype: int, payload: bytes, *, site: int = NO_ID, segment: int = NO_ID, rows: int = 0,
                 steps: tuple[int, int] = (0, 0)) -> None:
         hdr = RecordHeader(rtype, 0, len(payload), self._seq, self._salt, crc32c(payload)).pack()
-        self._f.write(hdr + payload + b"\0" * pad8(len(payload)))
-        if rtype != RecordType.COMMIT:
-            self._entries.append((self._offset, rtype, site, segment, rows, steps[0], steps[1]))
-        self._offset += len(hdr) + len(payload) + pad8(len(payload))
-        self._seq += 1
+        try:
+            self._f.write(hdr + payload + b"\0" * pad8(len(payload)))
+            if rtype != RecordType.COMMIT:
+                self._entries.append((self._offset, rtype, site, segment, rows, steps[0], steps[1]))
+            self._offset += len(hdr) + len(payload) + pad8(len(payload))
+            self._seq += 1
+        except BaseException as e:  # (part of the record may be in the file, and not in the offsets and entries)
+            self._fail(e)
+            raise
+
+    def _fail(self, e: BaseException) -> None:
+        """Stop writing: an exception (an I/O error, an interrupt) came while a record was written or its
+        bookkeeping updated, or while a commit was made durable, so the file and this writer's offsets, sequence
+        numbers and entries may disagree. Writing on (a later commit, ``close()``) would append records a reader
+        refuses (bad_commit, bad_sequence), so the file is left as it is: a prefix of what was meant, which reads
+        as its last commit (``clean`` or ``torn``, spec/crash-safety.md); ``mode="a"`` resumes it."""
+        if self._failed is None:
+            self._failed = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+    def _sync(self, fsync: bool) -> None:
+        """Flush the buffered records to the file, and ``fsync`` it when ``fsync``; a failure stops the writer
+        (after a failed fsync the kernel may have dropped the pages it could not write: nothing later may claim
+        them durable)."""
+        try:
+            self._f.flush()
+            if fsync:
+                os.fsync(self._f.fileno())
+        except BaseException as e:
+            self._fail(e)
+            raise
 
     def _manifest(self, doc: dict) -> None:
         self._record(RecordType.MANIFEST, _encode_manifest(doc))
@@ -709,6 +736,12 @@ class HistoryWriter:
     def _check_open(self) -> None:
         if self._closed:
             raise UsageError("the writer is closed", code="writer_closed", path=self.path)
+        if self._failed is not None:
+            raise UsageError(
+                f"the writer stopped when writing the file failed ({self._failed}): the file holds every commit "
+                "before that (a reader recovers them and reports the rest as a torn tail); nothing more is written "
+                "to it. Close this writer and open the file again with mode='a' to go on",
+                code="writer_failed", path=self.path)
 
     # -- public API --------------------------------------------------------------------------------------
     def site(
@@ -744,11 +777,16 @@ class HistoryWriter:
         }
         if order is not None:
             doc["order"] = int(order)
-        self._manifest(doc)
+        payload = _encode_manifest(doc)
         handle = SiteHandle(sid, path, stream, facet)
-        self._sites[key] = handle
-        self._handles[sid] = handle
-        self._site_meta[sid] = doc
+        try:  # (a manifest written and its site not known would be declared twice by the next call)
+            self._record(RecordType.MANIFEST, payload)
+            self._sites[key] = handle
+            self._handles[sid] = handle
+            self._site_meta[sid] = doc
+        except BaseException as e:
+            self._fail(e)
+            raise
         return handle
 
     def _at_step(self, step: int) -> None:
@@ -783,7 +821,7 @@ class HistoryWriter:
     def _add(self, site: SiteHandle, step: int, phase: str, micro: int | None, presence: int,
              summary: Summary | None) -> None:
         """Buffer one row (the collector adds hundreds a step: the common case takes the shortest path)."""
-        if self._closed:
+        if self._closed or self._failed is not None:
             self._check_open()
         self._check_site(site)
         micro = MICRO_ALL if micro is None else _whole("micro", micro, 0, MICRO_ALL - 1)
@@ -871,7 +909,7 @@ class HistoryWriter:
         """Record row ``i`` of ``table`` as the observation of ``sites[i]`` at ``step`` (in ``phases[i]``, default
         ``"default"``): the file holds what :meth:`observe` with each row's :class:`Summary` writes, for a fraction
         of the cost per site (a collector records hundreds of spines a step)."""
-        if self._closed:
+        if self._closed or self._failed is not None:
             self._check_open()
         n = len(table)
         if len(sites) != n or (phases is not None and len(phases) != n):
@@ -1010,9 +1048,15 @@ class HistoryWriter:
         return seg
 
     def _flush_site(self, sid: int, segment: int) -> None:
-        buf = self._buffers.pop((sid, segment), None)
-        if buf:
-            self._write_rows(sid, segment, buf)
+        try:
+            buf = self._buffers.pop((sid, segment), None)
+            if buf:
+                self._write_rows(sid, segment, buf)
+        except Exception:  # (rows that cannot be encoded: refused, the file as it was)
+            raise
+        except BaseException as e:  # (an interrupt: the rows may be neither buffered nor written)
+            self._fail(e)
+            raise
 
     def _write_rows(self, sid: int, segment: int, rows: list[tuple]) -> None:
         """Write ``rows`` of one (site, segment) as a chunk."""
@@ -1024,8 +1068,12 @@ class HistoryWriter:
         doc = self._segment_manifest
         if doc is not None:
             payload = _encode_manifest(doc)  # (kept until written: a failure here leaves the segment to declare)
-            self._record(RecordType.MANIFEST, payload)
-            self._segment_manifest = None
+            try:  # (written and still pending, it would be declared twice by the next commit)
+                self._record(RecordType.MANIFEST, payload)
+                self._segment_manifest = None
+            except BaseException as e:
+                self._fail(e)
+                raise
 
     def _flush_all(self) -> None:
         """Write every buffered row, one chunk per (site, segment) in that order, the chunks encoded together in
@@ -1060,6 +1108,17 @@ class HistoryWriter:
     def commit(self) -> None:
         """Write every buffered row and a commit record; after it returns, a reader sees all of it."""
         self._check_open()
+        try:
+            self._commit()
+        except Exception:  # (rows that cannot be encoded: refused; an I/O error has stopped the writer already)
+            raise
+        except BaseException as e:  # (an interrupt: records may be written that the buffers and entries still hold)
+            self._fail(e)
+            raise
+        self._steps_since_commit = 0
+        self._last_commit_time = time.monotonic()
+
+    def _commit(self) -> None:
         self._flush_all()
         if not self._buffers:  # (no row refers to a table now)
             self._tables = []
@@ -1079,28 +1138,29 @@ class HistoryWriter:
                          steps=(int(step.min()), int(step.max())))
         self._steps.clear()
         if self._entries:
-            body = pack_commit(self._seq, self._entries)
+            self._record(RecordType.COMMIT, pack_commit(self._seq, self._entries))
             self._entries = []
-            self._record(RecordType.COMMIT, body)
-            self._f.flush()
-            if self._fsync == "commit":
-                os.fsync(self._f.fileno())
-        self._steps_since_commit = 0
-        self._last_commit_time = time.monotonic()
+            self._sync(self._fsync == "commit")
 
     def close(self) -> None:
-        """Commit what is buffered, sync, and close the file. Idempotent."""
+        """Commit what is buffered, sync, and close the file. Idempotent. A writer stopped by a failed write (see
+        ``_fail``) commits nothing more: it only releases the file."""
         if self._closed:
             return
         try:
-            self.commit()
-            self._f.flush()
-            if self._fsync != "never":
-                os.fsync(self._f.fileno())
+            if self._failed is None:  # (a writer that stopped writes nothing more: see _fail)
+                self.commit()
+                self._sync(self._fsync != "never")
         finally:
             self._closed = True
             _unlock(self._f)
-            self._f.close()
+            if self._failed is None:
+                self._f.close()
+            else:  # (the error that stopped it was raised already: closing raises no second one)
+                try:
+                    self._f.close()
+                except OSError:
+                    pass
 
     def __enter__(self) -> "HistoryWriter":
         return self
