@@ -195,3 +195,19 @@ def test_a_failed_fsync_stops_the_writer(tmp_path: Path, monkeypatch: pytest.Mon
     assert e.value.code == "writer_failed"
     w.close()
     assert _read(p)[2] == {"a": [0, 1]}  # (the commit was written; whether it is on the disk is not known)
+
+
+def test_appending_to_a_file_without_a_run_manifest_is_a_typed_error_that_leaves_the_file_as_it_was(
+        tmp_path: Path) -> None:
+    """A valid file without run manifests (conformance valid/no_run_writer_manifests) made mode="a" fail with an
+    IndexError from inside the writer."""
+    src = Path(__file__).parent.parent / "conformance" / "vectors" / "valid" / "no_run_writer_manifests" / "input.thist"
+    p = tmp_path / "a.thist"
+    p.write_bytes(src.read_bytes())
+    with pytest.raises(ReadOnlyError) as e:
+        HistoryWriter(p, mode="a", **FIXED)
+    assert e.value.code == "no_run_manifest" and e.value.path == str(p)
+    assert p.read_bytes() == src.read_bytes()
+    with HistoryWriter(p, mode="w", **FIXED) as w:  # (the lock was released)
+        w.observe(w.site("a", "activation"), 0, _values(0))
+    assert _read(p) == ("clean", [], {"a": [0]})

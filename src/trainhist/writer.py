@@ -671,15 +671,22 @@ class HistoryWriter:
     def _open_append(self) -> bool:
         from .reader import open_history
 
-        h = open_history(self.path)
+        with open_history(self.path) as h:
+            return self._resume_from(h)
+
+    def _resume_from(self, h: Any) -> bool:  # (h: reader.History)
         if h.header is None or (h.committed_records == 0 and h.header.write_version <= WRITE_VERSION):
-            h.close()  # crashed before its first commit: nothing to resume, the file starts afresh
-            return False
+            return False  # crashed before its first commit: nothing to resume, the file starts afresh
         if h.header.write_version > WRITE_VERSION:
             raise ReadOnlyError(
                 f"file was written by write version {h.header.write_version}; this writer is version "
                 f"{WRITE_VERSION} and may only read it", path=self.path,
             )
+        if not h.runs:
+            raise ReadOnlyError(
+                "the file has no run manifest (its writer broke spec 4.4): a resumed writer continues the file's "
+                "run (spec 2.1) and its writer manifest must name it, so this file may be read but not appended "
+                "to; write the new rows to a file of their own (mode='w')", code="no_run_manifest", path=self.path)
         self.run_id = h.runs[0]["run_id"]
         self.run_manifest = dict(h.runs[0])  #: the run manifest this file holds
         self._salt = h.header.salt
@@ -691,7 +698,6 @@ class HistoryWriter:
             self._site_meta[s.id] = s.manifest
         self._next_segment = max((g.id for g in h.segments), default=-1) + 1
         self._previous_segment = h.segments[-1].id if h.segments else None
-        h.close()
         self._offset = h.committed_bytes  # (the torn or uncommitted tail beyond it is dropped by _open)
         return True
 
