@@ -4,6 +4,7 @@ committed prefix, and appending to it works)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -211,3 +212,35 @@ def test_appending_to_a_file_without_a_run_manifest_is_a_typed_error_that_leaves
     with HistoryWriter(p, mode="w", **FIXED) as w:  # (the lock was released)
         w.observe(w.site("a", "activation"), 0, _values(0))
     assert _read(p) == ("clean", [], {"a": [0]})
+
+
+@pytest.mark.parametrize("fsync", ["commit", "close"])
+def test_the_first_durable_commit_of_a_new_file_syncs_its_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 fsync: str) -> None:
+    """spec/crash-safety.md: a commit that returned with fsync="commit" survives a power loss. For a file the writer
+    created, that needs the folder synced too (the file's name is in the folder); only the file was synced."""
+    import stat
+
+    synced: list[str] = []
+    real = writer_mod.os.fsync
+
+    def recording(fd: int) -> None:
+        synced.append("folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real(fd)
+
+    monkeypatch.setattr(writer_mod.os, "fsync", recording)
+    p = tmp_path / "a.thist"
+    w = HistoryWriter(p, fsync=fsync, commit_every=10**9, commit_seconds=1e18)
+    a = w.site("a", "activation")
+    w.observe(a, 0, _values(0))
+    w.commit()
+    if fsync == "commit":
+        assert synced == ["file", "folder"]
+    w.observe(a, 1, _values(1))
+    w.commit()
+    w.close()
+    assert synced.count("folder") == 1 and synced[:2] == ["file", "folder"]
+    synced.clear()
+    with HistoryWriter(p, mode="a", fsync=fsync) as w:  # (the file exists: its name is durable already)
+        w.observe(w.site("a", "activation"), 2, _values(2))
+    assert "folder" not in synced and "file" in synced

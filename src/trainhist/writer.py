@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import errno
 import json
 import math
 import operator
@@ -514,13 +515,17 @@ def _tristate(names: type, field_: str, value: bool | str | None) -> int:
                          f"got {value!r}", code="unknown_name") from e
 
 
-def _open_locked(path: str):  # -> BinaryIO
+def _open_locked(path: str):  # -> tuple[BinaryIO, bool]
     """``path`` opened for reading and writing (created if missing, not truncated) and locked against a second
     writer: two writers on one file would interleave their records into a file no reader can read. The lock is an
     advisory ``flock``, released when the file is closed or the process dies; where the platform or file system has
-    none, the file is opened unlocked."""
+    none, the file is opened unlocked. Returns the file and whether this call created it."""
     try:
-        f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o666), "r+b")
+        try:
+            fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), True
+        except FileExistsError:
+            fd, created = os.open(path, os.O_RDWR | os.O_CREAT, 0o666), False
+        f = os.fdopen(fd, "r+b")
     except FileNotFoundError:
         folder = os.path.dirname(os.path.abspath(path))
         raise NotFoundError(f"cannot create the history: the folder {folder} does not exist; create it first, or "
@@ -531,7 +536,7 @@ def _open_locked(path: str):  # -> BinaryIO
     try:
         import fcntl
     except ImportError:  # (no flock on this platform)
-        return f
+        return f, created
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -541,7 +546,25 @@ def _open_locked(path: str):  # -> BinaryIO
                          "inserts .rank<r> once the process group exists)", code="file_in_use", path=path) from None
     except OSError:  # (a file system without flock: unlocked)
         pass
-    return f
+    return f, created
+
+
+def _fsync_folder(path: str) -> None:
+    """``fsync`` the folder holding ``path``, so that the name of a file created there survives a power loss: an
+    ``fsync`` of the file makes its bytes durable, not its directory entry (POSIX; ext4 in some modes, XFS and
+    others can lose a new file's name whose data was synced). Skipped where a folder cannot be opened or synced
+    (Windows; some network file systems answer EINVAL)."""
+    try:
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP, errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+    finally:
+        os.close(fd)
 
 
 class HistoryWriter:
@@ -615,7 +638,8 @@ class HistoryWriter:
         self._whole_last = np.zeros((len(Phase.NAMES), 0), np.int64)
         self._whole_has = np.zeros((len(Phase.NAMES), 0), bool)
         self._micro_last: dict[tuple[int, int, int], int] = {}
-        self._f = _open_locked(self.path)
+        self._f, created = _open_locked(self.path)
+        self._folder_unsynced = created  #: the file's name is not durable yet: see _fsync_folder
         try:  # (any failure: the lock released, an existing file left as it was)
             self._open(mode, run_name, run_id, config, rank, world_size, host, pid, software, settings, salt,
                        int(min_segment), run_created)
@@ -732,6 +756,9 @@ class HistoryWriter:
             self._f.flush()
             if fsync:
                 os.fsync(self._f.fileno())
+                if self._folder_unsynced:  # (the first durable commit of a file this writer created)
+                    _fsync_folder(self.path)
+                    self._folder_unsynced = False
         except BaseException as e:
             self._fail(e)
             raise
