@@ -1229,10 +1229,29 @@ class History:
         }
 
     def _check_open(self) -> None:
-        """Refuse a query of a closed history (its file map is released) with a typed error, not the memoryview's."""
+        """Refuse a query of a closed history (its file map is released) with a typed error, not the memoryview's;
+        and of a file cut short or started over since it was opened (see :meth:`_check_unchanged`)."""
         if self._closed:
             raise UsageError("this History is closed; query it inside `with trainhist.open(...) as h:` or before "
                              "h.close() (h.sites and the manifests stay readable)", code="closed", path=self.path)
+        if self.committed_bytes:
+            self._check_unchanged()
+
+    def _check_unchanged(self) -> None:
+        """Refuse to read rows from a file that no longer holds the committed bytes this History found: a writer
+        that started it over (``mode="w"``) truncated it in place. The rows are read from a map of the file, and a
+        page of the map past the file's end is no memory: touching it kills the process (SIGBUS) instead of raising.
+        (A resumed writer only cuts the torn tail, past the committed bytes; a file that grew is read as found.)"""
+        size = os.fstat(self._file.fileno()).st_size
+        changed = size < self.committed_bytes
+        if not changed and self.header is not None:  # (started over and grown again: another salt)
+            changed = struct.unpack_from("<Q", self._view, 20)[0] != self.header.salt
+        if changed:
+            raise FormatError(
+                f"the file changed since it was opened: it held {self.committed_bytes} committed bytes and now holds "
+                f"{size} bytes{'' if size < self.committed_bytes else ' of another history (another salt)'}; a "
+                "writer started it over (mode='w') while it was read. Open it again to read what it holds now",
+                code="file_changed", path=self.path)
 
     def close(self) -> None:
         """Release the file map; later queries of rows raise :class:`~trainhist.errors.UsageError`."""
