@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import trainhist
 from trainhist.writer import HistoryWriter
@@ -19,6 +20,7 @@ SRC = str(Path(trainhist.__file__).resolve().parent.parent)
 SCRIPT = r'''
 import sys
 import numpy as np
+import pytest
 import trainhist
 from trainhist import HistoryWriter
 p, grow = sys.argv[1], sys.argv[2] == "grow"
@@ -83,3 +85,56 @@ def test_a_resumed_writer_cutting_the_torn_tail_leaves_an_open_reader_reading(tm
         h.verify()
     with trainhist.open(p) as h:
         assert h.recovery.status == "clean" and h.spine("a", "activation").step.tolist() == [0, 1, 2, 3]
+
+
+def test_a_reader_opening_a_file_while_a_resumed_writer_rewrites_its_tail_reads_the_commits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reader sized the file with its torn tail; a writer resuming it then cut the tail and began writing its
+    first record there; the scan read half that record header and reported corruption (bad_record_header) of a
+    healthy file. A scan that fails on a file whose size changed meanwhile reads it again."""
+    import mmap
+
+    p = tmp_path / "a.thist"
+    with HistoryWriter(p, fsync="never") as w:
+        a = w.site("a", "activation")
+        step = 0
+        while True:  # (room in the last page for the tail: the cut leaves no mapped page past the file's end)
+            w.observe(a, step, np.arange(4, dtype=np.float32))
+            w.commit()
+            step += 1
+            if mmap.PAGESIZE - w._offset % mmap.PAGESIZE >= 200:
+                break
+    committed = p.stat().st_size
+    with open(p, "ab") as f:
+        f.write(bytes(150))  # (the torn tail a reader sizes: zeros)
+    real = mmap.mmap
+    rewrites = []
+
+    class Rewritten(real):  # type: ignore[misc,valid-type]
+        def __new__(cls, *args, **kwargs):  # type: ignore[no-untyped-def]
+            m = real.__new__(cls, *args, **kwargs)
+            if not rewrites:  # (the writer cuts the tail and writes half a record header, after the map was made)
+                rewrites.append(committed)
+                os.truncate(p, committed)
+                with open(p, "r+b") as f:
+                    f.seek(committed)
+                    f.write(b"\x07" * 16)
+            return m
+
+    monkeypatch.setattr(mmap, "mmap", Rewritten)
+    with trainhist.open(p) as h:
+        assert rewrites
+        assert (h.recovery.status, h.committed_bytes, h.recovery.dropped_bytes) == ("torn", committed, 16)
+        assert h.spine("a", "activation").step.tolist() == list(range(step))
+
+
+def test_a_corrupt_file_that_does_not_change_is_refused(tmp_path: Path) -> None:
+    p = tmp_path / "a.thist"
+    with HistoryWriter(p, fsync="never") as w:
+        w.observe(w.site("a", "activation"), 0, np.arange(4, dtype=np.float32))
+    committed = p.stat().st_size
+    with open(p, "ab") as f:
+        f.write(b"\x07" * 40)
+    with pytest.raises(trainhist.CorruptError) as e:
+        trainhist.open(p)
+    assert (e.value.code, e.value.offset) == ("bad_record_header", committed)
