@@ -158,7 +158,7 @@ def _resume_and_check(path: Path, last: int) -> None:
 def test_a_writer_killed_after_a_commit_loses_no_reported_step_and_resumes(tmp_path: Path, kill_after: str) -> None:
     p = tmp_path / "run.thist"
     lines = _run_and_kill(tmp_path, p, "w", 0, kill_after)
-    status, last = _check(p, _reported(lines))
+    _, last = _check(p, _reported(lines))
     _resume_and_check(p, last)
 
 
@@ -169,7 +169,7 @@ def test_a_writer_killed_while_it_creates_or_closes_the_file(tmp_path: Path, kil
     if not p.exists():  # (killed before it created the file)
         assert kill_after == "OPEN"
         return
-    status, last = _check(p, _reported(lines))
+    _, last = _check(p, _reported(lines))
     assert kill_after == "OPEN" or last >= 39
     _resume_and_check(p, last)
 

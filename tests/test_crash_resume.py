@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 
 import trainhist
-from trainhist.framing import FILE_HEADER_SIZE, RECORD_HEADER_SIZE, RecordHeader, RecordType
+from trainhist.framing import (
+    FILE_HEADER_SIZE,
+    RECORD_HEADER_SIZE,
+    RecordHeader,
+    RecordType,
+)
 from trainhist.writer import HistoryWriter
 
 FIXED = dict(fsync="never", commit_every=10**9, commit_seconds=1e18)
