@@ -480,6 +480,8 @@ _TALLY_SET = frozenset(TALLY_COLUMNS)
 #: reading sites in id order decodes the next ones with the current one, up to this many bytes of chunks or sites
 _READAHEAD_BYTES = 32 << 20
 _READAHEAD_SITES = 64
+#: how many times a file that changed while it was scanned is scanned again (see History.__init__)
+_SCAN_ATTEMPTS = 3
 
 
 
@@ -534,13 +536,53 @@ class History:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
         self._file = _open_regular(self.path)
-        size = os.fstat(self._file.fileno()).st_size
-        self.size = size
-        if size == 0:
-            self._buf: Any = b""
-        else:
-            self._buf = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        self._closed = False
+        self._buf: Any = b""
         self._view = memoryview(self._buf)
+        try:
+            for attempt in range(_SCAN_ATTEMPTS):
+                self._map()
+                self._reset()
+                try:
+                    self._scan()
+                    return
+                except FormatError:
+                    # a writer resuming the file cuts its torn tail and writes new records there: a scan that
+                    # read those bytes meanwhile may have found half a record. The file's size then differs from
+                    # the map's, and the file is read again; a file that stays as it was is refused
+                    if attempt + 1 == _SCAN_ATTEMPTS or os.fstat(self._file.fileno()).st_size == self.size:
+                        raise
+                    self._unmap()
+        except BaseException:
+            self._unmap()
+            self._file.close()
+            raise
+
+    def _map(self) -> None:
+        """Map the file; its size is the map's (a writer may cut or grow it at any time: only mapped bytes are
+        read)."""
+        self._buf = b""
+        if os.fstat(self._file.fileno()).st_size:
+            try:
+                self._buf = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            except ValueError:  # (emptied since: "cannot mmap an empty file")
+                pass
+        self.size = len(self._buf)
+        self._view = memoryview(self._buf)
+
+    def _unmap(self) -> None:
+        try:
+            self._view.release()
+        except BufferError:  # numpy arrays still view the map; it is released when they are
+            pass
+        if isinstance(self._buf, mmap.mmap):
+            try:
+                self._buf.close()
+            except BufferError:
+                pass
+
+    def _reset(self) -> None:
+        """The state of a file with no record read yet."""
         self.runs: list[dict] = []
         self.writers: list[dict] = []
         self.settings: list[dict] = []
@@ -555,8 +597,6 @@ class History:
         self._last_site: int | None = None
         self.committed_records = 0
         self.read_only = False
-        self._closed = False
-        self._scan()
 
     # -- the scan (spec 8) ---------------------------------------------------------------------------------
     def _scan(self) -> None:
@@ -585,7 +625,7 @@ class History:
                 break
             rtype, flags, length, rseq, rsalt, pcrc, hcrc = unpack(raw, pos)
             if _crc(buf[pos : pos + 28]) != hcrc or rsalt != salt:
-                if not np.any(np.frombuffer(self._buf, np.uint8, size - pos, pos)):
+                if self._zeros(pos, size):
                     stop = (pos, "zero-filled tail (space the file system allocated but never wrote)")
                     break
                 hint = (f"; the history committed before it ({committed_end} bytes) reads correctly: if the bytes "
@@ -608,7 +648,7 @@ class History:
                 problem = self._check_payload(pos, length, pcrc, rtype)
                 if problem is not None:
                     start = pos + RECORD_HEADER_SIZE
-                    if not np.any(np.frombuffer(self._buf, np.uint8, size - start, start)):
+                    if self._zeros(start, size):
                         # a machine crash persisted the header but not the payload (spec 8)
                         stop = (pos, "record header followed by a zero-filled tail")
                         break
@@ -631,6 +671,24 @@ class History:
                 reason = f"{len(pending)} complete but uncommitted record(s)" + (f", then: {reason}" if stop else "")
             self.recovery = Recovery("torn", committed_end, size - committed_end, len(pending) + (1 if stop else 0),
                                      reason, committed_end)
+
+    def _zeros(self, start: int, end: int) -> bool:
+        """Whether the bytes from ``start`` to ``end`` (a tail after the last commit) are all zero. Read with
+        ``pread``, not through the map: a resuming writer may be cutting this very tail, and reading a page of the
+        map past the file's new end would kill the process (SIGBUS); bytes cut meanwhile count as zero (they are
+        gone, as a missing suffix is)."""
+        pread = getattr(os, "pread", None)
+        if pread is None:  # (Windows: no pread, and a mapped file cannot be cut)
+            return not np.any(np.frombuffer(self._buf, np.uint8, end - start, start))
+        fd = self._file.fileno()
+        while start < end:
+            block = pread(fd, min(end - start, 1 << 20), start)
+            if not block:
+                return True
+            if np.any(np.frombuffer(block, np.uint8)):
+                return False
+            start += len(block)
+        return True
 
     def _check_payload(self, pos: int, length: int, payload_crc: int, rtype: int) -> tuple[str, str] | None:
         """(code, message) if the payload CRC or padding of the record at ``pos`` is wrong."""
@@ -1229,23 +1287,34 @@ class History:
         }
 
     def _check_open(self) -> None:
-        """Refuse a query of a closed history (its file map is released) with a typed error, not the memoryview's."""
+        """Refuse a query of a closed history (its file map is released) with a typed error, not the memoryview's;
+        and of a file cut short or started over since it was opened (see :meth:`_check_unchanged`)."""
         if self._closed:
             raise UsageError("this History is closed; query it inside `with trainhist.open(...) as h:` or before "
                              "h.close() (h.sites and the manifests stay readable)", code="closed", path=self.path)
+        if self.committed_bytes:
+            self._check_unchanged()
+
+    def _check_unchanged(self) -> None:
+        """Refuse to read rows from a file that no longer holds the committed bytes this History found: a writer
+        that started it over (``mode="w"``) truncated it in place. The rows are read from a map of the file, and a
+        page of the map past the file's end is no memory: touching it kills the process (SIGBUS) instead of raising.
+        (A resumed writer only cuts the torn tail, past the committed bytes; a file that grew is read as found.)"""
+        size = os.fstat(self._file.fileno()).st_size
+        changed = size < self.committed_bytes
+        if not changed and self.header is not None:  # (started over and grown again: another salt)
+            changed = struct.unpack_from("<Q", self._view, 20)[0] != self.header.salt
+        if changed:
+            raise FormatError(
+                f"the file changed since it was opened: it held {self.committed_bytes} committed bytes and now holds "
+                f"{size} bytes{'' if size < self.committed_bytes else ' of another history (another salt)'}; a "
+                "writer started it over (mode='w') while it was read. Open it again to read what it holds now",
+                code="file_changed", path=self.path)
 
     def close(self) -> None:
         """Release the file map; later queries of rows raise :class:`~trainhist.errors.UsageError`."""
         self._closed = True
-        try:
-            self._view.release()
-        except BufferError:  # numpy arrays still view the map; it is released when they are
-            pass
-        if isinstance(self._buf, mmap.mmap):
-            try:
-                self._buf.close()
-            except BufferError:  # numpy views still alive: the map is released when they are
-                pass
+        self._unmap()
         self._file.close()
 
     def __enter__(self) -> "History":

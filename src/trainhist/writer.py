@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import errno
 import json
 import math
 import operator
@@ -59,6 +60,7 @@ __all__ = ["HistoryWriter", "SiteHandle"]
 NO_ID = 0xFFFFFFFF
 _FLUSH_ROWS = MAX_ROWS // 16  #: rows of one (site, segment) written as a chunk without waiting for the commit
 _PHASE_CODES = {name: code for code, name in enumerate(Phase.NAMES)}
+_SEGMENT_REASONS = ("start", "resume", "manual")  #: a segment manifest's reasons (spec 2.4, segment.schema.json)
 
 
 def _now() -> str:
@@ -513,13 +515,17 @@ def _tristate(names: type, field_: str, value: bool | str | None) -> int:
                          f"got {value!r}", code="unknown_name") from e
 
 
-def _open_locked(path: str):  # -> BinaryIO
+def _open_locked(path: str):  # -> tuple[BinaryIO, bool]
     """``path`` opened for reading and writing (created if missing, not truncated) and locked against a second
     writer: two writers on one file would interleave their records into a file no reader can read. The lock is an
     advisory ``flock``, released when the file is closed or the process dies; where the platform or file system has
-    none, the file is opened unlocked."""
+    none, the file is opened unlocked. Returns the file and whether this call created it."""
     try:
-        f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o666), "r+b")
+        try:
+            fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), True
+        except FileExistsError:
+            fd, created = os.open(path, os.O_RDWR | os.O_CREAT, 0o666), False
+        f = os.fdopen(fd, "r+b")
     except FileNotFoundError:
         folder = os.path.dirname(os.path.abspath(path))
         raise NotFoundError(f"cannot create the history: the folder {folder} does not exist; create it first, or "
@@ -530,7 +536,7 @@ def _open_locked(path: str):  # -> BinaryIO
     try:
         import fcntl
     except ImportError:  # (no flock on this platform)
-        return f
+        return f, created
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -540,7 +546,25 @@ def _open_locked(path: str):  # -> BinaryIO
                          "inserts .rank<r> once the process group exists)", code="file_in_use", path=path) from None
     except OSError:  # (a file system without flock: unlocked)
         pass
-    return f
+    return f, created
+
+
+def _fsync_folder(path: str) -> None:
+    """``fsync`` the folder holding ``path``, so that the name of a file created there survives a power loss: an
+    ``fsync`` of the file makes its bytes durable, not its directory entry (POSIX; ext4 in some modes, XFS and
+    others can lose a new file's name whose data was synced). Skipped where a folder cannot be opened or synced
+    (Windows; some network file systems answer EINVAL)."""
+    try:
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP, errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+    finally:
+        os.close(fd)
 
 
 class HistoryWriter:
@@ -600,6 +624,8 @@ class HistoryWriter:
         self._steps: dict[int, list[tuple]] = {}
         self._entries: list[tuple] = []
         self._closed = False
+        #: why the writer stopped writing (an exception while it wrote a record or synced), or None: see _fail
+        self._failed: str | None = None
         self._last_step: int | None = None
         self._steps_since_commit = 0
         self._last_commit_time = time.monotonic()
@@ -612,7 +638,8 @@ class HistoryWriter:
         self._whole_last = np.zeros((len(Phase.NAMES), 0), np.int64)
         self._whole_has = np.zeros((len(Phase.NAMES), 0), bool)
         self._micro_last: dict[tuple[int, int, int], int] = {}
-        self._f = _open_locked(self.path)
+        self._f, created = _open_locked(self.path)
+        self._folder_unsynced = created  #: the file's name is not durable yet: see _fsync_folder
         try:  # (any failure: the lock released, an existing file left as it was)
             self._open(mode, run_name, run_id, config, rank, world_size, host, pid, software, settings, salt,
                        int(min_segment), run_created)
@@ -668,15 +695,22 @@ class HistoryWriter:
     def _open_append(self) -> bool:
         from .reader import open_history
 
-        h = open_history(self.path)
+        with open_history(self.path) as h:
+            return self._resume_from(h)
+
+    def _resume_from(self, h: Any) -> bool:  # (h: reader.History)
         if h.header is None or (h.committed_records == 0 and h.header.write_version <= WRITE_VERSION):
-            h.close()  # crashed before its first commit: nothing to resume, the file starts afresh
-            return False
+            return False  # crashed before its first commit: nothing to resume, the file starts afresh
         if h.header.write_version > WRITE_VERSION:
             raise ReadOnlyError(
                 f"file was written by write version {h.header.write_version}; this writer is version "
                 f"{WRITE_VERSION} and may only read it", path=self.path,
             )
+        if not h.runs:
+            raise ReadOnlyError(
+                "the file has no run manifest (its writer broke spec 4.4): a resumed writer continues the file's "
+                "run (spec 2.1) and its writer manifest must name it, so this file may be read but not appended "
+                "to; write the new rows to a file of their own (mode='w')", code="no_run_manifest", path=self.path)
         self.run_id = h.runs[0]["run_id"]
         self.run_manifest = dict(h.runs[0])  #: the run manifest this file holds
         self._salt = h.header.salt
@@ -688,7 +722,6 @@ class HistoryWriter:
             self._site_meta[s.id] = s.manifest
         self._next_segment = max((g.id for g in h.segments), default=-1) + 1
         self._previous_segment = h.segments[-1].id if h.segments else None
-        h.close()
         self._offset = h.committed_bytes  # (the torn or uncommitted tail beyond it is dropped by _open)
         return True
 
@@ -696,11 +729,39 @@ class HistoryWriter:
     def _record(self, rtype: int, payload: bytes, *, site: int = NO_ID, segment: int = NO_ID, rows: int = 0,
                 steps: tuple[int, int] = (0, 0)) -> None:
         hdr = RecordHeader(rtype, 0, len(payload), self._seq, self._salt, crc32c(payload)).pack()
-        self._f.write(hdr + payload + b"\0" * pad8(len(payload)))
-        if rtype != RecordType.COMMIT:
-            self._entries.append((self._offset, rtype, site, segment, rows, steps[0], steps[1]))
-        self._offset += len(hdr) + len(payload) + pad8(len(payload))
-        self._seq += 1
+        try:
+            self._f.write(hdr + payload + b"\0" * pad8(len(payload)))
+            if rtype != RecordType.COMMIT:
+                self._entries.append((self._offset, rtype, site, segment, rows, steps[0], steps[1]))
+            self._offset += len(hdr) + len(payload) + pad8(len(payload))
+            self._seq += 1
+        except BaseException as e:  # (part of the record may be in the file, and not in the offsets and entries)
+            self._fail(e)
+            raise
+
+    def _fail(self, e: BaseException) -> None:
+        """Stop writing: an exception (an I/O error, an interrupt) came while a record was written or its
+        bookkeeping updated, or while a commit was made durable, so the file and this writer's offsets, sequence
+        numbers and entries may disagree. Writing on (a later commit, ``close()``) would append records a reader
+        refuses (bad_commit, bad_sequence), so the file is left as it is: a prefix of what was meant, which reads
+        as its last commit (``clean`` or ``torn``, spec/crash-safety.md); ``mode="a"`` resumes it."""
+        if self._failed is None:
+            self._failed = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+    def _sync(self, fsync: bool) -> None:
+        """Flush the buffered records to the file, and ``fsync`` it when ``fsync``; a failure stops the writer
+        (after a failed fsync the kernel may have dropped the pages it could not write: nothing later may claim
+        them durable)."""
+        try:
+            self._f.flush()
+            if fsync:
+                os.fsync(self._f.fileno())
+                if self._folder_unsynced:  # (the first durable commit of a file this writer created)
+                    _fsync_folder(self.path)
+                    self._folder_unsynced = False
+        except BaseException as e:
+            self._fail(e)
+            raise
 
     def _manifest(self, doc: dict) -> None:
         self._record(RecordType.MANIFEST, _encode_manifest(doc))
@@ -708,6 +769,12 @@ class HistoryWriter:
     def _check_open(self) -> None:
         if self._closed:
             raise UsageError("the writer is closed", code="writer_closed", path=self.path)
+        if self._failed is not None:
+            raise UsageError(
+                f"the writer stopped when writing the file failed ({self._failed}): the file holds every commit "
+                "before that (a reader recovers them and reports the rest as a torn tail); nothing more is written "
+                "to it. Close this writer and open the file again with mode='a' to go on",
+                code="writer_failed", path=self.path)
 
     # -- public API --------------------------------------------------------------------------------------
     def site(
@@ -743,11 +810,16 @@ class HistoryWriter:
         }
         if order is not None:
             doc["order"] = int(order)
-        self._manifest(doc)
+        payload = _encode_manifest(doc)
         handle = SiteHandle(sid, path, stream, facet)
-        self._sites[key] = handle
-        self._handles[sid] = handle
-        self._site_meta[sid] = doc
+        try:  # (a manifest written and its site not known would be declared twice by the next call)
+            self._record(RecordType.MANIFEST, payload)
+            self._sites[key] = handle
+            self._handles[sid] = handle
+            self._site_meta[sid] = doc
+        except BaseException as e:
+            self._fail(e)
+            raise
         return handle
 
     def _at_step(self, step: int) -> None:
@@ -782,7 +854,7 @@ class HistoryWriter:
     def _add(self, site: SiteHandle, step: int, phase: str, micro: int | None, presence: int,
              summary: Summary | None) -> None:
         """Buffer one row (the collector adds hundreds a step: the common case takes the shortest path)."""
-        if self._closed:
+        if self._closed or self._failed is not None:
             self._check_open()
         self._check_site(site)
         micro = MICRO_ALL if micro is None else _whole("micro", micro, 0, MICRO_ALL - 1)
@@ -870,7 +942,7 @@ class HistoryWriter:
         """Record row ``i`` of ``table`` as the observation of ``sites[i]`` at ``step`` (in ``phases[i]``, default
         ``"default"``): the file holds what :meth:`observe` with each row's :class:`Summary` writes, for a fraction
         of the cost per site (a collector records hundreds of spines a step)."""
-        if self._closed:
+        if self._closed or self._failed is not None:
             self._check_open()
         n = len(table)
         if len(sites) != n or (phases is not None and len(phases) != n):
@@ -985,6 +1057,12 @@ class HistoryWriter:
     def new_segment(self, first_step: int | None, reason: str = "manual") -> int:
         """Start a new segment (a resume): rows after this belong to it; boundaries are never merged away."""
         self._check_open()
+        # (checked now: the segment manifest is written with the segment's first rows, and a value refused then
+        # would fail that commit instead of this call)
+        if first_step is not None:
+            first_step = _whole("first_step", first_step, *_I64)
+        if type(reason) is not str or reason not in _SEGMENT_REASONS:
+            raise UsageError(f"reason must be one of {', '.join(_SEGMENT_REASONS)}, got {reason!r}", code="bad_value")
         if self.segment >= 0:
             self.commit()
         if self._segment_manifest is not None:  # the current segment recorded nothing: replace it
@@ -1003,9 +1081,15 @@ class HistoryWriter:
         return seg
 
     def _flush_site(self, sid: int, segment: int) -> None:
-        buf = self._buffers.pop((sid, segment), None)
-        if buf:
-            self._write_rows(sid, segment, buf)
+        try:
+            buf = self._buffers.pop((sid, segment), None)
+            if buf:
+                self._write_rows(sid, segment, buf)
+        except Exception:  # (rows that cannot be encoded: refused, the file as it was)
+            raise
+        except BaseException as e:  # (an interrupt: the rows may be neither buffered nor written)
+            self._fail(e)
+            raise
 
     def _write_rows(self, sid: int, segment: int, rows: list[tuple]) -> None:
         """Write ``rows`` of one (site, segment) as a chunk."""
@@ -1014,9 +1098,15 @@ class HistoryWriter:
         self._record(RecordType.OBS, payload, site=sid, segment=segment, rows=len(rows), steps=(lo, hi))
 
     def _write_segment_manifest(self) -> None:
-        if self._segment_manifest is not None:
-            doc, self._segment_manifest = self._segment_manifest, None
-            self._manifest(doc)
+        doc = self._segment_manifest
+        if doc is not None:
+            payload = _encode_manifest(doc)  # (kept until written: a failure here leaves the segment to declare)
+            try:  # (written and still pending, it would be declared twice by the next commit)
+                self._record(RecordType.MANIFEST, payload)
+                self._segment_manifest = None
+            except BaseException as e:
+                self._fail(e)
+                raise
 
     def _flush_all(self) -> None:
         """Write every buffered row, one chunk per (site, segment) in that order, the chunks encoded together in
@@ -1051,6 +1141,17 @@ class HistoryWriter:
     def commit(self) -> None:
         """Write every buffered row and a commit record; after it returns, a reader sees all of it."""
         self._check_open()
+        try:
+            self._commit()
+        except Exception:  # (rows that cannot be encoded: refused; an I/O error has stopped the writer already)
+            raise
+        except BaseException as e:  # (an interrupt: records may be written that the buffers and entries still hold)
+            self._fail(e)
+            raise
+        self._steps_since_commit = 0
+        self._last_commit_time = time.monotonic()
+
+    def _commit(self) -> None:
         self._flush_all()
         if not self._buffers:  # (no row refers to a table now)
             self._tables = []
@@ -1070,28 +1171,29 @@ class HistoryWriter:
                          steps=(int(step.min()), int(step.max())))
         self._steps.clear()
         if self._entries:
-            body = pack_commit(self._seq, self._entries)
+            self._record(RecordType.COMMIT, pack_commit(self._seq, self._entries))
             self._entries = []
-            self._record(RecordType.COMMIT, body)
-            self._f.flush()
-            if self._fsync == "commit":
-                os.fsync(self._f.fileno())
-        self._steps_since_commit = 0
-        self._last_commit_time = time.monotonic()
+            self._sync(self._fsync == "commit")
 
     def close(self) -> None:
-        """Commit what is buffered, sync, and close the file. Idempotent."""
+        """Commit what is buffered, sync, and close the file. Idempotent. A writer stopped by a failed write (see
+        ``_fail``) commits nothing more: it only releases the file."""
         if self._closed:
             return
         try:
-            self.commit()
-            self._f.flush()
-            if self._fsync != "never":
-                os.fsync(self._f.fileno())
+            if self._failed is None:  # (a writer that stopped writes nothing more: see _fail)
+                self.commit()
+                self._sync(self._fsync != "never")
         finally:
             self._closed = True
             _unlock(self._f)
-            self._f.close()
+            if self._failed is None:
+                self._f.close()
+            else:  # (the error that stopped it was raised already: closing raises no second one)
+                try:
+                    self._f.close()
+                except OSError:
+                    pass
 
     def __enter__(self) -> "HistoryWriter":
         return self

@@ -1,0 +1,140 @@
+"""Reading a file a writer is using (spec/crash-safety.md, reader obligations): a reader that opens a file while a
+writer appends to it reads its last commit; a reader whose file is started over (``mode="w"``) while it holds it
+gets a typed error when it reads rows, not a SIGBUS that kills its process (the reader maps the file)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import trainhist
+from trainhist.writer import HistoryWriter
+
+SRC = str(Path(trainhist.__file__).resolve().parent.parent)
+
+SCRIPT = r'''
+import sys
+import numpy as np
+import pytest
+import trainhist
+from trainhist import HistoryWriter
+p, grow = sys.argv[1], sys.argv[2] == "grow"
+with HistoryWriter(p, fsync="never") as w:
+    sites = [w.site(f"s{i}", "activation") for i in range(40)]
+    for step in range(10):
+        for s in sites:
+            w.observe(s, step, np.arange(64, dtype=np.float32) + step)
+h = trainhist.open(p)
+print(len(h.spine("s0", "activation")), flush=True)
+w = HistoryWriter(p, mode="w", fsync="never")  # (the job starts over: the file is cut to nothing)
+if grow:  # (and grows again, with another salt, past what the reader found)
+    sites = [w.site(f"s{i}", "activation") for i in range(40)]
+    for step in range(12):
+        for s in sites:
+            w.observe(s, step, np.arange(64, dtype=np.float32) + step)
+    w.commit()
+    assert w._offset > h.committed_bytes
+for query in (lambda: h.spine("s39", "activation"), h.verify, lambda: h.steps):
+    try:
+        query()
+        print("read", flush=True)
+    except trainhist.TrainhistError as e:
+        print(e.code, flush=True)
+w.close()
+'''
+
+
+def _run(tmp_path: Path, grow: bool) -> subprocess.CompletedProcess:
+    script = tmp_path / "live.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, str(script), str(tmp_path / "a.thist"), "grow" if grow else "cut"],
+                          capture_output=True, text=True, env=env, check=False)
+
+
+def test_a_file_started_over_while_it_is_read_is_a_typed_error_not_a_sigbus(tmp_path: Path) -> None:
+    r = _run(tmp_path, grow=False)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])  # (-7: killed by SIGBUS)
+    assert r.stdout.split() == ["10", "file_changed", "file_changed", "file_changed"]
+
+
+def test_a_file_started_over_and_grown_past_the_old_commits_is_a_typed_error(tmp_path: Path) -> None:
+    r = _run(tmp_path, grow=True)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert r.stdout.split() == ["10", "file_changed", "file_changed", "file_changed"]
+
+
+def test_a_resumed_writer_cutting_the_torn_tail_leaves_an_open_reader_reading(tmp_path: Path) -> None:
+    p = tmp_path / "a.thist"
+    with HistoryWriter(p, fsync="never") as w:
+        a = w.site("a", "activation")
+        for step in range(3):
+            w.observe(a, step, np.arange(4, dtype=np.float32))
+    with open(p, "ab") as f:
+        f.write(b"\x01" * 20)  # (a torn record header)
+    with trainhist.open(p) as h:
+        assert h.recovery.status == "torn"
+        with HistoryWriter(p, mode="a", fsync="never") as w:  # (cuts the 20 bytes, appends)
+            w.observe(w.site("a", "activation"), 3, np.arange(4, dtype=np.float32))
+        assert h.spine("a", "activation").step.tolist() == [0, 1, 2]
+        h.verify()
+    with trainhist.open(p) as h:
+        assert h.recovery.status == "clean" and h.spine("a", "activation").step.tolist() == [0, 1, 2, 3]
+
+
+def test_a_reader_opening_a_file_while_a_resumed_writer_rewrites_its_tail_reads_the_commits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reader sized the file with its torn tail; a writer resuming it then cut the tail and began writing its
+    first record there; the scan read half that record header and reported corruption (bad_record_header) of a
+    healthy file. A scan that fails on a file whose size changed meanwhile reads it again."""
+    import mmap
+
+    p = tmp_path / "a.thist"
+    with HistoryWriter(p, fsync="never") as w:
+        a = w.site("a", "activation")
+        step = 0
+        while True:  # (room in the last page for the tail: the cut leaves no mapped page past the file's end)
+            w.observe(a, step, np.arange(4, dtype=np.float32))
+            w.commit()
+            step += 1
+            if mmap.PAGESIZE - w._offset % mmap.PAGESIZE >= 200:
+                break
+    committed = p.stat().st_size
+    with open(p, "ab") as f:
+        f.write(bytes(150))  # (the torn tail a reader sizes: zeros)
+    real = mmap.mmap
+    rewrites = []
+
+    class Rewritten(real):  # type: ignore[misc,valid-type]
+        def __new__(cls, *args, **kwargs):  # type: ignore[no-untyped-def]
+            m = real.__new__(cls, *args, **kwargs)
+            if not rewrites:  # (the writer cuts the tail and writes half a record header, after the map was made)
+                rewrites.append(committed)
+                os.truncate(p, committed)
+                with open(p, "r+b") as f:
+                    f.seek(committed)
+                    f.write(b"\x07" * 16)
+            return m
+
+    monkeypatch.setattr(mmap, "mmap", Rewritten)
+    with trainhist.open(p) as h:
+        assert rewrites
+        assert (h.recovery.status, h.committed_bytes, h.recovery.dropped_bytes) == ("torn", committed, 16)
+        assert h.spine("a", "activation").step.tolist() == list(range(step))
+
+
+def test_a_corrupt_file_that_does_not_change_is_refused(tmp_path: Path) -> None:
+    p = tmp_path / "a.thist"
+    with HistoryWriter(p, fsync="never") as w:
+        w.observe(w.site("a", "activation"), 0, np.arange(4, dtype=np.float32))
+    committed = p.stat().st_size
+    with open(p, "ab") as f:
+        f.write(b"\x07" * 40)
+    with pytest.raises(trainhist.CorruptError) as e:
+        trainhist.open(p)
+    assert (e.value.code, e.value.offset) == ("bad_record_header", committed)
