@@ -558,3 +558,24 @@ def test_truncating_again_while_the_copy_reports_another_damaged_record(tmp_path
             p.write_bytes(p.read_bytes()[: e.offset])
     assert named == [chunks[1], chunks[0]]  # site 0's chunk first, though it comes later in the file
     assert h.recovery.status in ("clean", "torn") and h.committed_bytes <= chunks[0]
+
+
+@pytest.mark.parametrize("size", [1, 5, 32, 4096])
+def test_a_zero_filled_file_reads_torn_and_a_writer_starts_it_afresh(tmp_path: Path, size: int) -> None:
+    """A power loss before the first commit can leave a file of zeros the file system allocated but never wrote,
+    the header included (spec 8, crash-safety.md). It read as bad_magic, and a resuming writer (the collector
+    restarting a job with mode="a") refused it: the job could not start again without deleting the file."""
+    p = tmp_path / "z.thist"
+    p.write_bytes(bytes(size))
+    with trainhist.open(p) as h:
+        assert (h.recovery.status, h.committed_bytes, h.recovery.dropped_bytes) == ("torn", 0, size)
+        assert "zero-filled" in h.recovery.describe() and h.header is None and h.sites == []
+    with HistoryWriter(p, mode="a", run_name="again") as w:
+        w.observe(w.site("x", "activation"), 0, np.ones(3))
+    with trainhist.open(p) as h:
+        assert h.recovery.status == "clean" and h.runs[0]["name"] == "again" and len(h.spine("x")) == 1
+    q = tmp_path / "nz.thist"
+    q.write_bytes(bytes(40) + b"\x01")  # (zeros and then a non-zero byte: not a file of this format)
+    with pytest.raises(FormatError) as ei:
+        trainhist.open(q)
+    assert ei.value.code == "bad_magic"

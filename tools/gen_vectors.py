@@ -1723,6 +1723,9 @@ def gen_truncated(s: Suite, base: dict[str, bytes]) -> None:
     end1 = offs[next(k for k, r in enumerate(recs) if r.is_commit) + 1]  # the first commit's end
     s.read(t, "empty", "a zero-byte file (the writer was killed before the header)", ["8"], b"")
     s.read(t, "in_file_header", "13 bytes: the magic and part of the header", ["8", "3"], two[:13])
+    s.read(t, "zero_filled_file", "64 zero bytes: a power loss before the first commit, the file system having "
+           "allocated space it never wrote (header included)", ["8"], bytes(64))
+    s.read(t, "zero_filled_short", "5 zero bytes (as zero_filled_file, shorter than a header)", ["8"], bytes(5))
     s.read(t, "before_first_commit", "cut inside the first commit record: nothing is committed",
            ["8", "4.3"], two[: commits[0] + 20])
     s.read(t, "in_record_header", "cut 20 bytes into the record header after the first commit", ["8"],

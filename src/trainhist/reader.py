@@ -601,6 +601,12 @@ class History:
     # -- the scan (spec 8) ---------------------------------------------------------------------------------
     def _scan(self) -> None:
         buf, size, path = self._view, self.size, self.path
+        if size and buf[0] == 0 and self._zeros(0, size):  # (a power loss before the first commit: never written)
+            self.header = None
+            self.recovery = Recovery("torn", 0, size, 0, "zero-filled file (space the file system allocated but "
+                                     "never wrote: nothing was committed)", 0)
+            self.committed_bytes = 0
+            return
         if size < FILE_HEADER_SIZE:
             if bytes(buf[:size]) != MAGIC[:size] and bytes(buf[:8]) != MAGIC:
                 raise FormatError(f"not a trainhist file: {size} bytes that do not start with {MAGIC!r}",
