@@ -453,7 +453,11 @@ def test_a_timed_out_implementation_is_killed_with_its_children(tmp_path: Path) 
         raise AssertionError(f"the implementation's child {child} outlived the case")
 
 
-RESERVED = """
+def _damaging_writer(rtype: int, damage: str) -> str:
+    """A ``write``-only implementation: the reference writer, then ``damage`` (indented code with ``b`` the file's
+    bytes, ``pos`` the first record of type ``rtype`` and ``n`` its payload length) applied to its output, whose
+    CRCs are then fixed."""
+    return """
     import struct, subprocess, sys
     import crc32c
     cmd = sys.argv[1:]
@@ -462,17 +466,22 @@ RESERVED = """
     rc = subprocess.run([sys.executable, "-m", "trainhist.conformance_impl", *cmd]).returncode
     b = bytearray(open(cmd[2], "rb").read())
     pos = 32
-    while True:                                       # the first commit: its first entry's reserved field set to 1
+    while True:
         t, _, n = struct.unpack_from("<HHI", b, pos)
-        if t == 4:
+        if t == %d:
             break
-        pos += 32 + n + (-n % 8)
-    struct.pack_into("<H", b, pos + 32 + 16 + 10, 1)
+        pos += 32 + n + (-n %% 8)
+%s
     struct.pack_into("<I", b, pos + 24, crc32c.crc32c(bytes(b[pos + 32: pos + 32 + n])))
     struct.pack_into("<I", b, pos + 28, crc32c.crc32c(bytes(b[pos: pos + 28])))
     open(cmd[2], "wb").write(b)
     sys.exit(rc)
-"""
+""" % (rtype, damage)
+
+
+# the first commit: its first entry's reserved field set to 1
+RESERVED = _damaging_writer(4, """\
+    struct.pack_into("<H", b, pos + 32 + 16 + 10, 1)""")
 
 
 def test_writer_cases_check_the_bytes_readers_ignore(tmp_path: Path) -> None:
@@ -581,29 +590,12 @@ def test_presence_cases_tell_the_rules_of_spec_2_6_apart() -> None:
     assert set(z.values()) == {"not_scheduled", "unknown"}
 
 
-OTHER_NAN = """
-    import struct, subprocess, sys
-    import crc32c
-    cmd = sys.argv[1:]
-    if cmd[0] != "write":
-        sys.exit(4)
-    rc = subprocess.run([sys.executable, "-m", "trainhist.conformance_impl", *cmd]).returncode
-    b = bytearray(open(cmd[2], "rb").read())
-    pos = 32
-    while True:                                       # the steps chunk: its canonical NaNs get payload 1
-        t, _, n = struct.unpack_from("<HHI", b, pos)
-        if t == 3:
-            break
-        pos += 32 + n + (-n % 8)
+# the steps chunk: its canonical NaNs get payload 1
+OTHER_NAN = _damaging_writer(3, """\
     body = bytes(b[pos + 32: pos + 32 + n])
     nan = struct.pack("<Q", 0x7FF8000000000000)
     assert nan in body
-    b[pos + 32: pos + 32 + n] = body.replace(nan, struct.pack("<Q", 0x7FF8000000000001))
-    struct.pack_into("<I", b, pos + 24, crc32c.crc32c(bytes(b[pos + 32: pos + 32 + n])))
-    struct.pack_into("<I", b, pos + 28, crc32c.crc32c(bytes(b[pos: pos + 28])))
-    open(cmd[2], "wb").write(b)
-    sys.exit(rc)
-"""
+    b[pos + 32: pos + 32 + n] = body.replace(nan, struct.pack("<Q", 0x7FF8000000000001))""")
 
 
 def test_writer_cases_check_the_values_readers_accept_in_place_of_the_written_ones(tmp_path: Path) -> None:
