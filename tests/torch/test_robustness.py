@@ -1,0 +1,107 @@
+"""The collector around a real training loop when things go wrong: a full disk, a collector left open, parameters
+replaced between steps."""
+
+from __future__ import annotations
+
+import errno
+import warnings
+
+import pytest
+import torch
+
+import trainhist
+from trainhist.errors import UsageError
+from trainhist.torch import Collector
+
+
+def mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+class FillingDisk:
+    """The writer's file, whose writes and flushes fail with ENOSPC while ``full``."""
+
+    def __init__(self, f: object) -> None:
+        self.f, self.full = f, False
+
+    def write(self, b: bytes) -> int:
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.f.write(b)
+
+    def flush(self) -> None:
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.f.flush()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.f, name)
+
+
+def train(col: Collector | None, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range,
+          at: dict | None = None) -> list[float]:
+    """A plain loop; ``at[step]()`` runs before that step (the disk fills, space comes back)."""
+    losses = []
+    for s in steps:
+        if at and s in at:
+            at[s]()
+        g = torch.Generator().manual_seed(s)
+        x = torch.randn(3, 4, generator=g)
+        with col.step(s) if col is not None else torch.enable_grad():
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        if col is not None:
+            col.scalars(s, loss=loss)
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_full_disk_warns_once_what_is_kept_and_how_to_go_on_and_the_history_continues_after(tmp_path):
+    """The disk fills mid-run, then space comes back: training runs on unchanged; one warning says the file keeps
+    every commit before the failure, that nothing more is recorded, and how to go on; the file reads clean up to its
+    last commit; close() then a new Collector on the path continues it as a new segment."""
+    path = tmp_path / "full.thist"
+    ref_model = mlp()
+    ref = train(None, ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1), range(8))
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    col = Collector(model, path, mode="w", commit_every=2).attach(optimizer=opt)
+    disk: list[FillingDisk] = []
+
+    def fill() -> None:
+        disk.append(FillingDisk(col._writer._f))
+        col._writer._f = disk[0]
+        disk[0].full = True
+
+    def free() -> None:
+        disk[0].full = False
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = train(col, model, opt, range(8), {5: fill, 7: free})
+        col.close()
+    assert losses == ref  # training unchanged
+    said = [str(w.message) for w in caught if "No space left" in str(w.message)]
+    assert len(said) == 1, said
+    msg = said[0]
+    assert "last commit" in msg and "records nothing more" in msg and "close()" in msg and "new Collector" in msg
+    assert col.writer_errors > 1
+    h = trainhist.open(path)
+    assert h.recovery.status == "clean"
+    assert h.spine("0.weight", "param").step.tolist() == [0, 1, 2, 3]  # committed after steps 1 and 3
+    assert h.steps["step"].tolist() == [0, 1, 2, 3]
+
+    col2 = Collector(model, path, commit_every=2).attach(optimizer=opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(col2, model, opt, range(8, 10))
+        col2.close()
+    h = trainhist.open(path)
+    segs = h.segments
+    assert [(g.first_step, g.reason, g.previous) for g in segs] == [(0, "start", None), (8, "resume", segs[0].id)]
+    sp = h.spine("0.weight", "param")
+    assert sp.step.tolist() == [0, 1, 2, 3, 8, 9]
+    assert sp.segment.tolist() == [segs[0].id] * 4 + [segs[1].id] * 2
