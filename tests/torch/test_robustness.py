@@ -105,3 +105,26 @@ def test_a_full_disk_warns_once_what_is_kept_and_how_to_go_on_and_the_history_co
     sp = h.spine("0.weight", "param")
     assert sp.step.tolist() == [0, 1, 2, 3, 8, 9]
     assert sp.segment.tolist() == [segs[0].id] * 4 + [segs[1].id] * 2
+
+
+def test_a_collector_left_open_in_this_process_is_named_when_another_opens_its_file(tmp_path):
+    """``del col`` does not close a collector (the model's hooks hold it) and its writer keeps the file's lock: a
+    second Collector on the same path says so, and how to release it, not 'give each process its own file'."""
+    path = tmp_path / "left.thist"
+    model = mlp()
+    col = Collector(model, path, mode="w").attach()
+    with col.step(0):
+        model(torch.randn(2, 4)).sum().backward()
+    col2 = Collector(model, path)
+    with pytest.raises(UsageError, match=r"earlier in this process.*close\(\)") as e:
+        col2.attach()
+    assert e.value.code == "file_in_use"
+    col.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the resume warning)
+        col2.attach()
+        with col2.step(1):
+            model(torch.randn(2, 4)).sum().backward()
+        col2.close()
+    h = trainhist.open(path)
+    assert h.spine("0", "activation").step.tolist() == [0, 1]

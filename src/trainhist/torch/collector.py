@@ -90,6 +90,9 @@ RUN_ID_WAIT_S = 120.0
 #: collectors made so far in this process, per recording (see Collector._open): the k-th collector of a recording on
 #: each rank agrees with the k-th of the same recording on rank 0
 _run_keys: dict[str, int] = {}
+#: the collectors of this process that hold a file open (by its real path), to name the one left open when another
+#: collector is given the same file (a collector is not closed when the loop drops it: the model's hooks keep it)
+_holders: weakref.WeakValueDictionary[str, "Collector"] = weakref.WeakValueDictionary()
 # id of the autograd graph task running on this thread, -1 outside backward (activation-checkpoint recompute
 # runs forwards inside backward)
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
@@ -946,7 +949,18 @@ class Collector:
                 opts.update(run_id=lead["run_id"], run_created=lead["created"])
                 opts.setdefault("run_name", lead.get("name"))  # (the run's, where this rank gives none of its own)
                 opts.setdefault("config", lead.get("config"))
-        self._writer = w = HistoryWriter(self.path, settings=settings, **opts)  # type: ignore[arg-type]
+        try:
+            self._writer = w = HistoryWriter(self.path, settings=settings, **opts)  # type: ignore[arg-type]
+        except UsageError as e:
+            held = _holders.get(os.path.realpath(self.path)) if e.code == "file_in_use" else None
+            if held is None or held._closed:
+                raise
+            raise UsageError(
+                "a Collector made earlier in this process still has this file open: it was not closed (dropping it "
+                "does not close it: the model's hooks keep it alive, and its writer holds the file's lock). Call its "
+                "close() (or make collectors with `with Collector(...) as col:`) before making another on this file",
+                code="file_in_use", path=self.path) from None
+        _holders[os.path.realpath(self.path)] = self
         if key is not None and self.rank == 0:
             run = w.run_manifest
             lead = _agree_run(key, 0, {"run_id": w.run_id, "segment": w.segment, "created": run.get("created"),
@@ -2455,6 +2469,8 @@ class Collector:
             self._register_sites()  # (the planned sites no step recorded: declared, with no rows)
         if self._writer is not None and (self.path is not None):
             self._safe(self._writer.close)
+            if _holders.get(os.path.realpath(self.path)) is self:
+                del _holders[os.path.realpath(self.path)]
         elif self._writer is not None:
             self._safe(self._writer.commit)
 
