@@ -128,3 +128,29 @@ def test_a_collector_left_open_in_this_process_is_named_when_another_opens_its_f
         col2.close()
     h = trainhist.open(path)
     assert h.spine("0", "activation").step.tolist() == [0, 1]
+
+
+def test_attach_after_load_state_dict_assign_does_not_warn_that_followed_parameters_are_lost(tmp_path):
+    """Parameters replaced by tensors of the same shape, dtype and device (``load_state_dict(assign=True)``) are
+    followed at the next step: attach() in between does not also warn that the sites record the old tensors."""
+    model = mlp()
+    col = Collector(model, tmp_path / "p.thist", mode="w")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    col.attach(optimizer=opt)
+    with col.step(0):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    model.load_state_dict({k: v.clone() for k, v in mlp(1).state_dict().items()}, assign=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        col.attach(optimizer=opt)
+        with col.step(1):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+    said = [str(w.message) for w in caught]
+    assert not any("would record the old tensors" in m for m in said), said
+    assert any("record the new ones" in m for m in said), said
+    col.close()
+    h = trainhist.open(tmp_path / "p.thist")
+    assert h.spine("0.weight", "param").max[1] == model[0].weight.max().item()

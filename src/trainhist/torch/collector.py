@@ -868,7 +868,8 @@ class Collector:
         applied after it (FSDP2's fully_shard), to_empty() or load_state_dict(assign=True) replace them, and the
         parameter sites would record the old tensors, unchanged at every step."""
         now = {clean_name(n): p for n, p in self.inner.named_parameters()}
-        if any(now.get(n) is not p for n, p in self._params.items()):
+        followed = self._replacements()  # (recorded from the next step on: not lost)
+        if any(now.get(n) is not p and n not in followed for n, p in self._params.items()):
             self._warn_once("params", "trainhist: the model's parameters were replaced after the Collector was made "
                             "(fully_shard, to_empty(), load_state_dict(assign=True)): its parameter sites would record "
                             "the old tensors; make the Collector after the model is wrapped and loaded")
@@ -880,18 +881,27 @@ class Collector:
                             "they are not recorded, and the gradient norms recorded since leave them out; make the "
                             "Collector after the model is complete")
 
+    def _replacements(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters :meth:`_follow_params` follows: name -> the new tensor its module now holds."""
+        out, ids = {}, set(self._param_ids)
+        for n, (m, leaf) in self._owners.items():
+            new = m._parameters.get(leaf)
+            old = self._params[n]
+            if new is old or type(new) is not torch.nn.Parameter or id(new) in ids:
+                continue  # (unchanged; removed or not a plain parameter; one held under another name: tied now)
+            if (new.shape, new.dtype, new.device) == (old.shape, old.dtype, old.device):
+                out[n] = new
+                ids.discard(id(old))
+                ids.add(id(new))
+        return out
+
     def _follow_params(self, step: int) -> None:
         """Record from a parameter the loop replaced by a new one of the same shape, dtype and device
         (``module.weight = nn.Parameter(...)``): its sites go on with the new tensor, and a warning says so; any
         other replacement is left to :meth:`_check_params`'s warning."""
         params, followed = self._params, []
-        for n, (m, leaf) in self._owners.items():
-            new = m._parameters.get(leaf)
+        for n, new in self._replacements().items():
             old = params[n]
-            if new is old or type(new) is not torch.nn.Parameter or id(new) in self._param_ids:
-                continue  # (unchanged; removed or not a plain parameter; one held under another name: tied now)
-            if (new.shape, new.dtype, new.device) != (old.shape, old.dtype, old.device):
-                continue
             params[n] = new
             self._param_ids.discard(id(old))
             self._param_ids.add(id(new))
