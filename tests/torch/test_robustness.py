@@ -154,3 +154,61 @@ def test_attach_after_load_state_dict_assign_does_not_warn_that_followed_paramet
     col.close()
     h = trainhist.open(tmp_path / "p.thist")
     assert h.spine("0.weight", "param").max[1] == model[0].weight.max().item()
+
+
+@pytest.mark.parametrize("breaks", ["batch", "one"])
+def test_a_batched_reduction_that_raises_fails_its_sites_and_training_goes_on(tmp_path, monkeypatch, breaks):
+    """Parameters, gradients and updates are reduced by one compiled call per stream on the CPU: when that call
+    raises ('batch'), its sites record 'failed' at that step, nothing raises into the loop and training is
+    unchanged; when reading one tensor's memory raises ('one'), that site alone is 'failed'."""
+    import trainhist.torch.collector as cm
+
+    ref_model = mlp()
+    ref = train(None, ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1), range(3))
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "r.thist"
+    col = Collector(model, path, mode="w").attach(optimizer=opt)
+    if not col._ledger.device.type == "cpu" or cm._reduction.CPU_METHOD != "fused":
+        pytest.skip("the CPU kernel's path")
+    bias = model[0].bias
+    real_many, real_ats, real_at = cm.fused_many_at, cm.fusable_ats, cm.fusable_at
+
+    def broken_many(*a, **k):
+        raise RuntimeError("boom")
+
+    def broken_ats(tensors):
+        if any(t.data_ptr() == bias.data_ptr() for t in tensors):
+            raise RuntimeError("boom")
+        return real_ats(tensors)
+
+    def broken_at(t):
+        if t.data_ptr() == bias.data_ptr():
+            raise RuntimeError("boom")
+        return real_at(t)
+
+    def fail() -> None:
+        if breaks == "batch":
+            monkeypatch.setattr(cm, "fused_many_at", broken_many)
+        else:
+            monkeypatch.setattr(cm, "fusable_ats", broken_ats)
+            monkeypatch.setattr(cm, "fusable_at", broken_at)
+
+    def mend() -> None:
+        monkeypatch.setattr(cm, "fused_many_at", real_many)
+        monkeypatch.setattr(cm, "fusable_ats", real_ats)
+        monkeypatch.setattr(cm, "fusable_at", real_at)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = train(col, model, opt, range(3), {1: fail, 2: mend})
+        col.close()
+    assert losses == ref and all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+    assert any("recorded as 'failed'" in str(w.message) for w in caught)
+    h = trainhist.open(path)
+    for name in ("0.weight", "0.bias", "2.weight"):
+        for stream in ("param", "param_grad"):
+            got = h.spine(name, stream).presence_names
+            bad = breaks == "batch" or (name, stream) == ("0.bias", "param")  # (its gradient: other memory)
+            assert got == ["observed", "failed" if bad else "observed", "observed"], (name, stream, got)
+    assert h.spine("0", "activation").presence_names == ["observed"] * 3

@@ -1571,17 +1571,30 @@ class Collector:
         done: set[int] = set()
         ats: list = []
         if st.fused:
-            if known:
-                ats = [known[k] if k in known else fusable_at(t) for k, t in zip(keys, tensors)]
-            else:
-                ats = fusable_ats(tensors)
+            try:
+                if known:
+                    ats = [known[k] if k in known else fusable_at(t) for k, t in zip(keys, tensors)]
+                else:
+                    ats = fusable_ats(tensors)
+            except Exception:  # noqa: BLE001 -- one tensor that cannot be read: that site fails, not the others
+                ats = []
+                for k, t in zip(keys, tensors):
+                    try:
+                        ats.append(known[k] if known and k in known else fusable_at(t))
+                    except Exception as e:  # noqa: BLE001
+                        self._fail(k, e)
+                        ats.append(None)
             if found is not None:
                 found.update(zip(keys, ats))
             pick = [i for i, at in enumerate(ats) if at is not None]
             if pick:
-                rows = self._ledger.addresses([keys[i] for i in pick])
-                done = {pick[j] for j in fused_many_at([ats[i] for i in pick], rows,
-                                                       st.sketch.get(keys[0][0], True))}
+                try:
+                    rows = self._ledger.addresses([keys[i] for i in pick])
+                    done = {pick[j] for j in fused_many_at([ats[i] for i in pick], rows,
+                                                           st.sketch.get(keys[0][0], True))}
+                except Exception as e:  # noqa: BLE001 -- its rows may hold part of it: these sites fail this step
+                    for i in pick:
+                        self._fail(keys[i], e)
         elif tensors:  # the GPU's batched kernel (key counts always: no sketch flag)
             got = self._batched(keys, tensors)
             if got is None:
