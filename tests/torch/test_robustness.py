@@ -212,3 +212,69 @@ def test_a_batched_reduction_that_raises_fails_its_sites_and_training_goes_on(tm
             bad = breaks == "batch" or (name, stream) == ("0.bias", "param")  # (its gradient: other memory)
             assert got == ["observed", "failed" if bad else "observed", "observed"], (name, stream, got)
     assert h.spine("0", "activation").presence_names == ["observed"] * 3
+
+
+NOT_CLOSED = """
+import sys, torch
+from trainhist.torch import Collector
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+col = Collector(m, sys.argv[1], mode="w", commit_every=3).attach(optimizer=opt)
+for s in range(5):
+    with col.step(s):
+        m(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+raise RuntimeError("the training script crashed")
+"""
+
+
+def test_a_process_that_ends_without_close_keeps_its_finished_steps(tmp_path):
+    """A script that dies of an exception after its steps (never reaching close()) keeps every finished step, not
+    only those of its last commit: the collector's writer is closed when the interpreter exits."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "crash.py"
+    script.write_text(NOT_CLOSED)
+    path = tmp_path / "crash.thist"
+    r = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert r.returncode == 1 and "the training script crashed" in r.stderr
+    h = trainhist.open(path)
+    assert h.recovery.status == "clean"
+    assert h.spine("0.weight", "param").step.tolist() == [0, 1, 2, 3, 4]  # (committed after step 2, then at exit)
+
+
+def test_a_collector_dropped_with_its_model_keeps_its_finished_steps_and_a_forked_copy_writes_nothing(
+        tmp_path, monkeypatch):
+    """A collector garbage-collected without close() (its model dropped too) closes its writer, so the steps since
+    the last commit are kept and the file is unlocked; the same in a forked child (another process id) leaves the
+    parent's file alone."""
+    import gc
+    import os
+
+    def run(path) -> Collector:
+        model = mlp()
+        col = Collector(model, path, mode="w", commit_every=100).attach()
+        for s in range(3):
+            with col.step(s):
+                model(torch.randn(2, 4)).sum().backward()
+        return col
+
+    col = run(tmp_path / "fork.thist")
+    size = os.path.getsize(tmp_path / "fork.thist")
+    pid = os.getpid()
+    monkeypatch.setattr(os, "getpid", lambda: pid + 1)  # (what a forked child sees)
+    col._finalizer()
+    monkeypatch.undo()
+    assert os.path.getsize(tmp_path / "fork.thist") == size
+    col.close()
+    assert trainhist.open(tmp_path / "fork.thist").spine("0.weight", "param").step.tolist() == [0, 1, 2]
+
+    run(tmp_path / "gc.thist")
+    gc.collect()
+    assert trainhist.open(tmp_path / "gc.thist").spine("0.weight", "param").step.tolist() == [0, 1, 2]
+    col = Collector(mlp(), tmp_path / "gc.thist", mode="a").attach()  # (the file is not locked any more)
+    col.close()

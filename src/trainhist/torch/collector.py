@@ -98,6 +98,15 @@ _holders: weakref.WeakValueDictionary[str, "Collector"] = weakref.WeakValueDicti
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
+def _close_writer(writer: object, pid: int) -> None:
+    """Close the writer of a collector that was not closed (collected, or at interpreter exit): its finished steps
+    are committed. Not in another process (a forked child holds the parent's file too: it must not write to it)."""
+    if os.getpid() != pid:
+        return
+    with contextlib.suppress(Exception):  # (a writer that failed, or a file gone: what was committed stays)
+        writer.close()  # type: ignore[attr-defined]
+
+
 def _unwrap_optimizer(opt: object) -> torch.optim.Optimizer:
     """The torch optimizer ``opt`` is or wraps (``.optimizer``, as accelerate's ``AcceleratedOptimizer`` and
     similar wrappers hold it: the step hooks go on the optimizer that steps); a UsageError for anything else."""
@@ -690,6 +699,7 @@ class Collector:
         self._versions: list[tuple[str, str | None, torch.Tensor, int]] = []  # discover(): outputs, their versions
         self._since_commit = 0
         self._closed = False
+        self._finalizer: weakref.finalize | None = None  # (see _open)
         self.writer_errors = 0
         self.first_nonfinite: tuple[int, str, str, str | None] | None = None
         if any(getattr(p, "_is_flat_param", False) for p in self._params.values()):
@@ -971,6 +981,9 @@ class Collector:
                 "close() (or make collectors with `with Collector(...) as col:`) before making another on this file",
                 code="file_in_use", path=self.path) from None
         _holders[os.path.realpath(self.path)] = self
+        # a collector never closed (the script raised, or dropped it with its model) closes its writer when it is
+        # collected or the interpreter exits, so its finished steps since the last commit are kept
+        self._finalizer = weakref.finalize(self, _close_writer, w, os.getpid())
         if key is not None and self.rank == 0:
             run = w.run_manifest
             lead = _agree_run(key, 0, {"run_id": w.run_id, "segment": w.segment, "created": run.get("created"),
@@ -2490,6 +2503,8 @@ class Collector:
                     delattr(sc, name)
         if self._writer is not None and self._plan is not None:
             self._register_sites()  # (the planned sites no step recorded: declared, with no rows)
+        if self._finalizer is not None:
+            self._finalizer.detach()
         if self._writer is not None and (self.path is not None):
             self._safe(self._writer.close)
             if _holders.get(os.path.realpath(self.path)) is self:
