@@ -278,3 +278,67 @@ def test_a_collector_dropped_with_its_model_keeps_its_finished_steps_and_a_forke
     assert trainhist.open(tmp_path / "gc.thist").spine("0.weight", "param").step.tolist() == [0, 1, 2]
     col = Collector(mlp(), tmp_path / "gc.thist", mode="a").attach()  # (the file is not locked any more)
     col.close()
+
+
+KILLED_IN_COMMIT = """
+import os, signal, sys, torch
+from trainhist.framing import RecordType
+from trainhist.torch import Collector
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+col = Collector(m, sys.argv[1], mode="w", commit_every=1).attach(optimizer=opt)
+for s in range(10):
+    if s == 4:  # killed inside step 4's commit: its data records are in the file, its commit record is not
+        w = col._writer
+        record = w._record
+
+        def dying(rtype, *a, **k):
+            if rtype == RecordType.COMMIT:
+                w._f.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return record(rtype, *a, **k)
+
+        w._record = dying
+    with col.step(s):
+        m(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def test_killed_inside_a_commit_then_resumed_keeps_every_committed_step_and_starts_a_segment(tmp_path):
+    """SIGKILL inside a commit leaves a torn tail (the step's records without their commit); a new collector on the
+    file (mode='a') drops it, keeps steps 0-3 intact and starts a 'resume' segment after them."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_IN_COMMIT)
+    path = tmp_path / "killed.thist"
+    r = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    h = trainhist.open(path)
+    assert h.recovery.status == "torn" and h.recovery.dropped_records > 0
+    before = {n: h.spine(n, "param").sum.tolist() for n in ("0.weight", "2.bias")}
+    assert h.spine("0.weight", "param").step.tolist() == [0, 1, 2, 3]
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the resume warning)
+        col = Collector(model, path).attach(optimizer=opt)
+        train(col, model, opt, range(4, 6))
+        col.close()
+    h = trainhist.open(path)
+    assert h.recovery.status == "clean"
+    segs = h.segments
+    assert [(g.first_step, g.reason, g.previous) for g in segs] == [(0, "start", None), (4, "resume", segs[0].id)]
+    sp = h.spine("0.weight", "param")
+    assert sp.step.tolist() == [0, 1, 2, 3, 4, 5]
+    assert sp.segment.tolist() == [segs[0].id] * 4 + [segs[1].id] * 2
+    for n, sums in before.items():
+        assert h.spine(n, "param").sum.tolist()[:4] == sums
+    assert h.steps["step"].tolist() == [0, 1, 2, 3, 4, 5]
