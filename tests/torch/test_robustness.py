@@ -169,7 +169,7 @@ def test_a_batched_reduction_that_raises_fails_its_sites_and_training_goes_on(tm
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     path = tmp_path / "r.thist"
     col = Collector(model, path, mode="w").attach(optimizer=opt)
-    if not col._ledger.device.type == "cpu" or cm._reduction.CPU_METHOD != "fused":
+    if col._ledger.device.type != "cpu" or cm._reduction.CPU_METHOD != "fused":
         pytest.skip("the CPU kernel's path")
     bias = model[0].bias
     real_many, real_ats, real_at = cm.fused_many_at, cm.fusable_ats, cm.fusable_at

@@ -92,7 +92,7 @@ RUN_ID_WAIT_S = 120.0
 _run_keys: dict[str, int] = {}
 #: the collectors of this process that hold a file open (by its real path), to name the one left open when another
 #: collector is given the same file (a collector is not closed when the loop drops it: the model's hooks keep it)
-_holders: weakref.WeakValueDictionary[str, "Collector"] = weakref.WeakValueDictionary()
+_holders: weakref.WeakValueDictionary[str, Collector] = weakref.WeakValueDictionary()
 # id of the autograd graph task running on this thread, -1 outside backward (activation-checkpoint recompute
 # runs forwards inside backward)
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
