@@ -342,3 +342,36 @@ def test_killed_inside_a_commit_then_resumed_keeps_every_committed_step_and_star
     for n, sums in before.items():
         assert h.spine(n, "param").sum.tolist()[:4] == sums
     assert h.steps["step"].tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_writer_that_stops_after_another_write_error_is_still_said(tmp_path, monkeypatch):
+    """One writer call that raises (not an I/O error: the writer goes on) warns once; a full disk later, which stops
+    the writer, is said too, once."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    col = Collector(model, tmp_path / "two.thist", mode="w", commit_every=1).attach(optimizer=opt)
+    w = col._writer
+    real = w.step_truth
+    calls = []
+
+    def once(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("a writer call that failed")
+        return real(*a, **k)
+
+    monkeypatch.setattr(w, "step_truth", once)
+
+    def fill() -> None:
+        w._f = FillingDisk(w._f)
+        w._f.full = True
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(col, model, opt, range(6), {4: fill})
+        col.close()
+    said = [str(w.message) for w in caught if "trainhist: writing" in str(w.message)]
+    assert len(said) == 2, said
+    assert "a writer call that failed" in said[0] and "unless the writer stops" in said[0]
+    assert "No space left" in said[1] and "records nothing more" in said[1]
+    assert trainhist.open(tmp_path / "two.thist").steps["step"].tolist() == [0, 2, 3]  # (step 1: its call failed)

@@ -1113,18 +1113,21 @@ class Collector:
 
     def _writer_error(self, e: Exception) -> None:
         self.writer_errors += 1
-        if "writer" in self._warned:
+        if "writer_stopped" in self._warned:
             return
         stopped = (isinstance(e, OSError) or getattr(e, "code", None) == "writer_failed"
                    or getattr(self._writer, "_failed", None) is not None)
+        if not stopped and "writer" in self._warned:  # (a writer that stops after another error is still said)
+            return
         if stopped:  # (the writer writes nothing after a failed write or sync: see HistoryWriter._fail)
             what = (f"the history keeps every step up to its last commit, readable as it is, and this collector "
                     f"records nothing more (training continues; col.writer_errors counts the calls refused since). "
                     f"To go on recording once the cause is fixed (space freed): call col.close(), then make a new "
                     f"Collector on {self.path or 'the file'}: it appends a new segment (mode='a', its default)")
         else:
-            what = "training continues; further write errors are not reported"
-        self._warn_once("writer", f"trainhist: writing {self.path or 'the history'} failed ({e!r}): {what}")
+            what = "training continues; further write errors are not reported, unless the writer stops"
+        self._warn_once("writer_stopped" if stopped else "writer",
+                        f"trainhist: writing {self.path or 'the history'} failed ({e!r}): {what}")
 
     def _warn_once(self, key: object, msg: str) -> None:
         if key not in self._warned:
