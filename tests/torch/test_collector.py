@@ -1930,21 +1930,33 @@ def test_a_module_first_run_after_discover_keeps_its_place_in_the_forward(tmp_pa
     assert (first.step, first.site) == (3, "expert"), first.text
 
 
-def test_parameters_replaced_after_the_collector_was_made_are_said(tmp_path):
-    """A model whose parameters are replaced after the collector was made (here by load_state_dict(assign=True), as
-    fully_shard does) would have its parameter sites record the old tensors, unchanged at every step: a warning
-    says so and what to do."""
+@pytest.mark.parametrize("how", ["assign", "dtype"])
+def test_parameters_replaced_after_the_collector_was_made_are_said(tmp_path, how):
+    """A model whose parameters are replaced after the collector was made by tensors of another kind (here of
+    another dtype; fully_shard's DTensors) would have its parameter sites record the old tensors, unchanged at every
+    step: a warning says so and what to do. Replaced by tensors of the same shape, dtype and device
+    (load_state_dict(assign=True)), they are followed: one warning says that, none that they are lost."""
     net = torch.nn.Linear(3, 2)
     col = Collector(net, tmp_path / "r.thist", mode="w")
-    net.load_state_dict({k: v.clone() for k, v in net.state_dict().items()}, assign=True)
+    if how == "assign":
+        net.load_state_dict({k: v.clone() for k, v in net.state_dict().items()}, assign=True)
+    else:
+        net.weight = torch.nn.Parameter(net.weight.detach().double())
+        net.bias = torch.nn.Parameter(net.bias.detach().double())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         col.attach()
         with col.step(0):
-            net(torch.randn(2, 3)).sum().backward()
+            net(torch.randn(2, 3, dtype=net.weight.dtype)).sum().backward()
     col.close()
-    said = [str(w.message) for w in caught if "parameters were replaced" in str(w.message)]
-    assert len(said) == 1 and "make the Collector after" in said[0]
+    lost = [str(w.message) for w in caught if "parameters were replaced" in str(w.message)]
+    followed = [str(w.message) for w in caught if "record the new ones" in str(w.message)]
+    if how == "assign":
+        assert not lost and len(followed) == 1
+        h = trainhist.open(tmp_path / "r.thist")
+        assert h.spine("weight", "param").max[0] == net.weight.max().item()
+    else:
+        assert len(lost) == 1 and "make the Collector after" in lost[0] and not followed
 
 
 def test_late_modules_take_their_place_before_the_first_module_and_between_two(tmp_path):

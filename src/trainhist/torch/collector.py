@@ -90,9 +90,21 @@ RUN_ID_WAIT_S = 120.0
 #: collectors made so far in this process, per recording (see Collector._open): the k-th collector of a recording on
 #: each rank agrees with the k-th of the same recording on rank 0
 _run_keys: dict[str, int] = {}
+#: the collectors of this process that hold a file open (by its real path), to name the one left open when another
+#: collector is given the same file (a collector is not closed when the loop drops it: the model's hooks keep it)
+_holders: weakref.WeakValueDictionary[str, Collector] = weakref.WeakValueDictionary()
 # id of the autograd graph task running on this thread, -1 outside backward (activation-checkpoint recompute
 # runs forwards inside backward)
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def _close_writer(writer: object, pid: int) -> None:
+    """Close the writer of a collector that was not closed (collected, or at interpreter exit): its finished steps
+    are committed. Not in another process (a forked child holds the parent's file too: it must not write to it)."""
+    if os.getpid() != pid:
+        return
+    with contextlib.suppress(Exception):  # (a writer that failed, or a file gone: what was committed stays)
+        writer.close()  # type: ignore[attr-defined]
 
 
 def _unwrap_optimizer(opt: object) -> torch.optim.Optimizer:
@@ -687,6 +699,7 @@ class Collector:
         self._versions: list[tuple[str, str | None, torch.Tensor, int]] = []  # discover(): outputs, their versions
         self._since_commit = 0
         self._closed = False
+        self._finalizer: weakref.finalize | None = None  # (see _open)
         self.writer_errors = 0
         self.first_nonfinite: tuple[int, str, str, str | None] | None = None
         if any(getattr(p, "_is_flat_param", False) for p in self._params.values()):
@@ -865,7 +878,8 @@ class Collector:
         applied after it (FSDP2's fully_shard), to_empty() or load_state_dict(assign=True) replace them, and the
         parameter sites would record the old tensors, unchanged at every step."""
         now = {clean_name(n): p for n, p in self.inner.named_parameters()}
-        if any(now.get(n) is not p for n, p in self._params.items()):
+        followed = self._replacements()  # (recorded from the next step on: not lost)
+        if any(now.get(n) is not p and n not in followed for n, p in self._params.items()):
             self._warn_once("params", "trainhist: the model's parameters were replaced after the Collector was made "
                             "(fully_shard, to_empty(), load_state_dict(assign=True)): its parameter sites would record "
                             "the old tensors; make the Collector after the model is wrapped and loaded")
@@ -877,18 +891,27 @@ class Collector:
                             "they are not recorded, and the gradient norms recorded since leave them out; make the "
                             "Collector after the model is complete")
 
+    def _replacements(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters :meth:`_follow_params` follows: name -> the new tensor its module now holds."""
+        out, ids = {}, set(self._param_ids)
+        for n, (m, leaf) in self._owners.items():
+            new = m._parameters.get(leaf)
+            old = self._params[n]
+            if new is old or type(new) is not torch.nn.Parameter or id(new) in ids:
+                continue  # (unchanged; removed or not a plain parameter; one held under another name: tied now)
+            if (new.shape, new.dtype, new.device) == (old.shape, old.dtype, old.device):
+                out[n] = new
+                ids.discard(id(old))
+                ids.add(id(new))
+        return out
+
     def _follow_params(self, step: int) -> None:
         """Record from a parameter the loop replaced by a new one of the same shape, dtype and device
         (``module.weight = nn.Parameter(...)``): its sites go on with the new tensor, and a warning says so; any
         other replacement is left to :meth:`_check_params`'s warning."""
         params, followed = self._params, []
-        for n, (m, leaf) in self._owners.items():
-            new = m._parameters.get(leaf)
+        for n, new in self._replacements().items():
             old = params[n]
-            if new is old or type(new) is not torch.nn.Parameter or id(new) in self._param_ids:
-                continue  # (unchanged; removed or not a plain parameter; one held under another name: tied now)
-            if (new.shape, new.dtype, new.device) != (old.shape, old.dtype, old.device):
-                continue
             params[n] = new
             self._param_ids.discard(id(old))
             self._param_ids.add(id(new))
@@ -946,7 +969,21 @@ class Collector:
                 opts.update(run_id=lead["run_id"], run_created=lead["created"])
                 opts.setdefault("run_name", lead.get("name"))  # (the run's, where this rank gives none of its own)
                 opts.setdefault("config", lead.get("config"))
-        self._writer = w = HistoryWriter(self.path, settings=settings, **opts)  # type: ignore[arg-type]
+        try:
+            self._writer = w = HistoryWriter(self.path, settings=settings, **opts)  # type: ignore[arg-type]
+        except UsageError as e:
+            held = _holders.get(os.path.realpath(self.path)) if e.code == "file_in_use" else None
+            if held is None or held._closed:
+                raise
+            raise UsageError(
+                "a Collector made earlier in this process still has this file open: it was not closed (dropping it "
+                "does not close it: the model's hooks keep it alive, and its writer holds the file's lock). Call its "
+                "close() (or make collectors with `with Collector(...) as col:`) before making another on this file",
+                code="file_in_use", path=self.path) from None
+        _holders[os.path.realpath(self.path)] = self
+        # a collector never closed (the script raised, or dropped it with its model) closes its writer when it is
+        # collected or the interpreter exits, so its finished steps since the last commit are kept
+        self._finalizer = weakref.finalize(self, _close_writer, w, os.getpid())
         if key is not None and self.rank == 0:
             run = w.run_manifest
             lead = _agree_run(key, 0, {"run_id": w.run_id, "segment": w.segment, "created": run.get("created"),
@@ -1076,8 +1113,21 @@ class Collector:
 
     def _writer_error(self, e: Exception) -> None:
         self.writer_errors += 1
-        self._warn_once("writer", f"trainhist: writing {self.path or 'the history'} failed ({e!r}); "
-                        "training continues, further write errors are not reported")
+        if "writer_stopped" in self._warned:
+            return
+        stopped = (isinstance(e, OSError) or getattr(e, "code", None) == "writer_failed"
+                   or getattr(self._writer, "_failed", None) is not None)
+        if not stopped and "writer" in self._warned:  # (a writer that stops after another error is still said)
+            return
+        if stopped:  # (the writer writes nothing after a failed write or sync: see HistoryWriter._fail)
+            what = (f"the history keeps every step up to its last commit, readable as it is, and this collector "
+                    f"records nothing more (training continues; col.writer_errors counts the calls refused since). "
+                    f"To go on recording once the cause is fixed (space freed): call col.close(), then make a new "
+                    f"Collector on {self.path or 'the file'}: it appends a new segment (mode='a', its default)")
+        else:
+            what = "training continues; further write errors are not reported, unless the writer stops"
+        self._warn_once("writer_stopped" if stopped else "writer",
+                        f"trainhist: writing {self.path or 'the history'} failed ({e!r}): {what}")
 
     def _warn_once(self, key: object, msg: str) -> None:
         if key not in self._warned:
@@ -1537,17 +1587,30 @@ class Collector:
         done: set[int] = set()
         ats: list = []
         if st.fused:
-            if known:
-                ats = [known[k] if k in known else fusable_at(t) for k, t in zip(keys, tensors)]
-            else:
-                ats = fusable_ats(tensors)
+            try:
+                if known:
+                    ats = [known[k] if k in known else fusable_at(t) for k, t in zip(keys, tensors)]
+                else:
+                    ats = fusable_ats(tensors)
+            except Exception:  # noqa: BLE001 -- one tensor that cannot be read: that site fails, not the others
+                ats = []
+                for k, t in zip(keys, tensors):
+                    try:
+                        ats.append(known[k] if known and k in known else fusable_at(t))
+                    except Exception as e:  # noqa: BLE001
+                        self._fail(k, e)
+                        ats.append(None)
             if found is not None:
                 found.update(zip(keys, ats))
             pick = [i for i, at in enumerate(ats) if at is not None]
             if pick:
-                rows = self._ledger.addresses([keys[i] for i in pick])
-                done = {pick[j] for j in fused_many_at([ats[i] for i in pick], rows,
-                                                       st.sketch.get(keys[0][0], True))}
+                try:
+                    rows = self._ledger.addresses([keys[i] for i in pick])
+                    done = {pick[j] for j in fused_many_at([ats[i] for i in pick], rows,
+                                                           st.sketch.get(keys[0][0], True))}
+                except Exception as e:  # noqa: BLE001 -- its rows may hold part of it: these sites fail this step
+                    for i in pick:
+                        self._fail(keys[i], e)
         elif tensors:  # the GPU's batched kernel (key counts always: no sketch flag)
             got = self._batched(keys, tensors)
             if got is None:
@@ -2443,8 +2506,12 @@ class Collector:
                     delattr(sc, name)
         if self._writer is not None and self._plan is not None:
             self._register_sites()  # (the planned sites no step recorded: declared, with no rows)
+        if self._finalizer is not None:
+            self._finalizer.detach()
         if self._writer is not None and (self.path is not None):
             self._safe(self._writer.close)
+            if _holders.get(os.path.realpath(self.path)) is self:
+                del _holders[os.path.realpath(self.path)]
         elif self._writer is not None:
             self._safe(self._writer.commit)
 

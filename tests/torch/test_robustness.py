@@ -1,0 +1,377 @@
+"""The collector around a real training loop when things go wrong: a full disk, a collector left open, parameters
+replaced between steps."""
+
+from __future__ import annotations
+
+import errno
+import warnings
+
+import pytest
+import torch
+
+import trainhist
+from trainhist.errors import UsageError
+from trainhist.torch import Collector
+
+
+def mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+class FillingDisk:
+    """The writer's file, whose writes and flushes fail with ENOSPC while ``full``."""
+
+    def __init__(self, f: object) -> None:
+        self.f, self.full = f, False
+
+    def write(self, b: bytes) -> int:
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.f.write(b)
+
+    def flush(self) -> None:
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.f.flush()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.f, name)
+
+
+def train(col: Collector | None, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range,
+          at: dict | None = None) -> list[float]:
+    """A plain loop; ``at[step]()`` runs before that step (the disk fills, space comes back)."""
+    losses = []
+    for s in steps:
+        if at and s in at:
+            at[s]()
+        g = torch.Generator().manual_seed(s)
+        x = torch.randn(3, 4, generator=g)
+        with col.step(s) if col is not None else torch.enable_grad():
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        if col is not None:
+            col.scalars(s, loss=loss)
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_full_disk_warns_once_what_is_kept_and_how_to_go_on_and_the_history_continues_after(tmp_path):
+    """The disk fills mid-run, then space comes back: training runs on unchanged; one warning says the file keeps
+    every commit before the failure, that nothing more is recorded, and how to go on; the file reads clean up to its
+    last commit; close() then a new Collector on the path continues it as a new segment."""
+    path = tmp_path / "full.thist"
+    ref_model = mlp()
+    ref = train(None, ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1), range(8))
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    col = Collector(model, path, mode="w", commit_every=2).attach(optimizer=opt)
+    disk: list[FillingDisk] = []
+
+    def fill() -> None:
+        disk.append(FillingDisk(col._writer._f))
+        col._writer._f = disk[0]
+        disk[0].full = True
+
+    def free() -> None:
+        disk[0].full = False
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = train(col, model, opt, range(8), {5: fill, 7: free})
+        col.close()
+    assert losses == ref  # training unchanged
+    said = [str(w.message) for w in caught if "No space left" in str(w.message)]
+    assert len(said) == 1, said
+    msg = said[0]
+    assert "last commit" in msg and "records nothing more" in msg and "close()" in msg and "new Collector" in msg
+    assert col.writer_errors > 1
+    h = trainhist.open(path)
+    assert h.recovery.status == "clean"
+    assert h.spine("0.weight", "param").step.tolist() == [0, 1, 2, 3]  # committed after steps 1 and 3
+    assert h.steps["step"].tolist() == [0, 1, 2, 3]
+
+    col2 = Collector(model, path, commit_every=2).attach(optimizer=opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(col2, model, opt, range(8, 10))
+        col2.close()
+    h = trainhist.open(path)
+    segs = h.segments
+    assert [(g.first_step, g.reason, g.previous) for g in segs] == [(0, "start", None), (8, "resume", segs[0].id)]
+    sp = h.spine("0.weight", "param")
+    assert sp.step.tolist() == [0, 1, 2, 3, 8, 9]
+    assert sp.segment.tolist() == [segs[0].id] * 4 + [segs[1].id] * 2
+
+
+def test_a_collector_left_open_in_this_process_is_named_when_another_opens_its_file(tmp_path):
+    """``del col`` does not close a collector (the model's hooks hold it) and its writer keeps the file's lock: a
+    second Collector on the same path says so, and how to release it, not 'give each process its own file'."""
+    path = tmp_path / "left.thist"
+    model = mlp()
+    col = Collector(model, path, mode="w").attach()
+    with col.step(0):
+        model(torch.randn(2, 4)).sum().backward()
+    col2 = Collector(model, path)
+    with pytest.raises(UsageError, match=r"earlier in this process.*close\(\)") as e:
+        col2.attach()
+    assert e.value.code == "file_in_use"
+    col.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the resume warning)
+        col2.attach()
+        with col2.step(1):
+            model(torch.randn(2, 4)).sum().backward()
+        col2.close()
+    h = trainhist.open(path)
+    assert h.spine("0", "activation").step.tolist() == [0, 1]
+
+
+def test_attach_after_load_state_dict_assign_does_not_warn_that_followed_parameters_are_lost(tmp_path):
+    """Parameters replaced by tensors of the same shape, dtype and device (``load_state_dict(assign=True)``) are
+    followed at the next step: attach() in between does not also warn that the sites record the old tensors."""
+    model = mlp()
+    col = Collector(model, tmp_path / "p.thist", mode="w")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    col.attach(optimizer=opt)
+    with col.step(0):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    model.load_state_dict({k: v.clone() for k, v in mlp(1).state_dict().items()}, assign=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        col.attach(optimizer=opt)
+        with col.step(1):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+    said = [str(w.message) for w in caught]
+    assert not any("would record the old tensors" in m for m in said), said
+    assert any("record the new ones" in m for m in said), said
+    col.close()
+    h = trainhist.open(tmp_path / "p.thist")
+    assert h.spine("0.weight", "param").max[1] == model[0].weight.max().item()
+
+
+@pytest.mark.parametrize("breaks", ["batch", "one"])
+def test_a_batched_reduction_that_raises_fails_its_sites_and_training_goes_on(tmp_path, monkeypatch, breaks):
+    """Parameters, gradients and updates are reduced by one compiled call per stream on the CPU: when that call
+    raises ('batch'), its sites record 'failed' at that step, nothing raises into the loop and training is
+    unchanged; when reading one tensor's memory raises ('one'), that site alone is 'failed'."""
+    import trainhist.torch.collector as cm
+
+    ref_model = mlp()
+    ref = train(None, ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1), range(3))
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "r.thist"
+    col = Collector(model, path, mode="w").attach(optimizer=opt)
+    if col._ledger.device.type != "cpu" or cm._reduction.CPU_METHOD != "fused":
+        pytest.skip("the CPU kernel's path")
+    bias = model[0].bias
+    real_many, real_ats, real_at = cm.fused_many_at, cm.fusable_ats, cm.fusable_at
+
+    def broken_many(*a, **k):
+        raise RuntimeError("boom")
+
+    def broken_ats(tensors):
+        if any(t.data_ptr() == bias.data_ptr() for t in tensors):
+            raise RuntimeError("boom")
+        return real_ats(tensors)
+
+    def broken_at(t):
+        if t.data_ptr() == bias.data_ptr():
+            raise RuntimeError("boom")
+        return real_at(t)
+
+    def fail() -> None:
+        if breaks == "batch":
+            monkeypatch.setattr(cm, "fused_many_at", broken_many)
+        else:
+            monkeypatch.setattr(cm, "fusable_ats", broken_ats)
+            monkeypatch.setattr(cm, "fusable_at", broken_at)
+
+    def mend() -> None:
+        monkeypatch.setattr(cm, "fused_many_at", real_many)
+        monkeypatch.setattr(cm, "fusable_ats", real_ats)
+        monkeypatch.setattr(cm, "fusable_at", real_at)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = train(col, model, opt, range(3), {1: fail, 2: mend})
+        col.close()
+    assert losses == ref and all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+    assert any("recorded as 'failed'" in str(w.message) for w in caught)
+    h = trainhist.open(path)
+    for name in ("0.weight", "0.bias", "2.weight"):
+        for stream in ("param", "param_grad"):
+            got = h.spine(name, stream).presence_names
+            bad = breaks == "batch" or (name, stream) == ("0.bias", "param")  # (its gradient: other memory)
+            assert got == ["observed", "failed" if bad else "observed", "observed"], (name, stream, got)
+    assert h.spine("0", "activation").presence_names == ["observed"] * 3
+
+
+NOT_CLOSED = """
+import sys, torch
+from trainhist.torch import Collector
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+col = Collector(m, sys.argv[1], mode="w", commit_every=3).attach(optimizer=opt)
+for s in range(5):
+    with col.step(s):
+        m(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+raise RuntimeError("the training script crashed")
+"""
+
+
+def test_a_process_that_ends_without_close_keeps_its_finished_steps(tmp_path):
+    """A script that dies of an exception after its steps (never reaching close()) keeps every finished step, not
+    only those of its last commit: the collector's writer is closed when the interpreter exits."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "crash.py"
+    script.write_text(NOT_CLOSED)
+    path = tmp_path / "crash.thist"
+    r = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert r.returncode == 1 and "the training script crashed" in r.stderr
+    h = trainhist.open(path)
+    assert h.recovery.status == "clean"
+    assert h.spine("0.weight", "param").step.tolist() == [0, 1, 2, 3, 4]  # (committed after step 2, then at exit)
+
+
+def test_a_collector_dropped_with_its_model_keeps_its_finished_steps_and_a_forked_copy_writes_nothing(
+        tmp_path, monkeypatch):
+    """A collector garbage-collected without close() (its model dropped too) closes its writer, so the steps since
+    the last commit are kept and the file is unlocked; the same in a forked child (another process id) leaves the
+    parent's file alone."""
+    import gc
+    import os
+
+    def run(path) -> Collector:
+        model = mlp()
+        col = Collector(model, path, mode="w", commit_every=100).attach()
+        for s in range(3):
+            with col.step(s):
+                model(torch.randn(2, 4)).sum().backward()
+        return col
+
+    col = run(tmp_path / "fork.thist")
+    size = os.path.getsize(tmp_path / "fork.thist")
+    pid = os.getpid()
+    monkeypatch.setattr(os, "getpid", lambda: pid + 1)  # (what a forked child sees)
+    col._finalizer()
+    monkeypatch.undo()
+    assert os.path.getsize(tmp_path / "fork.thist") == size
+    col.close()
+    assert trainhist.open(tmp_path / "fork.thist").spine("0.weight", "param").step.tolist() == [0, 1, 2]
+
+    run(tmp_path / "gc.thist")
+    gc.collect()
+    assert trainhist.open(tmp_path / "gc.thist").spine("0.weight", "param").step.tolist() == [0, 1, 2]
+    col = Collector(mlp(), tmp_path / "gc.thist", mode="a").attach()  # (the file is not locked any more)
+    col.close()
+
+
+KILLED_IN_COMMIT = """
+import os, signal, sys, torch
+from trainhist.framing import RecordType
+from trainhist.torch import Collector
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+col = Collector(m, sys.argv[1], mode="w", commit_every=1).attach(optimizer=opt)
+for s in range(10):
+    if s == 4:  # killed inside step 4's commit: its data records are in the file, its commit record is not
+        w = col._writer
+        record = w._record
+
+        def dying(rtype, *a, **k):
+            if rtype == RecordType.COMMIT:
+                w._f.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return record(rtype, *a, **k)
+
+        w._record = dying
+    with col.step(s):
+        m(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def test_killed_inside_a_commit_then_resumed_keeps_every_committed_step_and_starts_a_segment(tmp_path):
+    """SIGKILL inside a commit leaves a torn tail (the step's records without their commit); a new collector on the
+    file (mode='a') drops it, keeps steps 0-3 intact and starts a 'resume' segment after them."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_IN_COMMIT)
+    path = tmp_path / "killed.thist"
+    r = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    h = trainhist.open(path)
+    assert h.recovery.status == "torn" and h.recovery.dropped_records > 0
+    before = {n: h.spine(n, "param").sum.tolist() for n in ("0.weight", "2.bias")}
+    assert h.spine("0.weight", "param").step.tolist() == [0, 1, 2, 3]
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the resume warning)
+        col = Collector(model, path).attach(optimizer=opt)
+        train(col, model, opt, range(4, 6))
+        col.close()
+    h = trainhist.open(path)
+    assert h.recovery.status == "clean"
+    segs = h.segments
+    assert [(g.first_step, g.reason, g.previous) for g in segs] == [(0, "start", None), (4, "resume", segs[0].id)]
+    sp = h.spine("0.weight", "param")
+    assert sp.step.tolist() == [0, 1, 2, 3, 4, 5]
+    assert sp.segment.tolist() == [segs[0].id] * 4 + [segs[1].id] * 2
+    for n, sums in before.items():
+        assert h.spine(n, "param").sum.tolist()[:4] == sums
+    assert h.steps["step"].tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_writer_that_stops_after_another_write_error_is_still_said(tmp_path, monkeypatch):
+    """One writer call that raises (not an I/O error: the writer goes on) warns once; a full disk later, which stops
+    the writer, is said too, once."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    col = Collector(model, tmp_path / "two.thist", mode="w", commit_every=1).attach(optimizer=opt)
+    w = col._writer
+    real = w.step_truth
+    calls = []
+
+    def once(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("a writer call that failed")
+        return real(*a, **k)
+
+    monkeypatch.setattr(w, "step_truth", once)
+
+    def fill() -> None:
+        w._f = FillingDisk(w._f)
+        w._f.full = True
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(col, model, opt, range(6), {4: fill})
+        col.close()
+    said = [str(w.message) for w in caught if "trainhist: writing" in str(w.message)]
+    assert len(said) == 2, said
+    assert "a writer call that failed" in said[0] and "unless the writer stops" in said[0]
+    assert "No space left" in said[1] and "records nothing more" in said[1]
+    assert trainhist.open(tmp_path / "two.thist").steps["step"].tolist() == [0, 2, 3]  # (step 1: its call failed)
