@@ -605,12 +605,24 @@ class HistoryWriter:
         segment this writer starts, e.g. the segment the run's other writers are at, for a rank that starts its file
         anew in a resumed run (spec 2.4: merge pairs the writers of a run by segment number). ``run_created``: the
         run manifest's time (a new file), so that every rank of a run writes the same run manifest."""
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            raise UsageError(f"HistoryWriter() takes a path (str or os.PathLike) to write the history to, not "
+                             f"{type(path).__name__} {_short(path)}", code="bad_path")
         if codec not in Codec.BY_NAME:
             raise UsageError(f"codec must be one of {', '.join(Codec.BY_NAME)}, got {codec!r}")
         if fsync not in ("commit", "close", "never"):
             raise UsageError(f"fsync must be 'commit', 'close' or 'never', got {fsync!r}")
         if mode not in ("w", "a"):
             raise UsageError(f"mode must be 'w' (create or truncate) or 'a' (append, resume), got {mode!r}")
+        # (checked before the file is opened: a value refused later would leave it created or truncated)
+        commit_every = _whole("commit_every", commit_every, 1, _I64[1])
+        commit_seconds = _real("commit_seconds", commit_seconds)
+        if not commit_seconds >= 0:
+            raise UsageError(f"commit_seconds must be a number of seconds >= 0 (math.inf: no timed commits), got "
+                             f"{commit_seconds!r}", code="bad_value")
+        if salt is not None:
+            salt = _whole("salt", salt, 0, (1 << 64) - 1)
+        min_segment = _whole("min_segment", min_segment, 0, NO_ID - 1)
         self.path = os.fspath(path)
         self._codec = Codec.BY_NAME[codec]
         self._fsync = fsync
@@ -642,7 +654,7 @@ class HistoryWriter:
         self._folder_unsynced = created  #: the file's name is not durable yet: see _fsync_folder
         try:  # (any failure: the lock released, an existing file left as it was)
             self._open(mode, run_name, run_id, config, rank, world_size, host, pid, software, settings, salt,
-                       int(min_segment), run_created)
+                       min_segment, run_created)
         except BaseException:
             self._f.close()
             raise
@@ -657,7 +669,7 @@ class HistoryWriter:
         docs = []
         if not resumed:
             self.run_id = run_id or uuid.uuid4().hex
-            self._salt = int.from_bytes(os.urandom(8), "little") if salt is None else int(salt)
+            self._salt = int.from_bytes(os.urandom(8), "little") if salt is None else salt
             self.run_manifest = {"kind": "run", "run_id": self.run_id, "name": run_name,
                                  "created": run_created or self._now(), "config": config or {}}
             docs.append(self.run_manifest)
