@@ -20,7 +20,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from itertools import accumulate, chain, repeat
 from operator import attrgetter
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -813,15 +813,19 @@ class HistoryWriter:
             raise UsageError(f"stream must be one of {', '.join(STREAMS)}, got {stream!r}")
         if sharing not in SHARING:
             raise UsageError(f"sharing must be 'shard' or 'replica', got {sharing!r}")
+        if shape is not None and (isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable)):
+            raise UsageError(f"shape must be a tuple of whole numbers (e.g. (64, 128)) or None, got "
+                             f"{_short(shape)}", code="bad_value")
         sid = len(self._site_meta)
-        doc = {
+        doc: dict[str, Any] = {
             "kind": "site", "id": sid, "path": path, "stream": stream, "facet": facet,
             "shape": None if shape is None else [_whole("shape", d, 0, (1 << 63) - 1) for d in shape], "dtype": dtype,
             "sharing": sharing,
-            "cadence": {"spine": int(cadence_spine), "sketch": int(cadence_sketch)}, "sample": sample,
+            "cadence": {"spine": _whole("cadence_spine", cadence_spine, 0, _I64[1]),
+                        "sketch": _whole("cadence_sketch", cadence_sketch, 0, _I64[1])}, "sample": sample,
         }
         if order is not None:
-            doc["order"] = int(order)
+            doc["order"] = _whole("order", order, 0, NO_ID)
         payload = _encode_manifest(doc)
         handle = SiteHandle(sid, path, stream, facet)
         try:  # (a manifest written and its site not known would be declared twice by the next call)
