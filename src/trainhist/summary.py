@@ -13,6 +13,7 @@ import numpy as np
 
 from . import grid
 from .dyadic import ZERO, Dyadic, exact_sums
+from .errors import UsageError
 
 __all__ = ["SumMethod", "Sketch", "Summary", "SpineTable", "summarize", "total_order_min", "total_order_max"]
 
@@ -174,7 +175,18 @@ def summarize(values: np.ndarray, *, dtype: str | None = None, sketch: bool = Tr
     ``values`` may be float16, float32, float64, an integer array, or bfloat16 bit patterns as uint16 with
     ``dtype="bfloat16"``. Narrow floats are widened exactly first.
     """
-    x = grid.as_float_bits(values, dtype)
+    if dtype is not None and (type(dtype) is not str or dtype != "bfloat16"):
+        raise UsageError(f"dtype={dtype!r} is not a dtype summarize() reads: give dtype='bfloat16' for bfloat16 bit "
+                         "patterns in a uint16 array, or leave dtype out for a float16/float32/float64 or integer "
+                         "array, whose own dtype is used (any other name would read the bits as integers)",
+                         code="bad_values")
+    if type(sketch) is not bool and not isinstance(sketch, np.bool_):
+        raise UsageError(f"sketch must be True or False, got {type(sketch).__name__} {sketch!r:.60}",
+                         code="bad_value")
+    a = np.asarray(values)
+    if a.dtype.kind == "f" and not a.dtype.isnative:  # (big-endian floats: the same values in native order, exactly)
+        a = a.astype(a.dtype.newbyteorder("="))
+    x = grid.as_float_bits(a, dtype)
     keys = grid.bin_keys(x)
     counts = np.bincount(keys, minlength=grid.NKEYS).astype(np.uint64)
     nan, pinf, ninf, zero = (int(counts[k]) for k in (grid.KEY_NAN, grid.KEY_PINF, grid.KEY_NINF, grid.KEY_ZERO))
