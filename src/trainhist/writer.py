@@ -496,9 +496,14 @@ def _real(name: str, value: object) -> float:
     if isinstance(value, (str, bytes)):
         raise UsageError(f"{name} must be a number, got {value!r}", code="bad_value")
     try:
-        return float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError) as e:
+        f = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError) as e:
         raise UsageError(f"{name} must be a number, got {value!r}", code="bad_value") from e
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and int(value) != f:
+        raise UsageError(f"{name} must be a number a float64 holds exactly, got the integer {int(value)}, whose "
+                         f"nearest float64 is {f!r}: integers beyond 2**53 are rounded; convert it with float() "
+                         "if the rounded value is meant", code="bad_value")
+    return f
 
 
 def _tristate(names: type, field_: str, value: bool | str | None) -> int:
@@ -960,6 +965,9 @@ class HistoryWriter:
         of the cost per site (a collector records hundreds of spines a step)."""
         if self._closed or self._failed is not None:
             self._check_open()
+        if not isinstance(table, SpineTable):
+            raise UsageError(f"observe_spines()'s table must be a trainhist.summary.SpineTable (one column per "
+                             f"field, one row per site), not {type(table).__name__}; for one Summary use observe()")
         n = len(table)
         if len(sites) != n or (phases is not None and len(phases) != n):
             raise UsageError(f"observe_spines() needs one site{' and one phase' if phases is not None else ''} per "
