@@ -147,6 +147,11 @@ def test_summary_scalar_refuses_non_numbers(value):
     _refused(lambda: trainhist.Summary.scalar(value), "bad_value", "number")
 
 
+def test_summary_scalar_exact():
+    _refused(lambda: trainhist.Summary.scalar(2**53 + 1), "bad_value", "2**53")
+    assert trainhist.Summary.scalar(np.float32(0.5)).max == 0.5 and trainhist.Summary.scalar(-3).min == -3.0
+
+
 # -- Sketch -------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("scale", [7, -1, "2", 1.0])
 def test_sketch_empty_scale(scale):

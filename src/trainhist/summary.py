@@ -54,7 +54,12 @@ class Sketch:
     @staticmethod
     def from_key_counts(counts: np.ndarray) -> "Sketch":
         """The native-scale sketch from counts indexed by :func:`grid.bin_keys` keys (length ``grid.NKEYS``)."""
-        c = counts.astype(np.uint64)
+        a = np.asarray(counts)
+        if a.shape != (grid.NKEYS,) or a.dtype.kind not in "iu" or (a.size and a.min() < 0):
+            raise UsageError(f"a sketch's key counts must be grid.NKEYS ({grid.NKEYS}) non-negative integers, as "
+                             f"np.bincount(grid.bin_keys(x), minlength=grid.NKEYS) gives them; got {a.dtype} of "
+                             f"shape {a.shape}", code="bad_value")
+        c = a.astype(np.uint64)
         side = grid.KEY_OVER + 1
         return Sketch(
             scale=grid.NATIVE_SCALE,
@@ -68,7 +73,11 @@ class Sketch:
 
     @staticmethod
     def empty(scale: int = grid.NATIVE_SCALE) -> "Sketch":
-        n = grid.nbins(scale)
+        """The sketch of no values at ``scale`` (0, 1 or 2: spec 6)."""
+        if type(scale) is not int and not isinstance(scale, np.integer) or scale not in (0, 1, 2):
+            raise UsageError(f"a sketch's scale must be 0, 1 or 2 (spec 6), got {type(scale).__name__} {scale!r}",
+                             code="bad_value")
+        n = grid.nbins(int(scale))
         return Sketch(scale, np.zeros(n, np.uint64), np.zeros(n, np.uint64))
 
     def total(self) -> int:
@@ -112,6 +121,13 @@ class Summary:
     @staticmethod
     def scalar(value: float) -> "Summary":
         """The spine of one number (a run-level scalar such as the loss)."""
+        if isinstance(value, (str, bytes)) or np.ndim(value) != 0 or np.asarray(value).dtype.kind not in "biuf":
+            raise UsageError(f"Summary.scalar() takes one real number, got {type(value).__name__} {value!r:.60}",
+                             code="bad_value")
+        if np.asarray(value).dtype.kind in "iu" and int(value) != float(value):
+            raise UsageError(f"Summary.scalar() takes a number a float64 holds exactly, got the integer {value}: "
+                             "integers beyond 2**53 are rounded; convert it with float() if that is meant",
+                             code="bad_value")
         return summarize(np.array([value], dtype=np.float64), sketch=False)
 
 
