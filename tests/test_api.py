@@ -189,9 +189,15 @@ def test_spine_row_index_numpy_and_negative(hist):
     assert sp.sum_exact(-1) == sp.sum_exact(2)
 
 
-@pytest.mark.parametrize("steps", [5, 2.0])
+@pytest.mark.parametrize("steps", [5, 2.0, np.array(1), np.zeros((1, 2), int)])
 def test_presence_steps_not_iterable(hist, steps):
     _refused(lambda: hist.presence("layer.0", steps=steps), "bad_steps", "steps")
+
+
+def test_presence_steps_any_iterable(hist):
+    want = {0: "observed", 2: "observed"}
+    assert hist.presence("layer.0", steps=(k for k in (0, 2))) == want  # (a generator: not read twice, found empty)
+    assert hist.presence("layer.0", steps={0, 2}) == want == hist.presence("layer.0", steps=np.array([0, 2]))
 
 
 def test_unknown_site_says_how_to_find_names(hist):

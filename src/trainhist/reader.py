@@ -20,6 +20,7 @@ import math
 import mmap
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -298,36 +299,48 @@ class SpineSeries:
         """Per row, the exact value stored beside the rounded f64 (None where the f64 is exact); all checked."""
         return {k: [x.get(i) for i in range(len(self))] for k, x in self._x.items()}
 
-    def _observed_row(self, i: int) -> None:
-        """Refuse the numbers of a row that carries none (spec 2.6: missing is never zero)."""
+    def _row(self, i: int) -> int:
+        """``i`` as the index of a row (negative from the end), or a :class:`UsageError` (``bad_index``)."""
+        n = len(self)
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not -n <= i < n:
+            raise UsageError(f"row {i!r} does not exist: this series of {self.site.key} has {n} rows "
+                             f"({f'0..{n - 1}' if n else 'none'}; negative indices count from the end)",
+                             code="bad_index")
+        return int(i) % n
+
+    def _observed_row(self, i: int) -> int:
+        """``i`` as a row index, refused for a row that carries no numbers (spec 2.6: missing is never zero)."""
+        i = self._row(i)
         p = int(self.columns["presence"][i])
         if p != Presence.OBSERVED:
             raise UsageError(f"row {i} (step {int(self.columns['step'][i])}) is {Presence.name(p)}: it carries no "
                              "numbers (spec 2.6); check presence_names or observed first", code="not_observed")
+        return i
 
-    def _known_sums(self, i: int) -> None:
-        """Refuse the sums of a row that carries none: not observed (spec 2.6), or whose sums are unknown (5.4)."""
-        self._observed_row(i)
+    def _known_sums(self, i: int) -> int:
+        """``i`` as a row index, refused for a row without sums: not observed (spec 2.6), or sums unknown (5.4)."""
+        i = self._observed_row(i)
         if int(self.columns["method"][i]) == SumMethod.UNKNOWN:
             raise UsageError(f"row {i} (step {int(self.columns['step'][i])}) has unknown sums (method unknown, spec "
                              "5.4: the writer could not state them, e.g. its float accumulation overflowed): they "
                              "are no numbers; check sums_known first", code="sums_unknown")
+        return i
 
     def sum_exact(self, i: int) -> Dyadic:
         """The exact stored sum of row ``i`` (an observed row whose sums are known: :attr:`sums_known`)."""
-        self._known_sums(i)
+        i = self._known_sums(i)
         return _zero_where_none(self._x["sum"], i, self.columns)
 
     def sumsq_exact(self, i: int) -> Dyadic:
         """The exact stored sum of squares of row ``i`` (as :meth:`sum_exact`)."""
-        self._known_sums(i)
+        i = self._known_sums(i)
         return _zero_where_none(self._x["sumsq"], i, self.columns)
 
     def summary(self, i: int, sketch: Sketch | None = None) -> Summary:
         """Row ``i`` (an observed row) as a :class:`Summary` (for merging and re-writing); a row whose sums are
         unknown has method ``unknown`` and zero sums, as a writer stores it (spec 5.4)."""
         c = self.columns
-        self._observed_row(i)
+        i = self._observed_row(i)
         known = int(c["method"][i]) != SumMethod.UNKNOWN
         return Summary(
             count=int(c["count"][i]), nan=int(c["nan"][i]), pinf=int(c["pinf"][i]), ninf=int(c["ninf"][i]),
@@ -795,7 +808,8 @@ class History:
             names = [f"{p} [{st}{'' if f is None else ':' + f}]" for p, st, f in self._site_by_key]
             close = difflib.get_close_matches(f"{path} [{stream}{'' if facet is None else ':' + facet}]", names, 5)
             raise UsageError(
-                f"no site ({path!r}, {stream!r}, facet={facet!r}) in this file; closest: {close or names[:5]}",
+                f"no site ({path!r}, {stream!r}, facet={facet!r}) in this file; closest: {close or names[:5]} "
+                f"(of {len(names)}; h.sites lists them all, as (path, stream, facet) by Site.key)",
                 code="unknown_site", path=self.path,
             )
         return s
@@ -1203,7 +1217,10 @@ class History:
         steps, never with a row's span. ``segment``: one segment's rows only; needed when a resumed run recorded some
         steps again in a later segment (spec 2.4: two segments are never one history), else ``segment_ambiguous``.
         """
-        if steps is not None and (isinstance(steps, (str, bytes)) or not all(
+        if steps is not None and not isinstance(steps, (str, bytes, np.ndarray)) and isinstance(steps, Iterable):
+            steps = list(steps)  # (once: a generator is read here, and not found empty below)
+        if steps is not None and (isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable)
+                                  or np.ndim(steps) != 1 or not all(
                 isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in steps)):
             raise UsageError(f"steps must be integers (a range, a list, an array), got {steps!r:.80}",
                              code="bad_steps")

@@ -16,11 +16,12 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Iterable
 from bisect import bisect_left
 from dataclasses import dataclass
 from itertools import accumulate, chain, repeat
 from operator import attrgetter
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
