@@ -107,6 +107,9 @@ class _PathError(TrainhistError):
     message (not OSError's "[Errno 2] ...")."""
 
     ERRNO = errno.EINVAL
+    errno: int | None  # (as OSError declares them)
+    strerror: str | None
+    filename: str | None
 
     def __init__(self, message: str, *, code: str | None = None, path: str | None = None,
                  offset: int | None = None) -> None:

@@ -1203,7 +1203,7 @@ class History:
         return out
 
     def presence(self, path: str, stream: str = "activation", facet: str | None = None, *,
-                 steps: np.ndarray | list[int] | None = None, phase: str | None = None,
+                 steps: Iterable[int] | None = None, phase: str | None = None,
                  segment: int | None = None) -> dict[int, str]:
         """State of the site at each asked step (default: every step of the step table and the first step of each
         row; a row spanning several steps, made by coarsening, answers for all of them when they are asked for).

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
 from . import grid
 from .dyadic import ZERO, Dyadic, exact_sums
@@ -52,7 +53,7 @@ class Sketch:
     over_neg: int = 0
 
     @staticmethod
-    def from_key_counts(counts: np.ndarray) -> "Sketch":
+    def from_key_counts(counts: npt.ArrayLike) -> "Sketch":
         """The native-scale sketch from counts indexed by :func:`grid.bin_keys` keys (length ``grid.NKEYS``)."""
         a = np.asarray(counts)
         if a.shape != (grid.NKEYS,) or a.dtype.kind not in "iu" or (a.size and a.min() < 0):
@@ -185,7 +186,7 @@ def total_order_max(x: np.ndarray) -> float:
     return m
 
 
-def summarize(values: np.ndarray, *, dtype: str | None = None, sketch: bool = True) -> Summary:
+def summarize(values: npt.ArrayLike, *, dtype: str | None = None, sketch: bool = True) -> Summary:
     """Spine (always) and sketch (when ``sketch``) of ``values``, with exact sums.
 
     ``values`` may be float16, float32, float64, an integer array, or bfloat16 bit patterns as uint16 with

@@ -24,6 +24,7 @@ from operator import attrgetter
 from typing import Any, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from . import __version__, grid
 from .chunk import DTYPES, MAX_ROWS, Codec, assemble_chunks, encode_chunk, pack_segments
@@ -936,7 +937,7 @@ class HistoryWriter:
         self,
         site: SiteHandle,
         step: int,
-        values: np.ndarray | None = None,
+        values: npt.ArrayLike | None = None,
         *,
         summary: Summary | None = None,
         phase: str = "default",
@@ -952,6 +953,7 @@ class HistoryWriter:
         if summary is not None and not isinstance(summary, Summary):
             raise UsageError(f"observe()'s summary= must be a trainhist.Summary, not {type(summary).__name__}")
         if summary is None:
+            assert values is not None  # (exactly one of them is given)
             summary = summarize(values, dtype=dtype, sketch=sketch)
         else:
             if summary.sum_method == SumMethod.UNKNOWN and (summary.sum is not ZERO or summary.sumsq is not ZERO):
@@ -981,7 +983,7 @@ class HistoryWriter:
         spines = _Spines(table)
         codes = [_PHASE_CODES.get(p) if type(p) is str else None for p in phases] if phases is not None else None
         if codes is not None and None in codes:
-            codes = [Phase.code(p) for p in phases]  # type: ignore[union-attr] -- (raises for an unknown phase)
+            codes = [Phase.code(p) for p in phases]  # type: ignore[union-attr]  # (raises for an unknown phase)
         handles = self._handles
         for site in sites:
             if type(site) is not SiteHandle or handles.get(site.id) is not site:  # (_check_site's first test)
