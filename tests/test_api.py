@@ -35,6 +35,35 @@ def test_every_exported_name_exists():
             assert hasattr(mod, name), f"{mod.__name__}.{name}"
 
 
+def _section9() -> dict[str, set[str]]:
+    """The backticked names of each ``- `trainhist.X`: ...`` bullet of docs/guide.md section 9."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "guide.md").read_text(encoding="utf-8")
+    sec = text.split("## 9. Public API", 1)[1].split("\n## ", 1)[0]
+    out = {}
+    for bullet in re.split(r"\n- ", sec)[1:]:
+        m = re.match(r"`(trainhist(?:\.\w+)?)`:", bullet)
+        if m:
+            out[m.group(1)] = set(re.findall(r"`([A-Za-z_]\w*)`", bullet[m.end():]))
+    return out
+
+
+@pytest.mark.parametrize("module", ["trainhist", "trainhist.errors", "trainhist.reader", "trainhist.writer",
+                                    "trainhist.summary", "trainhist.frames"])
+def test_section9_lists_every_export(module):
+    import importlib
+
+    mod = importlib.import_module(module)
+    documented = _section9()[module]
+    if module == "trainhist":  # ("the error classes of trainhist.errors")
+        documented |= {name for name in errors.__all__ if name.endswith("Error")}
+    assert set(mod.__all__) <= documented, sorted(set(mod.__all__) - documented)
+    attributes = {"code", "path", "offset"}  # (TrainhistError's, named in the errors bullet)
+    assert documented - attributes <= set(dir(mod)), sorted(documented - attributes - set(dir(mod)))
+
+
 # -- HistoryWriter() ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("path", [123, None, 1.5])
 def test_writer_path_of_wrong_type(path):

@@ -16,7 +16,7 @@ from . import grid
 from .dyadic import ZERO, Dyadic, exact_sums
 from .errors import UsageError
 
-__all__ = ["SumMethod", "Sketch", "Summary", "SpineTable", "summarize", "total_order_min", "total_order_max"]
+__all__ = ["SumMethod", "Sketch", "Summary", "SpineTable", "summarize"]
 
 
 class SumMethod:
