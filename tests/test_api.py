@@ -70,6 +70,37 @@ def test_writer_path_of_wrong_type(path):
     _refused(lambda: trainhist.HistoryWriter(path), "bad_path", type(path).__name__, "os.PathLike")
 
 
+@pytest.mark.parametrize("opener", [trainhist.HistoryWriter, trainhist.open])
+def test_path_problems_are_typed(tmp_path, opener):
+    (tmp_path / "f").write_bytes(b"")
+    with pytest.raises(errors.NotFoundError) as ei:
+        opener(tmp_path / "f" / "a.thist")
+    assert "is a file, not a folder" in str(ei.value) and str(tmp_path / "f") in str(ei.value)
+    with pytest.raises(UsageError) as ei:
+        opener(str(tmp_path / "a\0.thist"))
+    assert ei.value.code == "bad_path" and "NUL" in str(ei.value)
+
+
+def test_writer_refuses_a_device():
+    with pytest.raises(errors.NotAFileError) as ei:
+        trainhist.HistoryWriter("/dev/null")
+    assert ei.value.code == "not_a_file" and "regular file" in str(ei.value)
+
+
+def test_permission_denied_is_typed(tmp_path, monkeypatch):
+    import os
+
+    def deny(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "open", deny)
+    for opener in (trainhist.HistoryWriter, trainhist.open):
+        with pytest.raises(errors.PermissionDeniedError) as ei:
+            opener(tmp_path / "a.thist")
+        assert ei.value.code == "permission_denied" and isinstance(ei.value, PermissionError)
+        assert "permission denied" in str(ei.value) and ei.value.filename == str(tmp_path / "a.thist")
+
+
 @pytest.mark.parametrize("salt", ["abc", 2**64, -1, 1.5, True])
 def test_writer_salt_checked(tmp_path, salt):
     _refused(lambda: trainhist.HistoryWriter(tmp_path / "a.thist", salt=salt), "bad_value", "salt")

@@ -45,7 +45,7 @@ from .batchdecode import (  # noqa: F401 - _directories_*, _int_positions: tests
 )
 from .chunk import Chunk, Codec
 from .dyadic import EXACT_BYTES, MANT_BITS, ZERO, Dyadic, quotient_float, same_float
-from .errors import (CorruptError, FormatError, NotFoundError, UnsupportedError, UsageError, not_a_file,
+from .errors import (CorruptError, FormatError, NotFoundError, UnsupportedError, UsageError, not_a_file, path_problem,
                      truncation_hint)
 from .framing import (
     COMMIT_ENTRY,
@@ -513,6 +513,11 @@ def _open_regular(path: str) -> Any:
                             path=path) from None
     except IsADirectoryError:  # (Windows: a directory cannot be opened)
         raise not_a_file("a directory: a history is read from a regular file", path=path, directory=True) from None
+    except (OSError, ValueError) as e:
+        problem = path_problem(path, e, "read the history")
+        if problem is None:
+            raise
+        raise problem from None
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):

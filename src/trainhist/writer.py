@@ -14,6 +14,7 @@ import math
 import operator
 import os
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Iterable
@@ -29,7 +30,7 @@ import numpy.typing as npt
 from . import __version__, grid
 from .chunk import DTYPES, MAX_ROWS, Codec, assemble_chunks, encode_chunk, pack_segments
 from .dyadic import MANT_BITS, ZERO, Dyadic, floats_of
-from .errors import NotFoundError, ReadOnlyError, UsageError, not_a_file
+from .errors import NotFoundError, ReadOnlyError, UsageError, not_a_file, path_problem
 from .framing import (
     FILE_HEADER_SIZE,
     READ_VERSION,
@@ -535,11 +536,24 @@ def _open_locked(path: str):  # -> tuple[BinaryIO, bool]
         f = os.fdopen(fd, "r+b")
     except FileNotFoundError:
         folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(folder):  # (e.g. /proc: a folder no file can be created in)
+            raise NotFoundError(f"cannot create the history: the folder {folder} exists, but the file system will "
+                                "not create a file in it (a virtual file system?); give a path on a disk",
+                                path=path) from None
         raise NotFoundError(f"cannot create the history: the folder {folder} does not exist; create it first, or "
                             "give a path in an existing folder", path=path) from None
     except IsADirectoryError:
         raise not_a_file("a directory: a history is written to a regular file; give a file name (e.g. "
                          f"{os.path.join(path, 'run.thist')})", path=path, directory=True) from None
+    except (OSError, ValueError) as e:
+        problem = path_problem(path, e, "write the history")
+        if problem is None:
+            raise
+        raise problem from None
+    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        f.close()
+        raise not_a_file("not a regular file (a pipe, socket or device): a history is written to a regular file, "
+                         "which a reader can read back; give a file name", path=path, directory=False)
     try:
         import fcntl
     except ImportError:  # (no flock on this platform)
