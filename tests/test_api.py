@@ -182,6 +182,24 @@ def test_big_endian_floats_read_exactly():
     assert trainhist.summarize(x) == trainhist.summarize(x.astype("<f8"))
 
 
+_TABLE = dict(count=[3, 3], nan=[0, 0], pinf=[0, 0], ninf=[0, 0], zero=[0, 0], min=[1.0, 1.0], max=[2.0, 2.0],
+              sum=[4.0, 4.0], sumsq=[6.0, 6.0], method=[1, 1])
+
+
+@pytest.mark.parametrize("bad,found", [({"count": None}, "count NoneType"), ({"zero": 3}, "zero int"),
+                                       ({"max": [2.0]}, "max list of shape (1,)"),
+                                       ({"nan": [0, -1]}, "-1 in row 1"), ({"pinf": [0.0, 0.0]}, "float64"),
+                                       ({"min": ["a", "b"]}, "<U1"), ({"method": [1, 0]}, "0 in row 1"),
+                                       ({"sum": [4.0, math.inf]}, "inf"),
+                                       ({"sketch": np.ones((2, 3), int)}, "(2, 3)")])
+def test_observe_spines_table_columns(w, bad, found):
+    from trainhist.summary import SpineTable
+
+    s = [w.site("a", "activation"), w.site("b", "activation")]
+    (name,) = bad
+    _refused(lambda: w.observe_spines(s, 0, SpineTable(**{**_TABLE, **bad})), "bad_table", name, found)
+
+
 def test_observe_spines_table_type(w):
     s = w.site("x", "activation")
     _refused(lambda: w.observe_spines([s], 0, None), "usage", "SpineTable", "NoneType")

@@ -117,30 +117,40 @@ class _Spines:
     __slots__ = ("counts", "ranges", "sums", "method", "keys")
 
     def __init__(self, t: SpineTable) -> None:
-        n = len(t.count)
+        n = _table_rows(t)
         cols = (t.count, t.nan, t.pinf, t.ninf, t.zero, t.min, t.max, t.sum, t.sumsq, t.method)
-        if any(np.ndim(c) != 1 or len(c) != n for c in cols):
-            raise UsageError(f"every column of a SpineTable must be one-dimensional with {n} values")
         ints = [np.asarray(c) for c in cols[:5]]
-        if any(c.dtype.kind not in "iu" for c in ints) or any(c.size and c.min() < 0 for c in ints):
-            raise UsageError("the counts of a SpineTable must be non-negative integers")
+        for name, c in zip(_COUNTS, ints):
+            if c.dtype.kind not in "iu" or (c.size and c.min() < 0):
+                found = f"{c.dtype} values" if c.dtype.kind not in "iu" else f"{c.min()} in row {int(c.argmin())}"
+                raise UsageError(f"the {name} column of a SpineTable must hold non-negative integers, found {found}",
+                                 code="bad_table")
         counts = np.array(ints, dtype=np.uint64).reshape(5, n)
-        if any(np.asarray(c).dtype.kind not in "fiu" for c in cols[5:9]):
-            raise UsageError("the min, max, sum and sumsq of a SpineTable must be numbers (float64 values)")
+        for name, c in zip(("min", "max", "sum", "sumsq"), cols[5:9]):
+            if np.asarray(c).dtype.kind not in "fiu":
+                raise UsageError(f"the {name} column of a SpineTable must be numbers (float64 values), found "
+                                 f"{np.asarray(c).dtype} values", code="bad_table")
         ranges = np.array([t.min, t.max], dtype=np.float64).reshape(2, n)
         _refuse_impossible("SpineTable", counts, ranges)
         finite = counts[0] - counts[1] - counts[2] - counts[3]  # (no wrap: checked above)
         method = np.asarray(t.method)
         if method.dtype.kind not in "iu" or not _any_equal(method, _TABLE_METHODS).all():
-            raise UsageError("the methods of a SpineTable must be SumMethod.F64, F32 or UNKNOWN (exact sums need a "
-                             "Summary)")
+            bad = np.flatnonzero(~_any_equal(method, _TABLE_METHODS))[0] if method.dtype.kind in "iu" else None
+            found = f"{method.dtype} values" if bad is None else f"{method[bad]} in row {bad}"
+            raise UsageError(f"the method column of a SpineTable must hold SumMethod.F64, F32 or UNKNOWN, found "
+                             f"{found} (exact sums, SumMethod.EXACT, need a Summary and observe())", code="bad_table")
         sums = np.array([t.sum, t.sumsq], dtype=np.float64).reshape(2, n)
         known = method != SumMethod.UNKNOWN
-        if not np.isfinite(sums[:, known]).all():
-            raise UsageError("the sums of a SpineTable must be finite (method UNKNOWN where they are not)")
-        if (sums[1, known] < 0).any() or (sums[:, known & (finite == 0)] != 0).any():
-            raise UsageError("a SpineTable's sum of squares cannot be negative, nor its sums other than 0 in a row "
-                             "with no finite value")
+        bad = np.flatnonzero(known & ~np.isfinite(sums).all(axis=0))
+        if bad.size:
+            raise UsageError(f"the sums of a SpineTable must be finite where the method states a bound, found sum "
+                             f"{float(sums[0, bad[0]])!r}, sumsq {float(sums[1, bad[0]])!r} in row {bad[0]}; state method "
+                             "SumMethod.UNKNOWN for a row whose sums overflowed", code="bad_table")
+        bad = np.flatnonzero(known & ((sums[1] < 0) | ((finite == 0) & (sums != 0).any(axis=0))))
+        if bad.size:
+            raise UsageError(f"a SpineTable's sum of squares cannot be negative, nor its sums other than 0 in a row "
+                             f"with no finite value: found sum {float(sums[0, bad[0]])!r}, sumsq {float(sums[1, bad[0]])!r} in row "
+                             f"{bad[0]}", code="bad_table")
         self.keys = None if t.sketch is None else _sketch_keys(t.sketch, finite - counts[4])
         self.counts = counts
         self.ranges = ranges
@@ -271,21 +281,34 @@ def _impossible(what: str, rule: str) -> str:
             "total order (-0.0 before +0.0), NaN when no value is finite (and the sums then 0)")
 
 
+def _table_rows(t: SpineTable) -> int:
+    """The rows of ``t``, checked: every column one-dimensional and of one length (``bad_table``)."""
+    cols = {f: getattr(t, f) for f in (*_COUNTS, "min", "max", "sum", "sumsq", "method")}
+    n = np.shape(cols["count"])[0] if np.ndim(cols["count"]) == 1 else None
+    for name, c in cols.items():
+        if np.ndim(c) != 1 or len(c) != n:
+            raise UsageError(f"every column of a SpineTable must be one-dimensional, of one value per row "
+                             f"({'as many as count' if n is None else n}), found {name} {type(c).__name__} of shape "
+                             f"{np.shape(c)}", code="bad_table")
+    return n  # type: ignore[return-value]  # (count is one-dimensional)
+
+
 def _sketch_keys(sketch: np.ndarray, nonzero: np.ndarray) -> np.ndarray:
     """A :class:`SpineTable`'s sketch key counts as uint64, checked: one row of ``grid.NKEYS`` non-negative
     integers per observation, whose bins and bands count no more values than its ``nonzero`` finite ones."""
     keys = np.asarray(sketch)
     if keys.ndim != 2 or keys.shape != (len(nonzero), grid.NKEYS) or keys.dtype.kind not in "iu":
         raise UsageError(f"a SpineTable's sketch must be integer key counts of shape ({len(nonzero)}, "
-                         f"{grid.NKEYS}) (a row of grid.NKEYS per observation), not {keys.dtype} {keys.shape}")
+                         f"{grid.NKEYS}) (a row of grid.NKEYS per observation), not {keys.dtype} {keys.shape}", code="bad_table")
     if keys.size and keys.min() < 0:
-        raise UsageError("a SpineTable's sketch counts must be non-negative")
+        raise UsageError(f"a SpineTable's sketch counts must be non-negative, found {keys.min()}", code="bad_table")
     keys = np.array(keys, dtype=np.uint64)  # (a copy: the rows are read at the commit, the caller's array may change)
     binned = keys[:, : 2 * (grid.KEY_OVER + 1)]  # the bins and bands of both sides (the other keys are not read)
     # (a float sum first: the exact uint64 one cannot wrap when it is below 2**64 with room for rounding)
     if (binned.sum(axis=1, dtype=np.float64) > 1.8e19).any() or (
             binned.sum(axis=1, dtype=np.uint64) > nonzero).any():
-        raise UsageError("a SpineTable row's sketch counts more values than its finite non-zero ones")
+        raise UsageError("a SpineTable row's sketch counts more values than its finite non-zero ones (count - nan - "
+                         "pinf - ninf - zero): the bins and bands count only those", code="bad_table")
     return keys
 
 
@@ -985,7 +1008,7 @@ class HistoryWriter:
         if not isinstance(table, SpineTable):
             raise UsageError(f"observe_spines()'s table must be a trainhist.summary.SpineTable (one column per "
                              f"field, one row per site), not {type(table).__name__}; for one Summary use observe()")
-        n = len(table)
+        n = _table_rows(table)
         if len(sites) != n or (phases is not None and len(phases) != n):
             raise UsageError(f"observe_spines() needs one site{' and one phase' if phases is not None else ''} per "
                              f"table row: {len(sites)} sites{f', {len(phases)} phases' if phases is not None else ''}"
