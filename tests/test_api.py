@@ -281,3 +281,27 @@ def test_presence_steps_any_iterable(hist):
 def test_unknown_site_says_how_to_find_names(hist):
     e = _refused(lambda: hist.spine("layer.O"), "unknown_site", "layer.0", "h.sites")
     assert e.path == hist.path
+
+
+# -- frames -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fn,args", [("spines", ()), ("steps", ()), ("scalars", ()), ("quantiles", ("layer.0",)),
+                                     ("to_csv", ("out/",)), ("to_parquet", ("out/",))])
+def test_frames_take_a_history(hist, fn, args):
+    pytest.importorskip("pandas")
+    from trainhist import frames
+
+    for h in (hist.path, None):
+        _refused(lambda: getattr(frames, fn)(h, *args), "bad_argument", f"frames.{fn}() takes an open History",
+                 "trainhist.open")
+
+
+@pytest.mark.parametrize("call", [lambda f, h: f.spines(h, streams=5), lambda f, h: f.spines(h, sites=1.5),
+                                  lambda f, h: f.scalars(h, names=3), lambda f, h: f.quantiles(h, "layer.0", q=0.5),
+                                  lambda f, h: f.to_csv(h, 5)])
+def test_frames_arguments_of_wrong_type(hist, call):
+    pytest.importorskip("pandas")
+    from trainhist import frames
+
+    with pytest.raises(UsageError) as ei:
+        call(frames, hist)
+    assert ei.value.code in ("bad_argument", "bad_output"), str(ei.value)
