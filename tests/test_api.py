@@ -182,8 +182,8 @@ def test_big_endian_floats_read_exactly():
     assert trainhist.summarize(x) == trainhist.summarize(x.astype("<f8"))
 
 
-_TABLE = dict(count=[3, 3], nan=[0, 0], pinf=[0, 0], ninf=[0, 0], zero=[0, 0], min=[1.0, 1.0], max=[2.0, 2.0],
-              sum=[4.0, 4.0], sumsq=[6.0, 6.0], method=[1, 1])
+_TABLE = {"count": [3, 3], "nan": [0, 0], "pinf": [0, 0], "ninf": [0, 0], "zero": [0, 0], "min": [1.0, 1.0],
+          "max": [2.0, 2.0], "sum": [4.0, 4.0], "sumsq": [6.0, 6.0], "method": [1, 1]}
 
 
 @pytest.mark.parametrize("bad,found", [({"count": None}, "count NoneType"), ({"zero": 3}, "zero int"),
@@ -291,7 +291,7 @@ def test_frames_take_a_history(hist, fn, args):
     from trainhist import frames
 
     for h in (hist.path, None):
-        _refused(lambda: getattr(frames, fn)(h, *args), "bad_argument", f"frames.{fn}() takes an open History",
+        _refused(lambda h=h: getattr(frames, fn)(h, *args), "bad_argument", f"frames.{fn}() takes an open History",
                  "trainhist.open")
 
 
