@@ -305,3 +305,16 @@ def test_frames_arguments_of_wrong_type(hist, call):
     with pytest.raises(UsageError) as ei:
         call(frames, hist)
     assert ei.value.code in ("bad_argument", "bad_output"), str(ei.value)
+
+
+def test_closed_writer_says_how_to_go_on(tmp_path):
+    w = trainhist.HistoryWriter(tmp_path / "a.thist")
+    s = w.site("x", "activation")
+    w.close()
+    _refused(lambda: w.observe(s, 0, np.ones(2)), "writer_closed", "mode='a'")
+
+
+def test_observe_values_or_summary(w):
+    s = w.site("x", "activation")
+    _refused(lambda: w.observe(s, 0), "usage", "got neither")
+    _refused(lambda: w.observe(s, 0, np.ones(1), summary=trainhist.summarize(np.ones(1))), "usage", "got both")

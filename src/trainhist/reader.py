@@ -843,8 +843,12 @@ class History:
                 or cols["step"].max() != e.step_max):
             raise _bad("chunk steps disagree with the commit entry's step range", "bad_chunk", path, e.offset)
         if (cols["phase"] >= len(Phase.NAMES)).any() or (cols["presence"] >= len(Presence.NAMES)).any():
-            raise UnsupportedError("chunk uses phase or presence codes unknown to this reader",
-                                   code="unknown_code", path=path, offset=e.offset)
+            raise UnsupportedError(
+                f"chunk uses phase codes {sorted(set(cols['phase'][cols['phase'] >= len(Phase.NAMES)].tolist()))} or "
+                f"presence codes {sorted(set(cols['presence'][cols['presence'] >= len(Presence.NAMES)].tolist()))} "
+                f"unknown to this reader (it knows phases 0..{len(Phase.NAMES) - 1} and presences "
+                f"0..{len(Presence.NAMES) - 1}): a newer writer wrote them; read the file with a newer trainhist",
+                code="unknown_code", path=path, offset=e.offset)
         if (cols["span"] == 0).any():
             raise _bad("obs row with span 0 (a row covers at least one step)", "bad_span", path, e.offset)
         tnames = [n for n in TALLY_COLUMNS if ch.has(n)]
@@ -1172,7 +1176,8 @@ class History:
                 cols["segment"] = np.full(e.rows, e.segment, np.uint32)
                 name = unknown_steps_code(cols)
                 if name is not None:
-                    raise UnsupportedError(f"steps column {name} holds codes unknown to this reader",
+                    raise UnsupportedError(f"steps column {name} holds codes unknown to this reader (a newer "
+                                           "writer wrote them): read the file with a newer trainhist",
                                            code="unknown_code", path=self.path, offset=e.offset)
                 parts.append(cols)
             names = list(STEPS_COLUMNS) + ["span", "n_rows", "segment"]

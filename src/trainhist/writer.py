@@ -824,7 +824,9 @@ class HistoryWriter:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise UsageError("the writer is closed", code="writer_closed", path=self.path)
+            raise UsageError("the writer is closed: it records nothing more (its rows up to close() are in the "
+                             "file); to add to the file, open it again with HistoryWriter(path, mode='a')",
+                             code="writer_closed", path=self.path)
         if self._failed is not None:
             raise UsageError(
                 f"the writer stopped when writing the file failed ({self._failed}): the file holds every commit "
@@ -986,7 +988,8 @@ class HistoryWriter:
         whose ``sum_method`` is ``SumMethod.UNKNOWN`` states that its sums are unknown: they are stored as zero
         (spec 5.4), whatever it holds."""
         if (values is None) == (summary is None):
-            raise UsageError("observe() takes exactly one of values= or summary=")
+            raise UsageError(f"observe() takes exactly one of values= (an array to reduce) or summary= (a Summary), "
+                             f"got {'both' if values is not None else 'neither'}")
         if summary is not None and not isinstance(summary, Summary):
             raise UsageError(f"observe()'s summary= must be a trainhist.Summary, not {type(summary).__name__}")
         if summary is None:
