@@ -318,3 +318,8 @@ def test_observe_values_or_summary(w):
     s = w.site("x", "activation")
     _refused(lambda: w.observe(s, 0), "usage", "got neither")
     _refused(lambda: w.observe(s, 0, np.ones(1), summary=trainhist.summarize(np.ones(1))), "usage", "got both")
+
+
+@pytest.mark.parametrize("path", [5, None])
+def test_history_constructor_checks_path(path):
+    _refused(lambda: trainhist.History(path), "bad_path", type(path).__name__)

@@ -474,7 +474,8 @@ class SketchSeries:
         from .grid import nbins
 
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not -len(self) <= i < len(self):
-            raise UsageError(f"sketch row {i!r} does not exist: this series has {len(self)} rows (0..{len(self) - 1})",
+            raise UsageError(f"sketch row {i!r} does not exist: this series has {len(self)} rows "
+                             f"({f'0..{len(self) - 1}' if len(self) else 'none'})",
                              code="bad_index")
         i = int(i) % len(self)
         sp = self._sparse
@@ -552,6 +553,7 @@ class History:
     """A trainhist file opened for reading (committed content only). Use :func:`trainhist.open`."""
 
     def __init__(self, path: str | os.PathLike) -> None:
+        _check_path(path)
         self.path = os.fspath(path)
         self._file = _open_regular(self.path)
         self._closed = False
@@ -1380,8 +1382,13 @@ def _covering(spans: list[tuple[int, int, int]], asked: list[int]) -> dict[int, 
     return out
 
 
+def _check_path(path: object) -> None:
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise UsageError(f"open() takes a path (str or os.PathLike) of a history file, not {type(path).__name__} "
+                         f"{path!r:.60}", code="bad_path")
+
+
 def open_history(path: str | os.PathLike) -> History:
     """Open a history file for reading; see :class:`History`."""
-    if not isinstance(path, (str, bytes, os.PathLike)):
-        raise UsageError(f"open() takes a path (str or os.PathLike), not {type(path).__name__}", code="bad_path")
+    _check_path(path)
     return History(path)
