@@ -323,3 +323,20 @@ def test_observe_values_or_summary(w):
 @pytest.mark.parametrize("path", [5, None])
 def test_history_constructor_checks_path(path):
     _refused(lambda: trainhist.History(path), "bad_path", type(path).__name__)
+
+
+@pytest.mark.parametrize("vector,words", [
+    ("bad_commit_short", ["of 12 bytes", "16-byte head"]),
+    ("chunk_steps_disagree", ["chunk steps 0..1", "step range 0..0"]),
+    ("steps_chunk_steps_disagree", ["steps 0..0", "step range 3..3"]),
+    ("tally_disagrees", ["presence observed", "n_absent 1"]),
+])
+def test_format_errors_say_what_was_found(vector, words):
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "conformance" / "vectors" / "invalid" / vector / "input.thist"
+    with pytest.raises(errors.CorruptError) as ei, trainhist.open(path) as h:
+        h.verify()
+    assert ei.value.path == str(path) and ei.value.offset is not None
+    for w in words:
+        assert w in str(ei.value), str(ei.value)

@@ -725,7 +725,8 @@ class History:
         path = self.path
         p = self._view[pos + RECORD_HEADER_SIZE : pos + RECORD_HEADER_SIZE + length]
         if len(p) < COMMIT_HEAD.size:
-            raise _bad("commit payload shorter than 16 bytes", "bad_commit", path, pos)
+            raise _bad(f"commit payload of {len(p)} bytes, shorter than its {COMMIT_HEAD.size}-byte head (sequence "
+                       "number and entry count)", "bad_commit", path, pos)
         cseq, n = COMMIT_HEAD.unpack_from(p, 0)
         if cseq != seq or len(p) != COMMIT_HEAD.size + n * COMMIT_ENTRY.size or n != len(pending):
             raise _bad(
@@ -843,7 +844,9 @@ class History:
         path = self.path
         if (not np.array_equal(cols["step"].min(initial=np.iinfo(np.int64).max), e.step_min)
                 or cols["step"].max() != e.step_max):
-            raise _bad("chunk steps disagree with the commit entry's step range", "bad_chunk", path, e.offset)
+            raise _bad(f"chunk steps {cols['step'].min(initial=0)}..{cols['step'].max(initial=0)} ({e.rows} rows) "
+                       f"disagree with the commit entry's step range {e.step_min}..{e.step_max}", "bad_chunk", path,
+                       e.offset)
         if (cols["phase"] >= len(Phase.NAMES)).any() or (cols["presence"] >= len(Presence.NAMES)).any():
             raise UnsupportedError(
                 f"chunk uses phase codes {sorted(set(cols['phase'][cols['phase'] >= len(Phase.NAMES)].tolist()))} or "
@@ -859,8 +862,10 @@ class History:
                 raise _bad(f"chunk has tally columns {tnames} but not all six", "bad_tally", path, e.offset)
             tally = np.stack([ch.column(n, e.rows) for n in TALLY_COLUMNS], axis=1).astype(np.uint64)
             if tally_disagrees(tally, cols["presence"]).any():
-                raise _bad("presence column disagrees with the presence the tally columns imply", "bad_tally",
-                           path, e.offset)
+                row = int(np.flatnonzero(tally_disagrees(tally, cols["presence"]))[0])
+                told = ", ".join(f"{n} {c}" for n, c in zip(TALLY_COLUMNS, tally[row].tolist()))
+                raise _bad(f"row {row}: presence {Presence.name(int(cols['presence'][row]))} disagrees with the "
+                           f"presence its tally ({told}) implies (spec 11.4)", "bad_tally", path, e.offset)
         else:
             tally = np.zeros((e.rows, len(TALLY_COLUMNS)), np.uint64)
             tally[np.arange(e.rows), cols["presence"].astype(np.intp)] = 1
@@ -1168,7 +1173,8 @@ class History:
                 cols["span"] = ch.column("span", e.rows) if ch.has("span") else np.ones(e.rows, np.uint32)
                 cols["n_rows"] = ch.column("n_rows", e.rows) if ch.has("n_rows") else np.ones(e.rows, np.uint64)
                 if int(cols["step"].min()) != e.step_min or int(cols["step"].max()) != e.step_max:
-                    raise _bad("steps chunk steps disagree with the commit entry's step range (spec 7.2)",
+                    raise _bad(f"steps chunk steps {int(cols['step'].min())}..{int(cols['step'].max())} disagree "
+                               f"with the commit entry's step range {e.step_min}..{e.step_max} (spec 7.2)",
                                "bad_chunk", self.path, e.offset)
                 if (cols["span"] == 0).any():
                     raise _bad("steps row with span 0", "bad_span", self.path, e.offset)
