@@ -15,6 +15,7 @@ from .errors import (  # noqa: E402
     MergeError,
     NotAFileError,
     NotFoundError,
+    PermissionDeniedError,
     ReadOnlyError,
     SchemaError,
     TrainhistError,
@@ -56,4 +57,5 @@ __all__ = [
     "NotFoundError",
     "NotAFileError",
     "DirectoryError",
+    "PermissionDeniedError",
 ]

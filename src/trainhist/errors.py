@@ -23,6 +23,7 @@ __all__ = [
     "NotFoundError",
     "NotAFileError",
     "DirectoryError",
+    "PermissionDeniedError",
     "truncation_hint",
 ]
 
@@ -107,6 +108,9 @@ class _PathError(TrainhistError):
     message (not OSError's "[Errno 2] ...")."""
 
     ERRNO = errno.EINVAL
+    errno: int | None  # (as OSError declares them)
+    strerror: str | None
+    filename: str | None
 
     def __init__(self, message: str, *, code: str | None = None, path: str | None = None,
                  offset: int | None = None) -> None:
@@ -137,6 +141,34 @@ class DirectoryError(NotAFileError, IsADirectoryError):
     """A :class:`NotAFileError` whose path is a directory."""
 
     ERRNO = errno.EISDIR
+
+
+class PermissionDeniedError(_PathError, PermissionError):
+    """The operating system denies this process the access to the path that is needed (code
+    ``permission_denied``). Also a :class:`PermissionError` (``errno`` EACCES, ``filename`` the path)."""
+
+    code = "permission_denied"
+    ERRNO = errno.EACCES
+
+
+def path_problem(path: str, e: OSError | ValueError, doing: str) -> TrainhistError | None:
+    """The trainhist error of an ``open`` of ``path`` that failed with ``e`` while ``doing`` (e.g. "write the
+    history"), for the failures whose cause is the path: a folder of it that is a file, a denied permission, a NUL
+    character; None for the others."""
+    if isinstance(e, NotADirectoryError):
+        part = os.path.abspath(path)
+        while part != os.path.dirname(part) and not os.path.isfile(part):
+            part = os.path.dirname(part)
+        return NotFoundError(f"cannot {doing}: {part} is a file, not a folder, so nothing can be found under it; give "
+                             "a path whose folders are folders", path=path)
+    if isinstance(e, PermissionError):
+        return PermissionDeniedError(f"cannot {doing}: permission denied (this process may not open the file, or "
+                                     "search or write its folder); give a path it may use, or change the "
+                                     "permissions", path=path)
+    if isinstance(e, ValueError):  # (os.open: "embedded null byte")
+        return UsageError(f"cannot {doing}: the path holds a NUL character ({e}); a path cannot hold one",
+                          code="bad_path", path=repr(path))
+    return None
 
 
 def not_a_file(message: str, *, path: str, directory: bool) -> NotAFileError:

@@ -149,10 +149,20 @@ def _compression(pa: Any, compression: object) -> str:
     return name
 
 
+def _history(h: object, fn: str) -> None:
+    """Refuse anything but a :class:`History` as the first argument of ``fn`` (a path, None, a closed writer)."""
+    if not isinstance(h, History):
+        raise UsageError(f"frames.{fn}() takes an open History, not {type(h).__name__} {h!r:.60}: open the file "
+                         f"first, e.g. `with trainhist.open(path) as h: frames.{fn}(h)`", code="bad_argument")
+
+
 def _names(value: str | Iterable[str] | None, what: str) -> list[str] | None:
     """``value`` as a list of names (one string is one name, not its letters), or None for every name."""
     if value is None:
         return None
+    if not isinstance(value, (str, Iterable)):
+        raise UsageError(f"{what} must be a name (a string) or names (a list of strings), got "
+                         f"{type(value).__name__} {value!r:.60}", code="bad_argument")
     names = [value] if isinstance(value, str) else list(value)
     bad = [v for v in names if not isinstance(v, str)]
     if bad:
@@ -234,6 +244,7 @@ def spines(h: History, *, streams: str | Iterable[str] | None = None, sites: str
 
     In float64 columns NaN is pandas' missing value (``isna()``): none of them holds a NaN that is a value.
     """
+    _history(h, "spines")
     _pandas()
     return _spines(h, _sites(h, streams, sites), phases)
 
@@ -314,6 +325,7 @@ def steps(h: History) -> "pd.DataFrame":
     ``micro_batches`` (``UInt32``), ``tokens`` and ``samples`` (``UInt64``), ``<NA>`` where unknown: an unknown
     value is never 0; ``n_rows`` (uint64): the writers' rows a merged or coarsened row combines (spec 11.6), so a
     merged step whose ``n_rows`` is below its segment's writer count holds some writers' tokens only."""
+    _history(h, "steps")
     pd = _pandas()
     t = h.steps
 
@@ -365,6 +377,7 @@ def scalars(h: History, *, names: str | Iterable[str] | None = None) -> "pd.Data
     where it holds none (``presence`` not ``observed``) or several (a merged or coarsened row: ``count``, ``mean``,
     ``min`` and ``max`` describe them). A recorded NaN and a missing value are told apart by ``presence``. The same
     rows are in :func:`spines` (stream ``scalar``) with every spine column."""
+    _history(h, "scalars")
     pd = _pandas()
     chosen = _sites(h, "scalar", names, scalar_names=True)
     return _scalar_view(pd, _spines(h, chosen, None), chosen)
@@ -399,10 +412,11 @@ def quantiles(h: History, path: str, stream: str = "activation", facet: str | No
 
     ``q``: quantiles in [0, 1]; ``phase`` as :meth:`History.spine` (``"*"``: the rows of every phase, in file order,
     told apart by the ``phase`` column)."""
+    _history(h, "quantiles")
     pd = _pandas()
     from .figures import _sketch_coverage, quantile_bound, sketch_row_quantiles
 
-    qs = tuple(q)
+    qs = tuple(q) if isinstance(q, Iterable) and not isinstance(q, (str, bytes)) else ()
     if not qs or any(isinstance(x, bool) or not isinstance(x, (int, float, np.floating, np.integer))
                      or not 0 <= x <= 1 for x in qs):
         raise UsageError(f"q must be quantiles in [0, 1], got {q!r}", code="bad_argument")
@@ -484,7 +498,7 @@ def _targets(out: str | os.PathLike, ext: str, h: History) -> tuple[Path | None,
     spines; one ending in a path separator, or without a suffix, or naming an existing directory (not one ending in
     ``.parquet`` or ``.csv``) is a directory (created if missing; its parent folder must exist); any other suffix
     is refused (``run.pq``: a file name, but no format's)."""
-    text = os.fspath(out)
+    text = os.fspath(out) if isinstance(out, (str, bytes, os.PathLike)) else out
     if not isinstance(text, str) or not text:
         raise UsageError(f"output {text!r} is not a path: name a directory for the tables, or a file ending in {ext} "
                          "for the spines alone", code="bad_output")
@@ -595,6 +609,7 @@ def to_parquet(h: History, out: str | os.PathLike, *, streams: str | Iterable[st
     categories: Parquet keeps no dictionary without rows).
     ``compression``: ``zstd`` (default), ``snappy``, ``gzip``, ``brotli``,
     ``lz4`` or ``none``; another is refused (``bad_argument``) before anything is written."""
+    _history(h, "to_parquet")
     pa = _parquet()
     import pyarrow.parquet as pq
 
@@ -623,6 +638,7 @@ def to_csv(h: History, out: str | os.PathLike, *, streams: str | Iterable[str] |
     it). Each file is written beside its name, then renamed over it. A missing value is an empty field (never 0);
     floats are written in their shortest round-trip form and counts as exact integers. CSV keeps no dtypes: read
     the spines back with ``dtype={"count": "UInt64", ...}`` to keep counts beyond 2**53 exact."""
+    _history(h, "to_csv")
     _pandas()
     selection = _selection(streams, sites, phases)  # (lists: a generator is read once, here)
     single, folder = _targets(out, ".csv", h)

@@ -20,6 +20,7 @@ import math
 import mmap
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -44,7 +45,7 @@ from .batchdecode import (  # noqa: F401 - _directories_*, _int_positions: tests
 )
 from .chunk import Chunk, Codec
 from .dyadic import EXACT_BYTES, MANT_BITS, ZERO, Dyadic, quotient_float, same_float
-from .errors import (CorruptError, FormatError, NotFoundError, UnsupportedError, UsageError, not_a_file,
+from .errors import (CorruptError, FormatError, NotFoundError, UnsupportedError, UsageError, not_a_file, path_problem,
                      truncation_hint)
 from .framing import (
     COMMIT_ENTRY,
@@ -298,36 +299,48 @@ class SpineSeries:
         """Per row, the exact value stored beside the rounded f64 (None where the f64 is exact); all checked."""
         return {k: [x.get(i) for i in range(len(self))] for k, x in self._x.items()}
 
-    def _observed_row(self, i: int) -> None:
-        """Refuse the numbers of a row that carries none (spec 2.6: missing is never zero)."""
+    def _row(self, i: int) -> int:
+        """``i`` as the index of a row (negative from the end), or a :class:`UsageError` (``bad_index``)."""
+        n = len(self)
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not -n <= i < n:
+            raise UsageError(f"row {i!r} does not exist: this series of {self.site.key} has {n} rows "
+                             f"({f'0..{n - 1}' if n else 'none'}; negative indices count from the end)",
+                             code="bad_index")
+        return int(i) % n
+
+    def _observed_row(self, i: int) -> int:
+        """``i`` as a row index, refused for a row that carries no numbers (spec 2.6: missing is never zero)."""
+        i = self._row(i)
         p = int(self.columns["presence"][i])
         if p != Presence.OBSERVED:
             raise UsageError(f"row {i} (step {int(self.columns['step'][i])}) is {Presence.name(p)}: it carries no "
                              "numbers (spec 2.6); check presence_names or observed first", code="not_observed")
+        return i
 
-    def _known_sums(self, i: int) -> None:
-        """Refuse the sums of a row that carries none: not observed (spec 2.6), or whose sums are unknown (5.4)."""
-        self._observed_row(i)
+    def _known_sums(self, i: int) -> int:
+        """``i`` as a row index, refused for a row without sums: not observed (spec 2.6), or sums unknown (5.4)."""
+        i = self._observed_row(i)
         if int(self.columns["method"][i]) == SumMethod.UNKNOWN:
             raise UsageError(f"row {i} (step {int(self.columns['step'][i])}) has unknown sums (method unknown, spec "
                              "5.4: the writer could not state them, e.g. its float accumulation overflowed): they "
                              "are no numbers; check sums_known first", code="sums_unknown")
+        return i
 
     def sum_exact(self, i: int) -> Dyadic:
         """The exact stored sum of row ``i`` (an observed row whose sums are known: :attr:`sums_known`)."""
-        self._known_sums(i)
+        i = self._known_sums(i)
         return _zero_where_none(self._x["sum"], i, self.columns)
 
     def sumsq_exact(self, i: int) -> Dyadic:
         """The exact stored sum of squares of row ``i`` (as :meth:`sum_exact`)."""
-        self._known_sums(i)
+        i = self._known_sums(i)
         return _zero_where_none(self._x["sumsq"], i, self.columns)
 
     def summary(self, i: int, sketch: Sketch | None = None) -> Summary:
         """Row ``i`` (an observed row) as a :class:`Summary` (for merging and re-writing); a row whose sums are
         unknown has method ``unknown`` and zero sums, as a writer stores it (spec 5.4)."""
         c = self.columns
-        self._observed_row(i)
+        i = self._observed_row(i)
         known = int(c["method"][i]) != SumMethod.UNKNOWN
         return Summary(
             count=int(c["count"][i]), nan=int(c["nan"][i]), pinf=int(c["pinf"][i]), ninf=int(c["ninf"][i]),
@@ -461,7 +474,8 @@ class SketchSeries:
         from .grid import nbins
 
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not -len(self) <= i < len(self):
-            raise UsageError(f"sketch row {i!r} does not exist: this series has {len(self)} rows (0..{len(self) - 1})",
+            raise UsageError(f"sketch row {i!r} does not exist: this series has {len(self)} rows "
+                             f"({f'0..{len(self) - 1}' if len(self) else 'none'})",
                              code="bad_index")
         i = int(i) % len(self)
         sp = self._sparse
@@ -500,6 +514,11 @@ def _open_regular(path: str) -> Any:
                             path=path) from None
     except IsADirectoryError:  # (Windows: a directory cannot be opened)
         raise not_a_file("a directory: a history is read from a regular file", path=path, directory=True) from None
+    except (OSError, ValueError) as e:
+        problem = path_problem(path, e, "read the history")
+        if problem is None:
+            raise
+        raise problem from None
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -534,6 +553,7 @@ class History:
     """A trainhist file opened for reading (committed content only). Use :func:`trainhist.open`."""
 
     def __init__(self, path: str | os.PathLike) -> None:
+        _check_path(path)
         self.path = os.fspath(path)
         self._file = _open_regular(self.path)
         self._closed = False
@@ -705,7 +725,8 @@ class History:
         path = self.path
         p = self._view[pos + RECORD_HEADER_SIZE : pos + RECORD_HEADER_SIZE + length]
         if len(p) < COMMIT_HEAD.size:
-            raise _bad("commit payload shorter than 16 bytes", "bad_commit", path, pos)
+            raise _bad(f"commit payload of {len(p)} bytes, shorter than its {COMMIT_HEAD.size}-byte head (sequence "
+                       "number and entry count)", "bad_commit", path, pos)
         cseq, n = COMMIT_HEAD.unpack_from(p, 0)
         if cseq != seq or len(p) != COMMIT_HEAD.size + n * COMMIT_ENTRY.size or n != len(pending):
             raise _bad(
@@ -795,7 +816,8 @@ class History:
             names = [f"{p} [{st}{'' if f is None else ':' + f}]" for p, st, f in self._site_by_key]
             close = difflib.get_close_matches(f"{path} [{stream}{'' if facet is None else ':' + facet}]", names, 5)
             raise UsageError(
-                f"no site ({path!r}, {stream!r}, facet={facet!r}) in this file; closest: {close or names[:5]}",
+                f"no site ({path!r}, {stream!r}, facet={facet!r}) in this file; closest: {close or names[:5]} "
+                f"(of {len(names)}; h.sites lists them all, as (path, stream, facet) by Site.key)",
                 code="unknown_site", path=self.path,
             )
         return s
@@ -822,10 +844,16 @@ class History:
         path = self.path
         if (not np.array_equal(cols["step"].min(initial=np.iinfo(np.int64).max), e.step_min)
                 or cols["step"].max() != e.step_max):
-            raise _bad("chunk steps disagree with the commit entry's step range", "bad_chunk", path, e.offset)
+            raise _bad(f"chunk steps {cols['step'].min(initial=0)}..{cols['step'].max(initial=0)} ({e.rows} rows) "
+                       f"disagree with the commit entry's step range {e.step_min}..{e.step_max}", "bad_chunk", path,
+                       e.offset)
         if (cols["phase"] >= len(Phase.NAMES)).any() or (cols["presence"] >= len(Presence.NAMES)).any():
-            raise UnsupportedError("chunk uses phase or presence codes unknown to this reader",
-                                   code="unknown_code", path=path, offset=e.offset)
+            raise UnsupportedError(
+                f"chunk uses phase codes {sorted(set(cols['phase'][cols['phase'] >= len(Phase.NAMES)].tolist()))} or "
+                f"presence codes {sorted(set(cols['presence'][cols['presence'] >= len(Presence.NAMES)].tolist()))} "
+                f"unknown to this reader (it knows phases 0..{len(Phase.NAMES) - 1} and presences "
+                f"0..{len(Presence.NAMES) - 1}): a newer writer wrote them; read the file with a newer trainhist",
+                code="unknown_code", path=path, offset=e.offset)
         if (cols["span"] == 0).any():
             raise _bad("obs row with span 0 (a row covers at least one step)", "bad_span", path, e.offset)
         tnames = [n for n in TALLY_COLUMNS if ch.has(n)]
@@ -834,8 +862,10 @@ class History:
                 raise _bad(f"chunk has tally columns {tnames} but not all six", "bad_tally", path, e.offset)
             tally = np.stack([ch.column(n, e.rows) for n in TALLY_COLUMNS], axis=1).astype(np.uint64)
             if tally_disagrees(tally, cols["presence"]).any():
-                raise _bad("presence column disagrees with the presence the tally columns imply", "bad_tally",
-                           path, e.offset)
+                row = int(np.flatnonzero(tally_disagrees(tally, cols["presence"]))[0])
+                told = ", ".join(f"{n} {c}" for n, c in zip(TALLY_COLUMNS, tally[row].tolist()))
+                raise _bad(f"row {row}: presence {Presence.name(int(cols['presence'][row]))} disagrees with the "
+                           f"presence its tally ({told}) implies (spec 11.4)", "bad_tally", path, e.offset)
         else:
             tally = np.zeros((e.rows, len(TALLY_COLUMNS)), np.uint64)
             tally[np.arange(e.rows), cols["presence"].astype(np.intp)] = 1
@@ -1143,7 +1173,8 @@ class History:
                 cols["span"] = ch.column("span", e.rows) if ch.has("span") else np.ones(e.rows, np.uint32)
                 cols["n_rows"] = ch.column("n_rows", e.rows) if ch.has("n_rows") else np.ones(e.rows, np.uint64)
                 if int(cols["step"].min()) != e.step_min or int(cols["step"].max()) != e.step_max:
-                    raise _bad("steps chunk steps disagree with the commit entry's step range (spec 7.2)",
+                    raise _bad(f"steps chunk steps {int(cols['step'].min())}..{int(cols['step'].max())} disagree "
+                               f"with the commit entry's step range {e.step_min}..{e.step_max} (spec 7.2)",
                                "bad_chunk", self.path, e.offset)
                 if (cols["span"] == 0).any():
                     raise _bad("steps row with span 0", "bad_span", self.path, e.offset)
@@ -1153,7 +1184,8 @@ class History:
                 cols["segment"] = np.full(e.rows, e.segment, np.uint32)
                 name = unknown_steps_code(cols)
                 if name is not None:
-                    raise UnsupportedError(f"steps column {name} holds codes unknown to this reader",
+                    raise UnsupportedError(f"steps column {name} holds codes unknown to this reader (a newer "
+                                           "writer wrote them): read the file with a newer trainhist",
                                            code="unknown_code", path=self.path, offset=e.offset)
                 parts.append(cols)
             names = list(STEPS_COLUMNS) + ["span", "n_rows", "segment"]
@@ -1189,7 +1221,7 @@ class History:
         return out
 
     def presence(self, path: str, stream: str = "activation", facet: str | None = None, *,
-                 steps: np.ndarray | list[int] | None = None, phase: str | None = None,
+                 steps: Iterable[int] | None = None, phase: str | None = None,
                  segment: int | None = None) -> dict[int, str]:
         """State of the site at each asked step (default: every step of the step table and the first step of each
         row; a row spanning several steps, made by coarsening, answers for all of them when they are asked for).
@@ -1203,7 +1235,10 @@ class History:
         steps, never with a row's span. ``segment``: one segment's rows only; needed when a resumed run recorded some
         steps again in a later segment (spec 2.4: two segments are never one history), else ``segment_ambiguous``.
         """
-        if steps is not None and (isinstance(steps, (str, bytes)) or not all(
+        if steps is not None and not isinstance(steps, (str, bytes, np.ndarray)) and isinstance(steps, Iterable):
+            steps = list(steps)  # (once: a generator is read here, and not found empty below)
+        if steps is not None and (isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable)
+                                  or np.ndim(steps) != 1 or not all(
                 isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in steps)):
             raise UsageError(f"steps must be integers (a range, a list, an array), got {steps!r:.80}",
                              code="bad_steps")
@@ -1353,8 +1388,13 @@ def _covering(spans: list[tuple[int, int, int]], asked: list[int]) -> dict[int, 
     return out
 
 
+def _check_path(path: object) -> None:
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise UsageError(f"open() takes a path (str or os.PathLike) of a history file, not {type(path).__name__} "
+                         f"{path!r:.60}", code="bad_path")
+
+
 def open_history(path: str | os.PathLike) -> History:
     """Open a history file for reading; see :class:`History`."""
-    if not isinstance(path, (str, bytes, os.PathLike)):
-        raise UsageError(f"open() takes a path (str or os.PathLike), not {type(path).__name__}", code="bad_path")
+    _check_path(path)
     return History(path)

@@ -10,11 +10,13 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
 from . import grid
 from .dyadic import ZERO, Dyadic, exact_sums
+from .errors import UsageError
 
-__all__ = ["SumMethod", "Sketch", "Summary", "SpineTable", "summarize", "total_order_min", "total_order_max"]
+__all__ = ["SumMethod", "Sketch", "Summary", "SpineTable", "summarize"]
 
 
 class SumMethod:
@@ -51,9 +53,14 @@ class Sketch:
     over_neg: int = 0
 
     @staticmethod
-    def from_key_counts(counts: np.ndarray) -> "Sketch":
+    def from_key_counts(counts: npt.ArrayLike) -> "Sketch":
         """The native-scale sketch from counts indexed by :func:`grid.bin_keys` keys (length ``grid.NKEYS``)."""
-        c = counts.astype(np.uint64)
+        a = np.asarray(counts)
+        if a.shape != (grid.NKEYS,) or a.dtype.kind not in "iu" or (a.size and a.min() < 0):
+            raise UsageError(f"a sketch's key counts must be grid.NKEYS ({grid.NKEYS}) non-negative integers, as "
+                             f"np.bincount(grid.bin_keys(x), minlength=grid.NKEYS) gives them; got {a.dtype} of "
+                             f"shape {a.shape}", code="bad_value")
+        c = a.astype(np.uint64)
         side = grid.KEY_OVER + 1
         return Sketch(
             scale=grid.NATIVE_SCALE,
@@ -67,7 +74,11 @@ class Sketch:
 
     @staticmethod
     def empty(scale: int = grid.NATIVE_SCALE) -> "Sketch":
-        n = grid.nbins(scale)
+        """The sketch of no values at ``scale`` (0, 1 or 2: spec 6)."""
+        if type(scale) is not int and not isinstance(scale, np.integer) or scale not in (0, 1, 2):
+            raise UsageError(f"a sketch's scale must be 0, 1 or 2 (spec 6), got {type(scale).__name__} {scale!r}",
+                             code="bad_value")
+        n = grid.nbins(int(scale))
         return Sketch(scale, np.zeros(n, np.uint64), np.zeros(n, np.uint64))
 
     def total(self) -> int:
@@ -111,6 +122,13 @@ class Summary:
     @staticmethod
     def scalar(value: float) -> "Summary":
         """The spine of one number (a run-level scalar such as the loss)."""
+        if isinstance(value, (str, bytes)) or np.ndim(value) != 0 or np.asarray(value).dtype.kind not in "biuf":
+            raise UsageError(f"Summary.scalar() takes one real number, got {type(value).__name__} {value!r:.60}",
+                             code="bad_value")
+        if np.asarray(value).dtype.kind in "iu" and int(value) != float(value):
+            raise UsageError(f"Summary.scalar() takes a number a float64 holds exactly, got the integer {value}: "
+                             "integers beyond 2**53 are rounded; convert it with float() if that is meant",
+                             code="bad_value")
         return summarize(np.array([value], dtype=np.float64), sketch=False)
 
 
@@ -168,13 +186,24 @@ def total_order_max(x: np.ndarray) -> float:
     return m
 
 
-def summarize(values: np.ndarray, *, dtype: str | None = None, sketch: bool = True) -> Summary:
+def summarize(values: npt.ArrayLike, *, dtype: str | None = None, sketch: bool = True) -> Summary:
     """Spine (always) and sketch (when ``sketch``) of ``values``, with exact sums.
 
     ``values`` may be float16, float32, float64, an integer array, or bfloat16 bit patterns as uint16 with
     ``dtype="bfloat16"``. Narrow floats are widened exactly first.
     """
-    x = grid.as_float_bits(values, dtype)
+    if dtype is not None and (type(dtype) is not str or dtype != "bfloat16"):
+        raise UsageError(f"dtype={dtype!r} is not a dtype summarize() reads: give dtype='bfloat16' for bfloat16 bit "
+                         "patterns in a uint16 array, or leave dtype out for a float16/float32/float64 or integer "
+                         "array, whose own dtype is used (any other name would read the bits as integers)",
+                         code="bad_values")
+    if type(sketch) is not bool and not isinstance(sketch, np.bool_):
+        raise UsageError(f"sketch must be True or False, got {type(sketch).__name__} {sketch!r:.60}",
+                         code="bad_value")
+    a = np.asarray(values)
+    if a.dtype.kind == "f" and not a.dtype.isnative:  # (big-endian floats: the same values in native order, exactly)
+        a = a.astype(a.dtype.newbyteorder("="))
+    x = grid.as_float_bits(a, dtype)
     keys = grid.bin_keys(x)
     counts = np.bincount(keys, minlength=grid.NKEYS).astype(np.uint64)
     nan, pinf, ninf, zero = (int(counts[k]) for k in (grid.KEY_NAN, grid.KEY_PINF, grid.KEY_NINF, grid.KEY_ZERO))

@@ -14,8 +14,10 @@ import math
 import operator
 import os
 import socket
+import stat
 import time
 import uuid
+from collections.abc import Iterable
 from bisect import bisect_left
 from dataclasses import dataclass
 from itertools import accumulate, chain, repeat
@@ -23,11 +25,12 @@ from operator import attrgetter
 from typing import Any, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from . import __version__, grid
 from .chunk import DTYPES, MAX_ROWS, Codec, assemble_chunks, encode_chunk, pack_segments
 from .dyadic import MANT_BITS, ZERO, Dyadic, floats_of
-from .errors import NotFoundError, ReadOnlyError, UsageError, not_a_file
+from .errors import NotFoundError, ReadOnlyError, UsageError, not_a_file, path_problem
 from .framing import (
     FILE_HEADER_SIZE,
     READ_VERSION,
@@ -114,30 +117,40 @@ class _Spines:
     __slots__ = ("counts", "ranges", "sums", "method", "keys")
 
     def __init__(self, t: SpineTable) -> None:
-        n = len(t.count)
+        n = _table_rows(t)
         cols = (t.count, t.nan, t.pinf, t.ninf, t.zero, t.min, t.max, t.sum, t.sumsq, t.method)
-        if any(np.ndim(c) != 1 or len(c) != n for c in cols):
-            raise UsageError(f"every column of a SpineTable must be one-dimensional with {n} values")
         ints = [np.asarray(c) for c in cols[:5]]
-        if any(c.dtype.kind not in "iu" for c in ints) or any(c.size and c.min() < 0 for c in ints):
-            raise UsageError("the counts of a SpineTable must be non-negative integers")
+        for name, c in zip(_COUNTS, ints):
+            if c.dtype.kind not in "iu" or (c.size and c.min() < 0):
+                found = f"{c.dtype} values" if c.dtype.kind not in "iu" else f"{c.min()} in row {int(c.argmin())}"
+                raise UsageError(f"the {name} column of a SpineTable must hold non-negative integers, found {found}",
+                                 code="bad_table")
         counts = np.array(ints, dtype=np.uint64).reshape(5, n)
-        if any(np.asarray(c).dtype.kind not in "fiu" for c in cols[5:9]):
-            raise UsageError("the min, max, sum and sumsq of a SpineTable must be numbers (float64 values)")
+        for name, c in zip(("min", "max", "sum", "sumsq"), cols[5:9]):
+            if np.asarray(c).dtype.kind not in "fiu":
+                raise UsageError(f"the {name} column of a SpineTable must be numbers (float64 values), found "
+                                 f"{np.asarray(c).dtype} values", code="bad_table")
         ranges = np.array([t.min, t.max], dtype=np.float64).reshape(2, n)
         _refuse_impossible("SpineTable", counts, ranges)
         finite = counts[0] - counts[1] - counts[2] - counts[3]  # (no wrap: checked above)
         method = np.asarray(t.method)
         if method.dtype.kind not in "iu" or not _any_equal(method, _TABLE_METHODS).all():
-            raise UsageError("the methods of a SpineTable must be SumMethod.F64, F32 or UNKNOWN (exact sums need a "
-                             "Summary)")
+            bad = np.flatnonzero(~_any_equal(method, _TABLE_METHODS))[0] if method.dtype.kind in "iu" else None
+            found = f"{method.dtype} values" if bad is None else f"{method[bad]} in row {bad}"
+            raise UsageError(f"the method column of a SpineTable must hold SumMethod.F64, F32 or UNKNOWN, found "
+                             f"{found} (exact sums, SumMethod.EXACT, need a Summary and observe())", code="bad_table")
         sums = np.array([t.sum, t.sumsq], dtype=np.float64).reshape(2, n)
         known = method != SumMethod.UNKNOWN
-        if not np.isfinite(sums[:, known]).all():
-            raise UsageError("the sums of a SpineTable must be finite (method UNKNOWN where they are not)")
-        if (sums[1, known] < 0).any() or (sums[:, known & (finite == 0)] != 0).any():
-            raise UsageError("a SpineTable's sum of squares cannot be negative, nor its sums other than 0 in a row "
-                             "with no finite value")
+        bad = np.flatnonzero(known & ~np.isfinite(sums).all(axis=0))
+        if bad.size:
+            raise UsageError(f"the sums of a SpineTable must be finite where the method states a bound, found sum "
+                             f"{float(sums[0, bad[0]])!r}, sumsq {float(sums[1, bad[0]])!r} in row {bad[0]}; state method "
+                             "SumMethod.UNKNOWN for a row whose sums overflowed", code="bad_table")
+        bad = np.flatnonzero(known & ((sums[1] < 0) | ((finite == 0) & (sums != 0).any(axis=0))))
+        if bad.size:
+            raise UsageError(f"a SpineTable's sum of squares cannot be negative, nor its sums other than 0 in a row "
+                             f"with no finite value: found sum {float(sums[0, bad[0]])!r}, sumsq {float(sums[1, bad[0]])!r} in row "
+                             f"{bad[0]}", code="bad_table")
         self.keys = None if t.sketch is None else _sketch_keys(t.sketch, finite - counts[4])
         self.counts = counts
         self.ranges = ranges
@@ -268,21 +281,34 @@ def _impossible(what: str, rule: str) -> str:
             "total order (-0.0 before +0.0), NaN when no value is finite (and the sums then 0)")
 
 
+def _table_rows(t: SpineTable) -> int:
+    """The rows of ``t``, checked: every column one-dimensional and of one length (``bad_table``)."""
+    cols = {f: getattr(t, f) for f in (*_COUNTS, "min", "max", "sum", "sumsq", "method")}
+    n = np.shape(cols["count"])[0] if np.ndim(cols["count"]) == 1 else None
+    for name, c in cols.items():
+        if np.ndim(c) != 1 or len(c) != n:
+            raise UsageError(f"every column of a SpineTable must be one-dimensional, of one value per row "
+                             f"({'as many as count' if n is None else n}), found {name} {type(c).__name__} of shape "
+                             f"{np.shape(c)}", code="bad_table")
+    return n  # type: ignore[return-value]  # (count is one-dimensional)
+
+
 def _sketch_keys(sketch: np.ndarray, nonzero: np.ndarray) -> np.ndarray:
     """A :class:`SpineTable`'s sketch key counts as uint64, checked: one row of ``grid.NKEYS`` non-negative
     integers per observation, whose bins and bands count no more values than its ``nonzero`` finite ones."""
     keys = np.asarray(sketch)
     if keys.ndim != 2 or keys.shape != (len(nonzero), grid.NKEYS) or keys.dtype.kind not in "iu":
         raise UsageError(f"a SpineTable's sketch must be integer key counts of shape ({len(nonzero)}, "
-                         f"{grid.NKEYS}) (a row of grid.NKEYS per observation), not {keys.dtype} {keys.shape}")
+                         f"{grid.NKEYS}) (a row of grid.NKEYS per observation), not {keys.dtype} {keys.shape}", code="bad_table")
     if keys.size and keys.min() < 0:
-        raise UsageError("a SpineTable's sketch counts must be non-negative")
+        raise UsageError(f"a SpineTable's sketch counts must be non-negative, found {keys.min()}", code="bad_table")
     keys = np.array(keys, dtype=np.uint64)  # (a copy: the rows are read at the commit, the caller's array may change)
     binned = keys[:, : 2 * (grid.KEY_OVER + 1)]  # the bins and bands of both sides (the other keys are not read)
     # (a float sum first: the exact uint64 one cannot wrap when it is below 2**64 with room for rounding)
     if (binned.sum(axis=1, dtype=np.float64) > 1.8e19).any() or (
             binned.sum(axis=1, dtype=np.uint64) > nonzero).any():
-        raise UsageError("a SpineTable row's sketch counts more values than its finite non-zero ones")
+        raise UsageError("a SpineTable row's sketch counts more values than its finite non-zero ones (count - nan - "
+                         "pinf - ninf - zero): the bins and bands count only those", code="bad_table")
     return keys
 
 
@@ -496,9 +522,14 @@ def _real(name: str, value: object) -> float:
     if isinstance(value, (str, bytes)):
         raise UsageError(f"{name} must be a number, got {value!r}", code="bad_value")
     try:
-        return float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError) as e:
+        f = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError) as e:
         raise UsageError(f"{name} must be a number, got {value!r}", code="bad_value") from e
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and int(value) != f:
+        raise UsageError(f"{name} must be a number a float64 holds exactly, got the integer {int(value)}, whose "
+                         f"nearest float64 is {f!r}: integers beyond 2**53 are rounded; convert it with float() "
+                         "if the rounded value is meant", code="bad_value")
+    return f
 
 
 def _tristate(names: type, field_: str, value: bool | str | None) -> int:
@@ -528,11 +559,24 @@ def _open_locked(path: str):  # -> tuple[BinaryIO, bool]
         f = os.fdopen(fd, "r+b")
     except FileNotFoundError:
         folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(folder):  # (e.g. /proc: a folder no file can be created in)
+            raise NotFoundError(f"cannot create the history: the folder {folder} exists, but the file system will "
+                                "not create a file in it (a virtual file system?); give a path on a disk",
+                                path=path) from None
         raise NotFoundError(f"cannot create the history: the folder {folder} does not exist; create it first, or "
                             "give a path in an existing folder", path=path) from None
     except IsADirectoryError:
         raise not_a_file("a directory: a history is written to a regular file; give a file name (e.g. "
                          f"{os.path.join(path, 'run.thist')})", path=path, directory=True) from None
+    except (OSError, ValueError) as e:
+        problem = path_problem(path, e, "write the history")
+        if problem is None:
+            raise
+        raise problem from None
+    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        f.close()
+        raise not_a_file("not a regular file (a pipe, socket or device): a history is written to a regular file, "
+                         "which a reader can read back; give a file name", path=path, directory=False)
     try:
         import fcntl
     except ImportError:  # (no flock on this platform)
@@ -605,12 +649,24 @@ class HistoryWriter:
         segment this writer starts, e.g. the segment the run's other writers are at, for a rank that starts its file
         anew in a resumed run (spec 2.4: merge pairs the writers of a run by segment number). ``run_created``: the
         run manifest's time (a new file), so that every rank of a run writes the same run manifest."""
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            raise UsageError(f"HistoryWriter() takes a path (str or os.PathLike) to write the history to, not "
+                             f"{type(path).__name__} {_short(path)}", code="bad_path")
         if codec not in Codec.BY_NAME:
             raise UsageError(f"codec must be one of {', '.join(Codec.BY_NAME)}, got {codec!r}")
         if fsync not in ("commit", "close", "never"):
             raise UsageError(f"fsync must be 'commit', 'close' or 'never', got {fsync!r}")
         if mode not in ("w", "a"):
             raise UsageError(f"mode must be 'w' (create or truncate) or 'a' (append, resume), got {mode!r}")
+        # (checked before the file is opened: a value refused later would leave it created or truncated)
+        commit_every = _whole("commit_every", commit_every, 1, _I64[1])
+        commit_seconds = _real("commit_seconds", commit_seconds)
+        if not commit_seconds >= 0:
+            raise UsageError(f"commit_seconds must be a number of seconds >= 0 (math.inf: no timed commits), got "
+                             f"{commit_seconds!r}", code="bad_value")
+        if salt is not None:
+            salt = _whole("salt", salt, 0, (1 << 64) - 1)
+        min_segment = _whole("min_segment", min_segment, 0, NO_ID - 1)
         self.path = os.fspath(path)
         self._codec = Codec.BY_NAME[codec]
         self._fsync = fsync
@@ -642,7 +698,7 @@ class HistoryWriter:
         self._folder_unsynced = created  #: the file's name is not durable yet: see _fsync_folder
         try:  # (any failure: the lock released, an existing file left as it was)
             self._open(mode, run_name, run_id, config, rank, world_size, host, pid, software, settings, salt,
-                       int(min_segment), run_created)
+                       min_segment, run_created)
         except BaseException:
             self._f.close()
             raise
@@ -657,7 +713,7 @@ class HistoryWriter:
         docs = []
         if not resumed:
             self.run_id = run_id or uuid.uuid4().hex
-            self._salt = int.from_bytes(os.urandom(8), "little") if salt is None else int(salt)
+            self._salt = int.from_bytes(os.urandom(8), "little") if salt is None else salt
             self.run_manifest = {"kind": "run", "run_id": self.run_id, "name": run_name,
                                  "created": run_created or self._now(), "config": config or {}}
             docs.append(self.run_manifest)
@@ -768,7 +824,9 @@ class HistoryWriter:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise UsageError("the writer is closed", code="writer_closed", path=self.path)
+            raise UsageError("the writer is closed: it records nothing more (its rows up to close() are in the "
+                             "file); to add to the file, open it again with HistoryWriter(path, mode='a')",
+                             code="writer_closed", path=self.path)
         if self._failed is not None:
             raise UsageError(
                 f"the writer stopped when writing the file failed ({self._failed}): the file holds every commit "
@@ -801,15 +859,19 @@ class HistoryWriter:
             raise UsageError(f"stream must be one of {', '.join(STREAMS)}, got {stream!r}")
         if sharing not in SHARING:
             raise UsageError(f"sharing must be 'shard' or 'replica', got {sharing!r}")
+        if shape is not None and (isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable)):
+            raise UsageError(f"shape must be a tuple of whole numbers (e.g. (64, 128)) or None, got "
+                             f"{_short(shape)}", code="bad_value")
         sid = len(self._site_meta)
-        doc = {
+        doc: dict[str, Any] = {
             "kind": "site", "id": sid, "path": path, "stream": stream, "facet": facet,
             "shape": None if shape is None else [_whole("shape", d, 0, (1 << 63) - 1) for d in shape], "dtype": dtype,
             "sharing": sharing,
-            "cadence": {"spine": int(cadence_spine), "sketch": int(cadence_sketch)}, "sample": sample,
+            "cadence": {"spine": _whole("cadence_spine", cadence_spine, 0, _I64[1]),
+                        "sketch": _whole("cadence_sketch", cadence_sketch, 0, _I64[1])}, "sample": sample,
         }
         if order is not None:
-            doc["order"] = int(order)
+            doc["order"] = _whole("order", order, 0, NO_ID)
         payload = _encode_manifest(doc)
         handle = SiteHandle(sid, path, stream, facet)
         try:  # (a manifest written and its site not known would be declared twice by the next call)
@@ -914,7 +976,7 @@ class HistoryWriter:
         self,
         site: SiteHandle,
         step: int,
-        values: np.ndarray | None = None,
+        values: npt.ArrayLike | None = None,
         *,
         summary: Summary | None = None,
         phase: str = "default",
@@ -926,10 +988,12 @@ class HistoryWriter:
         whose ``sum_method`` is ``SumMethod.UNKNOWN`` states that its sums are unknown: they are stored as zero
         (spec 5.4), whatever it holds."""
         if (values is None) == (summary is None):
-            raise UsageError("observe() takes exactly one of values= or summary=")
+            raise UsageError(f"observe() takes exactly one of values= (an array to reduce) or summary= (a Summary), "
+                             f"got {'both' if values is not None else 'neither'}")
         if summary is not None and not isinstance(summary, Summary):
             raise UsageError(f"observe()'s summary= must be a trainhist.Summary, not {type(summary).__name__}")
         if summary is None:
+            assert values is not None  # (exactly one of them is given)
             summary = summarize(values, dtype=dtype, sketch=sketch)
         else:
             if summary.sum_method == SumMethod.UNKNOWN and (summary.sum is not ZERO or summary.sumsq is not ZERO):
@@ -944,7 +1008,10 @@ class HistoryWriter:
         of the cost per site (a collector records hundreds of spines a step)."""
         if self._closed or self._failed is not None:
             self._check_open()
-        n = len(table)
+        if not isinstance(table, SpineTable):
+            raise UsageError(f"observe_spines()'s table must be a trainhist.summary.SpineTable (one column per "
+                             f"field, one row per site), not {type(table).__name__}; for one Summary use observe()")
+        n = _table_rows(table)
         if len(sites) != n or (phases is not None and len(phases) != n):
             raise UsageError(f"observe_spines() needs one site{' and one phase' if phases is not None else ''} per "
                              f"table row: {len(sites)} sites{f', {len(phases)} phases' if phases is not None else ''}"
@@ -956,7 +1023,7 @@ class HistoryWriter:
         spines = _Spines(table)
         codes = [_PHASE_CODES.get(p) if type(p) is str else None for p in phases] if phases is not None else None
         if codes is not None and None in codes:
-            codes = [Phase.code(p) for p in phases]  # type: ignore[union-attr] -- (raises for an unknown phase)
+            codes = [Phase.code(p) for p in phases]  # type: ignore[union-attr]  # (raises for an unknown phase)
         handles = self._handles
         for site in sites:
             if type(site) is not SiteHandle or handles.get(site.id) is not site:  # (_check_site's first test)
