@@ -735,6 +735,7 @@ class _Engine:
             keys_ = sorted({key for d in own for key in d if any(e.get(key) != own[0].get(key) for e in own)})
             if keys_:
                 self.report.settings_mismatches.append({"segment": new_id[k], "writers": writers, "keys": keys_})
+            self._note_segment(new_id[k], members, keys_)
             self.segment_docs.append({
                 "kind": "segment", "id": new_id[k], "first_step": first,
                 "reason": reasons[0] if all(r == reasons[0] for r in reasons) else "manual",
@@ -742,6 +743,22 @@ class _Engine:
                 "origin": {"runs": runs, "segment": k[1], "writers": writers},
             })
         self.report.segments = len(keys)
+
+    def _note_segment(self, seg: int, members: list, keys: list[str]) -> None:
+        """The notes on an output segment whose inputs start at different steps (``segment_mismatches``) or whose
+        writers recorded with different settings (``settings_mismatches``): guide section 5, ``notes`` holds every
+        such finding as a sentence, for the users of the API as for the command line."""
+        firsts = sorted({(g.first_step, s.path) for s, g, _, _ in members if g.first_step is not None})
+        if len({f for f, _ in firsts}) > 1:
+            self.report.notes.append(
+                f"the inputs of output segment {seg} start at different steps "
+                f"({', '.join(f'{step} in {path}' for step, path in firsts)}): if one rank lost a resume before its "
+                "first commit, its later segments are numbered one lower and their steps are split across two output "
+                "segments; check the per-step totals there")
+        if keys:
+            self.report.notes.append(
+                f"the writers of output segment {seg} recorded with different settings ({', '.join(keys)}): a row "
+                "holds what each of them recorded (where only some recorded a site or step, theirs alone)")
 
     # -- reading -------------------------------------------------------------------------------------------
     def _check_ignored(self) -> None:
