@@ -44,3 +44,32 @@ def test_report_notes_hold_segment_and_settings_mismatches(tmp_path):
         one = c["segment"] == 1
         assert c["step"][one].tolist() == list(range(10, 30))
         assert c["count"][one].tolist() == [8] * 10 + [4] * 10
+
+
+def test_many_shards_under_a_low_descriptor_limit(tmp_path):
+    """128 shards merged by a process that may open fewer than the pool's 64 descriptors (a low ``ulimit -n``,
+    or a training process holding many sockets): the pool gave up with a bare ``OSError: Too many open files``
+    where closing its own least recently used descriptor lets the merge go on, with the same bytes."""
+    import os
+    import resource
+
+    paths = []
+    for r in range(128):
+        with trainhist.HistoryWriter(tmp_path / f"r{r}.thist", run_id=RUN, rank=r, world_size=128, fsync="never",
+                                     run_created="2026-01-01T00:00:00+00:00") as w:
+            s = w.site("enc", "activation")
+            for st in range(3):
+                w.observe(s, st, np.full(2, float(r), np.float32))
+        paths.append(str(tmp_path / f"r{r}.thist"))
+    want = trainhist.merge(paths, tmp_path / "want.thist", workers=1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = len(os.listdir("/proc/self/fd")) + 24
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        rep = trainhist.merge(paths, tmp_path / "low.thist", workers=1)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert rep.rows_out == want.rows_out == 3
+    assert (tmp_path / "low.thist").read_bytes() == (tmp_path / "want.thist").read_bytes()
+    with trainhist.open(tmp_path / "low.thist") as h:
+        assert h.spine("enc").columns["count"].tolist() == [256] * 3

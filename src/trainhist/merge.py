@@ -207,7 +207,16 @@ class _Pool:
             if len(self.fds) >= self.cap:
                 _, old = self.fds.popitem(last=False)
                 os.close(old)
-            fd = os.open(path, os.O_RDONLY)
+            while True:
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                    break
+                except OSError as e:  # the process's limit is below the cap (a low ulimit -n): hold fewer
+                    if e.errno not in (errno.EMFILE, errno.ENFILE) or not self.fds:
+                        raise
+                    _, old = self.fds.popitem(last=False)
+                    os.close(old)
+                    self.cap = max(1, len(self.fds))
         self.fds[path] = fd
         data = os.pread(fd, n, offset)
         if len(data) != n:
@@ -219,6 +228,21 @@ class _Pool:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+
+
+def _pool_cap() -> int:
+    """How many input descriptors to hold: ``FD_POOL``, or half of what the process may still open when its
+    limit (``ulimit -n``) leaves less, so that the output, spool files and imports still find descriptors."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY:
+            return FD_POOL
+        used = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 16
+    except (ImportError, OSError, ValueError):  # (no resource module: Windows)
+        return FD_POOL
+    return max(1, min(FD_POOL, (soft - used) // 2))
 
 
 # -- small helpers -------------------------------------------------------------------------------------------
@@ -542,7 +566,7 @@ class _Engine:
         self.across_runs = across_runs
         self.divergence = replica_divergence
         self.codec = CODECS[codec]
-        self.pool = _Pool(FD_POOL)
+        self.pool = _Pool(_pool_cap())
         self.report = MergeReport(self.output, [])
 
     # -- planning ------------------------------------------------------------------------------------------
@@ -1512,7 +1536,7 @@ _SPOOL: dict = {}  # a worker's spool: the folder, and once opened the file of t
 def _worker_init(spools: str) -> None:
     """Set up a worker. Nothing here may raise: multiprocessing replaces a worker whose initializer fails, forever."""
     assert _ENGINE is not None
-    _ENGINE.pool = _Pool(FD_POOL)  # descriptors of its own (pread needs no shared offset, but keep them apart)
+    _ENGINE.pool = _Pool(_pool_cap())  # descriptors of its own (pread needs no shared offset, but keep them apart)
     _ENGINE.report.divergences = []
     _ENGINE.report.divergences_total = 0
     _ENGINE.report.span_overlaps = []
