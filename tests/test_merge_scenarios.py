@@ -73,3 +73,43 @@ def test_many_shards_under_a_low_descriptor_limit(tmp_path):
     assert (tmp_path / "low.thist").read_bytes() == (tmp_path / "want.thist").read_bytes()
     with trainhist.open(tmp_path / "low.thist") as h:
         assert h.spine("enc").columns["count"].tolist() == [256] * 3
+
+
+def test_a_rank_missing_from_one_segment_is_reported(tmp_path):
+    """Elastic training with a file per rank and segment: 4 ranks, then 2, then 3. Rank 1's shard of segment 1 is
+    not given (lost, or left out of the glob): its rows and step truth are missing from the merged segment 1, which
+    then reads as complete (each step's ``n_rows`` equals the writers its segment names). The writers' manifests
+    say the world size, so the report names the missing rank; the numbers are the ranks' present, checked against
+    numpy."""
+    rng = np.random.default_rng(3)
+    data: dict[tuple[int, int], list[np.ndarray]] = {}
+    paths = []
+    for seg, world in enumerate((4, 2, 3)):
+        for r in range(world):
+            p = tmp_path / f"r{r}s{seg}.thist"
+            with trainhist.HistoryWriter(p, run_id=RUN, rank=r, world_size=world, fsync="never", min_segment=seg,
+                                         run_created="2026-01-01T00:00:00+00:00") as w:
+                s = w.site("enc", "activation")
+                for st in range(seg * 10, seg * 10 + 10):
+                    x = rng.standard_normal(6).astype(np.float32)
+                    w.observe(s, st, x)
+                    w.step_truth(st, tokens=1)
+                    if (r, seg) != (1, 1):
+                        data.setdefault((seg, st), []).append(x)
+            if (r, seg) != (1, 1):
+                paths.append(str(p))
+    rep = trainhist.merge(paths, tmp_path / "m.thist")
+    assert rep.missing_ranks == [{"segment": 1, "run": RUN, "world_size": 2, "ranks": 1, "missing": [1],
+                                  "missing_total": 1}]
+    assert sum("output segment 1" in n and "rank 1" in n and "world size of 2" in n for n in rep.notes) == 1
+    with trainhist.open(tmp_path / "m.thist") as h:
+        c = h.spine("enc").columns
+        for i in range(c["step"].size):
+            x = np.concatenate(data[(int(c["segment"][i]), int(c["step"][i]))]).astype(np.float64)
+            assert int(c["count"][i]) == x.size
+            assert (c["min"][i], c["max"][i]) == (x.min(), x.max())
+        assert h.steps["n_rows"].tolist() == [4] * 10 + [1] * 10 + [3] * 10
+    everything = trainhist.merge(paths + [str(tmp_path / "r1s1.thist")], tmp_path / "all.thist")
+    assert everything.missing_ranks == [] and not everything.notes
+    alone = trainhist.coarsen(paths[0], tmp_path / "c.thist", steps=2)  # one input: no merge left a rank out
+    assert alone.missing_ranks == [] and not alone.notes

@@ -67,6 +67,7 @@ __all__ = ["merge", "canonicalize", "MergeReport", "BATCH_ROWS", "FD_POOL"]
 
 BATCH_ROWS = 32768  #: input rows decoded together before they are combined (memory: ~2 KiB per row of ~100 sketch bins)
 FD_POOL = 64  #: input files held open at once
+MAX_MISSING_RANKS = 16  #: missing ranks listed per segment and run in ``MergeReport.missing_ranks``
 AUTO_WORKERS_BYTES = 64 << 20  #: with ``workers=None``, inputs of at least this many bytes use worker processes
 MAX_WORKERS = 8  #: with ``workers=None``, at most this many workers (and no more than the CPUs)
 MAX_DIVERGENCES = 1000  #: at most this many replica divergences are listed in a report
@@ -108,6 +109,10 @@ class MergeReport:
     #: output segments whose writers recorded with different settings (a rank with another cadence or site
     #: selection): their rows combine what each writer recorded, e.g. one rank's rows alone where only it recorded
     settings_mismatches: list[dict] = field(default_factory=list)
+    #: output segments where the writers of a run all declare one ``world_size`` but some of its ranks contributed
+    #: nothing (spec 11.3: a shard lost or not given): ``segment``, ``run``, ``world_size``, ``ranks`` (how many
+    #: contributed), ``missing`` (the first ``MAX_MISSING_RANKS``), ``missing_total``
+    missing_ranks: list[dict] = field(default_factory=list)
     #: sites whose inputs recorded them at different cadences (spec 11.5): the merged cadence is their greatest
     #: common divisor; ``unplanned_steps_due`` when it makes due steps that no input's cadence made due;
     #: ``cadences`` groups the files by cadence, ``inputs`` lists every input of the site (``input``: its index in
@@ -738,6 +743,10 @@ class _Engine:
         self.seg_map = {sk: new_id[k] for sk, k in local_key.items()}
         self.segment_docs = []
         settings = {d["writer_id"]: d.get("settings") for s in self.sources for d in s.settings}
+        ranks: dict[str, set[tuple[str, int, int]]] = {}  # writer id -> its manifests' (run, rank, world size)
+        for s in self.sources:
+            for d in s.writers:
+                ranks.setdefault(d["writer_id"], set()).add((d["run_id"], int(d["rank"]), int(d["world_size"])))
         for k in keys:
             members = groups[k]
             firsts = [g.first_step for _, g, _, _ in members if g.first_step is not None]
@@ -760,6 +769,7 @@ class _Engine:
             if keys_:
                 self.report.settings_mismatches.append({"segment": new_id[k], "writers": writers, "keys": keys_})
             self._note_segment(new_id[k], members, keys_)
+            self._note_missing_ranks(new_id[k], writers, ranks)
             self.segment_docs.append({
                 "kind": "segment", "id": new_id[k], "first_step": first,
                 "reason": reasons[0] if all(r == reasons[0] for r in reasons) else "manual",
@@ -783,6 +793,45 @@ class _Engine:
             self.report.notes.append(
                 f"the writers of output segment {seg} recorded with different settings ({', '.join(keys)}): a row "
                 "holds what each of them recorded (where only some recorded a site or step, theirs alone)")
+
+    def _note_missing_ranks(self, seg: int, writers: list[str], ranks: dict[str, set]) -> None:
+        """Spec 11.3: the runs of output segment ``seg`` whose writers (``writers``, leaf ids) all declare one world
+        size but not every rank below it (``missing_ranks``, with a note). A writer without a manifest, or whose
+        manifests disagree, leaves its run unjudged; so does an engine of one input (coarsen, canonicalize: a file
+        of the one rank that recorded is not a merge that left ranks out)."""
+        if len(self.sources) < 2:
+            return
+        by_run: dict[str, list[tuple[int, int]]] = {}
+        unjudged = set()
+        for w in writers:
+            docs = ranks.get(w, set())
+            if len(docs) != 1:
+                unjudged.update(r for r, _, _ in docs)
+                continue
+            run, rank, world = next(iter(docs))
+            by_run.setdefault(run, []).append((rank, world))
+        for run in sorted(by_run):
+            worlds = {world for _, world in by_run[run]}
+            if run in unjudged or len(worlds) != 1:
+                continue
+            world = worlds.pop()
+            present = {rank for rank, _ in by_run[run] if rank < world}
+            if len(present) == world:
+                continue
+            missing = []
+            for r in range(world):  # (the first ones: at most len(present) + MAX_MISSING_RANKS steps)
+                if r not in present:
+                    missing.append(r)
+                    if len(missing) == MAX_MISSING_RANKS:
+                        break
+            total = world - len(present)
+            self.report.missing_ranks.append({"segment": seg, "run": run, "world_size": world,
+                                              "ranks": len(present), "missing": missing, "missing_total": total})
+            named = ", ".join(map(str, missing)) + (f" and {total - len(missing)} more" if total > len(missing) else "")
+            self.report.notes.append(
+                f"output segment {seg}: the writers of run {run} declare a world size of {world}, but "
+                f"{'rank' if total == 1 else 'ranks'} {named} contributed nothing to it (a shard lost or not given?): "
+                "its rows and step-truth totals hold the other ranks' observations alone (spec 11.3)")
 
     # -- reading -------------------------------------------------------------------------------------------
     def _check_ignored(self) -> None:
