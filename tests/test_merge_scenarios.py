@@ -113,3 +113,39 @@ def test_a_rank_missing_from_one_segment_is_reported(tmp_path):
     assert everything.missing_ranks == [] and not everything.notes
     alone = trainhist.coarsen(paths[0], tmp_path / "c.thist", steps=2)  # one input: no merge left a rank out
     assert alone.missing_ranks == [] and not alone.notes
+
+
+def test_cadence_changed_between_segments_reports_the_steps_no_input_planned(tmp_path):
+    """The model changed mid-run: a site recorded every 2 steps in segment 0's shards and every step in segment 1's.
+    The merged cadence is 1, so segment 0's odd steps, which its inputs read as ``not_scheduled``, read ``unknown``
+    in the output; the report said ``unplanned_steps_due: false`` (cadence 1 is an input's own, of another segment)
+    and a note that a step only some inputs made due holds those inputs' rows: nothing about the new unknowns."""
+    paths = []
+    for seg, cad in ((0, 2), (1, 1)):
+        for r in range(2):
+            p = tmp_path / f"r{r}s{seg}.thist"
+            with trainhist.HistoryWriter(p, run_id=RUN, rank=r, world_size=2, fsync="never", min_segment=seg) as w:
+                s = w.site("x", "activation", cadence_spine=cad, cadence_sketch=cad)
+                for st in range(seg * 10, seg * 10 + 10):
+                    if st % cad == 0:
+                        w.observe(s, st, np.ones(2))
+                    w.step_truth(st, tokens=1)
+            paths.append(str(p))
+    with trainhist.open(paths[0]) as h:
+        assert h.presence("x", steps=[1]) == {1: "not_scheduled"}
+    rep = trainhist.merge(paths, tmp_path / "m.thist")
+    with trainhist.open(tmp_path / "m.thist") as h:
+        assert h.presence("x", steps=[0, 1], segment=0) == {0: "observed", 1: "unknown"}
+    [cm] = rep.cadence_mismatches
+    assert cm["unplanned_steps_due"] is True and cm["unplanned_segments"] == [0]
+    [note] = [n for n in rep.notes if "different cadences" in n]
+    assert "read as unknown" in note and "output segment 0" in note
+    # the same shards within one segment (ranks at cadences 2 and 1): every step is planned by a rank
+    same = []
+    for r, cad in ((0, 2), (1, 1)):
+        p = tmp_path / f"q{r}.thist"
+        with trainhist.HistoryWriter(p, run_id="be" * 16, rank=r, world_size=2, fsync="never") as w:
+            w.observe(w.site("x", "activation", cadence_spine=cad, cadence_sketch=cad), 0, np.ones(2))
+        same.append(str(p))
+    [cm] = trainhist.merge(same, tmp_path / "q.thist").cadence_mismatches
+    assert cm["unplanned_steps_due"] is False and cm["unplanned_segments"] == []

@@ -660,6 +660,27 @@ class _Engine:
             self.site_members.append(members)
         self.report.sites = len(keys)
 
+    def _members_by_segment(self, members: list[tuple[_Source, Any]]) -> dict[int, list[tuple[_Source, Any]]]:
+        """The inputs of a site grouped by the output segments they contribute to (numbered as
+        :meth:`_plan_segments` numbers them: by number, then runs, spec 11.3); a site's cadence is its file's, for
+        every segment of that file."""
+        if getattr(self, "_out_segment", None) is None:
+            local: dict[tuple[int, int], tuple] = {}
+            try:
+                for src in self.sources:
+                    for g in src.segments:
+                        runs, num, _ = src.segment_origin(g)
+                        local[(src.idx, g.id)] = (() if self.across_runs else tuple(runs), num)
+            except MergeError:  # (unknown_writer: refused by _plan_segments, in its turn)
+                return {0: list(members)}
+            ids = {k: i for i, k in enumerate(sorted(set(local.values()), key=lambda k: (k[1], k[0])))}
+            self._out_segment = {sk: ids[k] for sk, k in local.items()}
+        out: dict[int, list[tuple[_Source, Any]]] = {}
+        for src, site in members:
+            for seg in sorted({self._out_segment[(src.idx, g.id)] for g in src.segments}):
+                out.setdefault(seg, []).append((src, site))
+        return out
+
     def _note_cadences(self, key: tuple, members: list[tuple[_Source, Any]], spine: int, sketch: int) -> None:
         """Report a site whose inputs differ in cadence (spec 11.5): the merged cadence is their greatest common
         divisor, which makes due steps no input planned when no input's cadence divides all the others', unless the
@@ -671,14 +692,25 @@ class _Engine:
         if len(found) < 2:
             return
         spines = sorted({k[0] for k in found})
-        # a step no input planned is due when the gcd is no input's own cadence (0, never, plans nothing) ...
-        unplanned = spine != 0 and spine not in spines
-        windows: list[int] = []
-        if unplanned:  # ... and it reads so only where no input's window around it holds a step that input had due
-            cads = sorted({(site.manifest["cadence"]["spine"], max(src.step_window(), self.N))
-                           for src, site in members})
-            windows = sorted({w for _, w in cads if w > 1})
-            unplanned = _unplanned_due(spine, cads)
+        # a step of an output segment is planned only by the inputs of that segment (spec 11.5): a cadence changed
+        # between segments makes due, in the segment of the coarser one, steps that no input of it planned
+        by_seg = self._members_by_segment(members)
+        unplanned_segs: list[int] = []
+        windows_: set[int] = set()
+        said_spines: set[int] = set()
+        for seg, group in sorted(by_seg.items()):
+            seg_spines = {site.manifest["cadence"]["spine"] for _, site in group}
+            # a step no input planned is due when the gcd is no input's own cadence (0, never, plans nothing) ...
+            if spine == 0 or spine in seg_spines:
+                continue
+            # ... and it reads so only where no input's window around it holds a step that input had due
+            cads = sorted({(site.manifest["cadence"]["spine"], max(src.step_window(), self.N)) for src, site in group})
+            windows_.update(w for _, w in cads if w > 1)
+            if _unplanned_due(spine, cads):
+                unplanned_segs.append(seg)
+                said_spines.update(seg_spines)
+        unplanned = bool(unplanned_segs)
+        windows = sorted(windows_)
         inputs = []  # which input had which cadence, and where its rows of the site are (spec 11.5)
         for src, site in sorted(members, key=lambda m: m[0].idx):
             c = site.manifest["cadence"]
@@ -688,6 +720,7 @@ class _Engine:
                            "steps": [min(e.step_min for e in es), max(e.step_max for e in es)] if es else None})
         self.report.cadence_mismatches.append({
             "site": _site_name(key), "merged": {"spine": spine, "sketch": sketch}, "unplanned_steps_due": unplanned,
+            "unplanned_segments": unplanned_segs,
             "cadences": [{"spine": k[0], "sketch": k[1], "files": sorted(v)} for k, v in sorted(found.items())],
             "inputs": inputs,
         })
@@ -704,7 +737,11 @@ class _Engine:
             # (the least common multiple is named only as a window coarsen can take, 1 .. 2^32 - 1 steps: of huge
             # cadences, which a manifest may hold (spec 9), it can have more digits than Python prints)
             width = f" ({lcm} steps, say)" if 0 < lcm <= 0xFFFFFFFF else ""
-            text += (f": it makes due steps that no input's spine cadence ({', '.join(map(str, spines))}) made due "
+            segs = ", ".join(map(str, unplanned_segs[:8])) + (
+                f" and {len(unplanned_segs) - 8} more" if len(unplanned_segs) > 8 else "")
+            where = "" if len(by_seg) < 2 else f" in output segment{'s' if len(unplanned_segs) > 1 else ''} {segs}"
+            text += (f":{where} it makes due steps that no input's spine cadence "
+                     f"({', '.join(map(str, sorted(said_spines)))}) made due "
                      "(spec 11.5), which read as unknown where they have no row; coarsen the inputs to a multiple of "
                      f"every cadence first{width} to avoid that")
         elif windows:
