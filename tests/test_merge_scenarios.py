@@ -28,7 +28,7 @@ def test_report_notes_hold_segment_and_settings_mismatches(tmp_path):
     each such finding as a sentence, as the command line prints it) was empty for an API user."""
     p = [tmp_path / f"r{r}.thist" for r in range(4)]
     for r in range(4):
-        _shard(p[r], r, 4, range(0, 10), settings={"every": 1 + (r == 3)})
+        _shard(p[r], r, 4, range(10), settings={"every": 1 + (r == 3)})
     for r in range(2):
         _shard(p[r], r, 2, range(10, 20), mode="a")
     for r in range(3):
@@ -215,16 +215,16 @@ def test_elastic_shards_merge_like_numpy_in_any_grouping(tmp_path):
     def m(ins):
         o = tmp_path / f"g{next(n)}.thist"
         trainhist.merge(ins, o)
-        return str(o)
+        return o
 
     def co(i):
         o = tmp_path / f"c{next(n)}.thist"
         trainhist.coarsen(i, o, steps=3, bins_per_octave=2)
-        return str(o)
+        return o
 
     want = out.read_bytes()
-    assert open(m([m(paths[:5]), m(paths[5:])]), "rb").read() == want
-    assert open(m([paths[8], m([paths[3], m(paths[4:8])]), m(paths[:3])]), "rb").read() == want
-    coarse = open(co(str(out)), "rb").read()
-    assert open(m([co(x) for x in paths]), "rb").read() == coarse
-    assert open(co(m([co(m(paths[::2])), co(m(paths[1::2]))])), "rb").read() == coarse
+    assert m([m(paths[:5]), m(paths[5:])]).read_bytes() == want
+    assert m([paths[8], m([paths[3], m(paths[4:8])]), m(paths[:3])]).read_bytes() == want
+    coarse = co(out).read_bytes()
+    assert m([co(x) for x in paths]).read_bytes() == coarse
+    assert co(m([co(m(paths[::2])), co(m(paths[1::2]))])).read_bytes() == coarse
