@@ -67,6 +67,7 @@ __all__ = ["merge", "canonicalize", "MergeReport", "BATCH_ROWS", "FD_POOL"]
 
 BATCH_ROWS = 32768  #: input rows decoded together before they are combined (memory: ~2 KiB per row of ~100 sketch bins)
 FD_POOL = 64  #: input files held open at once
+MAX_MISSING_RANKS = 16  #: missing ranks listed per segment and run in ``MergeReport.missing_ranks``
 AUTO_WORKERS_BYTES = 64 << 20  #: with ``workers=None``, inputs of at least this many bytes use worker processes
 MAX_WORKERS = 8  #: with ``workers=None``, at most this many workers (and no more than the CPUs)
 MAX_DIVERGENCES = 1000  #: at most this many replica divergences are listed in a report
@@ -108,6 +109,10 @@ class MergeReport:
     #: output segments whose writers recorded with different settings (a rank with another cadence or site
     #: selection): their rows combine what each writer recorded, e.g. one rank's rows alone where only it recorded
     settings_mismatches: list[dict] = field(default_factory=list)
+    #: output segments where the writers of a run all declare one ``world_size`` but some of its ranks contributed
+    #: nothing (spec 11.3: a shard lost or not given): ``segment``, ``run``, ``world_size``, ``ranks`` (how many
+    #: contributed), ``missing`` (the first ``MAX_MISSING_RANKS``), ``missing_total``
+    missing_ranks: list[dict] = field(default_factory=list)
     #: sites whose inputs recorded them at different cadences (spec 11.5): the merged cadence is their greatest
     #: common divisor; ``unplanned_steps_due`` when it makes due steps that no input's cadence made due;
     #: ``cadences`` groups the files by cadence, ``inputs`` lists every input of the site (``input``: its index in
@@ -207,7 +212,16 @@ class _Pool:
             if len(self.fds) >= self.cap:
                 _, old = self.fds.popitem(last=False)
                 os.close(old)
-            fd = os.open(path, os.O_RDONLY)
+            while True:
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                    break
+                except OSError as e:  # the process's limit is below the cap (a low ulimit -n): hold fewer
+                    if e.errno not in (errno.EMFILE, errno.ENFILE) or not self.fds:
+                        raise
+                    _, old = self.fds.popitem(last=False)
+                    os.close(old)
+                    self.cap = max(1, len(self.fds))
         self.fds[path] = fd
         data = os.pread(fd, n, offset)
         if len(data) != n:
@@ -219,6 +233,21 @@ class _Pool:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+
+
+def _pool_cap() -> int:
+    """How many input descriptors to hold: ``FD_POOL``, or half of what the process may still open when its
+    limit (``ulimit -n``) leaves less, so that the output, spool files and imports still find descriptors."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY:
+            return FD_POOL
+        used = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 16
+    except (ImportError, OSError, ValueError):  # (no resource module: Windows)
+        return FD_POOL
+    return max(1, min(FD_POOL, (soft - used) // 2))
 
 
 # -- small helpers -------------------------------------------------------------------------------------------
@@ -542,7 +571,7 @@ class _Engine:
         self.across_runs = across_runs
         self.divergence = replica_divergence
         self.codec = CODECS[codec]
-        self.pool = _Pool(FD_POOL)
+        self.pool = _Pool(_pool_cap())
         self.report = MergeReport(self.output, [])
 
     # -- planning ------------------------------------------------------------------------------------------
@@ -631,6 +660,27 @@ class _Engine:
             self.site_members.append(members)
         self.report.sites = len(keys)
 
+    def _members_by_segment(self, members: list[tuple[_Source, Any]]) -> dict[int, list[tuple[_Source, Any]]]:
+        """The inputs of a site grouped by the output segments they contribute to (numbered as
+        :meth:`_plan_segments` numbers them: by number, then runs, spec 11.3); a site's cadence is its file's, for
+        every segment of that file."""
+        if getattr(self, "_out_segment", None) is None:
+            local: dict[tuple[int, int], tuple] = {}
+            try:
+                for src in self.sources:
+                    for g in src.segments:
+                        runs, num, _ = src.segment_origin(g)
+                        local[(src.idx, g.id)] = (() if self.across_runs else tuple(runs), num)
+            except MergeError:  # (unknown_writer: refused by _plan_segments, in its turn)
+                return {0: list(members)}
+            ids = {k: i for i, k in enumerate(sorted(set(local.values()), key=lambda k: (k[1], k[0])))}
+            self._out_segment = {sk: ids[k] for sk, k in local.items()}
+        out: dict[int, list[tuple[_Source, Any]]] = {}
+        for src, site in members:
+            for seg in sorted({self._out_segment[(src.idx, g.id)] for g in src.segments}):
+                out.setdefault(seg, []).append((src, site))
+        return out
+
     def _note_cadences(self, key: tuple, members: list[tuple[_Source, Any]], spine: int, sketch: int) -> None:
         """Report a site whose inputs differ in cadence (spec 11.5): the merged cadence is their greatest common
         divisor, which makes due steps no input planned when no input's cadence divides all the others', unless the
@@ -642,14 +692,25 @@ class _Engine:
         if len(found) < 2:
             return
         spines = sorted({k[0] for k in found})
-        # a step no input planned is due when the gcd is no input's own cadence (0, never, plans nothing) ...
-        unplanned = spine != 0 and spine not in spines
-        windows: list[int] = []
-        if unplanned:  # ... and it reads so only where no input's window around it holds a step that input had due
-            cads = sorted({(site.manifest["cadence"]["spine"], max(src.step_window(), self.N))
-                           for src, site in members})
-            windows = sorted({w for _, w in cads if w > 1})
-            unplanned = _unplanned_due(spine, cads)
+        # a step of an output segment is planned only by the inputs of that segment (spec 11.5): a cadence changed
+        # between segments makes due, in the segment of the coarser one, steps that no input of it planned
+        by_seg = self._members_by_segment(members)
+        unplanned_segs: list[int] = []
+        windows_: set[int] = set()
+        said_spines: set[int] = set()
+        for seg, group in sorted(by_seg.items()):
+            seg_spines = {site.manifest["cadence"]["spine"] for _, site in group}
+            # a step no input planned is due when the gcd is no input's own cadence (0, never, plans nothing) ...
+            if spine == 0 or spine in seg_spines:
+                continue
+            # ... and it reads so only where no input's window around it holds a step that input had due
+            cads = sorted({(site.manifest["cadence"]["spine"], max(src.step_window(), self.N)) for src, site in group})
+            windows_.update(w for _, w in cads if w > 1)
+            if _unplanned_due(spine, cads):
+                unplanned_segs.append(seg)
+                said_spines.update(seg_spines)
+        unplanned = bool(unplanned_segs)
+        windows = sorted(windows_)
         inputs = []  # which input had which cadence, and where its rows of the site are (spec 11.5)
         for src, site in sorted(members, key=lambda m: m[0].idx):
             c = site.manifest["cadence"]
@@ -659,6 +720,7 @@ class _Engine:
                            "steps": [min(e.step_min for e in es), max(e.step_max for e in es)] if es else None})
         self.report.cadence_mismatches.append({
             "site": _site_name(key), "merged": {"spine": spine, "sketch": sketch}, "unplanned_steps_due": unplanned,
+            "unplanned_segments": unplanned_segs,
             "cadences": [{"spine": k[0], "sketch": k[1], "files": sorted(v)} for k, v in sorted(found.items())],
             "inputs": inputs,
         })
@@ -675,7 +737,11 @@ class _Engine:
             # (the least common multiple is named only as a window coarsen can take, 1 .. 2^32 - 1 steps: of huge
             # cadences, which a manifest may hold (spec 9), it can have more digits than Python prints)
             width = f" ({lcm} steps, say)" if 0 < lcm <= 0xFFFFFFFF else ""
-            text += (f": it makes due steps that no input's spine cadence ({', '.join(map(str, spines))}) made due "
+            segs = ", ".join(map(str, unplanned_segs[:8])) + (
+                f" and {len(unplanned_segs) - 8} more" if len(unplanned_segs) > 8 else "")
+            where = "" if len(by_seg) < 2 else f" in output segment{'s' if len(unplanned_segs) > 1 else ''} {segs}"
+            text += (f":{where} it makes due steps that no input's spine cadence "
+                     f"({', '.join(map(str, sorted(said_spines)))}) made due "
                      "(spec 11.5), which read as unknown where they have no row; coarsen the inputs to a multiple of "
                      f"every cadence first{width} to avoid that")
         elif windows:
@@ -714,6 +780,10 @@ class _Engine:
         self.seg_map = {sk: new_id[k] for sk, k in local_key.items()}
         self.segment_docs = []
         settings = {d["writer_id"]: d.get("settings") for s in self.sources for d in s.settings}
+        ranks: dict[str, set[tuple[str, int, int]]] = {}  # writer id -> its manifests' (run, rank, world size)
+        for s in self.sources:
+            for d in s.writers:
+                ranks.setdefault(d["writer_id"], set()).add((d["run_id"], int(d["rank"]), int(d["world_size"])))
         for k in keys:
             members = groups[k]
             firsts = [g.first_step for _, g, _, _ in members if g.first_step is not None]
@@ -735,6 +805,8 @@ class _Engine:
             keys_ = sorted({key for d in own for key in d if any(e.get(key) != own[0].get(key) for e in own)})
             if keys_:
                 self.report.settings_mismatches.append({"segment": new_id[k], "writers": writers, "keys": keys_})
+            self._note_segment(new_id[k], members, keys_)
+            self._note_missing_ranks(new_id[k], writers, ranks)
             self.segment_docs.append({
                 "kind": "segment", "id": new_id[k], "first_step": first,
                 "reason": reasons[0] if all(r == reasons[0] for r in reasons) else "manual",
@@ -742,6 +814,61 @@ class _Engine:
                 "origin": {"runs": runs, "segment": k[1], "writers": writers},
             })
         self.report.segments = len(keys)
+
+    def _note_segment(self, seg: int, members: list, keys: list[str]) -> None:
+        """The notes on an output segment whose inputs start at different steps (``segment_mismatches``) or whose
+        writers recorded with different settings (``settings_mismatches``): guide section 5, ``notes`` holds every
+        such finding as a sentence, for the users of the API as for the command line."""
+        firsts = sorted({(g.first_step, s.path) for s, g, _, _ in members if g.first_step is not None})
+        if len({f for f, _ in firsts}) > 1:
+            self.report.notes.append(
+                f"the inputs of output segment {seg} start at different steps "
+                f"({', '.join(f'{step} in {path}' for step, path in firsts)}): if one rank lost a resume before its "
+                "first commit, its later segments are numbered one lower and their steps are split across two output "
+                "segments; check the per-step totals there")
+        if keys:
+            self.report.notes.append(
+                f"the writers of output segment {seg} recorded with different settings ({', '.join(keys)}): a row "
+                "holds what each of them recorded (where only some recorded a site or step, theirs alone)")
+
+    def _note_missing_ranks(self, seg: int, writers: list[str], ranks: dict[str, set]) -> None:
+        """Spec 11.3: the runs of output segment ``seg`` whose writers (``writers``, leaf ids) all declare one world
+        size but not every rank below it (``missing_ranks``, with a note). A writer without a manifest, or whose
+        manifests disagree, leaves its run unjudged; so does an engine of one input (coarsen, canonicalize: a file
+        of the one rank that recorded is not a merge that left ranks out)."""
+        if len(self.sources) < 2:
+            return
+        by_run: dict[str, list[tuple[int, int]]] = {}
+        unjudged = set()
+        for w in writers:
+            docs = ranks.get(w, set())
+            if len(docs) != 1:
+                unjudged.update(r for r, _, _ in docs)
+                continue
+            run, rank, world = next(iter(docs))
+            by_run.setdefault(run, []).append((rank, world))
+        for run in sorted(by_run):
+            worlds = {world for _, world in by_run[run]}
+            if run in unjudged or len(worlds) != 1:
+                continue
+            world = worlds.pop()
+            present = {rank for rank, _ in by_run[run] if rank < world}
+            if len(present) == world:
+                continue
+            missing = []
+            for r in range(world):  # (the first ones: at most len(present) + MAX_MISSING_RANKS steps)
+                if r not in present:
+                    missing.append(r)
+                    if len(missing) == MAX_MISSING_RANKS:
+                        break
+            total = world - len(present)
+            self.report.missing_ranks.append({"segment": seg, "run": run, "world_size": world,
+                                              "ranks": len(present), "missing": missing, "missing_total": total})
+            named = ", ".join(map(str, missing)) + (f" and {total - len(missing)} more" if total > len(missing) else "")
+            self.report.notes.append(
+                f"output segment {seg}: the writers of run {run} declare a world size of {world}, but "
+                f"{'rank' if total == 1 else 'ranks'} {named} contributed nothing to it (a shard lost or not given?): "
+                "its rows and step-truth totals hold the other ranks' observations alone (spec 11.3)")
 
     # -- reading -------------------------------------------------------------------------------------------
     def _check_ignored(self) -> None:
@@ -1495,7 +1622,7 @@ _SPOOL: dict = {}  # a worker's spool: the folder, and once opened the file of t
 def _worker_init(spools: str) -> None:
     """Set up a worker. Nothing here may raise: multiprocessing replaces a worker whose initializer fails, forever."""
     assert _ENGINE is not None
-    _ENGINE.pool = _Pool(FD_POOL)  # descriptors of its own (pread needs no shared offset, but keep them apart)
+    _ENGINE.pool = _Pool(_pool_cap())  # descriptors of its own (pread needs no shared offset, but keep them apart)
     _ENGINE.report.divergences = []
     _ENGINE.report.divergences_total = 0
     _ENGINE.report.span_overlaps = []
