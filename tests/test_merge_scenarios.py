@@ -21,7 +21,7 @@ def _shard(path, rank: int, world: int, steps, *, mode: str = "w", min_segment: 
     return str(path)
 
 
-def test_report_notes_hold_segment_and_settings_mismatches(tmp_path):
+def test_report_notes_hold_segment_and_settings_mismatches(tmp_path, capsys):
     """Elastic training: 4 ranks, then 2, then 3; rank 2 comes back by resuming its own file without
     ``min_segment``, so its segment is numbered 1 where ranks 0 and 1 are at 2, and its steps 20-29 land in
     output segment 1. The report listed it in ``segment_mismatches`` but ``notes`` (which the guide says holds
@@ -44,6 +44,12 @@ def test_report_notes_hold_segment_and_settings_mismatches(tmp_path):
         one = c["segment"] == 1
         assert c["step"][one].tolist() == list(range(10, 30))
         assert c["count"][one].tolist() == [8] * 10 + [4] * 10
+    from trainhist.cli import main  # (the command line prints the report's notes, each once)
+
+    assert main(["merge", *map(str, p), "-o", str(tmp_path / "c.thist")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("output segment 1 start at different steps") == 1, out
+    assert out.count("output segment 0 recorded with different settings") == 1, out
 
 
 def test_many_shards_under_a_low_descriptor_limit(tmp_path):

@@ -244,15 +244,6 @@ def _print_report(rep, as_json: bool) -> None:
               f"({len(rep.divergences) + more} in all; the first {len(rep.divergences)} are listed)")
     for note in rep.notes:
         print(f"  note: {printable(note)}")
-    for m in rep.segment_mismatches:
-        firsts = ", ".join(f"{step} in {path}" for step, path in m["first_steps"])
-        print(f"  note: the inputs of output segment {m['segment']} start at different steps ({firsts}): if one rank "
-              "lost a resume before its first commit, its later segments are numbered one lower and their steps are "
-              "split across two output segments; check the per-step totals there")
-    for m in rep.settings_mismatches:
-        print(f"  note: the writers of output segment {m['segment']} recorded with different settings "
-              f"({', '.join(map(printable, m['keys']))}): a row holds what each of them recorded (where only some "
-              "recorded a site or step, theirs alone)")
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:
