@@ -340,3 +340,31 @@ def test_format_errors_say_what_was_found(vector, words):
     assert ei.value.path == str(path) and ei.value.offset is not None
     for w in words:
         assert w in str(ei.value), str(ei.value)
+
+
+def test_a_site_declared_again_with_another_sharing_or_sample_is_refused(tmp_path) -> None:
+    """Spec 2.2: a site's sharing and sample hold for all its rows in the file. A writer resuming a file with a
+    site recorded as 'shard' got the old handle back for sharing='replica' and its rows were then added as shards
+    by merge (a DDP run resumed under FSDP, or the reverse, counted twice), silently. The same sharing and sample
+    still get the same handle, whatever the cadence."""
+    import trainhist
+    from trainhist.errors import UsageError
+
+    p = tmp_path / "s.thist"
+    smp = {"elements": 2, "of": 4, "seed": 0}
+    with trainhist.HistoryWriter(p) as w:
+        a = w.site("w", "param", sharing="shard")
+        d = w.site("w", "param_delta", sample=smp)
+        w.observe(a, 0, np.ones(4))
+    with trainhist.HistoryWriter(p, mode="a") as w:
+        assert w.site("w", "param", sharing="shard", cadence_spine=5).id == a.id
+        assert w.site("w", "param_delta", sample=dict(smp)).id == d.id
+        with pytest.raises(UsageError) as ei:
+            w.site("w", "param", sharing="replica")
+        assert ei.value.code == "site_redeclared" and "'shard'" in str(ei.value) and "new file" in str(ei.value)
+        with pytest.raises(UsageError) as ei:
+            w.site("w", "param_delta", sample={"elements": 3, "of": 4, "seed": 0})
+        assert ei.value.code == "site_redeclared"
+        w.observe(a, 1, np.ones(4))
+    with trainhist.open(p) as h:
+        assert h.recovery.status == "clean" and [s.sharing for s in h.sites if s.stream == "param"] == ["shard"]

@@ -496,7 +496,7 @@ def _unlock(f) -> None:  # (f: BinaryIO)
 _I64 = (-(1 << 63), (1 << 63) - 1)
 
 
-def _whole(name: str, value: object, lo: int, hi: int) -> int:
+def _whole(name: str, value: object, lo: int, hi: int | float) -> int:
     """``value`` as an int in ``[lo, hi]``, or a :class:`UsageError` now: a value the file cannot hold would
     otherwise fail the next commit, and with it every row buffered since the last one."""
     dtype = getattr(value, "dtype", None)  # (a 0-dim array or tensor: not of booleans or text)
@@ -849,11 +849,21 @@ class HistoryWriter:
         sample: dict | None = None,
         order: int | None = None,
     ) -> SiteHandle:
-        """Declare (or look up) the site ``(path, stream, facet)``; its manifest is written once. ``order``: its
-        position in the order a step produces values (spec 2.2), kept by merge where ids are not."""
+        """Declare (or look up) the site ``(path, stream, facet)``; its manifest is written once, and a later call
+        (a resumed file's sites included) gets the same handle: its ``shape``, ``dtype``, cadence and ``order`` stay
+        as first declared, and another ``sharing`` or ``sample`` is refused (``site_redeclared``, spec 2.2).
+        ``order``: its position in the order a step produces values (spec 2.2), kept by merge where ids are not."""
         self._check_open()
         key = (path, stream, facet)
         if key in self._sites:
+            known = self._site_meta[self._sites[key].id]
+            if (sharing, sample) != (known["sharing"], known.get("sample")):  # (spec 2.2: fixed for the file)
+                raise UsageError(
+                    f"site {path!r} ({stream}{'' if facet is None else f', facet {facet!r}'}) is declared in this "
+                    f"file with sharing {known['sharing']!r} and sample {known.get('sample')!r}, not "
+                    f"{sharing!r} and {sample!r}: a site's rows all have the sharing and sample it was declared with "
+                    "(merge adds or keeps them by it, spec 2.2); record the rows of the other kind into a new file",
+                    code="site_redeclared", path=self.path)
             return self._sites[key]
         if stream not in STREAMS:
             raise UsageError(f"stream must be one of {', '.join(STREAMS)}, got {stream!r}")
@@ -867,8 +877,9 @@ class HistoryWriter:
             "kind": "site", "id": sid, "path": path, "stream": stream, "facet": facet,
             "shape": None if shape is None else [_whole("shape", d, 0, (1 << 63) - 1) for d in shape], "dtype": dtype,
             "sharing": sharing,
-            "cadence": {"spine": _whole("cadence_spine", cadence_spine, 0, _I64[1]),
-                        "sketch": _whole("cadence_sketch", cadence_sketch, 0, _I64[1])}, "sample": sample,
+            # (cadences are unbounded manifest integers, spec 9: a cadence past every step is due at step 0 alone)
+            "cadence": {"spine": _whole("cadence_spine", cadence_spine, 0, math.inf),
+                        "sketch": _whole("cadence_sketch", cadence_sketch, 0, math.inf)}, "sample": sample,
         }
         if order is not None:
             doc["order"] = _whole("order", order, 0, NO_ID)
