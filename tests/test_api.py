@@ -368,3 +368,15 @@ def test_a_site_declared_again_with_another_sharing_or_sample_is_refused(tmp_pat
         w.observe(a, 1, np.ones(4))
     with trainhist.open(p) as h:
         assert h.recovery.status == "clean" and [s.sharing for s in h.sites if s.stream == "param"] == ["shard"]
+
+
+def test_merge_across_runs_must_be_a_bool(tmp_path) -> None:
+    """across_runs="no" merged across runs (any non-empty string is true)."""
+    import trainhist
+
+    p = tmp_path / "a.thist"
+    with trainhist.HistoryWriter(p) as w:
+        w.observe(w.site("x", "activation"), 0, np.ones(2))
+    with pytest.raises(UsageError) as ei:
+        trainhist.merge([p], tmp_path / "m.thist", across_runs="no")
+    assert ei.value.code == "bad_argument" and not (tmp_path / "m.thist").exists()

@@ -1715,11 +1715,15 @@ def merge(inputs: list[str | os.PathLike], output: str | os.PathLike, *, across_
     different runs stay apart unless ``across_runs``. ``codec`` (spec 11.9) is ``"packed"`` (default),
     ``"shuffle"`` (shuffle-deflate: smaller, slower) or ``"raw"``. Sites are built in ``workers`` processes
     (forked; ``None``: one per CPU, up to ``MAX_WORKERS``, for inputs of at least ``AUTO_WORKERS_BYTES``, else
-    in this process); the output bytes do not depend on it.
+    in this process); the output bytes do not depend on it. No inputs give the empty history (a file header
+    alone), the identity of merge: merging it with any inputs gives what they give alone.
     """
     if isinstance(inputs, (str, os.PathLike)):
         raise UsageError("merge() takes a list of input paths")
-    return _Engine(list(inputs), output, steps=1, scale=None, across_runs=across_runs,
+    inputs = list(inputs)
+    if not isinstance(across_runs, bool):
+        raise UsageError(f"across_runs must be True or False, got {across_runs!r}", code="bad_argument")
+    return _Engine(inputs, output, steps=1, scale=None, across_runs=across_runs,
                    replica_divergence=replica_divergence, codec=codec, workers=workers).run()
 
 
