@@ -144,13 +144,13 @@ class _Spines:
         bad = np.flatnonzero(known & ~np.isfinite(sums).all(axis=0))
         if bad.size:
             raise UsageError(f"the sums of a SpineTable must be finite where the method states a bound, found sum "
-                             f"{float(sums[0, bad[0]])!r}, sumsq {float(sums[1, bad[0]])!r} in row {bad[0]}; state method "
-                             "SumMethod.UNKNOWN for a row whose sums overflowed", code="bad_table")
+                             f"{float(sums[0, bad[0]])!r}, sumsq {float(sums[1, bad[0]])!r} in row {bad[0]}; state "
+                             "method SumMethod.UNKNOWN for a row whose sums overflowed", code="bad_table")
         bad = np.flatnonzero(known & ((sums[1] < 0) | ((finite == 0) & (sums != 0).any(axis=0))))
         if bad.size:
             raise UsageError(f"a SpineTable's sum of squares cannot be negative, nor its sums other than 0 in a row "
-                             f"with no finite value: found sum {float(sums[0, bad[0]])!r}, sumsq {float(sums[1, bad[0]])!r} in row "
-                             f"{bad[0]}", code="bad_table")
+                             f"with no finite value: found sum {float(sums[0, bad[0]])!r}, sumsq "
+                             f"{float(sums[1, bad[0]])!r} in row {bad[0]}", code="bad_table")
         self.keys = None if t.sketch is None else _sketch_keys(t.sketch, finite - counts[4])
         self.counts = counts
         self.ranges = ranges
@@ -299,7 +299,8 @@ def _sketch_keys(sketch: np.ndarray, nonzero: np.ndarray) -> np.ndarray:
     keys = np.asarray(sketch)
     if keys.ndim != 2 or keys.shape != (len(nonzero), grid.NKEYS) or keys.dtype.kind not in "iu":
         raise UsageError(f"a SpineTable's sketch must be integer key counts of shape ({len(nonzero)}, "
-                         f"{grid.NKEYS}) (a row of grid.NKEYS per observation), not {keys.dtype} {keys.shape}", code="bad_table")
+                         f"{grid.NKEYS}) (a row of grid.NKEYS per observation), not {keys.dtype} {keys.shape}",
+                         code="bad_table")
     if keys.size and keys.min() < 0:
         raise UsageError(f"a SpineTable's sketch counts must be non-negative, found {keys.min()}", code="bad_table")
     keys = np.array(keys, dtype=np.uint64)  # (a copy: the rows are read at the commit, the caller's array may change)
