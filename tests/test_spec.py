@@ -46,3 +46,14 @@ def test_crc_check_value_in_spec() -> None:
 
     assert crc32c(b"123456789") == 0xE3069283
     assert "0xE3069283" in SPEC
+
+
+def test_vectors_named_by_the_spec_exist() -> None:
+    """Every vector the spec or the runner contract names (`invalid/bad_exact_noncanonical`, ...) is shipped."""
+    cats = "valid|invalid|truncated|forward-compat|writer|merge|coarsen|presence"
+    vectors = ROOT / "conformance" / "vectors"
+    named = set()
+    for doc in ("spec/format.md", "spec/crash-safety.md", "conformance/README.md"):
+        named |= set(re.findall(rf"`((?:{cats})/[A-Za-z0-9_]+)`", (ROOT / doc).read_text("utf-8")))
+    assert named
+    assert sorted(n for n in named if not (vectors / n / "case.json").is_file()) == []
