@@ -234,3 +234,34 @@ def test_elastic_shards_merge_like_numpy_in_any_grouping(tmp_path):
     coarse = co(out).read_bytes()
     assert m([co(x) for x in paths]).read_bytes() == coarse
     assert co(m([co(m(paths[::2])), co(m(paths[1::2]))])).read_bytes() == coarse
+
+
+def test_a_writer_without_a_manifest_leaves_its_run_unjudged_for_missing_ranks(tmp_path):
+    """Spec 11.3: a writer without a manifest may be the rank that looks missing, so its run is not judged. Ranks
+    0-2 of a world of 3, rank 2's file without its writer manifest: rank 2 was reported missing though its rows
+    are in the output."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from trainhist.framing import RecordType
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import gen_vectors as gv
+
+    paths = [_shard(tmp_path / f"r{r}.thist", r, 3, range(3)) for r in range(3)]
+    data = Path(paths[2]).read_bytes()
+
+    def writer_manifest(r) -> bool:
+        return r.type == RecordType.MANIFEST and json.loads(r.payload).get("kind") == "writer"
+
+    recs = gv.parse(data)
+    Path(paths[2]).write_bytes(gv.build([r for r in recs if not writer_manifest(r)], data[:32])[0])
+    with trainhist.open(paths[2]) as h:
+        assert h.writers == [] and h.recovery.status == "clean"
+    rep = trainhist.merge(paths, tmp_path / "m.thist")
+    assert rep.missing_ranks == [] and not any("contributed nothing" in n for n in rep.notes), rep.notes
+    with trainhist.open(tmp_path / "m.thist") as h:
+        assert h.spine("enc").count.tolist() == [12, 12, 12]
+    two = trainhist.merge(paths[:2], tmp_path / "two.thist")  # (rank 2 left out: still said)
+    assert [m["missing"] for m in two.missing_ranks] == [[2]]

@@ -806,7 +806,11 @@ class _Engine:
             if keys_:
                 self.report.settings_mismatches.append({"segment": new_id[k], "writers": writers, "keys": keys_})
             self._note_segment(new_id[k], members, keys_)
-            self._note_missing_ranks(new_id[k], writers, ranks)
+            writer_runs: dict[str, set[str]] = {}  # (the runs of the segments each writer recorded in this one)
+            for _, _, rs, ws in members:
+                for w in ws:
+                    writer_runs.setdefault(w, set()).update(rs)
+            self._note_missing_ranks(new_id[k], writers, ranks, writer_runs)
             self.segment_docs.append({
                 "kind": "segment", "id": new_id[k], "first_step": first,
                 "reason": reasons[0] if all(r == reasons[0] for r in reasons) else "manual",
@@ -831,19 +835,22 @@ class _Engine:
                 f"the writers of output segment {seg} recorded with different settings ({', '.join(keys)}): a row "
                 "holds what each of them recorded (where only some recorded a site or step, theirs alone)")
 
-    def _note_missing_ranks(self, seg: int, writers: list[str], ranks: dict[str, set]) -> None:
+    def _note_missing_ranks(self, seg: int, writers: list[str], ranks: dict[str, set],
+                            writer_runs: dict[str, set[str]]) -> None:
         """Spec 11.3: the runs of output segment ``seg`` whose writers (``writers``, leaf ids) all declare one world
         size but not every rank below it (``missing_ranks``, with a note). A writer without a manifest, or whose
         manifests disagree, leaves its run unjudged; so does an engine of one input (coarsen, canonicalize: a file
-        of the one rank that recorded is not a merge that left ranks out)."""
+        of the one rank that recorded is not a merge that left ranks out). ``writer_runs``: the runs of the input
+        segments each writer recorded in (a writer without a manifest is known by them alone)."""
         if len(self.sources) < 2:
             return
         by_run: dict[str, list[tuple[int, int]]] = {}
         unjudged = set()
         for w in writers:
             docs = ranks.get(w, set())
-            if len(docs) != 1:
+            if len(docs) != 1:  # (no manifest: its rank is unknown, and may be the one that looks missing)
                 unjudged.update(r for r, _, _ in docs)
+                unjudged.update(writer_runs.get(w, ()))
                 continue
             run, rank, world = next(iter(docs))
             by_run.setdefault(run, []).append((rank, world))
