@@ -380,3 +380,21 @@ def test_merge_across_runs_must_be_a_bool(tmp_path) -> None:
     with pytest.raises(UsageError) as ei:
         trainhist.merge([p], tmp_path / "m.thist", across_runs="no")
     assert ei.value.code == "bad_argument" and not (tmp_path / "m.thist").exists()
+
+
+def test_scalar_records_into_a_scalar_site_declared_replica(tmp_path) -> None:
+    """scalar() looks up the scalar site the loop declared (here sharing='replica'), in the session that declared it
+    and in a resumed one; the site re-declaration check refused it (site_redeclared), as if scalar() declared it."""
+    import trainhist
+
+    p = tmp_path / "a.thist"
+    with trainhist.HistoryWriter(p) as w:
+        lr = w.site("lr", "scalar", sharing="replica", cadence_sketch=0)
+        w.scalar("lr", 0, 1e-3)
+    with trainhist.HistoryWriter(p, mode="a") as w:
+        w.scalar("lr", 1, 5e-4)
+        assert w.site("lr", "scalar", sharing="replica", cadence_sketch=0).id == lr.id
+    with trainhist.open(p) as h:
+        (site,) = [s for s in h.sites if s.key == ("lr", "scalar", None)]
+        assert site.sharing == "replica"
+        assert h.spine("lr", "scalar").columns["max"].tolist() == [1e-3, 5e-4]
