@@ -825,6 +825,11 @@ class History:
     def chunk(self, e: _Entry) -> Chunk:
         """Decode (and CRC-check) one committed chunk."""
         self._check_open()
+        return self._chunk(e)
+
+    def _chunk(self, e: _Entry) -> Chunk:
+        """:meth:`chunk` for a query that checked the file once (:meth:`_check_open`) before its first chunk: the
+        check is an ``fstat`` and a read of the salt, not to be paid for each chunk."""
         payload = self._view[e.offset + RECORD_HEADER_SIZE : e.offset + RECORD_HEADER_SIZE + e.length]
         if crc32c(payload) != e.payload_crc:
             raise _bad("payload CRC32C mismatch in a committed chunk" + truncation_hint(e.offset), "bad_payload_crc",
@@ -834,11 +839,11 @@ class History:
     def _layout(self, entries: list[_Entry]) -> _Layout:
         """The directories of a site's obs chunks with every check of :meth:`chunk` (:func:`batchdecode.layout`);
         raises (anything) where :meth:`chunk` must name the problem."""
-        return layout(self._view, entries, self.chunk)
+        return layout(self._view, entries, self._chunk)
 
 
     def _obs_columns(self, e: _Entry) -> tuple[dict[str, np.ndarray], dict[str, tuple[np.ndarray, bytes]], Chunk]:
-        ch = self.chunk(e)
+        ch = self._chunk(e)
         cols = {name: ch.column(name, e.rows) for name in OBS_COLUMNS}
         cols["segment"] = np.full(e.rows, e.segment, np.uint32)
         path = self.path
@@ -1168,7 +1173,7 @@ class History:
         if self._steps_table is None:
             parts = []
             for e in self._steps:
-                ch = self.chunk(e)
+                ch = self._chunk(e)
                 cols = {name: ch.column(name, e.rows) for name in STEPS_COLUMNS}
                 cols["span"] = ch.column("span", e.rows) if ch.has("span") else np.ones(e.rows, np.uint32)
                 cols["n_rows"] = ch.column("n_rows", e.rows) if ch.has("n_rows") else np.ones(e.rows, np.uint64)
