@@ -144,7 +144,7 @@ def test_file_change_check_runs_once_a_query_not_once_a_chunk(tmp_path: Path, mo
     """The check that the file was not started over (an fstat, and the salt read again) runs once for a query, not
     for each chunk it decodes: the step table of a file committed at every step has a chunk per commit, and the
     check per chunk added an fstat to each (about 1 us on a chunk's 20)."""
-    import trainhist.reader as reader
+    from trainhist import reader
 
     p = tmp_path / "a.thist"
     with HistoryWriter(p, commit_every=1, fsync="never") as w:

@@ -120,10 +120,10 @@ class _Notes(dict):
 
     __slots__ = ()
 
-    def __copy__(self) -> "_Notes":
+    def __copy__(self) -> _Notes:
         return self
 
-    def __deepcopy__(self, memo: dict) -> "_Notes":
+    def __deepcopy__(self, memo: dict) -> _Notes:
         return self
 
 
