@@ -1240,10 +1240,12 @@ class History:
         steps, never with a row's span. ``segment``: one segment's rows only; needed when a resumed run recorded some
         steps again in a later segment (spec 2.4: two segments are never one history), else ``segment_ambiguous``.
         """
-        if steps is not None and not isinstance(steps, (str, bytes, np.ndarray)) and isinstance(steps, Iterable):
+        if (steps is not None and not isinstance(steps, (str, bytes, np.ndarray, list, tuple, range))
+                and isinstance(steps, Iterable)):
             steps = list(steps)  # (once: a generator is read here, and not found empty below)
+        # (a list, tuple or range is one-dimensional where its elements are integers: only an array's ndim is read)
         if steps is not None and (isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable)
-                                  or np.ndim(steps) != 1 or not all(
+                                  or (isinstance(steps, np.ndarray) and steps.ndim != 1) or not all(
                 isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in steps)):
             raise UsageError(f"steps must be integers (a range, a list, an array), got {steps!r:.80}",
                              code="bad_steps")
