@@ -278,6 +278,24 @@ def test_presence_steps_any_iterable(hist):
     assert hist.presence("layer.0", steps={0, 2}) == want == hist.presence("layer.0", steps=np.array([0, 2]))
 
 
+def test_presence_steps_checked_without_converting_a_list(hist, monkeypatch):
+    """The check of steps= converted a list (or range) of steps to a numpy array (np.ndim) and copied it, besides the
+    check of each element: presence(steps=range(200_000)) took 59 ms instead of 49. A list of lists is still refused
+    (its elements are no integers), a 2-d array by its dimension."""
+    from trainhist import reader
+
+    calls = []
+    ndim, asarray = np.ndim, np.asarray
+    monkeypatch.setattr(reader.np, "ndim", lambda a: calls.append("ndim") or ndim(a))
+    monkeypatch.setattr(reader.np, "asarray", lambda a, *k, **kw: calls.append(type(a)) or asarray(a, *k, **kw))
+    want = {0: "observed", 2: "observed"}
+    assert hist.presence("layer.0", steps=[0, 2]) == want == hist.presence("layer.0", steps=range(0, 3, 2))
+    assert not [c for c in calls if c in ("ndim", list, range)], calls
+    monkeypatch.undo()
+    _refused(lambda: hist.presence("layer.0", steps=[[0, 2]]), "bad_steps", "steps")
+    _refused(lambda: hist.presence("layer.0", steps=np.zeros((1, 2), int)), "bad_steps", "steps")
+
+
 def test_unknown_site_says_how_to_find_names(hist):
     e = _refused(lambda: hist.spine("layer.O"), "unknown_site", "layer.0", "h.sites")
     assert e.path == hist.path
@@ -380,3 +398,21 @@ def test_merge_across_runs_must_be_a_bool(tmp_path) -> None:
     with pytest.raises(UsageError) as ei:
         trainhist.merge([p], tmp_path / "m.thist", across_runs="no")
     assert ei.value.code == "bad_argument" and not (tmp_path / "m.thist").exists()
+
+
+def test_scalar_records_into_a_scalar_site_declared_replica(tmp_path) -> None:
+    """scalar() looks up the scalar site the loop declared (here sharing='replica'), in the session that declared it
+    and in a resumed one; the site re-declaration check refused it (site_redeclared), as if scalar() declared it."""
+    import trainhist
+
+    p = tmp_path / "a.thist"
+    with trainhist.HistoryWriter(p) as w:
+        lr = w.site("lr", "scalar", sharing="replica", cadence_sketch=0)
+        w.scalar("lr", 0, 1e-3)
+    with trainhist.HistoryWriter(p, mode="a") as w:
+        w.scalar("lr", 1, 5e-4)
+        assert w.site("lr", "scalar", sharing="replica", cadence_sketch=0).id == lr.id
+    with trainhist.open(p) as h:
+        (site,) = [s for s in h.sites if s.key == ("lr", "scalar", None)]
+        assert site.sharing == "replica"
+        assert h.spine("lr", "scalar").columns["max"].tolist() == [1e-3, 5e-4]

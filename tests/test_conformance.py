@@ -631,3 +631,20 @@ def _absent_chunk(sum_value: float) -> bytes:
             "count": u8(0), "nan": u8(0), "pinf": u8(0), "ninf": u8(0), "zero": u8(0),
             "min": f8(np.nan), "max": f8(np.nan), "sum": f8(sum_value), "sumsq": f8(0.0)}
     return encode_chunk({"site": 0, "segment": 0, "rows": 1}, cols, Codec.RAW)
+
+
+def test_reference_writer_runs_a_scalar_op_on_a_replica_scalar_site(tmp_path) -> None:
+    """A writer vector that declares a scalar site with sharing 'replica' and then records it with a scalar op: the
+    reference implementation looked the site up by declaring it again with the default sharing, which the site
+    re-declaration check refuses (site_redeclared)."""
+    import trainhist
+    from trainhist.conformance_impl import run_ops
+
+    doc = json.loads((Path(__file__).resolve().parent.parent / "conformance/vectors/writer/full/ops.json").read_text())
+    doc["ops"] = [{"op": "site", "path": "lr", "stream": "scalar", "facet": None, "shape": None, "dtype": None,
+                   "sharing": "replica", "sample": None, "cadence": {"spine": 1, "sketch": 0}},
+                  {"op": "scalar", "name": "lr", "step": "i:0", "value": "f:3fe0000000000000"}, {"op": "commit"}]
+    run_ops(doc, str(tmp_path / "o.thist"))
+    with trainhist.open(tmp_path / "o.thist") as h:
+        assert [s.sharing for s in h.sites] == ["replica"]
+        assert h.spine("lr", "scalar").columns["max"].tolist() == [0.5]

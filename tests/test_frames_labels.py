@@ -61,3 +61,19 @@ def test_every_exported_column_says_whether_it_is_exact(tmp_path) -> None:
         _check(columns, df)
         assert doc["trainhist.columns"][name] == columns
         assert pd.read_parquet(tmp_path / "pq" / f"{name}.parquet").attrs["columns"] == columns
+
+
+def test_the_column_notes_are_not_copied_by_each_operation_on_a_frame(tmp_path) -> None:
+    """pandas deep-copies ``df.attrs`` into the result of every operation (a filter, a column, each group of a
+    groupby): the notes, a dict of some thirty texts, made a loop over the spines' sites twice as slow (18 -> 39 ms
+    for 500 sites). They are shared with the frames derived from one (read-only text), not copied."""
+    import copy
+
+    p = tmp_path / "l.thist"
+    _write(p)
+    with trainhist.open(p) as h:
+        sp = frames.spines(h)
+    notes = sp.attrs["columns"]
+    assert copy.deepcopy(notes) is notes and notes == frames.COLUMN_NOTES["spines"]
+    assert sp[sp["step"] >= 0].attrs["columns"] is notes
+    assert json.loads(json.dumps(sp.attrs)) == {"columns": frames.COLUMN_NOTES["spines"]}

@@ -138,3 +138,27 @@ def test_a_corrupt_file_that_does_not_change_is_refused(tmp_path: Path) -> None:
     with pytest.raises(trainhist.CorruptError) as e:
         trainhist.open(p)
     assert (e.value.code, e.value.offset) == ("bad_record_header", committed)
+
+
+def test_file_change_check_runs_once_a_query_not_once_a_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check that the file was not started over (an fstat, and the salt read again) runs once for a query, not
+    for each chunk it decodes: the step table of a file committed at every step has a chunk per commit, and the
+    check per chunk added an fstat to each (about 1 us on a chunk's 20)."""
+    from trainhist import reader
+
+    p = tmp_path / "a.thist"
+    with HistoryWriter(p, commit_every=1, fsync="never") as w:
+        s = w.site("x", "activation")
+        for step in range(40):
+            w.observe(s, step, values=np.ones(2))
+            w.step_truth(step, applied=True)
+            w.commit()
+    calls = []
+    fstat = os.fstat
+    with trainhist.open(p) as h:
+        monkeypatch.setattr(reader.os, "fstat", lambda fd: calls.append(fd) or fstat(fd))
+        assert h.steps["step"].tolist() == list(range(40))
+        assert h.spine("x").columns["step"].tolist() == list(range(40))
+        assert len(h._site_chunks(h.sites[0], True)[0]["step"]) == 40  # (the per-chunk path)
+        assert h.verify()
+    assert len(calls) <= 8, len(calls)  # (one a query; 40 chunks each for the step table and the site)

@@ -168,7 +168,7 @@ def run_ops(doc: dict, out: str) -> None:
                        phase=op.get("phase", "default"), micro=_micro(op.get("micro")))
             elif kind == "scalar":
                 w.scalar(op["name"], parse_tagged(op["step"], "i"), parse_tagged(op["value"], "f"))
-                declare(w.site(op["name"], "scalar", cadence_sketch=0))
+                declare(w._sites[(op["name"], "scalar", None)])  # (the site scalar() found or declared)
             elif kind == "step_truth":
                 tri = {None: None, "unknown": None}
                 w.step_truth(

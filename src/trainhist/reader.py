@@ -825,6 +825,11 @@ class History:
     def chunk(self, e: _Entry) -> Chunk:
         """Decode (and CRC-check) one committed chunk."""
         self._check_open()
+        return self._chunk(e)
+
+    def _chunk(self, e: _Entry) -> Chunk:
+        """:meth:`chunk` for a query that checked the file once (:meth:`_check_open`) before its first chunk: the
+        check is an ``fstat`` and a read of the salt, not to be paid for each chunk."""
         payload = self._view[e.offset + RECORD_HEADER_SIZE : e.offset + RECORD_HEADER_SIZE + e.length]
         if crc32c(payload) != e.payload_crc:
             raise _bad("payload CRC32C mismatch in a committed chunk" + truncation_hint(e.offset), "bad_payload_crc",
@@ -834,11 +839,11 @@ class History:
     def _layout(self, entries: list[_Entry]) -> _Layout:
         """The directories of a site's obs chunks with every check of :meth:`chunk` (:func:`batchdecode.layout`);
         raises (anything) where :meth:`chunk` must name the problem."""
-        return layout(self._view, entries, self.chunk)
+        return layout(self._view, entries, self._chunk)
 
 
     def _obs_columns(self, e: _Entry) -> tuple[dict[str, np.ndarray], dict[str, tuple[np.ndarray, bytes]], Chunk]:
-        ch = self.chunk(e)
+        ch = self._chunk(e)
         cols = {name: ch.column(name, e.rows) for name in OBS_COLUMNS}
         cols["segment"] = np.full(e.rows, e.segment, np.uint32)
         path = self.path
@@ -1168,7 +1173,7 @@ class History:
         if self._steps_table is None:
             parts = []
             for e in self._steps:
-                ch = self.chunk(e)
+                ch = self._chunk(e)
                 cols = {name: ch.column(name, e.rows) for name in STEPS_COLUMNS}
                 cols["span"] = ch.column("span", e.rows) if ch.has("span") else np.ones(e.rows, np.uint32)
                 cols["n_rows"] = ch.column("n_rows", e.rows) if ch.has("n_rows") else np.ones(e.rows, np.uint64)
@@ -1235,10 +1240,12 @@ class History:
         steps, never with a row's span. ``segment``: one segment's rows only; needed when a resumed run recorded some
         steps again in a later segment (spec 2.4: two segments are never one history), else ``segment_ambiguous``.
         """
-        if steps is not None and not isinstance(steps, (str, bytes, np.ndarray)) and isinstance(steps, Iterable):
+        if (steps is not None and not isinstance(steps, (str, bytes, np.ndarray, list, tuple, range))
+                and isinstance(steps, Iterable)):
             steps = list(steps)  # (once: a generator is read here, and not found empty below)
+        # (a list, tuple or range is one-dimensional where its elements are integers: only an array's ndim is read)
         if steps is not None and (isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable)
-                                  or np.ndim(steps) != 1 or not all(
+                                  or (isinstance(steps, np.ndarray) and steps.ndim != 1) or not all(
                 isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in steps)):
             raise UsageError(f"steps must be integers (a range, a list, an array), got {steps!r:.80}",
                              code="bad_steps")

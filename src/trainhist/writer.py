@@ -1094,7 +1094,10 @@ class HistoryWriter:
     def scalar(self, name: str, step: int, value: float) -> None:
         """Record a run-level number (loss, lr, grad norm, ...) as a one-element observation of a scalar site."""
         v = _real(f"scalar {name!r}", value)
-        s = self.site(name, "scalar", cadence_sketch=0)
+        # (a scalar site the loop declared, with its own sharing, is looked up as it is: not declared again)
+        s = self._sites.get((name, "scalar", None))
+        if s is None:
+            s = self.site(name, "scalar", cadence_sketch=0)
         if math.isfinite(v):
             d = Dyadic.from_float(v)
             summ = Summary(count=1, zero=int(v == 0), min=v, max=v, sum=d, sumsq=Dyadic.make(d.m * d.m, 2 * d.e))

@@ -71,3 +71,48 @@ def test_sigkill_then_resume_starts_a_new_segment(tmp_path):
     np.testing.assert_array_equal(steps1, np.arange(resumed_at, 13))
     t = h.steps
     assert set(t["step"][t["segment"] == segs[1].id].tolist()) == set(range(resumed_at, 13))
+
+
+def test_a_resume_whose_sample_changed_is_refused_once_per_site(tmp_path, monkeypatch) -> None:
+    """A run resumed with another delta_elements: its param_delta sites are declared in the file with the first
+    sample, and the writer refuses them (site_redeclared, spec 2.2). The collector says so once, naming the cause,
+    and asks the writer once per site; it called site() again at every step (an exception per site per step), and
+    warned that writing the file failed."""
+    import warnings
+
+    import torch
+
+    from trainhist.torch import Collector
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "r.thist"
+
+    def session(delta: int, first: int) -> tuple[Collector, list[str]]:
+        col = Collector(model, path, every=1, delta_elements=delta, mode="w" if first == 0 else "a")
+        col.attach(optimizer=opt)
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            for step in range(first, first + 4):
+                with col.step(step):
+                    model(torch.randn(4, 16)).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+            col.close()
+        return col, [str(w.message) for w in ws if "trainhist" in str(w.message) and "appended" not in str(w.message)]
+
+    session(8, 0)
+    calls: list[tuple] = []
+    site = trainhist.HistoryWriter.site
+    monkeypatch.setattr(trainhist.HistoryWriter, "site",
+                        lambda self, *a, **k: calls.append((a, k.get("sample"))) or site(self, *a, **k))
+    col, said = session(12, 4)
+    assert col.writer_errors == 0
+    assert len(said) == 1 and "site_redeclared" in said[0] and "failed" not in said[0], said
+    refused = [a for a, sample in calls if a[1] == "param_delta" and sample is not None]
+    assert len(refused) == len({a[0] for a in refused}) == 3, refused  # (each once; 1.bias, 2 elements: whole)
+    with trainhist.open(path) as h:
+        assert h.spine("0.weight", "param_delta").columns["step"].tolist() == [0, 1, 2, 3]
+        assert h.spine("0.weight", "param").columns["step"].tolist() == list(range(8))
+        assert h.spine("1.bias", "param_delta").columns["step"].tolist() == list(range(8))
