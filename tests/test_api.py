@@ -377,6 +377,8 @@ def test_a_site_declared_again_with_another_sharing_or_sample_is_refused(tmp_pat
     with trainhist.HistoryWriter(p, mode="a") as w:
         assert w.site("w", "param", sharing="shard", cadence_spine=5).id == a.id
         assert w.site("w", "param_delta", sample=dict(smp)).id == d.id
+        r = w.site("r", "param", sharing="replica")
+        assert w.site("r", "param").id == r.id and w.site("w", "param_delta").id == d.id  # (a lookup: defaults)
         with pytest.raises(UsageError) as ei:
             w.site("w", "param", sharing="replica")
         assert ei.value.code == "site_redeclared" and "'shard'" in str(ei.value) and "new file" in str(ei.value)
@@ -385,7 +387,8 @@ def test_a_site_declared_again_with_another_sharing_or_sample_is_refused(tmp_pat
         assert ei.value.code == "site_redeclared"
         w.observe(a, 1, np.ones(4))
     with trainhist.open(p) as h:
-        assert h.recovery.status == "clean" and [s.sharing for s in h.sites if s.stream == "param"] == ["shard"]
+        assert h.recovery.status == "clean"
+        assert [s.sharing for s in h.sites if s.stream == "param"] == ["shard", "replica"]
 
 
 def test_merge_across_runs_must_be_a_bool(tmp_path) -> None:

@@ -844,7 +844,7 @@ class HistoryWriter:
         facet: str | None = None,
         shape: tuple[int, ...] | list[int] | None = None,
         dtype: str | None = None,
-        sharing: str = "shard",
+        sharing: str | None = None,
         cadence_spine: int = 1,
         cadence_sketch: int = 1,
         sample: dict | None = None,
@@ -852,13 +852,15 @@ class HistoryWriter:
     ) -> SiteHandle:
         """Declare (or look up) the site ``(path, stream, facet)``; its manifest is written once, and a later call
         (a resumed file's sites included) gets the same handle: its ``shape``, ``dtype``, cadence and ``order`` stay
-        as first declared, and another ``sharing`` or ``sample`` is refused (``site_redeclared``, spec 2.2).
+        as first declared, and another ``sharing`` (``None``: ``"shard"`` for a new site, any for a known one) or
+        another ``sample`` than ``None`` is refused (``site_redeclared``, spec 2.2).
         ``order``: its position in the order a step produces values (spec 2.2), kept by merge where ids are not."""
         self._check_open()
         key = (path, stream, facet)
         if key in self._sites:
             known = self._site_meta[self._sites[key].id]
-            if (sharing, sample) != (known["sharing"], known.get("sample")):  # (spec 2.2: fixed for the file)
+            if ((sharing is not None and sharing != known["sharing"])  # (spec 2.2: fixed for the file)
+                    or (sample is not None and sample != known.get("sample"))):
                 raise UsageError(
                     f"site {path!r} ({stream}{'' if facet is None else f', facet {facet!r}'}) is declared in this "
                     f"file with sharing {known['sharing']!r} and sample {known.get('sample')!r}, not "
@@ -868,6 +870,8 @@ class HistoryWriter:
             return self._sites[key]
         if stream not in STREAMS:
             raise UsageError(f"stream must be one of {', '.join(STREAMS)}, got {stream!r}")
+        if sharing is None:
+            sharing = "shard"
         if sharing not in SHARING:
             raise UsageError(f"sharing must be 'shard' or 'replica', got {sharing!r}")
         if shape is not None and (isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable)):
