@@ -97,7 +97,8 @@ class UsageError(TrainhistError, ValueError):
 
 
 class ReadOnlyError(TrainhistError):
-    """The file was written by a newer writer version and may be read but not appended to."""
+    """The file may be read but not appended to: a newer writer version wrote it (``read_only``), or it has no run
+    manifest for a resumed writer to continue (``no_run_manifest``)."""
 
     code = "read_only"
 
