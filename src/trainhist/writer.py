@@ -547,6 +547,14 @@ def _tristate(names: type, field_: str, value: bool | str | None) -> int:
                          f"got {value!r}", code="unknown_name") from e
 
 
+def _text(name: str, value: object, *, none: bool = False) -> None:
+    """Refuse a name or choice that is not a str (``none``: or None) with a typed error, before it is hashed, compared
+    or truth-tested (a list, dict or array there raised TypeError or numpy's ValueError)."""
+    if not (isinstance(value, str) or (none and value is None)):
+        raise UsageError(f"{name} must be a str{' or None' if none else ''}, got {type(value).__name__} "
+                         f"{_short(value)}", code="bad_value")
+
+
 def _open_locked(path: str):  # -> tuple[BinaryIO, bool]
     """``path`` opened for reading and writing (created if missing, not truncated) and locked against a second
     writer: two writers on one file would interleave their records into a file no reader can read. The lock is an
@@ -653,6 +661,15 @@ class HistoryWriter:
         if not isinstance(path, (str, bytes, os.PathLike)):
             raise UsageError(f"HistoryWriter() takes a path (str or os.PathLike) to write the history to, not "
                              f"{type(path).__name__} {_short(path)}", code="bad_path")
+        for name, value in (("codec", codec), ("fsync", fsync), ("mode", mode)):
+            _text(name, value)
+        for name, value in (("run_id", run_id), ("writer_id", writer_id), ("run_name", run_name), ("host", host),
+                            ("created", created), ("run_created", run_created)):
+            _text(name, value, none=True)
+        for name, value in (("config", config), ("software", software), ("settings", settings)):
+            if value is not None and not isinstance(value, dict):
+                raise UsageError(f"{name} must be a dict or None, got {type(value).__name__} {_short(value)}",
+                                 code="bad_value")
         if codec not in Codec.BY_NAME:
             raise UsageError(f"codec must be one of {', '.join(Codec.BY_NAME)}, got {codec!r}")
         if fsync not in ("commit", "close", "never"):
@@ -856,6 +873,10 @@ class HistoryWriter:
         another ``sample`` than ``None`` is refused (``site_redeclared``, spec 2.2).
         ``order``: its position in the order a step produces values (spec 2.2), kept by merge where ids are not."""
         self._check_open()
+        _text("site()'s path", path)
+        _text("site()'s stream", stream)
+        _text("site()'s facet", facet, none=True)
+        _text("site()'s sharing", sharing, none=True)
         key = (path, stream, facet)
         if key in self._sites:
             known = self._site_meta[self._sites[key].id]
@@ -1097,6 +1118,7 @@ class HistoryWriter:
 
     def scalar(self, name: str, step: int, value: float) -> None:
         """Record a run-level number (loss, lr, grad norm, ...) as a one-element observation of a scalar site."""
+        _text("scalar()'s name", name)
         v = _real(f"scalar {name!r}", value)
         # (a scalar site the loop declared, with its own sharing, is looked up as it is: not declared again)
         s = self._sites.get((name, "scalar", None))
@@ -1126,6 +1148,7 @@ class HistoryWriter:
         ``clipped`` take a bool or the names the reader gives back (``"skipped"``, ``"not_clipped"``, ...)."""
         self._check_open()
         step = _whole("step", step, *_I64)
+        _text("grad_basis", grad_basis, none=True)
         row = (  # (every value checked before the step counts: a refused call records nothing)
             step,
             _tristate(Applied, "applied", applied),
