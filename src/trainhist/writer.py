@@ -465,7 +465,11 @@ def encode_obs_chunks(chunks: list[tuple[list[tuple], int, int]], codec: int,
 def _encode_manifest(doc: dict) -> bytes:
     """A manifest's payload (spec 9: sorted keys, no white space, integers without fraction: ``rank=2.0`` is
     written ``2``), after checking it against its schema."""
-    validate_manifest(doc)
+    try:
+        validate_manifest(doc)
+    except TypeError as e:  # (a value the schema's keywords cannot compare: rank=1+2j)
+        raise UsageError(f"the {doc.get('kind')} manifest holds a value of the wrong type ({e}): give numbers, strings, "
+                         "booleans, null, lists and string-keyed objects", code="bad_manifest_value") from None
     try:
         text = json.dumps(integers(doc), sort_keys=True, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as e:  # (an object JSON has no form for; a float NaN or infinity)
@@ -877,6 +881,12 @@ class HistoryWriter:
         _text("site()'s stream", stream)
         _text("site()'s facet", facet, none=True)
         _text("site()'s sharing", sharing, none=True)
+        if sample is not None and not isinstance(sample, dict):
+            raise UsageError(f"site()'s sample must be a dict or None, got {type(sample).__name__} {_short(sample)}",
+                             code="bad_value")
+        if shape is not None and not isinstance(shape, (str, bytes)) and np.ndim(shape) != 1:
+            raise UsageError(f"shape must be a tuple of whole numbers (e.g. (64, 128)) or None, got "
+                             f"{_short(shape)}", code="bad_value")
         key = (path, stream, facet)
         if key in self._sites:
             known = self._site_meta[self._sites[key].id]
@@ -1049,6 +1059,11 @@ class HistoryWriter:
             raise UsageError(f"observe_spines()'s table must be a trainhist.summary.SpineTable (one column per "
                              f"field, one row per site), not {type(table).__name__}; for one Summary use observe()")
         n = _table_rows(table)
+        for name, value in (("sites", sites), ("phases", phases)):
+            if value is not None and (isinstance(value, (str, bytes)) or not hasattr(value, "__len__")
+                                      or np.ndim(value) > 1):
+                raise UsageError(f"observe_spines()'s {name} must be a list (one per table row), got "
+                                 f"{type(value).__name__} {_short(value)}", code="bad_value")
         if len(sites) != n or (phases is not None and len(phases) != n):
             raise UsageError(f"observe_spines() needs one site{' and one phase' if phases is not None else ''} per "
                              f"table row: {len(sites)} sites{f', {len(phases)} phases' if phases is not None else ''}"
