@@ -278,6 +278,7 @@ def test_writer_methods_refuse_names_of_the_wrong_type_and_the_file_reads_clean(
     lambda h: (h.site("c", "param_grad"), h.site("c", "param_grad", sample=np.array([1, 2]))),
     lambda h: h.observe_spines(True, 0, _one_row_table()),
     lambda h: h.observe_spines([h.site("a", "activation")], 0, _one_row_table(), phases=1.5),
+    lambda h: h.observe_spines([h.site("a", "activation")], 0, _one_row_table(), phases=np.array("default")),
 ])
 def test_writer_refuses_a_shape_sample_or_site_list_of_the_wrong_type(tmp_path: Path, call) -> None:
     p = tmp_path / "x.thist"

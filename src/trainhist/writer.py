@@ -1061,7 +1061,7 @@ class HistoryWriter:
         n = _table_rows(table)
         for name, value in (("sites", sites), ("phases", phases)):
             if value is not None and (isinstance(value, (str, bytes)) or not hasattr(value, "__len__")
-                                      or np.ndim(value) > 1):
+                                      or np.ndim(value) != 1):
                 raise UsageError(f"observe_spines()'s {name} must be a list (one per table row), got "
                                  f"{type(value).__name__} {_short(value)}", code="bad_value")
         if len(sites) != n or (phases is not None and len(phases) != n):
