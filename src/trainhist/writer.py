@@ -468,8 +468,8 @@ def _encode_manifest(doc: dict) -> bytes:
     try:
         validate_manifest(doc)
     except TypeError as e:  # (a value the schema's keywords cannot compare: rank=1+2j)
-        raise UsageError(f"the {doc.get('kind')} manifest holds a value of the wrong type ({e}): give numbers, strings, "
-                         "booleans, null, lists and string-keyed objects", code="bad_manifest_value") from None
+        raise UsageError(f"the {doc.get('kind')} manifest holds a value of the wrong type ({e}): give numbers, "
+                         "strings, booleans, null, lists and string-keyed objects", code="bad_manifest_value") from None
     try:
         text = json.dumps(integers(doc), sort_keys=True, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as e:  # (an object JSON has no form for; a float NaN or infinity)
