@@ -244,3 +244,58 @@ def test_the_first_durable_commit_of_a_new_file_syncs_its_folder(tmp_path: Path,
     with HistoryWriter(p, mode="a", fsync=fsync) as w:  # (the file exists: its name is durable already)
         w.observe(w.site("a", "activation"), 2, _values(2))
     assert "folder" not in synced and "file" in synced
+
+
+@pytest.mark.parametrize("kw", [
+    {"codec": ["raw"]}, {"fsync": {}}, {"mode": np.array(["w", "a"])}, {"software": 4294967295},
+    {"writer_id": np.array([1, 2])}, {"run_id": np.array([1, 2])}, {"config": np.array([1, 2])},
+    {"run_name": [1.5]}, {"host": b"h"},
+])
+def test_writer_refuses_arguments_of_the_wrong_type_with_a_typed_error(tmp_path: Path, kw: dict) -> None:
+    # (fuzzed: a list, dict or array was hashed, truth-tested or dict()-ed: TypeError, numpy's ValueError)
+    with pytest.raises(UsageError) as e:
+        HistoryWriter(tmp_path / "x.thist", **{"fsync": "never", **kw})
+    assert e.value.code in ("bad_value", "usage")
+
+
+@pytest.mark.parametrize("call", [
+    lambda h: h.site("b", []), lambda h: h.site(["a"], "activation"), lambda h: h.site("a", "activation", facet=[0]),
+    lambda h: h.site("a", "scalar", sharing=np.array([1, 2])), lambda h: h.scalar({"k": 1.0}, 0, 1.0),
+    lambda h: h.step_truth(7, grad_basis=np.array([1, 2])),
+])
+def test_writer_methods_refuse_names_of_the_wrong_type_and_the_file_reads_clean(tmp_path: Path, call) -> None:
+    p = tmp_path / "x.thist"
+    with HistoryWriter(p, fsync="never") as h:
+        with pytest.raises(UsageError) as e:
+            call(h)
+        assert e.value.code == "bad_value"
+        h.scalar("loss", 0, 1.0)  # (the writer goes on)
+    trainhist.open(p).verify()
+
+
+@pytest.mark.parametrize("call", [
+    lambda h: h.site("c", "param_grad", shape=np.array(5)),
+    lambda h: (h.site("c", "param_grad"), h.site("c", "param_grad", sample=np.array([1, 2]))),
+    lambda h: h.observe_spines(True, 0, _one_row_table()),
+    lambda h: h.observe_spines([h.site("a", "activation")], 0, _one_row_table(), phases=1.5),
+    lambda h: h.observe_spines([h.site("a", "activation")], 0, _one_row_table(), phases=np.array("default")),
+])
+def test_writer_refuses_a_shape_sample_or_site_list_of_the_wrong_type(tmp_path: Path, call) -> None:
+    p = tmp_path / "x.thist"
+    with HistoryWriter(p, fsync="never") as h:
+        with pytest.raises(UsageError) as e:
+            call(h)
+        assert e.value.code == "bad_value"
+    trainhist.open(p).verify()
+
+
+def test_writer_refuses_a_complex_rank_with_a_typed_error(tmp_path: Path) -> None:
+    with pytest.raises(UsageError):
+        HistoryWriter(tmp_path / "x.thist", fsync="never", rank=1 + 2j)
+
+
+def _one_row_table():
+    from trainhist.summary import SpineTable
+    z = np.zeros(1, np.uint64)
+    return SpineTable(count=np.array([2], np.uint64), nan=z, pinf=z, ninf=z, zero=z, min=np.zeros(1), max=np.ones(1),
+                      sum=np.ones(1), sumsq=np.ones(1), method=np.ones(1, np.int64))

@@ -465,7 +465,11 @@ def encode_obs_chunks(chunks: list[tuple[list[tuple], int, int]], codec: int,
 def _encode_manifest(doc: dict) -> bytes:
     """A manifest's payload (spec 9: sorted keys, no white space, integers without fraction: ``rank=2.0`` is
     written ``2``), after checking it against its schema."""
-    validate_manifest(doc)
+    try:
+        validate_manifest(doc)
+    except TypeError as e:  # (a value the schema's keywords cannot compare: rank=1+2j)
+        raise UsageError(f"the {doc.get('kind')} manifest holds a value of the wrong type ({e}): give numbers, "
+                         "strings, booleans, null, lists and string-keyed objects", code="bad_manifest_value") from None
     try:
         text = json.dumps(integers(doc), sort_keys=True, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as e:  # (an object JSON has no form for; a float NaN or infinity)
@@ -545,6 +549,14 @@ def _tristate(names: type, field_: str, value: bool | str | None) -> int:
     except Exception as e:  # noqa: BLE001 -- e.g. an array of several values
         raise UsageError(f"{field_} must be a bool, None or one of {', '.join(names.NAMES)}, "  # type: ignore
                          f"got {value!r}", code="unknown_name") from e
+
+
+def _text(name: str, value: object, *, none: bool = False) -> None:
+    """Refuse a name or choice that is not a str (``none``: or None) with a typed error, before it is hashed, compared
+    or truth-tested (a list, dict or array there raised TypeError or numpy's ValueError)."""
+    if not (isinstance(value, str) or (none and value is None)):
+        raise UsageError(f"{name} must be a str{' or None' if none else ''}, got {type(value).__name__} "
+                         f"{_short(value)}", code="bad_value")
 
 
 def _open_locked(path: str):  # -> tuple[BinaryIO, bool]
@@ -653,6 +665,15 @@ class HistoryWriter:
         if not isinstance(path, (str, bytes, os.PathLike)):
             raise UsageError(f"HistoryWriter() takes a path (str or os.PathLike) to write the history to, not "
                              f"{type(path).__name__} {_short(path)}", code="bad_path")
+        for name, value in (("codec", codec), ("fsync", fsync), ("mode", mode)):
+            _text(name, value)
+        for name, value in (("run_id", run_id), ("writer_id", writer_id), ("run_name", run_name), ("host", host),
+                            ("created", created), ("run_created", run_created)):
+            _text(name, value, none=True)
+        for name, value in (("config", config), ("software", software), ("settings", settings)):
+            if value is not None and not isinstance(value, dict):
+                raise UsageError(f"{name} must be a dict or None, got {type(value).__name__} {_short(value)}",
+                                 code="bad_value")
         if codec not in Codec.BY_NAME:
             raise UsageError(f"codec must be one of {', '.join(Codec.BY_NAME)}, got {codec!r}")
         if fsync not in ("commit", "close", "never"):
@@ -856,6 +877,16 @@ class HistoryWriter:
         another ``sample`` than ``None`` is refused (``site_redeclared``, spec 2.2).
         ``order``: its position in the order a step produces values (spec 2.2), kept by merge where ids are not."""
         self._check_open()
+        _text("site()'s path", path)
+        _text("site()'s stream", stream)
+        _text("site()'s facet", facet, none=True)
+        _text("site()'s sharing", sharing, none=True)
+        if sample is not None and not isinstance(sample, dict):
+            raise UsageError(f"site()'s sample must be a dict or None, got {type(sample).__name__} {_short(sample)}",
+                             code="bad_value")
+        if shape is not None and not isinstance(shape, (str, bytes)) and np.ndim(shape) != 1:
+            raise UsageError(f"shape must be a tuple of whole numbers (e.g. (64, 128)) or None, got "
+                             f"{_short(shape)}", code="bad_value")
         key = (path, stream, facet)
         if key in self._sites:
             known = self._site_meta[self._sites[key].id]
@@ -1028,6 +1059,11 @@ class HistoryWriter:
             raise UsageError(f"observe_spines()'s table must be a trainhist.summary.SpineTable (one column per "
                              f"field, one row per site), not {type(table).__name__}; for one Summary use observe()")
         n = _table_rows(table)
+        for name, value in (("sites", sites), ("phases", phases)):
+            if value is not None and (isinstance(value, (str, bytes)) or not hasattr(value, "__len__")
+                                      or np.ndim(value) != 1):
+                raise UsageError(f"observe_spines()'s {name} must be a list (one per table row), got "
+                                 f"{type(value).__name__} {_short(value)}", code="bad_value")
         if len(sites) != n or (phases is not None and len(phases) != n):
             raise UsageError(f"observe_spines() needs one site{' and one phase' if phases is not None else ''} per "
                              f"table row: {len(sites)} sites{f', {len(phases)} phases' if phases is not None else ''}"
@@ -1097,6 +1133,7 @@ class HistoryWriter:
 
     def scalar(self, name: str, step: int, value: float) -> None:
         """Record a run-level number (loss, lr, grad norm, ...) as a one-element observation of a scalar site."""
+        _text("scalar()'s name", name)
         v = _real(f"scalar {name!r}", value)
         # (a scalar site the loop declared, with its own sharing, is looked up as it is: not declared again)
         s = self._sites.get((name, "scalar", None))
@@ -1126,6 +1163,7 @@ class HistoryWriter:
         ``clipped`` take a bool or the names the reader gives back (``"skipped"``, ``"not_clipped"``, ...)."""
         self._check_open()
         step = _whole("step", step, *_I64)
+        _text("grad_basis", grad_basis, none=True)
         row = (  # (every value checked before the step counts: a refused call records nothing)
             step,
             _tristate(Applied, "applied", applied),
