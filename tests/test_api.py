@@ -419,3 +419,21 @@ def test_scalar_records_into_a_scalar_site_declared_replica(tmp_path) -> None:
         (site,) = [s for s in h.sites if s.key == ("lr", "scalar", None)]
         assert site.sharing == "replica"
         assert h.spine("lr", "scalar").columns["max"].tolist() == [1e-3, 5e-4]
+
+
+def test_a_summary_whose_sum_method_is_an_array_is_refused_typed(tmp_path) -> None:
+    """observe(summary=...) compared the Summary's sum_method with UNKNOWN before checking it: an array there raised
+    numpy's 'truth value of an array is ambiguous' ValueError (fuzzed), not the typed refusal other wrong fields get."""
+    import dataclasses
+
+    import trainhist
+
+    with trainhist.HistoryWriter(tmp_path / "x.thist", fsync="never") as w:
+        s = w.site("a", "activation")
+        bad = dataclasses.replace(trainhist.summarize(np.ones(3)), sum_method=np.array([1, 2]))
+        with pytest.raises(UsageError) as ei:
+            w.observe(s, 0, summary=bad)
+        assert ei.value.code == "bad_summary" and "sum_method" in str(ei.value)
+        w.observe(s, 0, values=np.ones(3))
+    with trainhist.open(tmp_path / "x.thist") as h:
+        assert h.spine("a").count.tolist() == [3]

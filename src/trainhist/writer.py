@@ -1043,7 +1043,8 @@ class HistoryWriter:
             assert values is not None  # (exactly one of them is given)
             summary = summarize(values, dtype=dtype, sketch=sketch)
         else:
-            if summary.sum_method == SumMethod.UNKNOWN and (summary.sum is not ZERO or summary.sumsq is not ZERO):
+            if (_is_method(summary.sum_method) and summary.sum_method == SumMethod.UNKNOWN  # (others: refused below)
+                    and (summary.sum is not ZERO or summary.sumsq is not ZERO)):
                 summary = dataclasses.replace(summary, sum=ZERO, sumsq=ZERO)  # (no number is made of them)
             _check_summary(summary)
         self._add(site, step, phase, micro, Presence.OBSERVED, summary)
