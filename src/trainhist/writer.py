@@ -17,7 +17,6 @@ import socket
 import stat
 import time
 import uuid
-from collections.abc import Iterable
 from bisect import bisect_left
 from dataclasses import dataclass
 from itertools import accumulate, chain, repeat
@@ -884,7 +883,7 @@ class HistoryWriter:
         if sample is not None and not isinstance(sample, dict):
             raise UsageError(f"site()'s sample must be a dict or None, got {type(sample).__name__} {_short(sample)}",
                              code="bad_value")
-        if shape is not None and not isinstance(shape, (str, bytes)) and np.ndim(shape) != 1:
+        if shape is not None and np.ndim(shape) != 1:  # (a str or bytes too: numpy takes it as one value)
             raise UsageError(f"shape must be a tuple of whole numbers (e.g. (64, 128)) or None, got "
                              f"{_short(shape)}", code="bad_value")
         key = (path, stream, facet)
@@ -905,9 +904,6 @@ class HistoryWriter:
             sharing = "shard"
         if sharing not in SHARING:
             raise UsageError(f"sharing must be 'shard' or 'replica', got {sharing!r}")
-        if shape is not None and (isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable)):
-            raise UsageError(f"shape must be a tuple of whole numbers (e.g. (64, 128)) or None, got "
-                             f"{_short(shape)}", code="bad_value")
         sid = len(self._site_meta)
         doc: dict[str, Any] = {
             "kind": "site", "id": sid, "path": path, "stream": stream, "facet": facet,
