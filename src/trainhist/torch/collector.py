@@ -705,6 +705,7 @@ class Collector:
         self._versions: list[tuple[str, str | None, torch.Tensor, int]] = []  # discover(): outputs, their versions
         self._since_commit = 0
         self._closed = False
+        self._stopped = False  # the writer stopped for good (a failed write): see _writer_error
         self._finalizer: weakref.finalize | None = None  # (see _open)
         self.writer_errors = 0
         self.first_nonfinite: tuple[int, str, str, str | None] | None = None
@@ -844,6 +845,8 @@ class Collector:
         """Install the hooks; optionally watch ``optimizer`` (one or a list) and a ``torch.amp.GradScaler``."""
         if self._closed:
             raise UsageError("the collector is closed: make a new one to record more")
+        if self._stopped:  # (its writer stopped: nothing could be recorded, see _writer_error)
+            return self
         opts = [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         opts = [_unwrap_optimizer(o) for o in opts]  # (before anything is opened or hooked)
         self._open()
@@ -1139,10 +1142,12 @@ class Collector:
         if not stopped and "writer" in self._warned:  # (a writer that stops after another error is still said)
             return
         if stopped:  # (the writer writes nothing after a failed write or sync: see HistoryWriter._fail)
+            self._stopped = True
             what = (f"the history keeps every step up to its last commit, readable as it is, and this collector "
-                    f"records nothing more (training continues; col.writer_errors counts the calls refused since). "
-                    f"To go on recording once the cause is fixed (space freed): call col.close(), then make a new "
-                    f"Collector on {self.path or 'the file'}: it appends a new segment (mode='a', its default)")
+                    f"records nothing more: from its next step on it removes its hooks and reduces nothing (training "
+                    f"continues, at its own speed). To go on recording once the cause is fixed (space freed): call "
+                    f"col.close(), then make a new Collector on {self.path or 'the file'}: it appends a new segment "
+                    f"(mode='a', its default)")
         else:
             what = "training continues; further write errors are not reported, unless the writer stops"
         self._warn_once("writer_stopped" if stopped else "writer",
@@ -1161,6 +1166,11 @@ class Collector:
             raise UsageError("the collector is closed")
         if self._state is not None:
             raise UsageError(f"step {step} entered while step {self._state.step} is still open")
+        if self._stopped:  # the writer stopped (a full disk): nothing can be recorded, so nothing is reduced
+            self._drain()  # (a step still in flight: its rows are refused, as any write now is)
+            self._detach()
+            yield self
+            return
         if not self._fwd_handles:
             self.attach()
         last, self._last_step = self._last_step, int(step)
@@ -1331,6 +1341,8 @@ class Collector:
         """
         if self._closed:
             raise UsageError("the collector is closed: scalars() after close() would be lost")
+        if self._stopped:  # (nothing is recorded: not kept either, see _writer_error)
+            return
         with _no_flush():  # (a subnormal value is neither zero nor flushed in a cast)
             self._scalars(step, values)
 
@@ -2503,6 +2515,21 @@ class Collector:
                 self._state = None
         self._closed = True
         self._write_late()
+        self._detach()
+        if self._writer is not None and self._plan is not None:
+            self._register_sites()  # (the planned sites no step recorded: declared, with no rows)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if self._writer is not None and (self.path is not None):
+            self._safe(self._writer.close)
+            if _holders.get(os.path.realpath(self.path)) is self:
+                del _holders[os.path.realpath(self.path)]
+        elif self._writer is not None:
+            self._safe(self._writer.commit)
+
+    def _detach(self) -> None:
+        """Remove every hook and restore the scaler's methods (at close, and once the writer has stopped).
+        Idempotent."""
         for h in self._hooks:
             h.remove()
         self._hooks, self._fwd_handles = [], []
@@ -2523,16 +2550,6 @@ class Collector:
                     setattr(sc, name, orig)
                 else:
                     delattr(sc, name)
-        if self._writer is not None and self._plan is not None:
-            self._register_sites()  # (the planned sites no step recorded: declared, with no rows)
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        if self._writer is not None and (self.path is not None):
-            self._safe(self._writer.close)
-            if _holders.get(os.path.realpath(self.path)) is self:
-                del _holders[os.path.realpath(self.path)]
-        elif self._writer is not None:
-            self._safe(self._writer.commit)
 
     def __enter__(self) -> "Collector":
         return self
