@@ -23,13 +23,13 @@ import numpy as np
 import pytest
 import trainhist
 from trainhist import HistoryWriter
-p, grow = sys.argv[1], sys.argv[2] == "grow"
+p, grow, in_memory = sys.argv[1], sys.argv[2] == "grow", sys.argv[3] == "copy"
 with HistoryWriter(p, fsync="never") as w:
     sites = [w.site(f"s{i}", "activation") for i in range(40)]
     for step in range(10):
         for s in sites:
             w.observe(s, step, np.arange(64, dtype=np.float32) + step)
-h = trainhist.open(p)
+h = trainhist.open(p, in_memory=in_memory)
 print(len(h.spine("s0", "activation")), flush=True)
 w = HistoryWriter(p, mode="w", fsync="never")  # (the job starts over: the file is cut to nothing)
 if grow:  # (and grows again, with another salt, past what the reader found)
@@ -39,22 +39,22 @@ if grow:  # (and grows again, with another salt, past what the reader found)
             w.observe(s, step, np.arange(64, dtype=np.float32) + step)
     w.commit()
     assert w._offset > h.committed_bytes
-for query in (lambda: h.spine("s39", "activation"), h.verify, lambda: h.steps):
+for query in (lambda: h.spine("s39", "activation").max.tolist(), lambda: h.verify()["rows"],
+              lambda: len(h.steps["step"])):
     try:
-        query()
-        print("read", flush=True)
+        print("read", query(), flush=True)
     except trainhist.TrainhistError as e:
         print(e.code, flush=True)
 w.close()
 '''
 
 
-def _run(tmp_path: Path, grow: bool) -> subprocess.CompletedProcess:
+def _run(tmp_path: Path, grow: bool, in_memory: bool = False) -> subprocess.CompletedProcess:
     script = tmp_path / "live.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, str(script), str(tmp_path / "a.thist"), "grow" if grow else "cut"],
-                          capture_output=True, text=True, env=env, check=False)
+    return subprocess.run([sys.executable, str(script), str(tmp_path / "a.thist"), "grow" if grow else "cut",
+                           "copy" if in_memory else "map"], capture_output=True, text=True, env=env, check=False)
 
 
 def test_a_file_started_over_while_it_is_read_is_a_typed_error_not_a_sigbus(tmp_path: Path) -> None:
@@ -67,6 +67,52 @@ def test_a_file_started_over_and_grown_past_the_old_commits_is_a_typed_error(tmp
     r = _run(tmp_path, grow=True)
     assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
     assert r.stdout.split() == ["10", "file_changed", "file_changed", "file_changed"]
+
+
+@pytest.mark.parametrize("grow", [False, True])
+def test_a_history_read_into_memory_reads_on_what_it_found_while_the_file_is_started_over(
+        tmp_path: Path, grow: bool) -> None:
+    """``in_memory=True`` (spec/crash-safety.md): the file is read once, when opened; a writer starting it over
+    (cut to nothing, then grown again or not) changes nothing the history answers: the first history's rows, no
+    file_changed."""
+    r = _run(tmp_path, grow=grow, in_memory=True)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert r.stdout.splitlines() == ["10", f"read {[63.0 + s for s in range(10)]}", "read 400", "read 0"]
+
+
+def _outcome(path: Path, in_memory: bool) -> tuple:
+    """What opening and verifying ``path`` gives: the error's type, code and offset, or the recovery and counts."""
+    try:
+        with trainhist.open(path, in_memory=in_memory) as h:
+            return ("read", h.recovery, h.size, h.verify(), [s.key for s in h.sites])
+    except trainhist.TrainhistError as e:
+        return ("error", type(e).__name__, getattr(e, "code", None), getattr(e, "offset", None))
+
+
+def test_a_history_read_into_memory_reads_every_vector_as_the_map_does() -> None:
+    """The copy is scanned and queried by the same code as the map: every conformance vector file gives the same
+    outcome both ways (the same error, code and offset, or the same recovery, sizes and checks)."""
+    files = sorted((Path(SRC).parent / "conformance" / "vectors").rglob("*.thist"))
+    assert len(files) > 150
+    outcomes = {"read": 0, "error": 0}
+    for f in files:
+        mapped = _outcome(f, in_memory=False)
+        assert _outcome(f, in_memory=True) == mapped, f
+        outcomes[mapped[0]] += 1
+    assert outcomes["read"] > 50 and outcomes["error"] > 50, outcomes
+
+
+def test_a_history_read_into_memory_holds_a_read_only_copy_and_checks_its_argument(tmp_path: Path) -> None:
+    p = tmp_path / "a.thist"
+    with HistoryWriter(p, fsync="never") as w:
+        w.observe(w.site("a", "activation"), 0, np.arange(4, dtype=np.float32))
+    with trainhist.open(p, in_memory=True) as h:
+        os.truncate(p, 0)
+        assert h.size > 0 and not np.frombuffer(h._buf, np.uint8).flags.writeable
+        assert h.spine("a", "activation").max.tolist() == [3.0]
+    with pytest.raises(trainhist.UsageError) as e:
+        trainhist.open(p, in_memory="yes")  # type: ignore[arg-type]
+    assert e.value.code == "bad_value"
 
 
 def test_a_resumed_writer_cutting_the_torn_tail_leaves_an_open_reader_reading(tmp_path: Path) -> None:

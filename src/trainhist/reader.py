@@ -552,9 +552,13 @@ def _bad(msg: str, code: str, path: str, offset: int) -> CorruptError:
 class History:
     """A trainhist file opened for reading (committed content only). Use :func:`trainhist.open`."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, in_memory: bool = False) -> None:
         _check_path(path)
+        if not isinstance(in_memory, bool):
+            raise UsageError(f"in_memory must be True or False, not {type(in_memory).__name__} {in_memory!r:.60}",
+                             code="bad_value")
         self.path = os.fspath(path)
+        self.in_memory = in_memory
         self._file = _open_regular(self.path)
         self._closed = False
         self._buf: Any = b""
@@ -579,16 +583,34 @@ class History:
             raise
 
     def _map(self) -> None:
-        """Map the file; its size is the map's (a writer may cut or grow it at any time: only mapped bytes are
-        read)."""
+        """Map the file, or read it into memory (``in_memory``); its size is the map's or the copy's (a writer may
+        cut or grow it at any time: only those bytes are read)."""
         self._buf = b""
-        if os.fstat(self._file.fileno()).st_size:
+        if self.in_memory:
+            self._copy()
+        elif os.fstat(self._file.fileno()).st_size:
             try:
                 self._buf = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
             except ValueError:  # (emptied since: "cannot mmap an empty file")
                 pass
         self.size = len(self._buf)
         self._view = memoryview(self._buf)
+
+    def _copy(self) -> None:
+        """Read the file into memory, up to the size it has now (fewer bytes where it is cut meanwhile): queries
+        then read this copy, which no writer can cut (spec/crash-safety.md)."""
+        f = self._file
+        buf = bytearray(os.fstat(f.fileno()).st_size)
+        got = 0
+        with memoryview(buf) as view:
+            f.seek(0)
+            while got < len(buf):
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+        del buf[got:]
+        self._buf = memoryview(buf).toreadonly()  # (numpy arrays over it are read-only, as over a map)
 
     def _unmap(self) -> None:
         try:
@@ -704,7 +726,7 @@ class History:
         map past the file's new end would kill the process (SIGBUS); bytes cut meanwhile count as zero (they are
         gone, as a missing suffix is)."""
         pread = getattr(os, "pread", None)
-        if pread is None:  # (Windows: no pread, and a mapped file cannot be cut)
+        if pread is None or self.in_memory:  # (Windows: no pread, and a mapped file cannot be cut; or a copy)
             return not np.any(np.frombuffer(self._buf, np.uint8, end - start, start))
         fd = self._file.fileno()
         while start < end:
@@ -1340,7 +1362,7 @@ class History:
         if self._closed:
             raise UsageError("this History is closed; query it inside `with trainhist.open(...) as h:` or before "
                              "h.close() (h.sites and the manifests stay readable)", code="closed", path=self.path)
-        if self.committed_bytes:
+        if self.committed_bytes and not self.in_memory:  # (a copy in memory stays as it was read)
             self._check_unchanged()
 
     def _check_unchanged(self) -> None:
@@ -1401,7 +1423,9 @@ def _check_path(path: object) -> None:
                          f"{path!r:.60}", code="bad_path")
 
 
-def open_history(path: str | os.PathLike) -> History:
-    """Open a history file for reading; see :class:`History`."""
+def open_history(path: str | os.PathLike, *, in_memory: bool = False) -> History:
+    """Open a history file for reading; see :class:`History`. The file is mapped; ``in_memory=True`` reads it into
+    memory instead (memory: the file's size), so that a writer cutting or starting over the file while it is read
+    cannot kill this process (SIGBUS) nor change what it reads (spec/crash-safety.md)."""
     _check_path(path)
-    return History(path)
+    return History(path, in_memory=in_memory)
