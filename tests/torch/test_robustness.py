@@ -223,16 +223,19 @@ opt = torch.optim.SGD(m.parameters(), lr=0.1)
 col = Collector(m, sys.argv[1], mode="w", commit_every=3).attach(optimizer=opt)
 for s in range(5):
     with col.step(s):
-        m(torch.randn(2, 4)).sum().backward()
+        loss = m(torch.randn(2, 4)).sum()
+        loss.backward()
         opt.step()
         opt.zero_grad()
+    col.scalars(s, loss=loss)  # (after its step: read at the next step's transfer, or at close)
 raise RuntimeError("the training script crashed")
 """
 
 
 def test_a_process_that_ends_without_close_keeps_its_finished_steps(tmp_path):
     """A script that dies of an exception after its steps (never reaching close()) keeps every finished step, not
-    only those of its last commit: the collector's writer is closed when the interpreter exits."""
+    only those of its last commit, and the scalars given after the last step: the collector is closed when the
+    interpreter exits."""
     import subprocess
     import sys
 
@@ -245,6 +248,7 @@ def test_a_process_that_ends_without_close_keeps_its_finished_steps(tmp_path):
     h = trainhist.open(path)
     assert h.recovery.status == "clean"
     assert h.spine("0.weight", "param").step.tolist() == [0, 1, 2, 3, 4]  # (committed after step 2, then at exit)
+    assert h.spine("loss", "scalar").step.tolist() == [0, 1, 2, 3, 4]  # (step 4's: given after the last step)
 
 
 def test_a_collector_dropped_with_its_model_keeps_its_finished_steps_and_a_forked_copy_writes_nothing(

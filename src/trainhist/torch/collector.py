@@ -98,11 +98,17 @@ _holders: weakref.WeakValueDictionary[str, Collector] = weakref.WeakValueDiction
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
-def _close_writer(writer: object, pid: int) -> None:
-    """Close the writer of a collector that was not closed (collected, or at interpreter exit): its finished steps
-    are committed. Not in another process (a forked child holds the parent's file too: it must not write to it)."""
+def _close_writer(writer: object, pid: int, collector: "weakref.ref[Collector]") -> None:
+    """Close a collector that was not closed. At interpreter exit it is still alive and closes as ``close()`` does
+    (the scalars given after its last step, the steps in flight and the planned sites are written too); collected,
+    its writer is closed: its finished steps are committed. Not in another process (a forked child holds the
+    parent's file too: it must not write to it)."""
     if os.getpid() != pid:
         return
+    col = collector()
+    if col is not None:
+        with contextlib.suppress(Exception):  # (what close() could not write is lost; the writer is closed below)
+            col.close()
     with contextlib.suppress(Exception):  # (a writer that failed, or a file gone: what was committed stays)
         writer.close()  # type: ignore[attr-defined]
 
@@ -992,7 +998,7 @@ class Collector:
         _holders[os.path.realpath(self.path)] = self
         # a collector never closed (the script raised, or dropped it with its model) closes its writer when it is
         # collected or the interpreter exits, so its finished steps since the last commit are kept
-        self._finalizer = weakref.finalize(self, _close_writer, w, os.getpid())
+        self._finalizer = weakref.finalize(self, _close_writer, w, os.getpid(), weakref.ref(self))
         if key is not None and self.rank == 0:
             run = w.run_manifest
             lead = _agree_run(key, 0, {"run_id": w.run_id, "segment": w.segment, "created": run.get("created"),
