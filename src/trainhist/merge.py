@@ -289,6 +289,13 @@ def _agree(values: list) -> Any:
     return first if all(v == first for v in values[1:]) else None
 
 
+def _number_segments(keys: Iterable[tuple[tuple[str, ...], int]]) -> dict[tuple[tuple[str, ...], int], int]:
+    """The output segment ids of the (runs, number) keys: by number first, so that every `previous` comes before
+    the segment naming it (spec 11.3: a segment of runs pooled with --across-runs can continue in a segment of fewer
+    runs), then by runs."""
+    return {k: i for i, k in enumerate(sorted(set(keys), key=lambda k: (k[1], k[0])))}
+
+
 def _sum_u64(a: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """Group sums of unsigned 64-bit counts along axis 0, and the groups (mask) whose sum overflows, if any."""
     s = np.add.reduceat(a, starts, axis=0)
@@ -669,11 +676,10 @@ class _Engine:
             try:
                 for src in self.sources:
                     for g in src.segments:
-                        runs, num, _ = src.segment_origin(g)
-                        local[(src.idx, g.id)] = (() if self.across_runs else tuple(runs), num)
+                        local[(src.idx, g.id)] = self._segment_key(src, g)[0]
             except MergeError:  # (unknown_writer: refused by _plan_segments, in its turn)
                 return {0: list(members)}
-            ids = {k: i for i, k in enumerate(sorted(set(local.values()), key=lambda k: (k[1], k[0])))}
+            ids = _number_segments(local.values())
             self._out_segment = {sk: ids[k] for sk, k in local.items()}
         out: dict[int, list[tuple[_Source, Any]]] = {}
         for src, site in members:
@@ -753,13 +759,18 @@ class _Engine:
                      "(spec 11.1)")
         self.report.notes.append(text)
 
+    def _segment_key(self, src: _Source, g: Any) -> tuple[tuple[tuple[str, ...], int], list[str], list[str]]:
+        """The output segment an input segment goes to, as (its runs, or none when runs are pooled; its number),
+        with the segment's runs and writers (spec 11.3); raises MergeError ``unknown_writer``."""
+        runs, num, writers = src.segment_origin(g)
+        return (() if self.across_runs else tuple(runs), num), runs, writers
+
     def _plan_segments(self) -> None:
         groups: dict[tuple, list[tuple[_Source, Any, list[str], list[str]]]] = {}
         local_key: dict[tuple[int, int], tuple] = {}
         for s in self.sources:
             for g in s.segments:
-                runs, num, writers = s.segment_origin(g)
-                key = (() if self.across_runs else tuple(runs), num)
+                key, runs, writers = self._segment_key(s, g)
                 local_key[(s.idx, g.id)] = key
                 groups.setdefault(key, []).append((s, g, runs, writers))
             for g in s.segments:  # spec 11.3: a segment continues one of a smaller number, or cannot be ordered
@@ -773,10 +784,8 @@ class _Engine:
                         "are ordered by number, so the segment it continues would come after it, which no file "
                         "may hold (spec 11.3, 9); writers number a segment above the one it continues: this input's "
                         "segment numbers (origin.segment) are damaged", code="segment_order", path=s.path)
-        # by number first, so that every `previous` comes before the segment naming it (spec 11.3: a segment of
-        # runs pooled with --across-runs can continue in a segment of fewer runs)
-        keys = sorted(groups, key=lambda k: (k[1], k[0]))
-        new_id = {k: i for i, k in enumerate(keys)}
+        new_id = _number_segments(groups)
+        keys = sorted(groups, key=new_id.__getitem__)
         self.seg_map = {sk: new_id[k] for sk, k in local_key.items()}
         self.segment_docs = []
         settings = {d["writer_id"]: d.get("settings") for s in self.sources for d in s.settings}
@@ -786,11 +795,10 @@ class _Engine:
                 ranks.setdefault(d["writer_id"], set()).add((d["run_id"], int(d["rank"]), int(d["world_size"])))
         for k in keys:
             members = groups[k]
-            firsts = [g.first_step for _, g, _, _ in members if g.first_step is not None]
+            starts = sorted({(g.first_step, s.path) for s, g, _, _ in members if g.first_step is not None})
+            firsts = [f for f, _ in starts]
             if len(set(firsts)) > 1:
-                self.report.segment_mismatches.append({
-                    "segment": new_id[k], "first_steps": sorted({(g.first_step, s.path) for s, g, _, _ in members
-                                                                 if g.first_step is not None})})
+                self.report.segment_mismatches.append({"segment": new_id[k], "first_steps": starts})
             first = None if not firsts else (min(firsts) // self.N) * self.N
             if first is not None and first < -(1 << 63):
                 raise MergeError(f"segment {new_id[k]}: its first step {min(firsts)} has no window of {self.N} "
@@ -805,7 +813,7 @@ class _Engine:
             keys_ = sorted({key for d in own for key in d if any(e.get(key) != own[0].get(key) for e in own)})
             if keys_:
                 self.report.settings_mismatches.append({"segment": new_id[k], "writers": writers, "keys": keys_})
-            self._note_segment(new_id[k], members, keys_)
+            self._note_segment(new_id[k], starts, keys_)
             writer_runs: dict[str, set[str]] = {}  # (the runs of the segments each writer recorded in this one)
             for _, _, rs, ws in members:
                 for w in ws:
@@ -819,11 +827,11 @@ class _Engine:
             })
         self.report.segments = len(keys)
 
-    def _note_segment(self, seg: int, members: list, keys: list[str]) -> None:
-        """The notes on an output segment whose inputs start at different steps (``segment_mismatches``) or whose
-        writers recorded with different settings (``settings_mismatches``): guide section 5, ``notes`` holds every
-        such finding as a sentence, for the users of the API as for the command line."""
-        firsts = sorted({(g.first_step, s.path) for s, g, _, _ in members if g.first_step is not None})
+    def _note_segment(self, seg: int, firsts: list[tuple[int, str]], keys: list[str]) -> None:
+        """The notes on an output segment whose inputs start at different steps (``firsts``: (first step, input
+        path), sorted; ``segment_mismatches``) or whose writers recorded with different settings (``keys``;
+        ``settings_mismatches``): guide section 5, ``notes`` holds every such finding as a sentence, for the users
+        of the API as for the command line."""
         if len({f for f, _ in firsts}) > 1:
             self.report.notes.append(
                 f"the inputs of output segment {seg} start at different steps "
