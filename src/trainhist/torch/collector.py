@@ -480,11 +480,6 @@ def _keep_last(hid: int, module: torch.nn.Module, args: tuple) -> None:
 
 
 #: the writer's codes for a value it refuses (the rest of the call's rows are written): not a failing writer
-class _Redeclared(Exception):
-    """A site the writer refused to declare again with another sharing or sample (``site_redeclared``): raised by
-    :meth:`Collector._safe` for :meth:`Collector._handle`, the one caller of ``site()``."""
-
-
 _REFUSED_VALUES = frozenset({"bad_value", "duplicate_row", "bad_summary", "bad_manifest_value", "unknown_name"})
 
 
@@ -1104,15 +1099,19 @@ class Collector:
             if key in self._redeclared:  # (refused once: not asked again at every step)
                 return None
             try:
-                h = self._safe(
-                    self._writer.site, path, stream, facet=facet, shape=shape,
+                h = self._writer.site(
+                    path, stream, facet=facet, shape=shape,
                     dtype=self._dtypes.get(key) or s.dtype, sharing=s.sharing,
                     cadence_spine=s.every, cadence_sketch=s.sketch_every, sample=s.sample,
                     order=_u32((self._produced if stream.startswith("activation") else self._param_order).get(path)),
                 )
-            except _Redeclared as e:  # (the file declares the site with another sharing or sample: spec 2.2)
+            except Exception as e:  # noqa: BLE001 -- a broken disk must not kill the training run
+                if not (isinstance(e, UsageError) and e.code == "site_redeclared"):
+                    self._refused(e)
+                    return None
+                # (the file declares the site with another sharing or sample: spec 2.2)
                 self._redeclared.add(key)
-                self._warn_once("site_redeclared", f"trainhist: {e.args[0]}; this session records no rows of such "
+                self._warn_once("site_redeclared", f"trainhist: {e}; this session records no rows of such "
                                 "sites (each is refused once; the file keeps their earlier rows): resume with the "
                                 "settings the file was written with (delta_elements, seed, the model's wrapping), or "
                                 "record into a new file")
@@ -1129,15 +1128,17 @@ class Collector:
         try:
             return fn(*args, **kwargs)  # type: ignore[operator]
         except Exception as e:  # noqa: BLE001 -- a broken disk must not kill the training run
-            if (isinstance(e, UsageError) and e.code == "site_redeclared"  # (see _handle: no write failed)
-                    and fn == getattr(self._writer, "site", None)):
-                raise _Redeclared(str(e)) from None
-            if isinstance(e, UsageError) and e.code in _REFUSED_VALUES:  # (a value the file cannot hold: no disk)
-                self._warn_once(("refused", e.code), f"trainhist: the history refused a value, which is not "
-                                f"recorded ({e}); training continues")
-            else:
-                self._writer_error(e)
+            self._refused(e)
             return None
+
+    def _refused(self, e: Exception) -> None:
+        """A writer call raised ``e``: a value the file cannot hold is warned about once per code; anything else
+        is a writer error (:meth:`_writer_error`)."""
+        if isinstance(e, UsageError) and e.code in _REFUSED_VALUES:  # (a value the file cannot hold: no disk)
+            self._warn_once(("refused", e.code), f"trainhist: the history refused a value, which is not "
+                            f"recorded ({e}); training continues")
+        else:
+            self._writer_error(e)
 
     def _writer_error(self, e: Exception) -> None:
         self.writer_errors += 1
