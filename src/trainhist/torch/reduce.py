@@ -24,6 +24,7 @@ Nothing here synchronises with the device: the only host transfer is :meth:`Ledg
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import warnings
 
@@ -244,6 +245,15 @@ def _keyed_device(x: torch.Tensor) -> bool:
     return bool(_TRITON["loaded"]) and _triton_device(x.device)
 
 
+_TINY, _SUBNORMAL, _ZERO = sys.float_info.min, 5e-324, 0.0  # (variables: Python folds constant expressions)
+
+
+def _flushing() -> bool:
+    """Whether this thread flushes subnormals as ``torch.set_flush_denormal(True)`` does (results to zero, inputs
+    read as zero): the reductions' float arithmetic (casts, extremes, sums) must keep them, so it is switched off."""
+    return _TINY * 0.5 == _ZERO and _SUBNORMAL + _ZERO == _ZERO
+
+
 def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None, sketch: bool = True) -> None:
     """Accumulate the counts, finite min/max and float64 sums of ``x`` into the int64 ledger ``row``.
 
@@ -257,8 +267,21 @@ def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None
     wherever the ``triton`` method writes to the row (it always writes them). With the default method this holds
     by itself: on a device where the Triton kernel has loaded, every reduction writes key counts. Non-finite values
     are counted and excluded from min, max and the sums; the sign of a zero min/max is resolved from the
-    -0.0/+0.0 counts at decode time.
+    -0.0/+0.0 counts at decode time. Under ``torch.set_flush_denormal(True)`` the reduction switches it off while
+    it runs, and back on after (it would read subnormal values as zeros).
     """
+    if _flushing():
+        torch.set_flush_denormal(False)
+        try:
+            _reduce_into(x, row, method, sketch)
+        finally:
+            torch.set_flush_denormal(True)
+    else:
+        _reduce_into(x, row, method, sketch)
+
+
+def _reduce_into(x: torch.Tensor, row: torch.Tensor, method: str | None, sketch: bool) -> None:
+    """:func:`reduce_into` with the thread's subnormals kept."""
     if method is None:
         method = device_method(x)
         if method == "triton":
