@@ -88,3 +88,90 @@ def test_subnormals_under_flush_denormal(dtype, method, sketch, nan):
     assert abs(exact(got.sumsq) - sum(Fraction(v) ** 2 for v in fin)) <= bound
     if sketch:
         assert got.sketch.under_pos == 3 and got.sketch.under_neg == 1
+
+
+def _bin(v: float) -> int:
+    """Native-scale bin index ``i`` of a finite non-zero ``v``, ``2^(i/4) < |v| <= 2^((i+1)/4)``, from exact
+    integers (an independent reference: ``|v|^4`` against powers of two)."""
+    f = Fraction(abs(v)) ** 4
+    j = f.numerator.bit_length() - f.denominator.bit_length() - 1
+    while f > Fraction(2) ** j:
+        j += 1
+    while f <= Fraction(2) ** (j - 1):
+        j -= 1
+    return j - 1
+
+
+def _views() -> dict[str, torch.Tensor]:
+    """Tensors read in every way the reductions must see through, with special values where blocks end."""
+    edges = torch.tensor([2.0 ** (i / 4) for i in range(-196, 68)], dtype=torch.float64)
+    edges = torch.cat([edges, torch.nextafter(edges, torch.zeros_like(edges)),
+                       torch.nextafter(edges, torch.full_like(edges, math.inf))])
+    out: dict[str, torch.Tensor] = {}
+    for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        fi = torch.finfo(dt)
+        x = (torch.linspace(-3, 3, 4097, dtype=torch.float64) * 7).to(dt)  # one element past a block
+        x[-1] = math.nan
+        x[100] = -0.0
+        out[f"{dt} nan last"] = x
+        out[f"{dt} neg strided"] = torch._neg_view(x)[1::3]
+        out[f"{dt} transposed"] = x[:4096].view(64, 64).t()
+        out[f"{dt} expanded"] = x[:3].view(3, 1).expand(3, 11)
+        out[f"{dt} extremes"] = torch.tensor([fi.max, -fi.max, fi.tiny, -fi.tiny / 4, -0.0], dtype=dt)
+        out[f"{dt} edges"] = torch.cat([edges, -edges]).to(dt)
+    for dt, it, pats in ((torch.float32, torch.int32, [0x7FC00000, -0x400000, 0x7F800001, -0x7FFFFF, -1]),
+                         (torch.float64, torch.int64, [0x7FF8000000000000, -0x8000000000000, 0x7FF0000000000001, -1])):
+        out[f"{dt} nan payloads"] = torch.cat([torch.full((33,), 1.5, dtype=dt), torch.tensor(pats, dtype=it).view(dt)])
+    out["float64 squares overflow"] = torch.tensor([1e200, -3e200, 1.0], dtype=torch.float64)
+    out["int16 transposed"] = torch.arange(-300, 300, dtype=torch.int16).view(20, 30).t()
+    out["bool"] = torch.tensor([True, False, True])
+    out["empty"] = torch.zeros(0, 5)
+    return out
+
+
+@pytest.mark.parametrize("method", CPU_METHODS)
+@pytest.mark.parametrize("name", list(_views()))
+def test_rows_equal_an_exact_reference(name, method):
+    """Every method's row of a tensor read through a view (strided, transposed, expanded, negated), of every float
+    width, with NaN payloads of either sign, non-finite values in the last partial block, extremes and values on and
+    beside every bin edge, equals an exact reference: counts and bins as integers, min and max bit for bit, sums
+    within their method's bound (Fractions)."""
+    x = _views()[name]
+    vals = x.reshape(-1).to(torch.float64).tolist()  # (exact widening)
+    fin = [v for v in vals if math.isfinite(v)]
+    for sketch in (True, False):
+        if method == "triton" and not sketch:
+            continue
+        led = Ledger("cpu")
+        reduce_into(x, led.row("k"), method=method, sketch=sketch)
+        p = led.transfer()
+        got = decode_row(p.row(p.wait(), "k"), x.numel(), sketch=sketch)
+        assert (got.count, got.nan, got.pinf, got.ninf, got.zero) == (
+            len(vals), sum(map(math.isnan, vals)), vals.count(math.inf), vals.count(-math.inf), fin.count(0.0))
+        if not fin:
+            assert math.isnan(got.min) and math.isnan(got.max)
+            continue
+        lo = min(fin, key=lambda v: (v, math.copysign(1.0, v)))
+        hi = max(fin, key=lambda v: (v, math.copysign(1.0, v)))
+        assert (bits(got.min), bits(got.max)) == (bits(lo), bits(hi)), (got.min, lo, got.max, hi)
+        big = max(abs(lo), abs(hi))
+        if got.sum_method == SumMethod.UNKNOWN:  # (float64 accumulation overflowed: only where it could)
+            assert len(fin) * big * big > 1.7e308
+        else:
+            assert got.sum_method == SumMethod.F64
+            for power, value in ((1, got.sum), (2, got.sumsq)):
+                want = sum(Fraction(v) ** power for v in fin)
+                assert abs(exact(value) - want) <= Fraction(SumMethod.bound(SumMethod.F64, len(fin), big, power))
+        if sketch:
+            want: dict[tuple, int] = {}
+            for v in fin:
+                if v:
+                    i = _bin(v)
+                    k = (v < 0, "under" if i < -192 else "over" if i > 63 else i)
+                    want[k] = want.get(k, 0) + 1
+            s = got.sketch
+            have = {(neg, i - 192): int(c) for neg, side in ((False, s.pos), (True, s.neg))
+                    for i, c in enumerate(side.tolist()) if c}
+            have.update({k: c for k, c in (((False, "under"), s.under_pos), ((False, "over"), s.over_pos),
+                                            ((True, "under"), s.under_neg), ((True, "over"), s.over_neg)) if c})
+            assert have == want
