@@ -15,7 +15,7 @@ from trainhist.dyadic import Dyadic
 from trainhist.summary import SumMethod
 from trainhist.torch import Collector
 from trainhist.torch.plan import SKETCH_ROW_BYTES, SPINE_ROW_BYTES
-from trainhist.torch.reduce import Ledger, decode_row, reduce_into
+from trainhist.torch.reduce import Ledger, decode_arrays, decode_row, decode_rows, reduce_into
 
 _TINY, _ZERO = sys.float_info.min, 0.0  # (variables: Python folds constant expressions)
 
@@ -175,3 +175,31 @@ def test_rows_equal_an_exact_reference(name, method):
             have.update({k: c for k, c in (((False, "under"), s.under_pos), ((False, "over"), s.over_pos),
                                             ((True, "under"), s.under_neg), ((True, "over"), s.over_neg)) if c})
             assert have == want
+
+
+@pytest.mark.parametrize("sketch", [True, False])
+def test_decode_under_flush_denormal(sketch):
+    """Decoding a row whose extremes and sums are float64 subnormals under ``torch.set_flush_denormal(True)`` gives
+    them as they are (it compared them with zero as zeros: min +0.0 > max -0.0, and sums of 0), by every decoder,
+    and leaves the thread's setting as it was."""
+    x = torch.tensor([1e-310, 3e-320, 5e-324], dtype=torch.float64)
+    led = Ledger("cpu")
+    reduce_into(x, led.row("k"), sketch=sketch)
+    p = led.transfer()
+    data = p.wait().copy()
+    off = p.rows["k"]
+    assert torch.set_flush_denormal(True), "this CPU cannot flush subnormals"
+    try:
+        one = decode_row(p.row(data, "k"), 3, sketch=sketch)
+        (many,) = decode_rows(data, [off], [3], [sketch])
+        arrays = decode_arrays(data, [off], [3], [sketch])
+        still = _flushing()
+    finally:
+        torch.set_flush_denormal(False)
+    assert still, "decoding left torch.set_flush_denormal(True) switched off"
+    for s in (one, many):
+        assert (bits(s.min), bits(s.max)) == (bits(5e-324), bits(1e-310)), (s.min, s.max)
+        assert exact(s.sum) == Fraction(1e-310) + Fraction(3e-320) + Fraction(5e-324)
+        if sketch:
+            assert s.sketch.under_pos == 3
+    assert (bits(float(arrays.min[0])), bits(float(arrays.max[0]))) == (bits(5e-324), bits(1e-310))

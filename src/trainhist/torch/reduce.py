@@ -250,8 +250,24 @@ _TINY, _SUBNORMAL, _ZERO = sys.float_info.min, 5e-324, 0.0  # (variables: Python
 
 def _flushing() -> bool:
     """Whether this thread flushes subnormals as ``torch.set_flush_denormal(True)`` does (results to zero, inputs
-    read as zero): the reductions' float arithmetic (casts, extremes, sums) must keep them, so it is switched off."""
+    read as zero): the reductions' and decoders' float arithmetic (casts, extremes, sums) must keep them."""
     return _TINY * 0.5 == _ZERO and _SUBNORMAL + _ZERO == _ZERO
+
+
+class _no_flush:
+    """Keep subnormals in the block's float arithmetic: ``torch.set_flush_denormal(True)`` switched off for it, and
+    back on after where it was on."""
+
+    __slots__ = ("_on",)
+
+    def __enter__(self) -> None:
+        self._on = _flushing()
+        if self._on:
+            torch.set_flush_denormal(False)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._on:
+            torch.set_flush_denormal(True)
 
 
 def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None, sketch: bool = True) -> None:
@@ -270,13 +286,7 @@ def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None
     -0.0/+0.0 counts at decode time. Under ``torch.set_flush_denormal(True)`` the reduction switches it off while
     it runs, and back on after (it would read subnormal values as zeros).
     """
-    if _flushing():
-        torch.set_flush_denormal(False)
-        try:
-            _reduce_into(x, row, method, sketch)
-        finally:
-            torch.set_flush_denormal(True)
-    else:
+    with _no_flush():
         _reduce_into(x, row, method, sketch)
 
 
@@ -529,7 +539,8 @@ def decode_row(row: np.ndarray, count: int, *, sketch: bool) -> Summary:
     """The :class:`Summary` of a transferred ledger row whose reductions covered ``count`` elements in all.
 
     ``sketch=True`` needs a row reduced with ``sketch=True``; a sketch row also decodes to its spine alone.
-    Raises ``RuntimeError`` for a row that cannot have come from ``count`` elements.
+    Raises ``RuntimeError`` for a row that cannot have come from ``count`` elements. Like :func:`reduce_into`, the
+    decoders keep subnormal values under ``torch.set_flush_denormal(True)`` (switched off while they run).
     """
     out = decode_rows(np.asarray(row, dtype=np.int64), [0], [count], [sketch])[0]
     if isinstance(out, Exception):
@@ -586,6 +597,12 @@ def decode_arrays(data: np.ndarray, offsets: list[int], counts: list[int], sketc
 
     The key columns are summed by one pass over the buffer; a spine row (its keys sum to zero) is decoded from its
     few tail columns, a sketch row (they sum to its count) from its key counts too."""
+    with _no_flush():
+        return _decode_arrays(data, offsets, counts, sketches)
+
+
+def _decode_arrays(data: np.ndarray, offsets: list[int], counts: list[int], sketches: list[bool]) -> DecodedRows:
+    """:func:`decode_arrays` with the thread's subnormals kept."""
     off = np.asarray(offsets, dtype=np.int64)
     cnt = np.asarray(counts, dtype=np.int64)
     if off.size and (off.min() < 0 or off.max() > data.size - ROW):
@@ -642,7 +659,14 @@ def decode_rows(data: np.ndarray, offsets: list[int], counts: list[int],
     from its count (a row that fails a check there takes :func:`_decode`, which names the failure)."""
     if not offsets:
         return []
-    d = decode_arrays(data, offsets, counts, sketches)
+    with _no_flush():
+        return _decode_rows(data, offsets, counts, sketches)
+
+
+def _decode_rows(data: np.ndarray, offsets: list[int], counts: list[int],
+                 sketches: list[bool]) -> list[Summary | RuntimeError]:
+    """:func:`decode_rows` of at least one row, with the thread's subnormals kept."""
+    d = _decode_arrays(data, offsets, counts, sketches)
     it = iter(dyadics_of(d.sums[d.sums_ok].reshape(-1)))
     sketch_of = dict(zip(d.keyrows.tolist(), _sketches(d.keys)))
     rows = zip(d.ok.tolist(), d.has.tolist(), d.sums_ok.tolist(), d.count.tolist(), d.nan.tolist(), d.pinf.tolist(),
