@@ -6,6 +6,7 @@ import math
 import sys
 from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 from torch_helpers import CPU_METHODS, bits
@@ -15,7 +16,8 @@ from trainhist.dyadic import Dyadic
 from trainhist.summary import SumMethod
 from trainhist.torch import Collector
 from trainhist.torch.plan import SKETCH_ROW_BYTES, SPINE_ROW_BYTES
-from trainhist.torch.reduce import Ledger, decode_arrays, decode_row, decode_rows, reduce_into
+from trainhist.torch.reduce import (COL_MIN, ROW, Ledger, add_zeros, decode_arrays, decode_row, decode_rows, merge_row,
+                                     reduce_into)
 
 _TINY, _ZERO = sys.float_info.min, 0.0  # (variables: Python folds constant expressions)
 
@@ -203,3 +205,35 @@ def test_decode_under_flush_denormal(sketch):
         if sketch:
             assert s.sketch.under_pos == 3
     assert (bits(float(arrays.min[0])), bits(float(arrays.max[0]))) == (bits(5e-324), bits(1e-310))
+
+
+@pytest.mark.parametrize("how", ["merge_row", "Ledger.merge_on_host", "add_zeros"])
+def test_row_merges_under_flush_denormal(how):
+    """Merging rows (and counting a sparse tensor's implicit zeros into one) under
+    ``torch.set_flush_denormal(True)`` keeps float64 subnormal extremes and sums as they are: the row equals the
+    one made without it (it took them as zeros: min +0.0 > max -0.0, sums of 0, or a subnormal extreme clamped to
+    zero), and the thread's setting is as it was."""
+    a = torch.tensor([1e-310, -3e-320], dtype=torch.float64)
+    b = torch.tensor([5e-324, -1e-321], dtype=torch.float64)
+    rows = []
+    for flush in (False, True):
+        led = Ledger("cpu")
+        reduce_into(a, led.row("a"), sketch=False)
+        reduce_into(b, led.row("b"), sketch=False)
+        assert torch.set_flush_denormal(flush) or not flush, "this CPU cannot flush subnormals"
+        try:
+            if how == "merge_row":
+                merge_row(led.row("a"), led.row("b"))
+            elif how == "Ledger.merge_on_host":
+                led.merge_on_host("a", "b")
+            else:
+                add_zeros(led.row("a"), 2, sketch=False)
+            assert _flushing() == flush
+        finally:
+            torch.set_flush_denormal(False)
+        rows.append(led.transfer().wait()[led.rows["a"]: led.rows["a"] + ROW].copy())
+    assert np.array_equal(rows[1], rows[0]), (rows[1][COL_MIN:].view(np.float64), rows[0][COL_MIN:].view(np.float64))
+    got = decode_row(rows[1], 4, sketch=False)
+    vals = [*a.tolist(), *(b.tolist() if how != "add_zeros" else [0.0, 0.0])]
+    assert (bits(got.min), bits(got.max)) == (bits(min(vals)), bits(max(vals)))
+    assert exact(got.sum) == sum(map(Fraction, vals))

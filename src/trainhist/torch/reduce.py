@@ -518,21 +518,25 @@ def _reduce_chunk(x: torch.Tensor, row: torch.Tensor, use_bincount: bool, sketch
 
 
 def merge_row(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Merge ledger row ``src`` into ``dst`` exactly, as if ``src``'s reductions had been made into ``dst``."""
+    """Merge ledger row ``src`` into ``dst`` exactly, as if ``src``'s reductions had been made into ``dst`` (subnormal
+    extremes and sums kept under ``torch.set_flush_denormal(True)``, as :func:`reduce_into` keeps them)."""
     dst[:COL_MIN].add_(src[:COL_MIN])
     f, g = dst[COL_MIN:].view(torch.float64), src[COL_MIN:].view(torch.float64)
-    torch.minimum(f[0:2], g[0:2], out=f[0:2])
-    f[2:4].add_(g[2:4])
+    with _no_flush():
+        torch.minimum(f[0:2], g[0:2], out=f[0:2])
+        f[2:4].add_(g[2:4])
 
 
 def add_zeros(row: torch.Tensor, zeros: int, *, sketch: bool) -> None:
     """Count ``zeros`` more +0.0 values into ledger row ``row`` without making them (a sparse tensor's implicit
     zeros): a spine row counts them from the row's element count alone (every raw count leaves +0.0 out), a sketch
-    row in its zero key too; the extremes take 0 in (the sign of a zero extreme comes from the zero counts)."""
+    row in its zero key too; the extremes take 0 in (the sign of a zero extreme comes from the zero counts; a
+    subnormal one is kept under ``torch.set_flush_denormal(True)``)."""
     if zeros:
         if sketch:
             row[grid.KEY_ZERO] += zeros
-        row[COL_MIN : COL_MAX + 1].view(torch.float64).clamp_(max=0.0)  # (min, -max)
+        with _no_flush():
+            row[COL_MIN : COL_MAX + 1].view(torch.float64).clamp_(max=0.0)  # (min, -max)
 
 
 def decode_row(row: np.ndarray, count: int, *, sketch: bool) -> Summary:
@@ -811,7 +815,7 @@ class Ledger:
 
     def merge_on_host(self, dst: object, src: object) -> None:
         """:func:`merge_row` of the row of ``src`` into that of ``dst``, in place in a CPU ledger by address (one
-        compiled call, not five torch ops on fresh slices)."""
+        compiled call, not five torch ops on fresh slices; subnormals kept as :func:`merge_row` keeps them)."""
         if not self._cpu or _MERGE is None:
             raise ValueError(f"merge_on_host needs a CPU ledger and numba, not {self.device}")
         if src == dst:
@@ -819,7 +823,8 @@ class Ledger:
         for key in (src, dst):  # allocate both before taking an address: an allocation may move the buffer
             if key not in self.rows:
                 self.row(key)
-        _MERGE(self.address(dst), self.address(src))
+        with _no_flush():
+            _MERGE(self.address(dst), self.address(src))
 
     def offsets(self, keys: list[object]) -> list[int]:
         """The offsets of the rows of ``keys`` in the buffer, allocating those not yet used."""
