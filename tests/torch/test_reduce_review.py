@@ -16,8 +16,8 @@ from trainhist.dyadic import Dyadic
 from trainhist.summary import SumMethod
 from trainhist.torch import Collector
 from trainhist.torch.plan import SKETCH_ROW_BYTES, SPINE_ROW_BYTES
-from trainhist.torch.reduce import (COL_MIN, ROW, Ledger, add_zeros, decode_arrays, decode_row, decode_rows, merge_row,
-                                     reduce_into)
+from trainhist.torch.reduce import (COL_MIN, ROW, Ledger, add_zeros, decode_arrays, decode_row, decode_rows,
+                                     fusable_ats, fused_into, fused_many_at, merge_row, reduce_into)
 
 _TINY, _ZERO = sys.float_info.min, 0.0  # (variables: Python folds constant expressions)
 
@@ -237,3 +237,33 @@ def test_row_merges_under_flush_denormal(how):
     vals = [*a.tolist(), *(b.tolist() if how != "add_zeros" else [0.0, 0.0])]
     assert (bits(got.min), bits(got.max)) == (bits(min(vals)), bits(max(vals)))
     assert exact(got.sum) == sum(map(Fraction, vals))
+
+
+@pytest.mark.parametrize("how", ["fused_into", "fused_many_at"])
+@pytest.mark.parametrize("sketch", [True, False])
+def test_fused_entry_points_under_flush_denormal(how, sketch):
+    """The CPU kernel's own entry points keep subnormals under ``torch.set_flush_denormal(True)`` as
+    :func:`reduce_into` does: their rows equal the ones made without it (they read the subnormals as zeros), and
+    the thread's setting is as it was."""
+    xs = [torch.tensor([1e-40, -3e-41, 2.0**-149, math.nan]), torch.tensor([1e-310, 5e-324, -2e-320],
+                                                                             dtype=torch.float64)]
+    rows = []
+    for flush in (False, True):
+        led = Ledger("cpu")
+        addresses = led.addresses(list(range(len(xs))))
+        assert torch.set_flush_denormal(flush) or not flush, "this CPU cannot flush subnormals"
+        try:
+            if how == "fused_into":
+                for x, at in zip(xs, addresses):
+                    fused_into(x, at, sketch)
+            else:
+                assert sorted(fused_many_at(fusable_ats(xs), addresses, sketch)) == [0, 1]
+            assert _flushing() == flush
+        finally:
+            torch.set_flush_denormal(False)
+        rows.append(led.transfer().wait().copy())
+    assert np.array_equal(rows[1], rows[0])
+    got = decode_row(rows[1][:ROW], 4, sketch=sketch)
+    lo, hi = float(xs[0][1]), float(xs[0][0])  # (the float32 subnormals, widened exactly)
+    assert (bits(got.min), bits(got.max), got.zero, got.nan) == (bits(lo), bits(hi), 0, 1)
+    assert exact(got.sum) == sum(Fraction(float(v)) for v in xs[0][:3])

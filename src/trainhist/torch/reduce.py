@@ -405,7 +405,8 @@ def is_plain(x: torch.Tensor) -> bool:
 def fused_into(x: torch.Tensor, row_address: int, sketch: bool) -> None:
     """The ``fused`` method of :func:`reduce_into` on a plain CPU tensor, given the address of its int64 CPU ledger
     row (:meth:`Ledger.address`): the collector's hot path, a few microseconds of Python per call. The kernel reads
-    memory by address, so anything it could misread is refused with ``ValueError`` first."""
+    memory by address, so anything it could misread is refused with ``ValueError`` first; subnormals are kept under
+    ``torch.set_flush_denormal(True)``, as :func:`reduce_into` keeps them."""
     if not is_plain(x) or not x.is_cpu:
         raise ValueError(f"the fused reduction reads a plain strided CPU tensor's memory, not a {type(x).__name__} "
                          f"({x.layout}, {x.device}): reduce it with method='bincount'")
@@ -417,7 +418,8 @@ def fused_into(x: torch.Tensor, row_address: int, sketch: bool) -> None:
     if n:
         if not x.is_contiguous() or x.data_ptr() == 0:  # _widen's contract; a kernel must never read past storage
             raise ValueError("the fused reduction needs contiguous memory")
-        fused_at(x.data_ptr(), n, dt, row_address, sketch)
+        with _no_flush():
+            fused_at(x.data_ptr(), n, dt, row_address, sketch)
 
 
 def fused_at(address: int, n: int, dtype: torch.dtype, row_address: int, sketch: bool) -> None:
@@ -476,7 +478,8 @@ def fused_many_at(ats: list[tuple[int, int, torch.dtype] | None], row_addresses:
         many = (_F64 if dt is torch.float64 else _F32).kernels[2]
         args = (np.array(addresses, dtype=np.int64), np.array(ns, dtype=np.int64), np.array(rows, dtype=np.int64))
         try:  # (a compiled call fails at dispatch, before it writes anything)
-            many(*args, sketch)
+            with _no_flush():
+                many(*args, sketch)
         except Exception as e:  # noqa: BLE001 -- the per-tensor path reduces these
             warnings.warn(f"trainhist.torch: the batched CPU reduction failed ({e!r}); reducing one by one",
                           RuntimeWarning, stacklevel=2)
