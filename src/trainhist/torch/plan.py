@@ -345,12 +345,14 @@ class PlannedSite:
     provisional: bool = False  # facets not known yet (no discover()): replaced by the real ones when seen
 
     def bytes_per_step(self) -> float:
-        """Raw (uncompressed) bytes written per training step, amortised over the cadences (one phase)."""
+        """Raw (uncompressed) bytes written per training step, amortised over the cadences (one phase): a sketch
+        rides on a spine row, so it is written where both are due (every lcm of the cadences), and never without
+        the spine."""
         b = 0.0
         if self.every:
             b += SPINE_ROW_BYTES / self.every
-        if self.sketch_every:
-            b += SKETCH_ROW_BYTES / self.sketch_every
+            if self.sketch_every:
+                b += SKETCH_ROW_BYTES / math.lcm(self.every, self.sketch_every)
         return b
 
     def elements_per_step(self) -> float | None:

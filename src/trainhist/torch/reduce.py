@@ -24,6 +24,7 @@ Nothing here synchronises with the device: the only host transfer is :meth:`Ledg
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import warnings
 
@@ -244,6 +245,31 @@ def _keyed_device(x: torch.Tensor) -> bool:
     return bool(_TRITON["loaded"]) and _triton_device(x.device)
 
 
+_TINY, _SUBNORMAL, _ZERO = sys.float_info.min, 5e-324, 0.0  # (variables: Python folds constant expressions)
+
+
+def _flushing() -> bool:
+    """Whether this thread flushes subnormals as ``torch.set_flush_denormal(True)`` does (results to zero, inputs
+    read as zero): the reductions' and decoders' float arithmetic (casts, extremes, sums) must keep them."""
+    return _TINY * 0.5 == _ZERO and _SUBNORMAL + _ZERO == _ZERO
+
+
+class _no_flush:
+    """Keep subnormals in the block's float arithmetic: ``torch.set_flush_denormal(True)`` switched off for it, and
+    back on after where it was on."""
+
+    __slots__ = ("_on",)
+
+    def __enter__(self) -> None:
+        self._on = _flushing()
+        if self._on:
+            torch.set_flush_denormal(False)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._on:
+            torch.set_flush_denormal(True)
+
+
 def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None, sketch: bool = True) -> None:
     """Accumulate the counts, finite min/max and float64 sums of ``x`` into the int64 ledger ``row``.
 
@@ -257,8 +283,15 @@ def reduce_into(x: torch.Tensor, row: torch.Tensor, *, method: str | None = None
     wherever the ``triton`` method writes to the row (it always writes them). With the default method this holds
     by itself: on a device where the Triton kernel has loaded, every reduction writes key counts. Non-finite values
     are counted and excluded from min, max and the sums; the sign of a zero min/max is resolved from the
-    -0.0/+0.0 counts at decode time.
+    -0.0/+0.0 counts at decode time. Under ``torch.set_flush_denormal(True)`` the reduction switches it off while
+    it runs, and back on after (it would read subnormal values as zeros).
     """
+    with _no_flush():
+        _reduce_into(x, row, method, sketch)
+
+
+def _reduce_into(x: torch.Tensor, row: torch.Tensor, method: str | None, sketch: bool) -> None:
+    """:func:`reduce_into` with the thread's subnormals kept."""
     if method is None:
         method = device_method(x)
         if method == "triton":
@@ -372,7 +405,8 @@ def is_plain(x: torch.Tensor) -> bool:
 def fused_into(x: torch.Tensor, row_address: int, sketch: bool) -> None:
     """The ``fused`` method of :func:`reduce_into` on a plain CPU tensor, given the address of its int64 CPU ledger
     row (:meth:`Ledger.address`): the collector's hot path, a few microseconds of Python per call. The kernel reads
-    memory by address, so anything it could misread is refused with ``ValueError`` first."""
+    memory by address, so anything it could misread is refused with ``ValueError`` first; subnormals are kept under
+    ``torch.set_flush_denormal(True)``, as :func:`reduce_into` keeps them."""
     if not is_plain(x) or not x.is_cpu:
         raise ValueError(f"the fused reduction reads a plain strided CPU tensor's memory, not a {type(x).__name__} "
                          f"({x.layout}, {x.device}): reduce it with method='bincount'")
@@ -384,7 +418,8 @@ def fused_into(x: torch.Tensor, row_address: int, sketch: bool) -> None:
     if n:
         if not x.is_contiguous() or x.data_ptr() == 0:  # _widen's contract; a kernel must never read past storage
             raise ValueError("the fused reduction needs contiguous memory")
-        fused_at(x.data_ptr(), n, dt, row_address, sketch)
+        with _no_flush():
+            fused_at(x.data_ptr(), n, dt, row_address, sketch)
 
 
 def fused_at(address: int, n: int, dtype: torch.dtype, row_address: int, sketch: bool) -> None:
@@ -443,7 +478,8 @@ def fused_many_at(ats: list[tuple[int, int, torch.dtype] | None], row_addresses:
         many = (_F64 if dt is torch.float64 else _F32).kernels[2]
         args = (np.array(addresses, dtype=np.int64), np.array(ns, dtype=np.int64), np.array(rows, dtype=np.int64))
         try:  # (a compiled call fails at dispatch, before it writes anything)
-            many(*args, sketch)
+            with _no_flush():
+                many(*args, sketch)
         except Exception as e:  # noqa: BLE001 -- the per-tensor path reduces these
             warnings.warn(f"trainhist.torch: the batched CPU reduction failed ({e!r}); reducing one by one",
                           RuntimeWarning, stacklevel=2)
@@ -485,28 +521,33 @@ def _reduce_chunk(x: torch.Tensor, row: torch.Tensor, use_bincount: bool, sketch
 
 
 def merge_row(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Merge ledger row ``src`` into ``dst`` exactly, as if ``src``'s reductions had been made into ``dst``."""
+    """Merge ledger row ``src`` into ``dst`` exactly, as if ``src``'s reductions had been made into ``dst`` (subnormal
+    extremes and sums kept under ``torch.set_flush_denormal(True)``, as :func:`reduce_into` keeps them)."""
     dst[:COL_MIN].add_(src[:COL_MIN])
     f, g = dst[COL_MIN:].view(torch.float64), src[COL_MIN:].view(torch.float64)
-    torch.minimum(f[0:2], g[0:2], out=f[0:2])
-    f[2:4].add_(g[2:4])
+    with _no_flush():
+        torch.minimum(f[0:2], g[0:2], out=f[0:2])
+        f[2:4].add_(g[2:4])
 
 
 def add_zeros(row: torch.Tensor, zeros: int, *, sketch: bool) -> None:
     """Count ``zeros`` more +0.0 values into ledger row ``row`` without making them (a sparse tensor's implicit
     zeros): a spine row counts them from the row's element count alone (every raw count leaves +0.0 out), a sketch
-    row in its zero key too; the extremes take 0 in (the sign of a zero extreme comes from the zero counts)."""
+    row in its zero key too; the extremes take 0 in (the sign of a zero extreme comes from the zero counts; a
+    subnormal one is kept under ``torch.set_flush_denormal(True)``)."""
     if zeros:
         if sketch:
             row[grid.KEY_ZERO] += zeros
-        row[COL_MIN : COL_MAX + 1].view(torch.float64).clamp_(max=0.0)  # (min, -max)
+        with _no_flush():
+            row[COL_MIN : COL_MAX + 1].view(torch.float64).clamp_(max=0.0)  # (min, -max)
 
 
 def decode_row(row: np.ndarray, count: int, *, sketch: bool) -> Summary:
     """The :class:`Summary` of a transferred ledger row whose reductions covered ``count`` elements in all.
 
     ``sketch=True`` needs a row reduced with ``sketch=True``; a sketch row also decodes to its spine alone.
-    Raises ``RuntimeError`` for a row that cannot have come from ``count`` elements.
+    Raises ``RuntimeError`` for a row that cannot have come from ``count`` elements. Like :func:`reduce_into`, the
+    decoders keep subnormal values under ``torch.set_flush_denormal(True)`` (switched off while they run).
     """
     out = decode_rows(np.asarray(row, dtype=np.int64), [0], [count], [sketch])[0]
     if isinstance(out, Exception):
@@ -563,6 +604,12 @@ def decode_arrays(data: np.ndarray, offsets: list[int], counts: list[int], sketc
 
     The key columns are summed by one pass over the buffer; a spine row (its keys sum to zero) is decoded from its
     few tail columns, a sketch row (they sum to its count) from its key counts too."""
+    with _no_flush():
+        return _decode_arrays(data, offsets, counts, sketches)
+
+
+def _decode_arrays(data: np.ndarray, offsets: list[int], counts: list[int], sketches: list[bool]) -> DecodedRows:
+    """:func:`decode_arrays` with the thread's subnormals kept."""
     off = np.asarray(offsets, dtype=np.int64)
     cnt = np.asarray(counts, dtype=np.int64)
     if off.size and (off.min() < 0 or off.max() > data.size - ROW):
@@ -619,7 +666,14 @@ def decode_rows(data: np.ndarray, offsets: list[int], counts: list[int],
     from its count (a row that fails a check there takes :func:`_decode`, which names the failure)."""
     if not offsets:
         return []
-    d = decode_arrays(data, offsets, counts, sketches)
+    with _no_flush():
+        return _decode_rows(data, offsets, counts, sketches)
+
+
+def _decode_rows(data: np.ndarray, offsets: list[int], counts: list[int],
+                 sketches: list[bool]) -> list[Summary | RuntimeError]:
+    """:func:`decode_rows` of at least one row, with the thread's subnormals kept."""
+    d = _decode_arrays(data, offsets, counts, sketches)
     it = iter(dyadics_of(d.sums[d.sums_ok].reshape(-1)))
     sketch_of = dict(zip(d.keyrows.tolist(), _sketches(d.keys)))
     rows = zip(d.ok.tolist(), d.has.tolist(), d.sums_ok.tolist(), d.count.tolist(), d.nan.tolist(), d.pinf.tolist(),
@@ -764,7 +818,7 @@ class Ledger:
 
     def merge_on_host(self, dst: object, src: object) -> None:
         """:func:`merge_row` of the row of ``src`` into that of ``dst``, in place in a CPU ledger by address (one
-        compiled call, not five torch ops on fresh slices)."""
+        compiled call, not five torch ops on fresh slices; subnormals kept as :func:`merge_row` keeps them)."""
         if not self._cpu or _MERGE is None:
             raise ValueError(f"merge_on_host needs a CPU ledger and numba, not {self.device}")
         if src == dst:
@@ -772,7 +826,8 @@ class Ledger:
         for key in (src, dst):  # allocate both before taking an address: an allocation may move the buffer
             if key not in self.rows:
                 self.row(key)
-        _MERGE(self.address(dst), self.address(src))
+        with _no_flush():
+            _MERGE(self.address(dst), self.address(src))
 
     def offsets(self, keys: list[object]) -> list[int]:
         """The offsets of the rows of ``keys`` in the buffer, allocating those not yet used."""
