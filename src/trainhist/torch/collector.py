@@ -30,7 +30,6 @@ import json
 import math
 import os
 import re
-import sys
 import time
 import warnings
 import weakref
@@ -65,9 +64,9 @@ from .plan import (
     unwrap,
 )
 from . import reduce as _reduction
-from .reduce import (DecodedRows, Ledger, PendingTransfer, add_zeros, decode_arrays, decode_rows, fusable_at,
-                     fusable_ats, fused_at, fused_into, fused_many_at, is_plain, merge_row, reduce_into,
-                     triton_batchable, triton_many)
+from .reduce import (DecodedRows, Ledger, PendingTransfer, _flush_mode, _no_flush, add_zeros, decode_arrays,
+                     decode_rows, fusable_at, fusable_ats, fused_at, fused_into, fused_many_at, is_plain, merge_row,
+                     reduce_into, triton_batchable, triton_many)
 
 __all__ = ["Collector", "StepTruth"]
 
@@ -259,32 +258,6 @@ class _DeltaBatch:
         bad = _reduction.cpukernel.gather_f32(addresses, self.sizes, self.index, self.offsets, self.host, subtract)
         if bad >= 0:
             raise RuntimeError(f"parameter {self.names[bad]!r} is smaller than its sampled positions")
-
-
-_TINY, _SUBNORMAL, _ZERO = sys.float_info.min, 5e-324, 0.0  # (variables: Python folds constant expressions)
-
-
-def _flush_mode() -> tuple[bool, bool]:
-    """Whether this thread's float arithmetic flushes results below the normal range to zero, and whether it reads
-    subnormal inputs as zero (``torch.set_flush_denormal(True)`` turns on both)."""
-    return _TINY * 0.5 == _ZERO, _SUBNORMAL + _ZERO == _ZERO
-
-
-class _no_flush:  # noqa: N801 -- used as the function it was: ``with _no_flush():``
-    """Keep subnormals in the float arithmetic of the block (the bounds of spec 5.4 assume them), and put back
-    ``torch.set_flush_denormal(True)`` after it if it was on. (A class, not a generator-based context manager:
-    entered several times a step, for a few microseconds less each.)"""
-
-    __slots__ = ("_on",)
-
-    def __enter__(self) -> None:
-        self._on = all(_flush_mode())
-        if self._on:
-            torch.set_flush_denormal(False)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._on:
-            torch.set_flush_denormal(True)
 
 
 def _add_sumsq(total: float, count: int, nan: int, inf: int, sumsq: float) -> float:

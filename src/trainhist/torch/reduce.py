@@ -248,20 +248,22 @@ def _keyed_device(x: torch.Tensor) -> bool:
 _TINY, _SUBNORMAL, _ZERO = sys.float_info.min, 5e-324, 0.0  # (variables: Python folds constant expressions)
 
 
-def _flushing() -> bool:
-    """Whether this thread flushes subnormals as ``torch.set_flush_denormal(True)`` does (results to zero, inputs
-    read as zero): the reductions' and decoders' float arithmetic (casts, extremes, sums) must keep them."""
-    return _TINY * 0.5 == _ZERO and _SUBNORMAL + _ZERO == _ZERO
+def _flush_mode() -> tuple[bool, bool]:
+    """Whether this thread's float arithmetic flushes results below the normal range to zero, and whether it reads
+    subnormal inputs as zero (``torch.set_flush_denormal(True)`` turns on both): the reductions' and decoders' float
+    arithmetic (casts, extremes, sums) must keep them."""
+    return _TINY * 0.5 == _ZERO, _SUBNORMAL + _ZERO == _ZERO
 
 
-class _no_flush:
-    """Keep subnormals in the block's float arithmetic: ``torch.set_flush_denormal(True)`` switched off for it, and
-    back on after where it was on."""
+class _no_flush:  # noqa: N801 -- used as the function it was: ``with _no_flush():``
+    """Keep subnormals in the block's float arithmetic (the bounds of spec 5.4 assume them): switch
+    ``torch.set_flush_denormal(True)`` off for it, and back on after where it was on. (A class, not a generator-based
+    context manager: entered several times a step, for a few microseconds less each.)"""
 
     __slots__ = ("_on",)
 
     def __enter__(self) -> None:
-        self._on = _flushing()
+        self._on = all(_flush_mode())
         if self._on:
             torch.set_flush_denormal(False)
 
