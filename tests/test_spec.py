@@ -57,3 +57,34 @@ def test_vectors_named_by_the_spec_exist() -> None:
         named |= set(re.findall(rf"`((?:{cats})/[A-Za-z0-9_]+)`", (ROOT / doc).read_text("utf-8")))
     assert named
     assert sorted(n for n in named if not (vectors / n / "case.json").is_file()) == []
+
+
+def _spec_table(heading: str, stop: str) -> dict[str, str]:
+    """The (name, dtype) rows of the spec table under ``heading``, up to the line starting with ``stop``."""
+    text = SPEC.split(heading, 1)[1].split(stop, 1)[0]
+    out: dict[str, str] = {}
+    for names, dtype in re.findall(r"^\| ((?:`\w+`,? ?)+) \| (\w+)", text, re.M):
+        for name in re.findall(r"`(\w+)`", names):
+            out[name] = dtype
+    return out
+
+
+def test_obs_and_sketch_column_tables_match_the_implementation_and_the_plans_row_bytes() -> None:
+    """Spec 7.5's required obs columns and sketch columns are the implementation's (names, order, dtypes), and the
+    collector's plan prices a spine row and a full sketch row from them (it said 120 bytes a spine row, not 91)."""
+    import numpy as np
+
+    from trainhist.model import OBS_COLUMNS, SKETCH_COLUMNS
+
+    obs = _spec_table("### 7.5 Obs chunk columns", "Optional tally")
+    sketch = _spec_table("Optional sketch columns", "All obs chunks")
+    assert obs == dict(OBS_COLUMNS) and list(obs) == list(OBS_COLUMNS)
+    assert sketch == {k: v for k, v in SKETCH_COLUMNS.items()}
+    try:
+        from trainhist.torch.plan import SKETCH_ROW_BYTES, SPINE_ROW_BYTES
+    except ImportError:  # (no torch: the reader's tests run without it)
+        return
+    width = {name: np.dtype(dt).itemsize for name, dt in {**obs, **sketch}.items()}
+    assert SPINE_ROW_BYTES == sum(width[n] for n in obs) == 91
+    fixed = sum(width[n] for n in sketch if n != "sk_counts")
+    assert SKETCH_ROW_BYTES == fixed + 8 * 2 * grid.nbins(grid.NATIVE_SCALE)

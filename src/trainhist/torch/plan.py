@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .. import grid
 from ..errors import UsageError
+from ..model import OBS_COLUMNS, SKETCH_COLUMNS
 
 __all__ = [
     "STREAMS",
@@ -39,10 +41,13 @@ STREAMS = ("activation", "activation_grad", "param", "param_grad", "param_delta"
 ROOT = "(root)"  #: site path of the model's own output (module paths are never parenthesised)
 
 _WRAPPER_SEGMENTS = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
-# raw bytes one row costs before compression: spine = step, micro, phase, presence, 5 counts, min, max,
-# sum and sumsq (dyadics stored in 16 bytes each); a sketch = 2 x 256 bins + 4 under/overflow counts.
-SPINE_ROW_BYTES = 8 * 9 + 2 * 8 + 2 * 16
-SKETCH_ROW_BYTES = 8 * (2 * 256 + 4)
+#: raw bytes a row costs before compression: the required obs columns (spec 7.5; an exact sum, stored only where
+#: the rounded one is not exact, adds its few bytes)
+SPINE_ROW_BYTES = sum(np.dtype(dt).itemsize for dt in OBS_COLUMNS.values())
+#: ... and a sketch at most: its fixed columns and every bin of both sides at the native scale (a writer stores each
+#: side's range from its first to its last non-zero bin)
+SKETCH_ROW_BYTES = (sum(np.dtype(dt).itemsize for name, dt in SKETCH_COLUMNS.items() if name != "sk_counts")
+                    + np.dtype(SKETCH_COLUMNS["sk_counts"]).itemsize * 2 * grid.nbins(grid.NATIVE_SCALE))
 
 
 def unwrap(model: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
