@@ -145,3 +145,29 @@ def test_plan_counts_every_call_of_a_module_called_twice(tmp_path):
         m(torch.randn(4, 8))
     col.close()
     assert int(trainhist.open(tmp_path / "t.thist").spine("body", "activation").columns["count"][0]) == site.elements
+
+
+def test_plan_counts_each_call_of_a_shared_module_at_its_own_shape(tmp_path):
+    """A shared embedding applied to inputs of two lengths in one forward: the plan's elements per step are the sum
+    of both calls' outputs, as the rows' counts are (it multiplied the first call's shape by the calls)."""
+    import trainhist
+    from trainhist.torch import Collector
+
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4)
+
+        def forward(self, a, b):
+            return self.emb(a).sum() + self.emb(b).sum()
+
+    m = Shared()
+    a, b = torch.randint(0, 10, (2, 8)), torch.randint(0, 10, (2, 3))
+    col = Collector(m, tmp_path / "t.thist", mode="w", streams=("activation",))
+    col.discover((a, b))
+    (site,) = [s for s in col.plan.sites if s.path == "emb"]
+    assert site.elements == (2 * 8 + 2 * 3) * 4
+    with col.step(0):
+        m(a, b)
+    col.close()
+    assert int(trainhist.open(tmp_path / "t.thist").spine("emb", "activation").columns["count"][0]) == site.elements

@@ -630,7 +630,8 @@ class Collector:
         self._steps_entered = False
         self._last_step: int | None = None  # (the last step entered in this segment)
         self._completed: dict[str, None] = {}  # modules of the current forward, in the order they completed
-        self._calls: dict[str, int] = {}  # calls of each module in discover()'s forward
+        self._elements: dict[tuple[str, str | None], int] = {}  # (path, facet): its elements in discover()'s
+        # forward, over every call of the module (a module called n times a forward has n outputs a step)
         self._param_order = {n: i for i, n in enumerate(self._params)}
         self._gradless: set[tuple[str, str | None]] = set()  # (path, facet) discover() saw without a gradient
         self._plan: Plan | None = None
@@ -700,7 +701,7 @@ class Collector:
         if self._closed:
             raise UsageError("the collector is closed: make a new one to record more")
         self._discovery = {}
-        self._calls = {}
+        self._elements = {}
         self._completed = {}
         self._gradless = set()
         self._versions = []
@@ -727,10 +728,11 @@ class Collector:
     def _on_discover(self, path: str, module: torch.nn.Module, args: tuple, output: object) -> None:
         if self._discovery is None:
             return
-        self._calls[path] = self._calls.get(path, 0) + 1  # (a module called n times a forward: n outputs a step)
+        facets = list(flatten_output(output))
+        for f, t in facets:  # (each call's own shapes: a shared embedding may see inputs of several lengths)
+            self._elements[(path, f)] = self._elements.get((path, f), 0) + t.numel()
         if path not in self._discovery:
             self._completed.setdefault(path)
-            facets = list(flatten_output(output))
             self._discovery[path] = [(f, tuple(t.shape), _dtype_name(t)) for f, t in facets]
             if torch.is_grad_enabled():  # (under no_grad nothing requires a gradient: that says nothing of training)
                 self._gradless.update((path, f) for f, t in facets if not t.requires_grad)
@@ -768,7 +770,7 @@ class Collector:
                     if stream in self.streams and not (stream == "activation_grad" and (path, facet) in self._gradless):
                         plan.sites.append(PlannedSite(
                             path, stream, facet, shape, dtype,
-                            math.prod(shape) * self._calls.get(path, 1) if known else None,
+                            self._elements.get((path, facet), math.prod(shape)) if known else None,
                             "replica" if path in self._rep_modules else "shard",
                             ev[stream], sk[stream], provisional=not known,
                         ))
