@@ -136,12 +136,13 @@ class Sparse:
 
     def canonical(self) -> Sparse:
         """The ranges as a canonical chunk stores them: each cut to its first and last non-zero count, and an
-        all-zero range empty (first bin 0)."""
+        empty or all-zero range empty at first bin 0 (spec 11.9: ``lo = n = 0``)."""
         nf = self.n.ravel()
         first = np.cumsum(nf) - nf
         some = nf > 0
         c = self.counts
-        if (c[first[some]] != 0).all() and (c[(first + nf - 1)[some]] != 0).all():
+        if (c[first[some]] != 0).all() and (c[(first + nf - 1)[some]] != 0).all() and \
+                (self.lo.ravel()[~some] == 0).all():  # (an empty range may start anywhere in a chunk read)
             return self
         nz = np.flatnonzero(c)
         seg = np.repeat(np.arange(nf.size), nf)[nz]  # the range of each non-zero count (non-decreasing)
