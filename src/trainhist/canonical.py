@@ -136,12 +136,13 @@ class Sparse:
 
     def canonical(self) -> Sparse:
         """The ranges as a canonical chunk stores them: each cut to its first and last non-zero count, and an
-        all-zero range empty (first bin 0)."""
+        empty or all-zero range empty at first bin 0 (spec 11.9: ``lo = n = 0``)."""
         nf = self.n.ravel()
         first = np.cumsum(nf) - nf
         some = nf > 0
         c = self.counts
-        if (c[first[some]] != 0).all() and (c[(first + nf - 1)[some]] != 0).all():
+        if (c[first[some]] != 0).all() and (c[(first + nf - 1)[some]] != 0).all() and \
+                (self.lo.ravel()[~some] == 0).all():  # (an empty range may start anywhere in a chunk read)
             return self
         nz = np.flatnonzero(c)
         seg = np.repeat(np.arange(nf.size), nf)[nz]  # the range of each non-zero count (non-decreasing)
@@ -498,8 +499,8 @@ def decode_obs_columns(parts: list[ObsChunk], cols: dict[str, np.ndarray], tally
         if lens is not None:
             _refuse_tiny_sums(name, x, lens != 0, cols, observed, locate)
         xcols.append(x)
-        c = cols[name]  # a zero sum is the dyadic 0 whatever its sign (readers accept -0.0, spec 5.5); a row with an
-        c[(c == 0) & (True if lens is None else lens == 0)] = 0.0  # exact form keeps its correctly rounded zero
+        c = cols[name]  # the value 0 is +0.0 whatever the sign stored (readers accept -0.0, spec 5.3, 5.5), its exact
+        c[(c == 0) & x.is_zero()] = 0.0  # form (m = 0, e = 0) too; a tiny non-zero value keeps the zero of its sign
     has = np.zeros(total, bool)
     sparse = bands = None
     if scale is not None:

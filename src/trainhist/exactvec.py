@@ -220,6 +220,15 @@ class ExactCol:
             return self.w[i]
         return Dyadic(_to_int(self.m[i]), int(self.e[i]))
 
+    def is_zero(self) -> np.ndarray:
+        """Per row: whether its value is 0 (canonical, so every limb is zero, and no wide or unbuilt sum is held)."""
+        z = ~(self.m != 0).any(axis=1)
+        if self.w is not None:
+            z &= np.array([v is None for v in self.w.tolist()], bool)
+        if self.over is not None:
+            z &= ~self.over
+        return z
+
     def differs(self, other_idx: np.ndarray) -> np.ndarray:
         """Per row: whether its value differs from that of row ``other_idx[row]``."""
         d = (self.e != self.e[other_idx]) | (self.m != self.m[other_idx]).any(axis=1)
