@@ -2145,6 +2145,17 @@ def gen_merge(s: Suite, base: dict[str, bytes]) -> dict[str, bytes]:
     _derived_case(s, m, "tokens_overflow", "step-truth tokens 2^63 and 2^63 - 1: their sum, 2^64 - 1, is the unknown "
                   "value and is refused", ["11.6"], {"input-0.thist": tok[0], "input-1.thist": tok[1]},
                   {"inputs": two}, error="count_overflow")
+    tok3 = [write_ops(ops_doc([truth(0, tokens=None if n is None else U(n)), COMMIT], writer_id=wid, rank=k,
+                              world_size=3))
+            for k, (wid, n) in enumerate(((WRITER_ID, 2**63), (WRITER_ID_4, 2**63), (WRITER_ID_5, None)))]
+    unknown_tokens = _derived_case(
+        s, m, "tokens_overflow_unknown", "step-truth tokens 2^63, 2^63 and unknown: the combined row's tokens are "
+        "unknown, so their sum, 2^64, is not refused (it is with the unknown row left out); the grouping "
+        "merge(merge(input-0, input-2), input-1) gives these bytes", ["11.6", "11.2"], dict(zip(three, tok3)),
+        {"inputs": three})
+    first_two = derive("merge", {"a.thist": tok3[0], "c.thist": tok3[2]}, {"inputs": ["a.thist", "c.thist"]})[2]
+    assert unknown_tokens == derive("merge", {"ac.thist": first_two, "b.thist": tok3[1]},
+                                    {"inputs": ["ac.thist", "b.thist"]})[2]
     assert gcd_merged is not None
     return {"merge/cadences_differ": gcd_merged}
 

@@ -1311,9 +1311,10 @@ class _Engine:
             v = c[k]
             unknown = np.logical_or.reduceat(v == np.uint64(U64_UNKNOWN), starts)
             s, over = _sum_u64(np.where(v == np.uint64(U64_UNKNOWN), np.uint64(0), v), starts, sizes)
-            bad = (s == np.uint64(U64_UNKNOWN)) & ~unknown
+            bad = s == np.uint64(U64_UNKNOWN)
             if over is not None:
                 bad |= over
+            bad &= ~unknown  # (spec 11.6, 11.2: an unknown row keeps no sum, so none is refused)
             if bad.any():
                 at = int(c["step"][starts[int(np.flatnonzero(bad)[0])]])
                 raise MergeError(f"{where}, step {at}: step-truth {k} overflows an unsigned 64-bit count adding rows "
