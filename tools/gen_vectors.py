@@ -2194,6 +2194,22 @@ def gen_coarsen(s: Suite) -> dict[str, bytes]:
                       {"op": "observe", "site": 0, "step": I(0), "summary": one_sum(f"d:1p{2**30}")},
                       {"op": "observe", "site": 0, "step": I(1), "summary": one_sum(f"d:1p{-2**30}")}, COMMIT]))},
                   {"input": "input.thist", "steps": 2, "bins_per_octave": 4}, error="sum_overflow")
+    def two_bins(mark_failed: bool) -> bytes:  # 1.1 and 1.2 in two quarter-octave bins of one half-octave, 2^63 each
+        recs = parse(write_ops(ops_doc([site("x", cadence={"spine": 1, "sketch": 1}), obs(0, 0, [1.1, 1.2])]
+                                       + ([{"op": "mark", "site": 0, "step": I(1), "presence": "failed"}]
+                                          if mark_failed else []) + [COMMIT])))
+        edit_chunk(first(recs, RecordType.OBS), lambda m, cs: setattr(col(cs, "sk_counts"), "block",
+                                                                     struct.pack("<QQ", 2**63, 2**63)))
+        return build(recs)[0]
+
+    _derived_case(s, c, "bins_overflow", "a row of 1.1 and 1.2, whose two quarter-octave bins count 2^63 each (5.5 allows a sketch "
+                  "to count more than its spine): at 2 bins per octave they add into one bin, 2^64, which a u64 "
+                  "cannot hold", ["11.7", "11.2", "6.3"], {"input.thist": two_bins(False)},
+                  {"input": "input.thist", "steps": 1, "bins_per_octave": 2}, error="count_overflow")
+    _derived_case(s, c, "bins_overflow_not_kept", "the same row at step 0 and a failed row at step 1, in one 2-step "
+                  "window at 2 bins per octave: the window is failed and keeps no numbers, so its bins do not "
+                  "overflow (11.2: a refusal is decided only on what the combined row keeps)", ["11.7", "11.2"],
+                  {"input.thist": two_bins(True)}, {"input": "input.thist", "steps": 2, "bins_per_octave": 2})
     kept = _derived_case(s, c, "cadence_kept", "a site recorded every 3 steps, coarsened by 2: it keeps cadence 3 (the "
                   "steps its writer planned), so window [4, 6), which holds no due step and has no row, reads "
                   "not_scheduled", ["11.7", "2.6"],

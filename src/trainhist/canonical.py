@@ -172,6 +172,9 @@ class Rows:
     bands: np.ndarray | None  # (rows, 4): under_pos, under_neg, over_pos, over_neg
     scale: int | None
     sparse: Sparse | None = None  # the sketch as stored ranges, instead of pos/neg (decoded batches)
+    #: per row, whether halving its sketch's resolution overflowed a bin's u64 count (its bins are then wrong): a
+    #: merge refuses such a row only where the combined row keeps its numbers (spec 11.2); None: no row did
+    over: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.cols["step"].size)
@@ -189,6 +192,7 @@ class Rows:
             self.tally[idx], self.has_sk[idx], None if self.pos is None else self.pos[idx],
             None if self.neg is None else self.neg[idx], None if self.bands is None else self.bands[idx],
             self.scale, None if self.sparse is None else self.sparse.take(idx),
+            None if self.over is None else self.over[idx],
         )
 
     @staticmethod
@@ -220,10 +224,13 @@ class Rows:
 
                 pos = np.concatenate([dense(p, p.pos) for p in parts])
                 neg = np.concatenate([dense(p, p.neg) for p in parts])
+        over = None
+        if any(p.over is not None for p in parts):
+            over = np.concatenate([p.over if p.over is not None else np.zeros(len(p), bool) for p in parts])
         return Rows(
             cols, ExactCol.concat([p.sum_x for p in parts]), ExactCol.concat([p.sumsq_x for p in parts]),
             np.concatenate([p.tally for p in parts]), np.concatenate([p.has_sk for p in parts]), pos, neg, bands,
-            scale, sparse,
+            scale, sparse, over,
         )
 
 

@@ -995,13 +995,14 @@ class _Engine:
             elif how < 0:
                 alone.append(decode([i]))
             else:
-                alone.append(self._downscale(decode([i]), how, src))
+                alone.append(self._downscale(decode([i]), how))
         rows = ([decode(together)] if together else []) + alone
         return Rows.concat(rows) if len(rows) > 1 else rows[0]
 
-    def _downscale(self, r: Rows, by: int, src: _Source) -> Rows:
+    def _downscale(self, r: Rows, by: int) -> Rows:
         """Sketch bins at scale ``s - by``: bin ``i`` goes to ``i >> by`` (grid.downscale_index); the window maps
-        onto itself, so under/overflow are unchanged."""
+        onto itself, so under/overflow are unchanged. A row whose new bin overflows a u64 count is marked
+        (``Rows.over``), refused only where the combined row keeps its numbers (:meth:`_refuse_over`, spec 11.2)."""
         r.densify()
         n = len(r)
         k = 1 << by
@@ -1012,12 +1013,25 @@ class _Engine:
         for a in (r.pos, r.neg):
             s, over = _sum_u64(a.reshape(-1), starts, sizes)
             if over is not None:
-                raise MergeError(f"a sketch bin count overflows 64 bits when halving the resolution of {src.path}",
-                                 code="count_overflow", path=src.path)
+                rows = over.reshape(n, nb).any(axis=1)
+                r.over = rows if r.over is None else r.over | rows
             out.append(s.reshape(n, nb))
         r.pos, r.neg = out
         r.scale -= by
         return r
+
+    def _refuse_over(self, r: Rows, over: np.ndarray | None, kept: np.ndarray, rows_of: Callable[[int], np.ndarray],
+                     where: str) -> None:
+        """Refuse (``count_overflow``) the first row in ``over & kept`` (a sketch bin that overflowed when its input's
+        resolution was halved, in a row that keeps its numbers); ``rows_of(i)``: the input rows of row ``i``."""
+        if over is None or not (bad := over & kept).any():
+            return
+        i = int(np.flatnonzero(bad)[0])
+        rows = rows_of(i)
+        c = r.cols
+        raise MergeError(f"{where}, step {int(c['step'][rows[0]])}: a sketch bin count overflows an unsigned 64-bit "
+                         f"count when halving the resolution of {self._ctx_files(c['src'][rows])}",
+                         code="count_overflow", path=self.paths[int(c["src"][rows[0]])])
 
     # -- combining ------------------------------------------------------------------------------------------
     def _ctx_files(self, src: np.ndarray) -> str:
@@ -1060,6 +1074,10 @@ class _Engine:
 
         def kept_over(over: np.ndarray | None) -> np.ndarray | None:
             return None if over is None or not (over := over & kept).any() else over
+
+        if r.over is not None:  # (bins that overflowed when an input's resolution was halved: _downscale)
+            self._refuse_over(r, np.logical_or.reduceat(r.over[order], starts), kept,
+                              lambda g: order[int(starts[g]):int(starts[g] + sizes[g])], where)
 
         for k in ("count", "nan", "pinf", "ninf", "zero"):
             out[k], over = _sum_u64(c[k], starts, sizes)
@@ -1250,6 +1268,15 @@ class _Engine:
                  ) -> Rows:
         """Combine the rows of one sweep batch of a site and segment; ``reach`` and ``noted``: the state that carries
         the check of overlapping spans from batch to batch (:meth:`_overlapping_spans`)."""
+        r = self._combine_rows(r, sharing, where, reach, noted)
+        if r.over is not None:  # (rows that combined with none: refused where observed, see _downscale)
+            self._refuse_over(r, r.over, r.cols["presence"] == Presence.OBSERVED, lambda i: np.array([i]), where)
+            r.over = None
+        return r
+
+    def _combine_rows(self, r: Rows, sharing: str, where: str, reach: dict | None, noted: list | None) -> Rows:
+        """:meth:`_combine`, but for the refusal of the rows that overflowed when downscaled and combined with no
+        other row."""
         c = r.cols
         if sharing == "replica" or self.N == 1:
             order, starts, sizes = _groups([c["step"], c["span"], c["phase"], c["micro"]])
