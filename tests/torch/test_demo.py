@@ -93,3 +93,19 @@ def test_demo_counts_the_sites_as_info_does(tmp_path, capsys):
     assert "1 step (2 micro-batches each)" in text
     assert cli.main(["info", str(out)]) == 0
     assert f"sites     {n}\n" in capsys.readouterr().out
+
+
+def test_demo_refuses_a_seed_torch_cannot_take(tmp_path, capsys):
+    """--seed 2^64 (or below -2^63) ended in a ValueError traceback from torch.manual_seed after the options were
+    accepted; a seed outside 0 .. 2^64 - 1 is refused as usage (exit 2) naming the flag and the range."""
+    import pytest
+
+    for value in (str(1 << 64), "-1", "99999999999999999999999"):
+        with pytest.raises(SystemExit) as e:
+            demo.main(["--out", str(tmp_path / "d.thist"), "--steps", "1", "--seed", value, "--no-figures"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --seed" in err and f"0..{(1 << 64) - 1}" in err and value in err
+    assert not (tmp_path / "d.thist").exists()
+    assert demo.main(["--out", str(tmp_path / "d.thist"), "--steps", "1", "--batch", "1", "--micro-batches", "1",
+                      "--seed", str((1 << 64) - 1), "--no-figures"]) == 0

@@ -42,6 +42,7 @@ MODEL = "gpt2-tiny"
 
 _positive = int_arg(1)  #: a whole number >= 1 (argparse type)
 _step = int_arg(0, what="a step, a whole number")  #: a step >= 0 (argparse type)
+_seed = int_arg(0, (1 << 64) - 1, "a seed, a whole number")  #: what torch.manual_seed takes (argparse type)
 
 
 def _demo_history(path: str) -> str | None:
@@ -84,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="sequences of 64 tokens per micro-batch (default: %(default)s)")
     ap.add_argument("--inject-nan", type=_step, metavar="STEP",
                     help=f"make {FAULT_SITE} emit a NaN at STEP, 0 .. --steps - 1 (default: none)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the model and the data (default: %(default)s)")
+    ap.add_argument("--seed", type=_seed, default=0,
+                    help="seed of the model and the data, 0 .. 2^64 - 1 (default: %(default)s)")
     ap.add_argument("--no-figures", action="store_true",
                     help="skip the figures: the contact sheet, site.png and waterfall.png (they need matplotlib)")
     args = ap.parse_args(argv)
