@@ -109,3 +109,36 @@ def test_demo_refuses_a_seed_torch_cannot_take(tmp_path, capsys):
     assert not (tmp_path / "d.thist").exists()
     assert demo.main(["--out", str(tmp_path / "d.thist"), "--steps", "1", "--batch", "1", "--micro-batches", "1",
                       "--seed", str((1 << 64) - 1), "--no-figures"]) == 0
+
+
+def test_demo_refuses_an_out_it_cannot_place_before_training(tmp_path, capsys):
+    """--out '' said "[not_found] : ... the folder /tmp exists" (the parent of the working directory), exit 1; a
+    directory was refused with advice to pass --force, which then failed with not_a_file; a path under a file
+    ended in "[io_error] ...: File exists"; and a file where the figures/ folder goes failed only after training.
+    Each is refused as usage (exit 2) before training, naming the path and what to pass instead."""
+    from trainhist import cli
+
+    def run(argv: list[str]) -> int:
+        try:
+            return cli.main(argv)
+        except SystemExit as e:  # (argparse's usage errors)
+            return e.code
+
+    (tmp_path / "a_dir").mkdir()
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "figures").write_text("a file where the figures go")
+    small = ["--steps", "1", "--batch", "1", "--micro-batches", "1"]
+    cases = (([""], "expected a file path", ""),
+             ([str(tmp_path / "a_dir")], "a directory is there", "--force"),
+             ([str(tmp_path / "a_dir"), "--force"], "a directory is there", "--force"),
+             ([str(tmp_path / "notes.txt" / "d.thist")], "notes.txt is a file, not a folder, so --out cannot go there", ""),
+             ([str(tmp_path / "sub" / "d.thist")], "--no-figures", ""))
+    for out, said, unsaid in cases:
+        assert run(["demo", *small, "--out", *out]) == 2, out
+        captured = capsys.readouterr()
+        assert said in captured.err and "Traceback" not in captured.err, (out, captured.err)
+        assert not unsaid or unsaid not in captured.err, (out, captured.err)
+        assert "trained" not in captured.out
+    assert not (tmp_path / "sub" / "d.thist").exists() and (tmp_path / "notes.txt").read_text() == "x"
+    assert run(["demo", *small, "--out", str(tmp_path / "sub" / "d.thist"), "--no-figures"]) == 0

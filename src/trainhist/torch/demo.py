@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli import int_arg
+from ..cli import _path, int_arg
 from ..errors import UsageError
 from .collector import Collector, StepTruth
 
@@ -50,8 +50,6 @@ def _demo_history(path: str) -> str | None:
     from .. import open as open_history
     from ..errors import TrainhistError
 
-    if not os.path.isfile(path):
-        return "it exists and is not a regular file"
     try:
         with open_history(path) as h:
             run = h.run or {}
@@ -65,6 +63,26 @@ def _demo_history(path: str) -> str | None:
     return None
 
 
+def _check_out(args: argparse.Namespace) -> None:
+    """Refuse (``bad_output``) an ``--out`` the demo could not write, before it trains: not a regular file, under a
+    file, or with a file where its figures/ folder goes."""
+    out = Path(args.out)
+    if os.path.lexists(out) and not out.is_file():
+        what, e_g = (("a directory", f" (e.g. --out {out / 'demo.thist'})") if out.is_dir()
+                     else ("something that is not a regular file (a device, a pipe)", ""))
+        raise UsageError(f"{what} is there, where --out names the history file; pass a file path{e_g}",
+                         code="bad_output", path=str(out))
+    folder = out.absolute().parent
+    above = next(p for p in (folder, *folder.parents) if os.path.lexists(p))
+    if not above.is_dir():
+        raise UsageError(f"{above} is a file, not a folder, so --out cannot go there; pass a path in a folder",
+                         code="bad_output", path=str(out))
+    figures = folder / "figures"
+    if not args.no_figures and os.path.lexists(figures) and not figures.is_dir():
+        raise UsageError(f"{figures} is a file, where the demo draws its figures (a figures/ folder beside --out); "
+                         "move it, pass another --out, or --no-figures", code="bad_output", path=str(out))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the process exit status."""
     ap = argparse.ArgumentParser(
@@ -73,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                     "draw its figures.",
         epilog="An existing --out file is replaced only when it is a history an earlier demo wrote (run "
                f"'{RUN_NAME}', model '{MODEL}'); any other file is refused unless --force is given.")
-    ap.add_argument("--out", default=os.path.join("demo_out", "demo.thist"),
+    ap.add_argument("--out", type=_path, default=os.path.join("demo_out", "demo.thist"),
                     help="history file to write; the figures go to a figures/ folder beside it "
                          "(default: %(default)s)")
     ap.add_argument("--force", action="store_true",
@@ -93,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.inject_nan is not None and args.inject_nan >= args.steps:
         ap.error(f"argument --inject-nan: step {args.inject_nan} is not among the {args.steps} steps trained "
                  f"(0 .. {args.steps - 1}): pass a smaller STEP or more --steps")
+    _check_out(args)
     if os.path.lexists(args.out) and not args.force:
         why = _demo_history(args.out)
         if why is not None:
@@ -130,7 +149,12 @@ def _run(args: argparse.Namespace) -> int:
         start = torch.randint(0, tokens.numel() - SEQ - 1, (args.batch,), generator=gen)
         return torch.stack([tokens[s : s + SEQ] for s in start.tolist()])
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    folder = Path(args.out).absolute().parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot create the folder {folder} of --out ({e.strerror or e}); pass a path in a folder "
+                         "you may write to", code="bad_output", path=args.out) from None
     # spines every step (the default) let the triage name the faulty site at the very step it went wrong; a tiny
     # model affords sketches every 5 steps (the default is every 10) for denser figures
     col = Collector(model, args.out, mode="w", run_name=RUN_NAME, every=1, sketch_every=5,  # a fresh file (main()
