@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -460,3 +462,22 @@ def test_paths_with_control_characters_are_printed_as_escapes(tmp_path, capsys) 
     assert main(["info", str(d / "missing.thist")]) == 1
     err = capsys.readouterr().err
     assert "\x1b" not in err and f"{esc}/missing.thist" in err
+
+
+def test_plot_refuses_an_output_folder_it_cannot_create(tmp_path, capsys) -> None:
+    """`plot FILE -o notes.txt/figs` said "[io_error] notes.txt/figs: Not a directory", and `-o /proc/figs`
+    "[not_found] /proc/figs: no such file", naming neither what -o must be nor what to do. A folder under a file
+    is refused as usage (bad_output, exit 2), one the file system will not create as output_unwritable (exit 1),
+    each saying what to pass; nothing is drawn."""
+    pytest.importorskip("matplotlib")
+    p = _history(tmp_path / "f.thist")
+    (tmp_path / "notes.txt").write_text("x")
+    for site in ([], ["--site", "h.0"]):
+        assert main(["plot", str(p), "-o", str(tmp_path / "notes.txt" / "figs"), *site]) == 2
+        err = capsys.readouterr().err
+        assert "[bad_output]" in err and "notes.txt is a file, not a folder" in err and "-o" in err, err
+        if Path("/proc/self").is_dir():  # (Linux: a folder that exists but takes no new entries)
+            assert main(["plot", str(p), "-o", "/proc/trainhist-figs", *site]) == 1
+            err = capsys.readouterr().err
+            assert "[output_unwritable] /proc/trainhist-figs: cannot create the folder for the figures" in err, err
+    assert (tmp_path / "notes.txt").read_text() == "x"

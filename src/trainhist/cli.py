@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import zlib
+from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
@@ -366,9 +367,22 @@ def _plot_targets(h: History, args: argparse.Namespace) -> list[tuple[object, st
     return targets
 
 
-def _cmd_plot(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def _figures_folder(out: Path) -> None:
+    """Create the folder ``out`` the figures go to, or refuse it: under a file (``bad_output``), or
+    one the file system will not create (``output_unwritable``), saying what to pass instead."""
+    folder = out.absolute()
+    above = next(p for p in (folder, *folder.parents) if os.path.lexists(p))
+    if not above.is_dir():
+        raise UsageError(f"{_shown(above)} is a file, not a folder, so -o cannot go there; pass -o a folder path "
+                         "(created if missing)", code="bad_output", path=str(out))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TrainhistError(f"cannot create the folder for the figures ({e.strerror or e}); pass -o a folder you "
+                             "may write to", code="output_unwritable", path=str(out)) from None
 
+
+def _cmd_plot(args: argparse.Namespace) -> int:
     try:
         from .figures import contact_sheet, site_figure, waterfall
         import matplotlib  # noqa: F401 -- (the figures module imports it when drawing)
@@ -385,11 +399,12 @@ def _cmd_plot(args: argparse.Namespace) -> int:
                          code="bad_output")
     with open_history(args.file) as h:
         if not args.site:
+            _figures_folder(out)
             for page in contact_sheet(h, out, per_page=args.per_page):
                 print(_shown(page))
         else:
             targets = _plot_targets(h, args)  # (every name is checked before a figure is drawn)
-            out.mkdir(parents=True, exist_ok=True)
+            _figures_folder(out)
             for s, phase, named in targets:
                 stem = _file_stem([x for x in (s.path, s.stream, s.facet, phase if named else None) if x is not None])
                 for kind, draw in (("site", site_figure), ("waterfall", waterfall)):
