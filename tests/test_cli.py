@@ -481,3 +481,14 @@ def test_plot_refuses_an_output_folder_it_cannot_create(tmp_path, capsys) -> Non
             err = capsys.readouterr().err
             assert "[output_unwritable] /proc/trainhist-figs: cannot create the folder for the figures" in err, err
     assert (tmp_path / "notes.txt").read_text() == "x"
+
+
+def test_conformance_names_a_vectors_folder_that_is_not_there(tmp_path, capsys) -> None:
+    """`conformance --vectors /no/such` said "no conformance vectors found: pass --vectors DIR" to a user who had
+    passed --vectors, without naming it; a path that is no folder is refused (no_vectors, exit 2) naming it."""
+    (tmp_path / "file").write_text("x")
+    for given, found in ((tmp_path / "missing", "no such folder"), (tmp_path / "file", "a file, not a folder")):
+        assert main(["conformance", "--vectors", str(given)]) == 2
+        err = capsys.readouterr().err
+        assert f"[no_vectors] {given}: {found}" in err and "conformance/vectors" in err, err
+        assert len(err.strip().splitlines()) == 1

@@ -210,12 +210,15 @@ def _cmd_dump(args: argparse.Namespace) -> int:
 
 
 def _cmd_conformance(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from .conformance import CATEGORIES
     from .conformance import main as conformance_main
 
-    if args.vectors and Path(args.vectors).is_dir() and not any(
+    if args.vectors and not Path(args.vectors).is_dir():
+        found = "a file, not a folder" if os.path.lexists(args.vectors) else "no such folder"
+        raise UsageError(f"{found}; --vectors names the folder of the conformance vectors (<category>/<case>/"
+                         "case.json): pass conformance/vectors of a trainhist checkout", code="no_vectors",
+                         path=args.vectors)
+    if args.vectors and not any(
             (c / "case.json").is_file() for cat in CATEGORIES if (Path(args.vectors) / cat).is_dir()
             for c in (Path(args.vectors) / cat).iterdir()):  # (not 'no cases matched': there are none to match)
         raise UsageError(f"no conformance vectors in {args.vectors}: expected folders <category>/<case>/case.json, "
