@@ -492,3 +492,16 @@ def test_conformance_names_a_vectors_folder_that_is_not_there(tmp_path, capsys) 
         err = capsys.readouterr().err
         assert f"[no_vectors] {given}: {found}" in err and "conformance/vectors" in err, err
         assert len(err.strip().splitlines()) == 1
+
+
+def test_export_with_file_after_a_list_option_says_where_file_goes(tmp_path, capsys) -> None:
+    """`export -o out --sites 'h.*' run.thist` (FILE after --sites, which took it as a pattern) said only "the
+    following arguments are required: file"; the error now says FILE goes before the options or after --."""
+    p = _history(tmp_path / "f.thist")
+    for opts in (["--sites", "h.*"], ["--streams", "activation"], ["--phases", "default"]):
+        with pytest.raises(SystemExit) as e:
+            main(["export", "-o", str(tmp_path / "out"), *opts, str(p)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "required: file" in err, err
+        assert "name FILE before the options, or after --" in err.splitlines()[-1], err
+    assert not (tmp_path / "out").exists()

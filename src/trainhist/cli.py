@@ -15,7 +15,7 @@ import os
 import sys
 import zlib
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 import numpy as np
 
@@ -427,10 +427,25 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(args.rest)
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose error for a missing ``file`` argument ends with ``missing_file``: where to put it."""
+
+    def __init__(self, *args: Any, missing_file: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.missing_file = missing_file
+
+    def error(self, message: str) -> NoReturn:
+        """Exit 2 with the usage and ``message``, plus the hint for a missing ``file``."""
+        required = message.partition("the following arguments are required: ")[2]
+        if self.missing_file and "file" in required.split(", "):
+            message += f": {self.missing_file}"
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trainhist", description="Read, check and convert trainhist history files.")
     p.add_argument("--version", action="version", version=f"trainhist {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     c = sub.add_parser("info", help="summary of a file: run, writers, segments, steps, sites (reads the framing "
                        "and commits, not the chunk payloads: `verify` checks those)")
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
@@ -492,7 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="The spines, step truth and scalars as Parquet or CSV tables for pandas (needs "
                        "pip install 'trainhist[export]'). Name FILE before the options, or after --: --streams, "
                        "--sites and --phases take every word that follows them (trainhist export run.thist -o out "
-                       "--sites 'enc.*'; or trainhist export -o out --sites 'enc.*' -- run.thist).")
+                       "--sites 'enc.*'; or trainhist export -o out --sites 'enc.*' -- run.thist).",
+                       missing_file="name FILE before the options, or after --: --streams, --sites and --phases take "
+                       "every word that follows them (trainhist export run.thist -o out --sites 'enc.*')")
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.add_argument("-o", "--output", required=True, metavar="OUT", type=_path,
                    help="a directory for spines, steps and scalars (and manifests.json for csv), created if missing "
