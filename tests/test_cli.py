@@ -505,3 +505,14 @@ def test_export_with_file_after_a_list_option_says_where_file_goes(tmp_path, cap
         assert e.value.code == 2 and "required: file" in err, err
         assert "name FILE before the options, or after --" in err.splitlines()[-1], err
     assert not (tmp_path / "out").exists()
+
+
+def test_plot_with_a_facet_the_site_lacks_names_the_facets_it_has(tmp_path, capsys) -> None:
+    """`plot --site h.0 --facet bogus` said "site 'h.0' has no facet 'bogus': it has ['activation']", a stream where
+    facets were asked for; the site's own tensor is named as such, with the flag that selects it."""
+    pytest.importorskip("matplotlib")
+    p = _history(tmp_path / "f.thist")
+    assert main(["plot", str(p), "-o", str(tmp_path / "png"), "--site", "h.0", "--facet", "bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "has no facet 'bogus': it has activation without a facet (--facet '')" in err, err
+    assert not (tmp_path / "png").exists()
