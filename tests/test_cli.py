@@ -516,3 +516,18 @@ def test_plot_with_a_facet_the_site_lacks_names_the_facets_it_has(tmp_path, caps
     err = capsys.readouterr().err
     assert "has no facet 'bogus': it has activation without a facet (--facet '')" in err, err
     assert not (tmp_path / "png").exists()
+
+
+def test_info_sites_says_never_for_a_cadence_of_0(tmp_path, capsys) -> None:
+    """`info --sites` printed a scalar as "loss scalar   shard cadence spine/1 sketch/0": 0 (never, spec 2.2) read as
+    a cadence, and the dtype and shape it lacks left blanks. A site's line names only what it has, and a
+    cadence of 0 as never."""
+    p = tmp_path / "s.thist"
+    with trainhist.HistoryWriter(p) as w:
+        w.observe(w.site("h.0", "activation", shape=(2, 4), dtype="float32"), 0, np.ones((2, 4), np.float32))
+        w.scalar("loss", 0, 1.5)
+    assert main(["info", str(p), "--sites"]) == 0
+    lines = [ln.strip() for ln in capsys.readouterr().out.splitlines()]
+    assert "h.0 activation float32 [2, 4] shard cadence: spine every step, sketch every step" in lines, lines
+    loss = next(ln for ln in lines if ln.startswith("loss "))
+    assert "  " not in loss and loss.endswith("sketch never"), loss

@@ -136,6 +136,11 @@ def _last_step(step: np.ndarray, span: np.ndarray) -> int:
     return int((step.astype(np.int64) + extra).max())
 
 
+def _every(k: int) -> str:
+    """A cadence ``k`` in words: 0 is never (spec 2.2)."""
+    return "never" if k == 0 else "every step" if k == 1 else f"every {k} steps"
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     with open_history(args.file) as h:
         run = h.run
@@ -185,8 +190,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
         if args.sites:
             for s in h.sites:
                 facet = "" if s.facet is None else f"[{printable(s.facet)}]"
-                print(f"  {printable(s.path)}{facet} {s.stream} {s.dtype or ''} {list(s.shape) if s.shape else ''} "
-                      f"{s.sharing} cadence spine/{s.cadence_spine} sketch/{s.cadence_sketch}")
+                shape = list(s.shape) if s.shape else None
+                known = " ".join(str(x) for x in (s.dtype, shape, s.sharing) if x is not None)
+                print(f"  {printable(s.path)}{facet} {s.stream} {known} cadence: spine {_every(s.cadence_spine)}, "
+                      f"sketch {_every(s.cadence_sketch)}")
         return _status(h)
 
 
