@@ -531,3 +531,20 @@ def test_info_sites_says_never_for_a_cadence_of_0(tmp_path, capsys) -> None:
     assert "h.0 activation float32 [2, 4] shard cadence: spine every step, sketch every step" in lines, lines
     loss = next(ln for ln in lines if ln.startswith("loss "))
     assert "  " not in loss and loss.endswith("sketch never"), loss
+
+
+def test_ctrl_c_ends_a_command_with_a_line_and_exit_130_not_a_traceback(tmp_path, monkeypatch, capsys) -> None:
+    """Ctrl-C during a command (a long merge, the demo's training) ended in a KeyboardInterrupt traceback; it ends
+    with one line saying so and the shell's status for SIGINT, 130."""
+    from trainhist import cli
+
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_cmd_info", interrupted)
+    try:
+        rc = main(["info", str(_history(tmp_path / "f.thist"))])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C ended main() in a KeyboardInterrupt (a traceback from the console script)")
+    err = capsys.readouterr().err
+    assert rc == 130 and err == "trainhist: interrupted (Ctrl-C)\n", (rc, err)

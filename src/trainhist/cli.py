@@ -1,7 +1,8 @@
 """The ``trainhist`` command: a thin layer over the library.
 
 Exit codes: 0 ok (clean file), 3 the file (for merge and coarsen: an input) had a torn tail and its committed
-prefix was used, 1 invalid or corrupt input (the error code, file and offset go to stderr), 2 bad command-line usage.
+prefix was used, 1 invalid or corrupt input (the error code, file and offset go to stderr), 2 bad command-line usage,
+130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from .model import Phase
 from .reader import History, open_history
 from .triage import printable  # (names of the file, any Unicode, for a terminal line)
 
-__all__ = ["main", "EXIT_OK", "EXIT_INVALID", "EXIT_USAGE", "EXIT_TORN"]
+__all__ = ["main", "EXIT_OK", "EXIT_INVALID", "EXIT_USAGE", "EXIT_TORN", "EXIT_INTERRUPTED"]
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_TORN = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130  #: Ctrl-C: the shell's status for a process SIGINT ended (128 + 2)
 
 
 
@@ -619,6 +621,9 @@ def _main(argv: list[str] | None) -> int:
     except TrainhistError as e:
         print(f"trainhist: error {_said(e)}", file=sys.stderr)
         return EXIT_INVALID
+    except KeyboardInterrupt:
+        print("trainhist: interrupted (Ctrl-C)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # the reader of our output went away (`trainhist dump ... | head`): not an error
         return EXIT_OK
     except FileNotFoundError as e:
