@@ -548,3 +548,19 @@ def test_ctrl_c_ends_a_command_with_a_line_and_exit_130_not_a_traceback(tmp_path
         pytest.fail("Ctrl-C ended main() in a KeyboardInterrupt (a traceback from the console script)")
     err = capsys.readouterr().err
     assert rc == 130 and err == "trainhist: interrupted (Ctrl-C)\n", (rc, err)
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "dump", "triage", "merge", "coarsen", "plot", "conformance"])
+def test_each_commands_help_says_what_it_does_and_its_exit_codes(command, capsys) -> None:
+    """`trainhist verify --help` showed only its usage and options: what the command does (the line `trainhist
+    --help` gives it) and its exit statuses were nowhere in it."""
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    listing = " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    first = listing.split(f" {command} ", 1)[1][:40]  # (the start of its line in `trainhist --help`)
+    assert first[0].upper() + first[1:] in text, (first, text)
+    assert "exit status:" in text and "2 bad usage" in text, text

@@ -452,23 +452,40 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
+#: the exit statuses a command's --help ends with (before "130 interrupted")
+_FILE = ("3 a torn tail (only the committed prefix was used); 1 the file missing, invalid or corrupt (the error code, "
+         "file and offset on stderr)")
+_READ = f"0 a clean file; {_FILE}; 2 bad usage"
+_TRIAGE = f"0 a clean file, whatever the triage finds; {_FILE}; 2 bad usage"
+_WRITE = f"0 a clean file; {_FILE}, or an output that cannot be written; 2 bad usage"
+_DERIVE = ("0 done; 3 an input had a torn tail (its committed prefix went in); 1 an input missing, invalid or corrupt "
+           "(the error code, file and offset on stderr), or the output cannot be written; 2 bad usage")
+_CONFORMANCE = "0 every case passed; 1 a case failed; 2 bad usage, or COMMAND cannot be run (no case ran)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trainhist", description="Read, check and convert trainhist history files.")
     p.add_argument("--version", action="version", version=f"trainhist {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    c = sub.add_parser("info", help="summary of a file: run, writers, segments, steps, sites (reads the framing "
+
+    def command(name: str, summary: str, exits: str, **kwargs: Any) -> argparse.ArgumentParser:
+        """The subcommand ``name``, listed with ``summary``; its --help starts with it and ends with ``exits``."""
+        kwargs.setdefault("description", f"{summary[0].upper()}{summary[1:]}.")
+        return sub.add_parser(name, help=summary, epilog=f"exit status: {exits}; 130 interrupted", **kwargs)
+
+    c = command("info", exits=_READ, summary="summary of a file: run, writers, segments, steps, sites (reads the framing "
                        "and commits, not the chunk payloads: `verify` checks those)")
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.add_argument("--sites", action="store_true", help="list every site")
     c.set_defaults(func=_cmd_info, subparser=c)
-    c = sub.add_parser("verify", help="check every committed byte; exit 0 clean, 3 torn tail, 1 corrupt")
+    c = command("verify", exits=_READ, summary="check every committed byte; exit 0 clean, 3 torn tail, 1 corrupt")
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=_cmd_verify, subparser=c)
-    c = sub.add_parser("dump", help="canonical JSON of everything committed (spec section 10)")
+    c = command("dump", exits=_READ, summary="canonical JSON of everything committed (spec section 10)")
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.set_defaults(func=_cmd_dump, subparser=c)
-    c = sub.add_parser("conformance", help="run an implementation against the conformance vectors (conformance/)")
+    c = command("conformance", exits=_CONFORMANCE, summary="run an implementation against the conformance vectors (conformance/)")
     c.add_argument("--impl", metavar="COMMAND", help="implementation command (default: the reference, as a subprocess)")
     c.add_argument("--vectors", metavar="DIR", help="vector directory (default: conformance/vectors of this checkout)")
     c.add_argument("--strict", action="store_true", help="also require exact error codes and byte-exact outputs")
@@ -482,7 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
                   "byte shuffle + zlib, smaller, inflated when read; raw, byte-exact for comparisons (default: packed)")
     workers_help = ("worker processes (default 0: one per CPU, up to 8, for inputs of 64 MiB or more; 1: none, "
                     "the merge runs in this process)")
-    c = sub.add_parser("merge", help="merge shards/ranks/runs into one canonical file (spec section 11)")
+    c = command("merge", exits=_DERIVE, summary="merge shards/ranks/runs into one canonical file (spec section 11)")
     c.add_argument("inputs", nargs="+", metavar="IN", type=_path, help="histories to merge (any order)")
     c.add_argument("-o", "--output", required=True, metavar="OUT", type=_path,
                    help="the merged history (written beside it, then renamed over it; never one of the inputs)")
@@ -493,7 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--workers", type=_count, default=0, metavar="N", help=workers_help)
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=_cmd_merge, subparser=c)
-    c = sub.add_parser("coarsen", help="sum rows over step windows and/or halve sketch resolution (spec section 11)")
+    c = command("coarsen", exits=_DERIVE, summary="sum rows over step windows and/or halve sketch resolution (spec section 11)")
     c.add_argument("input", metavar="IN", type=_path, help="the history to coarsen")
     c.add_argument("-o", "--output", required=True, metavar="OUT", type=_path,
                    help="the coarsened history (written beside it, then renamed over it; never the input)")
@@ -507,12 +524,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--workers", type=_count, default=0, metavar="N", help=workers_help)
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=_cmd_coarsen, subparser=c)
-    c = sub.add_parser("triage", help="where and when the history first went wrong (non-finite, failed, skipped)")
+    c = command("triage", exits=_TRIAGE, summary="where and when the history first went wrong (non-finite, failed, skipped)")
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.add_argument("--limit", type=_count, default=12, help="most findings to print (default 12; 0: all)")
     c.add_argument("--json", action="store_true", help="print every finding as JSON (kind, step, site, text)")
     c.set_defaults(func=_cmd_triage, subparser=c)
-    c = sub.add_parser("export", help="the spines, step truth and scalars as Parquet or CSV tables for pandas "
+    c = command("export", exits=_WRITE, summary="the spines, step truth and scalars as Parquet or CSV tables for pandas "
                        "(needs pip install 'trainhist[export]')",
                        description="The spines, step truth and scalars as Parquet or CSV tables for pandas (needs "
                        "pip install 'trainhist[export]'). Name FILE before the options, or after --: --streams, "
@@ -532,7 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--phases", nargs="+", metavar="PHASE", help="only rows of these phases (default, pre_clip, "
                    "post_clip)")
     c.set_defaults(func=_cmd_export, subparser=c)
-    c = sub.add_parser("plot", help="figures as PNG files: a contact sheet of every site, or the quantile fan and "
+    c = command("plot", exits=_WRITE, summary="figures as PNG files: a contact sheet of every site, or the quantile fan and "
                        "the waterfall of named sites (needs pip install 'trainhist[viz]')")
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.add_argument("-o", "--output", required=True, metavar="DIR", type=_path,
