@@ -142,3 +142,13 @@ def test_demo_refuses_an_out_it_cannot_place_before_training(tmp_path, capsys):
         assert "trained" not in captured.out
     assert not (tmp_path / "sub" / "d.thist").exists() and (tmp_path / "notes.txt").read_text() == "x"
     assert run(["demo", *small, "--out", str(tmp_path / "sub" / "d.thist"), "--no-figures"]) == 0
+
+
+def test_demo_prints_a_path_with_a_newline_escaped(tmp_path, capsys, monkeypatch):
+    """--out 'a<newline>b.thist' split the demo's 'history:' and 'figures:' lines in two (the other commands print
+    such a path escaped, as `a\\nb.thist`)."""
+    monkeypatch.chdir(tmp_path)
+    assert demo.main(["--out", "d\nx/a\nb.thist", "--steps", "1", "--batch", "1", "--micro-batches", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(ln.startswith("history: d\\nx/a\\nb.thist (") for ln in lines), lines
+    assert any(ln.startswith("figures: ") and ln.endswith(" in d\\nx/figures") for ln in lines), lines

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli import _path, int_arg
+from ..cli import _path, _shown, int_arg
 from ..errors import UsageError
 from .collector import Collector, StepTruth
 
@@ -205,7 +205,7 @@ def _run(args: argparse.Namespace) -> int:
     micro = f"{args.micro_batches} micro-batch{'' if args.micro_batches == 1 else 'es'}"
     print(f"trained tiny GPT-2 for {steps} ({micro} each) in {elapsed:.1f}s")
     print(f"loss {float(losses[0]):.3f} -> {float(losses[-1]):.3f}")
-    print(f"history: {args.out} ({size / 1024:.0f} KiB, {tensors + scalars} sites: {tensors} tensor sites and "
+    print(f"history: {_shown(args.out)} ({size / 1024:.0f} KiB, {tensors + scalars} sites: {tensors} tensor sites and "
           f"{scalars} run-level scalars; {plan.elements_per_step():,.0f} elements reduced per step)")
     if col.first_nonfinite is not None:
         s, path, stream, facet = col.first_nonfinite
@@ -219,7 +219,7 @@ def _run(args: argparse.Namespace) -> int:
 def _follow_up(args: argparse.Namespace) -> None:
     """Triage the history and draw its figures (the figures need matplotlib, the ``viz`` extra)."""
     from .. import open as open_history
-    from ..triage import triage
+    from ..triage import printable, triage
 
     with open_history(args.out) as h:
         report = triage(h)
@@ -239,7 +239,7 @@ def _follow_up(args: argparse.Namespace) -> None:
         site_figure(h, site.path, site.stream, site.facet, out=out / "site.png")
         waterfall(h, site.path, site.stream, site.facet, out=out / "waterfall.png")
         n = f"{len(pages)} {'page' if len(pages) == 1 else 'pages'}"
-        print(f"figures: contact sheet ({n}), site.png and waterfall.png of {site.path} in {out}")
+        print(f"figures: contact sheet ({n}), site.png and waterfall.png of {printable(site.path)} in {_shown(out)}")
 
 
 if __name__ == "__main__":
