@@ -152,3 +152,27 @@ def test_demo_prints_a_path_with_a_newline_escaped(tmp_path, capsys, monkeypatch
     lines = capsys.readouterr().out.splitlines()
     assert any(ln.startswith("history: d\\nx/a\\nb.thist (") for ln in lines), lines
     assert any(ln.startswith("figures: ") and ln.endswith(" in d\\nx/figures") for ln in lines), lines
+
+
+def test_demo_replaces_the_history_of_an_earlier_demo_that_was_killed(tmp_path):
+    """A demo killed while training (SIGKILL, out of memory) left a file whose run manifest was never committed
+    (the demo's only commit was at the end), so the next `trainhist demo` refused to replace it ("nothing says
+    the demo wrote it") and asked for --force. The demo commits its manifests before training."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "d.thist"
+    src = str(Path(trainhist.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    killed = ("import os, sys\nfrom trainhist.torch import demo\n"
+              "demo.StepTruth = lambda **kw: os._exit(9)  # (dies at its first step, as a SIGKILL leaves it)\n"
+              "demo.main(sys.argv[1:])\n")
+    r = subprocess.run([sys.executable, "-c", killed, "--out", str(out), "--steps", "3", "--batch", "1",
+                        "--no-figures"], env=env, capture_output=True, text=True)
+    assert r.returncode == 9 and out.exists(), r.stderr
+    with trainhist.open(out) as h:
+        assert h.run is not None and h.run["name"] == demo.RUN_NAME
+    assert demo.main(["--out", str(out), "--steps", "1", "--batch", "1", "--micro-batches", "1",
+                      "--no-figures"]) == 0

@@ -164,6 +164,7 @@ def _run(args: argparse.Namespace) -> int:
     col.discover({"input_ids": first, "labels": first})
     plan = col.plan
     col.attach(optimizer=opt)
+    col.commit()  # (the run manifest on disk now: should the demo be killed, the next one knows the file is its own)
     current = {"step": -1}
 
     def inject(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
