@@ -564,3 +564,27 @@ def test_each_commands_help_says_what_it_does_and_its_exit_codes(command, capsys
     first = listing.split(f" {command} ", 1)[1][:40]  # (the start of its line in `trainhist --help`)
     assert first[0].upper() + first[1:] in text, (first, text)
     assert "exit status:" in text and "2 bad usage" in text, text
+
+
+def test_plot_into_a_folder_it_may_not_write_says_what_to_pass(tmp_path, monkeypatch, capsys) -> None:
+    """A figure the -o folder refused (read-only, full) ended as "[io_error] figs/h.0.activation.site.png: Operation
+    not permitted", saying neither what failed nor what to do; it is output_unwritable (exit 1), naming the file
+    and saying what to pass."""
+    import errno
+
+    from trainhist import figures
+
+    pytest.importorskip("matplotlib")
+    p = _history(tmp_path / "f.thist")
+
+    def refused(h: object, *args: object, out: object = None, **kwargs: object) -> None:
+        name = out if out is not None else args[0]
+        raise PermissionError(errno.EPERM, "Operation not permitted", str(name))
+
+    for name in ("site_figure", "contact_sheet"):
+        monkeypatch.setattr(figures, name, refused)
+    for site in ([], ["--site", "h.0"]):
+        assert main(["plot", str(p), "-o", str(tmp_path / "figs"), *site]) == 1
+        err = capsys.readouterr().err
+        assert "[output_unwritable]" in err and "cannot write the figure (Operation not permitted)" in err, err
+        assert "pass -o a folder you may write to" in err and len(err.strip().splitlines()) == 1, err

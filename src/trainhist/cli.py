@@ -411,18 +411,22 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         raise UsageError(f"-o {out}: a file is there; the figures go to a folder (a new or an existing one)",
                          code="bad_output")
     with open_history(args.file) as h:
-        if not args.site:
-            _figures_folder(out)
-            for page in contact_sheet(h, out, per_page=args.per_page):
-                print(_shown(page))
-        else:
-            targets = _plot_targets(h, args)  # (every name is checked before a figure is drawn)
-            _figures_folder(out)
+        targets = _plot_targets(h, args) if args.site else []  # (every name is checked before a figure is drawn)
+        _figures_folder(out)
+        try:
+            if not args.site:
+                for page in contact_sheet(h, out, per_page=args.per_page):
+                    print(_shown(page))
             for s, phase, named in targets:
                 stem = _file_stem([x for x in (s.path, s.stream, s.facet, phase if named else None) if x is not None])
                 for kind, draw in (("site", site_figure), ("waterfall", waterfall)):
                     draw(h, s.path, s.stream, s.facet, phase=phase, out=out / f"{stem}.{kind}.png")
                     print(_shown(out / f"{stem}.{kind}.png"))
+        except BrokenPipeError:  # (the reader of the list of files went away: main() says nothing)
+            raise
+        except OSError as e:  # (a read-only folder, a full disk: the figures printed above were written)
+            raise TrainhistError(f"cannot write the figure ({e.strerror or e}); pass -o a folder you may write to",
+                                 code="output_unwritable", path=str(e.filename or out)) from None
         if h.recovery.status != "clean":
             _torn_note(h, "drawn")
         return _status(h)
