@@ -176,3 +176,28 @@ def test_demo_replaces_the_history_of_an_earlier_demo_that_was_killed(tmp_path):
         assert h.run is not None and h.run["name"] == demo.RUN_NAME
     assert demo.main(["--out", str(out), "--steps", "1", "--batch", "1", "--micro-batches", "1",
                       "--no-figures"]) == 0
+
+
+def test_demo_says_what_to_do_when_its_figures_cannot_be_written(tmp_path, monkeypatch, capsys):
+    """A figures/ folder the demo may not write to (read-only, a full disk) ended, after training, in "[io_error]
+    .../contact_sheet_p1.png: Operation not permitted"; it is output_unwritable (exit 1), saying the history is
+    complete and to pass another --out or --no-figures."""
+    import errno
+
+    import pytest
+
+    from trainhist import cli
+
+    figures = pytest.importorskip("trainhist.figures")
+
+    def refused(h: object, out_dir: object, **kwargs: object) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted", str(out_dir) + "/contact_sheet_p1.png")
+
+    monkeypatch.setattr(figures, "contact_sheet", refused)
+    out = tmp_path / "d.thist"
+    assert cli.main(["demo", "--out", str(out), "--steps", "1", "--batch", "1", "--micro-batches", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "[output_unwritable]" in err and "contact_sheet_p1.png" in err and "Traceback" not in err, err
+    assert "the history is complete" in err and "--no-figures" in err, err
+    with trainhist.open(out) as h:
+        assert h.recovery.status == "clean"

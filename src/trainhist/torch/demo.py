@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..cli import _path, _shown, int_arg
-from ..errors import UsageError
+from ..errors import TrainhistError, UsageError
 from .collector import Collector, StepTruth
 
 __all__ = ["main"]
@@ -48,7 +48,6 @@ _seed = int_arg(0, (1 << 64) - 1, "a seed, a whole number")  #: what torch.manua
 def _demo_history(path: str) -> str | None:
     """Why ``path`` may not be replaced by the demo (None: it is a history an earlier demo wrote)."""
     from .. import open as open_history
-    from ..errors import TrainhistError
 
     try:
         with open_history(path) as h:
@@ -153,8 +152,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UsageError(f"cannot create the folder {folder} of --out ({e.strerror or e}); pass a path in a folder "
-                         "you may write to", code="bad_output", path=args.out) from None
+        raise TrainhistError(f"cannot create the folder {folder} of --out ({e.strerror or e}); pass a path in a "
+                             "folder you may write to", code="output_unwritable", path=args.out) from None
     # spines every step (the default) let the triage name the faulty site at the very step it went wrong; a tiny
     # model affords sketches every 5 steps (the default is every 10) for denser figures
     col = Collector(model, args.out, mode="w", run_name=RUN_NAME, every=1, sketch_every=5,  # a fresh file (main()
@@ -233,12 +232,17 @@ def _follow_up(args: argparse.Namespace) -> None:
             print("figures skipped: install the viz extra (matplotlib)")
             return
         out = Path(args.out).parent / "figures"
-        pages = contact_sheet(h, out)
         first = report.first_nonfinite
         site = next((s for s in h.sites if first is not None and s.path == first.site
                      and s.stream == "activation"), None) or h.site(FAULT_SITE, "activation")
-        site_figure(h, site.path, site.stream, site.facet, out=out / "site.png")
-        waterfall(h, site.path, site.stream, site.facet, out=out / "waterfall.png")
+        try:
+            pages = contact_sheet(h, out)
+            site_figure(h, site.path, site.stream, site.facet, out=out / "site.png")
+            waterfall(h, site.path, site.stream, site.facet, out=out / "waterfall.png")
+        except OSError as e:  # (a read-only figures/ folder, a full disk)
+            raise TrainhistError(f"cannot write the figures ({e.strerror or e}); the history is complete: pass an "
+                                 "--out in a folder you may write to, or --no-figures", code="output_unwritable",
+                                 path=str(e.filename or out)) from None
         n = f"{len(pages)} {'page' if len(pages) == 1 else 'pages'}"
         print(f"figures: contact sheet ({n}), site.png and waterfall.png of {printable(site.path)} in {_shown(out)}")
 
