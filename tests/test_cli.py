@@ -588,3 +588,23 @@ def test_plot_into_a_folder_it_may_not_write_says_what_to_pass(tmp_path, monkeyp
         err = capsys.readouterr().err
         assert "[output_unwritable]" in err and "cannot write the figure (Operation not permitted)" in err, err
         assert "pass -o a folder you may write to" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_output_that_cannot_be_written_says_it_was_the_output(tmp_path, monkeypatch, capsys) -> None:
+    """`trainhist dump FILE > /dev/full` (a full disk behind standard output) said "[io_error] : No space left on
+    device": an empty path, and nothing of what failed or what to do."""
+    import errno
+    import io
+    import sys
+
+    class Full(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    p = _history(tmp_path / "f.thist")
+    for command in ("info", "dump", "verify", "triage"):
+        monkeypatch.setattr(sys, "stdout", Full())
+        assert main([command, str(p)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("trainhist: error [io_error] standard output: No space left on device; "), err
+        assert "room" in err and len(err.strip().splitlines()) == 1, err

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import contextlib
+import errno
 import itertools
 import json
 import os
@@ -651,8 +652,13 @@ def _main(argv: list[str] | None) -> int:
         print(f"trainhist: error [not_found] {_shown(e.filename)}: no such file", file=sys.stderr)
         return EXIT_INVALID
     except OSError as e:  # permission denied, a directory, disk full: say so, no traceback
-        print(f"trainhist: error [io_error] {_shown(e.filename or '')}: {printable(str(e.strerror or e))}",
-              file=sys.stderr)
+        said = printable(str(e.strerror or e))
+        if e.filename:
+            said = f"{_shown(e.filename)}: {said}"
+        elif e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # (no file named, no room: the command's output)
+            said = (f"standard output: {said}; the command's output could not be written: send it to a file or pipe "
+                    "with room")
+        print(f"trainhist: error [io_error] {said}", file=sys.stderr)
         return EXIT_INVALID
 
 
