@@ -608,3 +608,16 @@ def test_output_that_cannot_be_written_says_it_was_the_output(tmp_path, monkeypa
         err = capsys.readouterr().err
         assert err.startswith("trainhist: error [io_error] standard output: No space left on device; "), err
         assert "room" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "dump", "triage"])
+def test_a_file_named_like_an_option_is_told_to_go_after_double_dash(command, tmp_path, monkeypatch, capsys) -> None:
+    """`trainhist info -x.thist` (a file whose name starts with -) said "the following arguments are required: file"
+    to a user who had named one; the error says such a name goes after --, which reads it."""
+    monkeypatch.chdir(tmp_path)
+    _history(tmp_path / "-x.thist")
+    with pytest.raises(SystemExit) as e:
+        main([command, "-x.thist"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"after --: trainhist {command} -- -x.thist" in err.splitlines()[-1], err
+    assert main([command, "--", "-x.thist"]) == 0

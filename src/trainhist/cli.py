@@ -476,21 +476,23 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, summary: str, exits: str, **kwargs: Any) -> argparse.ArgumentParser:
         """The subcommand ``name``, listed with ``summary``; its --help starts with it and ends with ``exits``."""
         kwargs.setdefault("description", f"{summary[0].upper()}{summary[1:]}.")
+        kwargs.setdefault("missing_file", f"name the history FILE (a name that starts with - goes last, after --: "
+                          f"trainhist {name} -- -x.thist)")
         return sub.add_parser(name, help=summary, epilog=f"exit status: {exits}; 130 interrupted", **kwargs)
 
-    c = command("info", exits=_READ, summary="summary of a file: run, writers, segments, steps, sites (reads the framing "
-                       "and commits, not the chunk payloads: `verify` checks those)")
+    c = command("info", "summary of a file: run, writers, segments, steps, sites (reads the framing and commits, not "
+                "the chunk payloads: `verify` checks those)", _READ)
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.add_argument("--sites", action="store_true", help="list every site")
     c.set_defaults(func=_cmd_info, subparser=c)
-    c = command("verify", exits=_READ, summary="check every committed byte; exit 0 clean, 3 torn tail, 1 corrupt")
+    c = command("verify", "check every committed byte; exit 0 clean, 3 torn tail, 1 corrupt", _READ)
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=_cmd_verify, subparser=c)
-    c = command("dump", exits=_READ, summary="canonical JSON of everything committed (spec section 10)")
+    c = command("dump", "canonical JSON of everything committed (spec section 10)", _READ)
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.set_defaults(func=_cmd_dump, subparser=c)
-    c = command("conformance", exits=_CONFORMANCE, summary="run an implementation against the conformance vectors (conformance/)")
+    c = command("conformance", "run an implementation against the conformance vectors (conformance/)", _CONFORMANCE)
     c.add_argument("--impl", metavar="COMMAND", help="implementation command (default: the reference, as a subprocess)")
     c.add_argument("--vectors", metavar="DIR", help="vector directory (default: conformance/vectors of this checkout)")
     c.add_argument("--strict", action="store_true", help="also require exact error codes and byte-exact outputs")
@@ -504,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
                   "byte shuffle + zlib, smaller, inflated when read; raw, byte-exact for comparisons (default: packed)")
     workers_help = ("worker processes (default 0: one per CPU, up to 8, for inputs of 64 MiB or more; 1: none, "
                     "the merge runs in this process)")
-    c = command("merge", exits=_DERIVE, summary="merge shards/ranks/runs into one canonical file (spec section 11)")
+    c = command("merge", "merge shards/ranks/runs into one canonical file (spec section 11)", _DERIVE)
     c.add_argument("inputs", nargs="+", metavar="IN", type=_path, help="histories to merge (any order)")
     c.add_argument("-o", "--output", required=True, metavar="OUT", type=_path,
                    help="the merged history (written beside it, then renamed over it; never one of the inputs)")
@@ -515,7 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--workers", type=_count, default=0, metavar="N", help=workers_help)
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=_cmd_merge, subparser=c)
-    c = command("coarsen", exits=_DERIVE, summary="sum rows over step windows and/or halve sketch resolution (spec section 11)")
+    c = command("coarsen", "sum rows over step windows and/or halve sketch resolution (spec section 11)", _DERIVE)
     c.add_argument("input", metavar="IN", type=_path, help="the history to coarsen")
     c.add_argument("-o", "--output", required=True, metavar="OUT", type=_path,
                    help="the coarsened history (written beside it, then renamed over it; never the input)")
@@ -529,19 +531,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--workers", type=_count, default=0, metavar="N", help=workers_help)
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=_cmd_coarsen, subparser=c)
-    c = command("triage", exits=_TRIAGE, summary="where and when the history first went wrong (non-finite, failed, skipped)")
+    c = command("triage", "where and when the history first went wrong (non-finite, failed, skipped)", _TRIAGE)
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.add_argument("--limit", type=_count, default=12, help="most findings to print (default 12; 0: all)")
     c.add_argument("--json", action="store_true", help="print every finding as JSON (kind, step, site, text)")
     c.set_defaults(func=_cmd_triage, subparser=c)
-    c = command("export", exits=_WRITE, summary="the spines, step truth and scalars as Parquet or CSV tables for pandas "
-                       "(needs pip install 'trainhist[export]')",
-                       description="The spines, step truth and scalars as Parquet or CSV tables for pandas (needs "
-                       "pip install 'trainhist[export]'). Name FILE before the options, or after --: --streams, "
-                       "--sites and --phases take every word that follows them (trainhist export run.thist -o out "
-                       "--sites 'enc.*'; or trainhist export -o out --sites 'enc.*' -- run.thist).",
-                       missing_file="name FILE before the options, or after --: --streams, --sites and --phases take "
-                       "every word that follows them (trainhist export run.thist -o out --sites 'enc.*')")
+    c = command("export", "the spines, step truth and scalars as Parquet or CSV tables for pandas (needs pip install "
+                "'trainhist[export]')", _WRITE,
+                description="The spines, step truth and scalars as Parquet or CSV tables for pandas (needs pip install "
+                "'trainhist[export]'). Name FILE before the options, or after --: --streams, --sites and --phases take "
+                "every word that follows them (trainhist export run.thist -o out --sites 'enc.*'; or trainhist export "
+                "-o out --sites 'enc.*' -- run.thist).",
+                missing_file="name FILE before the options, or after --: --streams, --sites and --phases take every "
+                "word that follows them (trainhist export run.thist -o out --sites 'enc.*')")
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.add_argument("-o", "--output", required=True, metavar="OUT", type=_path,
                    help="a directory for spines, steps and scalars (and manifests.json for csv), created if missing "
@@ -554,8 +556,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--phases", nargs="+", metavar="PHASE", help="only rows of these phases (default, pre_clip, "
                    "post_clip)")
     c.set_defaults(func=_cmd_export, subparser=c)
-    c = command("plot", exits=_WRITE, summary="figures as PNG files: a contact sheet of every site, or the quantile fan and "
-                       "the waterfall of named sites (needs pip install 'trainhist[viz]')")
+    c = command("plot", "figures as PNG files: a contact sheet of every site, or the quantile fan and the waterfall of "
+                "named sites (needs pip install 'trainhist[viz]')", _WRITE,
+                missing_file="name the history FILE (a name that starts with - goes last, after --: trainhist plot -o "
+                "DIR -- -x.thist)")
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.add_argument("-o", "--output", required=True, metavar="DIR", type=_path,
                    help="folder for the PNG files (created if missing; files of the same names are replaced)")

@@ -132,7 +132,7 @@ def test_demo_refuses_an_out_it_cannot_place_before_training(tmp_path, capsys):
     cases = (([""], "expected a file path", ""),
              ([str(tmp_path / "a_dir")], "a directory is there", "--force"),
              ([str(tmp_path / "a_dir"), "--force"], "a directory is there", "--force"),
-             ([str(tmp_path / "notes.txt" / "d.thist")], "notes.txt is a file, not a folder, so --out cannot go there", ""),
+             ([str(tmp_path / "notes.txt" / "d.thist")], "notes.txt is a file, not a folder, so --out", ""),
              ([str(tmp_path / "sub" / "d.thist")], "--no-figures", ""))
     for out, said, unsaid in cases:
         assert run(["demo", *small, "--out", *out]) == 2, out
