@@ -621,3 +621,14 @@ def test_a_file_named_like_an_option_is_told_to_go_after_double_dash(command, tm
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"after --: trainhist {command} -- -x.thist" in err.splitlines()[-1], err
     assert main([command, "--", "-x.thist"]) == 0
+
+
+def test_conformance_k_that_matches_no_case_names_the_pattern_and_the_ids(capsys) -> None:
+    """`conformance -k zzz` printed the implementation, vectors and grading, "0 passed, 0 failed", then "[usage] no
+    cases matched", naming neither the pattern nor what a case id looks like; it is refused before anything runs,
+    with the pattern, the form of the ids and the closest ones."""
+    assert main(["conformance", "-k", "presense/segment"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "", out
+    assert "[no_match]" in err and "-k 'presense/segment' matches no case id" in err, err
+    assert "<category>/<case>" in err and "closest: presence/segments" in err, err

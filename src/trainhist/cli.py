@@ -220,7 +220,7 @@ def _cmd_dump(args: argparse.Namespace) -> int:
 
 
 def _cmd_conformance(args: argparse.Namespace) -> int:
-    from .conformance import CATEGORIES
+    from .conformance import CATEGORIES, default_vectors, load_cases
     from .conformance import main as conformance_main
 
     if args.vectors and not Path(args.vectors).is_dir():
@@ -234,6 +234,16 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
         raise UsageError(f"no conformance vectors in {args.vectors}: expected folders <category>/<case>/case.json, "
                          f"with categories {', '.join(CATEGORIES)}; pass --vectors conformance/vectors of a trainhist "
                          "checkout", code="no_vectors")
+    vectors = Path(args.vectors) if args.vectors else default_vectors()
+    if args.k and vectors is not None and not load_cases(vectors.resolve(), args.k):
+        import difflib
+
+        ids = sorted(f"{cat}/{c.name}" for cat in CATEGORIES if (vectors / cat).is_dir()
+                     for c in (vectors / cat).iterdir() if (c / "case.json").is_file())
+        close = difflib.get_close_matches(args.k, ids, 3, 0.5)
+        raise UsageError(f"-k {args.k!r} matches no case id of the {len(ids)} in {vectors} (ids are <category>/<case>"
+                         f"{f', e.g. {ids[0]}' if ids else ''}; -k takes a glob or a substring of one)"
+                         + (f"; closest: {', '.join(close)}" if close else ""), code="no_match")
     return conformance_main(args.impl, args.vectors, args.strict, args.k, args.timeout, args.jobs)
 
 
