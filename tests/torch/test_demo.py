@@ -142,6 +142,9 @@ def test_demo_refuses_an_out_it_cannot_place_before_training(tmp_path, capsys):
         assert "trained" not in captured.out
     assert not (tmp_path / "sub" / "d.thist").exists() and (tmp_path / "notes.txt").read_text() == "x"
     assert run(["demo", *small, "--out", str(tmp_path / "sub" / "d.thist"), "--no-figures"]) == 0
+    (tmp_path / "link.thist").symlink_to(tmp_path / "target.thist")  # (a link to nothing: --force writes through)
+    assert run(["demo", *small, "--out", str(tmp_path / "link.thist"), "--no-figures", "--force"]) == 0
+    assert (tmp_path / "target.thist").is_file()
 
 
 def test_demo_prints_a_path_with_a_newline_escaped(tmp_path, capsys, monkeypatch):

@@ -66,7 +66,7 @@ def _check_out(args: argparse.Namespace) -> None:
     """Refuse (``bad_output``) an ``--out`` the demo could not write, before it trains: not a regular file, under a
     file, or with a file where its figures/ folder goes."""
     out = Path(args.out)
-    if os.path.lexists(out) and not out.is_file():
+    if out.exists() and not out.is_file():  # (a link to nothing is a file to be: the writer creates it)
         what, e_g = (("a directory", f" (e.g. --out {out / 'demo.thist'})") if out.is_dir()
                      else ("something that is not a regular file (a device, a pipe)", ""))
         raise UsageError(f"{what} is there, where --out names the history file; pass a file path{e_g}",
