@@ -632,3 +632,13 @@ def test_conformance_k_that_matches_no_case_names_the_pattern_and_the_ids(capsys
     assert out == "", out
     assert "[no_match]" in err and "-k 'presense/segment' matches no case id" in err, err
     assert "<category>/<case>" in err and "closest: presence/segments" in err, err
+
+
+def test_verify_counts_one_chunk_and_one_site_in_the_singular(tmp_path, capsys) -> None:
+    """`verify` of a history of one row said "1 chunks, 1 rows, 1 sites verified"."""
+    p = tmp_path / "one.thist"
+    with trainhist.HistoryWriter(p) as w:
+        w.observe(w.site("h.0", "activation"), 0, np.ones(3))
+    assert main(["verify", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("; 1 chunk, 1 row, 1 site verified"), out

@@ -206,8 +206,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(report, sort_keys=True))
         else:
-            print(f"{_shown(h.path)}: {h.recovery.describe()}; {report['chunks']} chunks, {report['rows']} rows, "
-                  f"{report['sites']} sites verified")
+            print(f"{_shown(h.path)}: {h.recovery.describe()}; {_n(report['chunks'], 'chunk')}, "
+                  f"{_n(report['rows'], 'row')}, {_n(report['sites'], 'site')} verified")
         return _status(h)
 
 
