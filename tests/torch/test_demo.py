@@ -204,3 +204,14 @@ def test_demo_says_what_to_do_when_its_figures_cannot_be_written(tmp_path, monke
     assert "the history is complete" in err and "--no-figures" in err, err
     with trainhist.open(out) as h:
         assert h.recovery.status == "clean"
+
+
+def test_demo_help_ends_with_its_exit_statuses(capsys):
+    """`trainhist demo --help` said nothing of its exit statuses, which every other command's help now gives."""
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert e.value.code == 0
+    assert "Exit status: 0 trained, written and triaged;" in text and "2 bad usage" in text and "130 interrupted" in text

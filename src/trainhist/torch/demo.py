@@ -89,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         description="Train a tiny GPT-2 on the CPU for real, record its distribution history, then triage it and "
                     "draw its figures.",
         epilog="An existing --out file is replaced only when it is a history an earlier demo wrote (run "
-               f"'{RUN_NAME}', model '{MODEL}'); any other file is refused unless --force is given.")
+               f"'{RUN_NAME}', model '{MODEL}'); any other file is refused unless --force is given. Exit status: 0 "
+               "trained, written and triaged; 1 the history or its figures could not be written; 2 bad usage (an "
+               "option, or an --out the demo may not replace or cannot place); 130 interrupted (Ctrl-C: the steps "
+               "recorded so far are kept)")
     ap.add_argument("--out", type=_path, default=os.path.join("demo_out", "demo.thist"),
                     help="history file to write; the figures go to a figures/ folder beside it "
                          "(default: %(default)s)")
