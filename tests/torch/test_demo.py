@@ -214,4 +214,5 @@ def test_demo_help_ends_with_its_exit_statuses(capsys):
         demo.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert e.value.code == 0
-    assert "Exit status: 0 trained, written and triaged;" in text and "2 bad usage" in text and "130 interrupted" in text
+    assert "Exit status: 0 trained, written and triaged;" in text, text
+    assert "2 bad usage" in text and "130 interrupted" in text, text
