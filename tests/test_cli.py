@@ -514,7 +514,7 @@ def test_plot_with_a_facet_the_site_lacks_names_the_facets_it_has(tmp_path, caps
     p = _history(tmp_path / "f.thist")
     assert main(["plot", str(p), "-o", str(tmp_path / "png"), "--site", "h.0", "--facet", "bogus"]) == 2
     err = capsys.readouterr().err
-    assert "has no facet 'bogus': it has activation without a facet (--facet '')" in err, err
+    assert "has no facet 'bogus': it has [\"activation without a facet (--facet '')\"]" in err, err
     assert not (tmp_path / "png").exists()
 
 

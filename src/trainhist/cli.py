@@ -371,8 +371,8 @@ def _plot_targets(h: History, args: argparse.Namespace) -> list[tuple[object, st
         kept = [s for s in sites if (args.stream is None or s.stream == args.stream)
                 and (args.facet is None or (s.facet or "") == _as_utf8(args.facet))]
         if not kept:
-            there = ", ".join(sorted(f"{s.stream} " + ("without a facet (--facet '')" if s.facet is None
-                                                       else f"facet {s.facet!r}") for s in sites))
+            own = " without a facet (--facet '')" if args.facet is not None else ""  # (asked for facets: say so)
+            there = sorted(f"{s.stream}{own if s.facet is None else ' facet ' + repr(s.facet)}" for s in sites)
             want = " ".join(w for w in (args.stream and f"stream {args.stream!r}",
                                         args.facet is not None and f"facet {args.facet!r}") if w)
             raise UsageError(f"site {path!r} has no {want}: it has {there}", code="unknown_site", path=h.path)
