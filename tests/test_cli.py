@@ -642,3 +642,14 @@ def test_verify_counts_one_chunk_and_one_site_in_the_singular(tmp_path, capsys) 
     assert main(["verify", str(p)]) == 0
     out = capsys.readouterr().out
     assert out.rstrip().endswith("; 1 chunk, 1 row, 1 site verified"), out
+
+
+def test_conformance_refuses_an_impl_that_is_no_command(capsys) -> None:
+    """`conformance --impl "'"` ended in a ValueError traceback ("No closing quotation") from shlex, and `--impl ""`
+    silently ran the reference implementation instead; each is refused as usage naming --impl."""
+    for impl, said in (("'", "No closing quotation"), ("", "got an empty command"), ("  ", "got an empty command")):
+        with pytest.raises(SystemExit) as e:
+            main(["conformance", "--impl", impl, "-k", "presence/segments"])
+        err = capsys.readouterr()
+        assert e.value.code == 2 and "argument --impl: expected a command" in err.err and said in err.err, err
+        assert "passed" not in err.out

@@ -73,6 +73,20 @@ def _path(text: str) -> str:
     return text
 
 
+def _command(text: str) -> str:
+    """A command line to run (argparse type): words the shell's rules split (``shlex``), at least one."""
+    import shlex
+
+    try:
+        words = shlex.split(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a command, got {text!r}: {e} (quote as a shell does)") from None
+    if not words:
+        raise argparse.ArgumentTypeError(f"expected a command, got an empty command ({text!r}); leave --impl out for "
+                                         "the reference implementation")
+    return text
+
+
 #: what the library's messages call an argument of merge and coarsen, and the flag that sets it on the command line
 _FLAGS = (("replica_divergence='report'", "--report-divergence"), ("workers=1", "--workers 1"))
 
@@ -503,7 +517,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.set_defaults(func=_cmd_dump, subparser=c)
     c = command("conformance", "run an implementation against the conformance vectors (conformance/)", _CONFORMANCE)
-    c.add_argument("--impl", metavar="COMMAND", help="implementation command (default: the reference, as a subprocess)")
+    c.add_argument("--impl", metavar="COMMAND", type=_command,
+                   help="implementation command (default: the reference, as a subprocess)")
     c.add_argument("--vectors", metavar="DIR", help="vector directory (default: conformance/vectors of this checkout)")
     c.add_argument("--strict", action="store_true", help="also require exact error codes and byte-exact outputs")
     c.add_argument("-k", metavar="PATTERN", help="only cases whose id matches (glob or substring)")
