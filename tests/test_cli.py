@@ -653,3 +653,12 @@ def test_conformance_refuses_an_impl_that_is_no_command(capsys) -> None:
         err = capsys.readouterr()
         assert e.value.code == 2 and "argument --impl: expected a command" in err.err and said in err.err, err
         assert "passed" not in err.out
+
+
+def test_conformance_refuses_an_empty_vectors_folder_name(capsys) -> None:
+    """`conformance --vectors ""` (an unset shell variable) silently ran the checkout's vectors; it is refused."""
+    with pytest.raises(SystemExit) as e:
+        main(["conformance", "--vectors", "", "-k", "presence/segments"])
+    err = capsys.readouterr()
+    assert e.value.code == 2 and "argument --vectors: expected a folder path, got an empty string" in err.err, err
+    assert "passed" not in err.out

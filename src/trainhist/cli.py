@@ -73,6 +73,13 @@ def _path(text: str) -> str:
     return text
 
 
+def _folder(text: str) -> str:
+    """A folder path, not empty (argparse type): an empty one fell back to the default folder unsaid."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a folder path, got an empty string ('')")
+    return text
+
+
 def _command(text: str) -> str:
     """A command line to run (argparse type): words the shell's rules split (``shlex``), at least one."""
     import shlex
@@ -519,7 +526,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = command("conformance", "run an implementation against the conformance vectors (conformance/)", _CONFORMANCE)
     c.add_argument("--impl", metavar="COMMAND", type=_command,
                    help="implementation command (default: the reference, as a subprocess)")
-    c.add_argument("--vectors", metavar="DIR", help="vector directory (default: conformance/vectors of this checkout)")
+    c.add_argument("--vectors", metavar="DIR", type=_folder,
+                   help="vector directory (default: conformance/vectors of this checkout)")
     c.add_argument("--strict", action="store_true", help="also require exact error codes and byte-exact outputs")
     c.add_argument("-k", metavar="PATTERN", help="only cases whose id matches (glob or substring)")
     c.add_argument("--timeout", type=_seconds, default=120.0,
