@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -460,3 +462,203 @@ def test_paths_with_control_characters_are_printed_as_escapes(tmp_path, capsys) 
     assert main(["info", str(d / "missing.thist")]) == 1
     err = capsys.readouterr().err
     assert "\x1b" not in err and f"{esc}/missing.thist" in err
+
+
+def test_plot_refuses_an_output_folder_it_cannot_create(tmp_path, capsys) -> None:
+    """`plot FILE -o notes.txt/figs` said "[io_error] notes.txt/figs: Not a directory", and `-o /proc/figs`
+    "[not_found] /proc/figs: no such file", naming neither what -o must be nor what to do. A folder under a file
+    is refused as usage (bad_output, exit 2), one the file system will not create as output_unwritable (exit 1),
+    each saying what to pass; nothing is drawn."""
+    pytest.importorskip("matplotlib")
+    p = _history(tmp_path / "f.thist")
+    (tmp_path / "notes.txt").write_text("x")
+    for site in ([], ["--site", "h.0"]):
+        assert main(["plot", str(p), "-o", str(tmp_path / "notes.txt" / "figs"), *site]) == 2
+        err = capsys.readouterr().err
+        assert "[bad_output]" in err and "notes.txt is a file, not a folder" in err and "-o" in err, err
+        if Path("/proc/self").is_dir():  # (Linux: a folder that exists but takes no new entries)
+            assert main(["plot", str(p), "-o", "/proc/trainhist-figs", *site]) == 1
+            err = capsys.readouterr().err
+            assert "[output_unwritable] /proc/trainhist-figs: cannot create the folder for the figures" in err, err
+    assert (tmp_path / "notes.txt").read_text() == "x"
+
+
+def test_conformance_names_a_vectors_folder_that_is_not_there(tmp_path, capsys) -> None:
+    """`conformance --vectors /no/such` said "no conformance vectors found: pass --vectors DIR" to a user who had
+    passed --vectors, without naming it; a path that is no folder is refused (no_vectors, exit 2) naming it."""
+    (tmp_path / "file").write_text("x")
+    for given, found in ((tmp_path / "missing", "no such folder"), (tmp_path / "file", "a file, not a folder")):
+        assert main(["conformance", "--vectors", str(given)]) == 2
+        err = capsys.readouterr().err
+        assert f"[no_vectors] {given}: {found}" in err and "conformance/vectors" in err, err
+        assert len(err.strip().splitlines()) == 1
+
+
+def test_export_with_file_after_a_list_option_says_where_file_goes(tmp_path, capsys) -> None:
+    """`export -o out --sites 'h.*' run.thist` (FILE after --sites, which took it as a pattern) said only "the
+    following arguments are required: file"; the error now says FILE goes before the options or after --."""
+    p = _history(tmp_path / "f.thist")
+    for opts in (["--sites", "h.*"], ["--streams", "activation"], ["--phases", "default"]):
+        with pytest.raises(SystemExit) as e:
+            main(["export", "-o", str(tmp_path / "out"), *opts, str(p)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "required: file" in err, err
+        assert "name FILE before the options, or after --" in err.splitlines()[-1], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_plot_with_a_facet_the_site_lacks_names_the_facets_it_has(tmp_path, capsys) -> None:
+    """`plot --site h.0 --facet bogus` said "site 'h.0' has no facet 'bogus': it has ['activation']", a stream where
+    facets were asked for; the site's own tensor is named as such, with the flag that selects it."""
+    pytest.importorskip("matplotlib")
+    p = _history(tmp_path / "f.thist")
+    assert main(["plot", str(p), "-o", str(tmp_path / "png"), "--site", "h.0", "--facet", "bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "has no facet 'bogus': it has [\"activation without a facet (--facet '')\"]" in err, err
+    assert not (tmp_path / "png").exists()
+
+
+def test_info_sites_says_never_for_a_cadence_of_0(tmp_path, capsys) -> None:
+    """`info --sites` printed a scalar as "loss scalar   shard cadence spine/1 sketch/0": 0 (never, spec 2.2) read as
+    a cadence, and the dtype and shape it lacks left blanks. A site's line names only what it has, and a
+    cadence of 0 as never."""
+    p = tmp_path / "s.thist"
+    with trainhist.HistoryWriter(p) as w:
+        w.observe(w.site("h.0", "activation", shape=(2, 4), dtype="float32"), 0, np.ones((2, 4), np.float32))
+        w.scalar("loss", 0, 1.5)
+    assert main(["info", str(p), "--sites"]) == 0
+    lines = [ln.strip() for ln in capsys.readouterr().out.splitlines()]
+    assert "h.0 activation float32 [2, 4] shard cadence: spine every step, sketch every step" in lines, lines
+    loss = next(ln for ln in lines if ln.startswith("loss "))
+    assert "  " not in loss and loss.endswith("sketch never"), loss
+
+
+def test_ctrl_c_ends_a_command_with_a_line_and_exit_130_not_a_traceback(tmp_path, monkeypatch, capsys) -> None:
+    """Ctrl-C during a command (a long merge, the demo's training) ended in a KeyboardInterrupt traceback; it ends
+    with one line saying so and the shell's status for SIGINT, 130."""
+    from trainhist import cli
+
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_cmd_info", interrupted)
+    try:
+        rc = main(["info", str(_history(tmp_path / "f.thist"))])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C ended main() in a KeyboardInterrupt (a traceback from the console script)")
+    err = capsys.readouterr().err
+    assert rc == 130 and err == "trainhist: interrupted (Ctrl-C)\n", (rc, err)
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "dump", "triage", "merge", "coarsen", "plot", "conformance"])
+def test_each_commands_help_says_what_it_does_and_its_exit_codes(command, capsys) -> None:
+    """`trainhist verify --help` showed only its usage and options: what the command does (the line `trainhist
+    --help` gives it) and its exit statuses were nowhere in it."""
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    listing = " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    first = listing.split(f" {command} ", 1)[1][:40]  # (the start of its line in `trainhist --help`)
+    assert first[0].upper() + first[1:] in text, (first, text)
+    assert "exit status:" in text and "2 bad usage" in text, text
+
+
+def test_plot_into_a_folder_it_may_not_write_says_what_to_pass(tmp_path, monkeypatch, capsys) -> None:
+    """A figure the -o folder refused (read-only, full) ended as "[io_error] figs/h.0.activation.site.png: Operation
+    not permitted", saying neither what failed nor what to do; it is output_unwritable (exit 1), naming the file
+    and saying what to pass."""
+    import errno
+
+    from trainhist import figures
+
+    pytest.importorskip("matplotlib")
+    p = _history(tmp_path / "f.thist")
+
+    def refused(h: object, *args: object, out: object = None, **kwargs: object) -> None:
+        name = out if out is not None else args[0]
+        raise PermissionError(errno.EPERM, "Operation not permitted", str(name))
+
+    for name in ("site_figure", "contact_sheet"):
+        monkeypatch.setattr(figures, name, refused)
+    for site in ([], ["--site", "h.0"]):
+        assert main(["plot", str(p), "-o", str(tmp_path / "figs"), *site]) == 1
+        err = capsys.readouterr().err
+        assert "[output_unwritable]" in err and "cannot write the figure (Operation not permitted)" in err, err
+        assert "pass -o a folder you may write to" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_output_that_cannot_be_written_says_it_was_the_output(tmp_path, monkeypatch, capsys) -> None:
+    """`trainhist dump FILE > /dev/full` (a full disk behind standard output) said "[io_error] : No space left on
+    device": an empty path, and nothing of what failed or what to do."""
+    import errno
+    import io
+    import sys
+
+    class Full(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    p = _history(tmp_path / "f.thist")
+    for command in ("info", "dump", "verify", "triage"):
+        monkeypatch.setattr(sys, "stdout", Full())
+        assert main([command, str(p)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("trainhist: error [io_error] standard output: No space left on device; "), err
+        assert "room" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "dump", "triage"])
+def test_a_file_named_like_an_option_is_told_to_go_after_double_dash(command, tmp_path, monkeypatch, capsys) -> None:
+    """`trainhist info -x.thist` (a file whose name starts with -) said "the following arguments are required: file"
+    to a user who had named one; the error says such a name goes after --, which reads it."""
+    monkeypatch.chdir(tmp_path)
+    _history(tmp_path / "-x.thist")
+    with pytest.raises(SystemExit) as e:
+        main([command, "-x.thist"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"after --: trainhist {command} -- -x.thist" in err.splitlines()[-1], err
+    assert main([command, "--", "-x.thist"]) == 0
+
+
+def test_conformance_k_that_matches_no_case_names_the_pattern_and_the_ids(capsys) -> None:
+    """`conformance -k zzz` printed the implementation, vectors and grading, "0 passed, 0 failed", then "[usage] no
+    cases matched", naming neither the pattern nor what a case id looks like; it is refused before anything runs,
+    with the pattern, the form of the ids and the closest ones."""
+    assert main(["conformance", "-k", "presense/segment"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "", out
+    assert "[no_match]" in err and "-k 'presense/segment' matches no case id" in err, err
+    assert "<category>/<case>" in err and "closest: presence/segments" in err, err
+
+
+def test_verify_counts_one_chunk_and_one_site_in_the_singular(tmp_path, capsys) -> None:
+    """`verify` of a history of one row said "1 chunks, 1 rows, 1 sites verified"."""
+    p = tmp_path / "one.thist"
+    with trainhist.HistoryWriter(p) as w:
+        w.observe(w.site("h.0", "activation"), 0, np.ones(3))
+    assert main(["verify", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("; 1 chunk, 1 row, 1 site verified"), out
+
+
+def test_conformance_refuses_an_impl_that_is_no_command(capsys) -> None:
+    """`conformance --impl "'"` ended in a ValueError traceback ("No closing quotation") from shlex, and `--impl ""`
+    silently ran the reference implementation instead; each is refused as usage naming --impl."""
+    for impl, said in (("'", "No closing quotation"), ("", "got an empty command"), ("  ", "got an empty command")):
+        with pytest.raises(SystemExit) as e:
+            main(["conformance", "--impl", impl, "-k", "presence/segments"])
+        err = capsys.readouterr()
+        assert e.value.code == 2 and "argument --impl: expected a command" in err.err and said in err.err, err
+        assert "passed" not in err.out
+
+
+def test_conformance_refuses_an_empty_vectors_folder_name(capsys) -> None:
+    """`conformance --vectors ""` (an unset shell variable) silently ran the checkout's vectors; it is refused."""
+    with pytest.raises(SystemExit) as e:
+        main(["conformance", "--vectors", "", "-k", "presence/segments"])
+    err = capsys.readouterr()
+    assert e.value.code == 2 and "argument --vectors: expected a folder path, got an empty string" in err.err, err
+    assert "passed" not in err.out

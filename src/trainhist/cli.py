@@ -1,7 +1,8 @@
 """The ``trainhist`` command: a thin layer over the library.
 
 Exit codes: 0 ok (clean file), 3 the file (for merge and coarsen: an input) had a torn tail and its committed
-prefix was used, 1 invalid or corrupt input (the error code, file and offset go to stderr), 2 bad command-line usage.
+prefix was used, 1 invalid or corrupt input (the error code, file and offset go to stderr), 2 bad command-line usage,
+130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -9,12 +10,14 @@ from __future__ import annotations
 import argparse
 import codecs
 import contextlib
+import errno
 import itertools
 import json
 import os
 import sys
 import zlib
-from typing import Callable, Iterator
+from pathlib import Path
+from typing import Any, Callable, Iterator, NoReturn
 
 import numpy as np
 
@@ -24,9 +27,10 @@ from .model import Phase
 from .reader import History, open_history
 from .triage import printable  # (names of the file, any Unicode, for a terminal line)
 
-__all__ = ["main", "EXIT_OK", "EXIT_INVALID", "EXIT_USAGE", "EXIT_TORN"]
+__all__ = ["main", "EXIT_OK", "EXIT_INVALID", "EXIT_USAGE", "EXIT_TORN", "EXIT_INTERRUPTED"]
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_TORN = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130  #: Ctrl-C: the shell's status for a process SIGINT ended (128 + 2)
 
 
 
@@ -66,6 +70,27 @@ def _path(text: str) -> str:
     """A file path, not empty (argparse type): an empty one read as '[not_found] : no such file'."""
     if not text:
         raise argparse.ArgumentTypeError("expected a file path, got an empty string ('')")
+    return text
+
+
+def _folder(text: str) -> str:
+    """A folder path, not empty (argparse type): an empty one fell back to the default folder unsaid."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a folder path, got an empty string ('')")
+    return text
+
+
+def _command(text: str) -> str:
+    """A command line to run (argparse type): words the shell's rules split (``shlex``), at least one."""
+    import shlex
+
+    try:
+        words = shlex.split(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a command, got {text!r}: {e} (quote as a shell does)") from None
+    if not words:
+        raise argparse.ArgumentTypeError(f"expected a command, got an empty command ({text!r}); leave --impl out for "
+                                         "the reference implementation")
     return text
 
 
@@ -135,6 +160,11 @@ def _last_step(step: np.ndarray, span: np.ndarray) -> int:
     return int((step.astype(np.int64) + extra).max())
 
 
+def _every(k: int) -> str:
+    """A cadence ``k`` in words: 0 is never (spec 2.2)."""
+    return "never" if k == 0 else "every step" if k == 1 else f"every {k} steps"
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     with open_history(args.file) as h:
         run = h.run
@@ -184,8 +214,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
         if args.sites:
             for s in h.sites:
                 facet = "" if s.facet is None else f"[{printable(s.facet)}]"
-                print(f"  {printable(s.path)}{facet} {s.stream} {s.dtype or ''} {list(s.shape) if s.shape else ''} "
-                      f"{s.sharing} cadence spine/{s.cadence_spine} sketch/{s.cadence_sketch}")
+                shape = list(s.shape) if s.shape else None
+                known = " ".join(str(x) for x in (s.dtype, shape, s.sharing) if x is not None)
+                print(f"  {printable(s.path)}{facet} {s.stream} {known} cadence: spine {_every(s.cadence_spine)}, "
+                      f"sketch {_every(s.cadence_sketch)}")
         return _status(h)
 
 
@@ -195,8 +227,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(report, sort_keys=True))
         else:
-            print(f"{_shown(h.path)}: {h.recovery.describe()}; {report['chunks']} chunks, {report['rows']} rows, "
-                  f"{report['sites']} sites verified")
+            print(f"{_shown(h.path)}: {h.recovery.describe()}; {_n(report['chunks'], 'chunk')}, "
+                  f"{_n(report['rows'], 'row')}, {_n(report['sites'], 'site')} verified")
         return _status(h)
 
 
@@ -209,17 +241,30 @@ def _cmd_dump(args: argparse.Namespace) -> int:
 
 
 def _cmd_conformance(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from .conformance import CATEGORIES
+    from .conformance import CATEGORIES, default_vectors, load_cases
     from .conformance import main as conformance_main
 
-    if args.vectors and Path(args.vectors).is_dir() and not any(
+    if args.vectors and not Path(args.vectors).is_dir():
+        found = "a file, not a folder" if os.path.lexists(args.vectors) else "no such folder"
+        raise UsageError(f"{found}; --vectors names the folder of the conformance vectors (<category>/<case>/"
+                         "case.json): pass conformance/vectors of a trainhist checkout", code="no_vectors",
+                         path=args.vectors)
+    if args.vectors and not any(
             (c / "case.json").is_file() for cat in CATEGORIES if (Path(args.vectors) / cat).is_dir()
             for c in (Path(args.vectors) / cat).iterdir()):  # (not 'no cases matched': there are none to match)
         raise UsageError(f"no conformance vectors in {args.vectors}: expected folders <category>/<case>/case.json, "
                          f"with categories {', '.join(CATEGORIES)}; pass --vectors conformance/vectors of a trainhist "
                          "checkout", code="no_vectors")
+    vectors = Path(args.vectors) if args.vectors else default_vectors()
+    if args.k and vectors is not None and not load_cases(vectors.resolve(), args.k):
+        import difflib
+
+        ids = sorted(f"{cat}/{c.name}" for cat in CATEGORIES if (vectors / cat).is_dir()
+                     for c in (vectors / cat).iterdir() if (c / "case.json").is_file())
+        close = difflib.get_close_matches(args.k, ids, 3, 0.5)
+        raise UsageError(f"-k {args.k!r} matches no case id of the {len(ids)} in {vectors} (ids are <category>/<case>"
+                         f"{f', e.g. {ids[0]}' if ids else ''}; -k takes a glob or a substring of one)"
+                         + (f"; closest: {', '.join(close)}" if close else ""), code="no_match")
     return conformance_main(args.impl, args.vectors, args.strict, args.k, args.timeout, args.jobs)
 
 
@@ -347,7 +392,8 @@ def _plot_targets(h: History, args: argparse.Namespace) -> list[tuple[object, st
         kept = [s for s in sites if (args.stream is None or s.stream == args.stream)
                 and (args.facet is None or (s.facet or "") == _as_utf8(args.facet))]
         if not kept:
-            there = sorted(f"{s.stream}{'' if s.facet is None else ' facet ' + repr(s.facet)}" for s in sites)
+            own = " without a facet (--facet '')" if args.facet is not None else ""  # (asked for facets: say so)
+            there = sorted(f"{s.stream}{own if s.facet is None else ' facet ' + repr(s.facet)}" for s in sites)
             want = " ".join(w for w in (args.stream and f"stream {args.stream!r}",
                                         args.facet is not None and f"facet {args.facet!r}") if w)
             raise UsageError(f"site {path!r} has no {want}: it has {there}", code="unknown_site", path=h.path)
@@ -366,9 +412,22 @@ def _plot_targets(h: History, args: argparse.Namespace) -> list[tuple[object, st
     return targets
 
 
-def _cmd_plot(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def _figures_folder(out: Path) -> None:
+    """Create the folder ``out`` the figures go to, or refuse it: under a file (``bad_output``), or
+    one the file system will not create (``output_unwritable``), saying what to pass instead."""
+    folder = out.absolute()
+    above = next(p for p in (folder, *folder.parents) if os.path.lexists(p))
+    if not above.is_dir():
+        raise UsageError(f"{_shown(above)} is a file, not a folder, so -o cannot go there; pass -o a folder path "
+                         "(created if missing)", code="bad_output", path=str(out))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TrainhistError(f"cannot create the folder for the figures ({e.strerror or e}); pass -o a folder you "
+                             "may write to", code="output_unwritable", path=str(out)) from None
 
+
+def _cmd_plot(args: argparse.Namespace) -> int:
     try:
         from .figures import contact_sheet, site_figure, waterfall
         import matplotlib  # noqa: F401 -- (the figures module imports it when drawing)
@@ -384,17 +443,22 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         raise UsageError(f"-o {out}: a file is there; the figures go to a folder (a new or an existing one)",
                          code="bad_output")
     with open_history(args.file) as h:
-        if not args.site:
-            for page in contact_sheet(h, out, per_page=args.per_page):
-                print(_shown(page))
-        else:
-            targets = _plot_targets(h, args)  # (every name is checked before a figure is drawn)
-            out.mkdir(parents=True, exist_ok=True)
+        targets = _plot_targets(h, args) if args.site else []  # (every name is checked before a figure is drawn)
+        _figures_folder(out)
+        try:
+            if not args.site:
+                for page in contact_sheet(h, out, per_page=args.per_page):
+                    print(_shown(page))
             for s, phase, named in targets:
                 stem = _file_stem([x for x in (s.path, s.stream, s.facet, phase if named else None) if x is not None])
                 for kind, draw in (("site", site_figure), ("waterfall", waterfall)):
                     draw(h, s.path, s.stream, s.facet, phase=phase, out=out / f"{stem}.{kind}.png")
                     print(_shown(out / f"{stem}.{kind}.png"))
+        except BrokenPipeError:  # (the reader of the list of files went away: main() says nothing)
+            raise
+        except OSError as e:  # (a read-only folder, a full disk: the figures printed above were written)
+            raise TrainhistError(f"cannot write the figure ({e.strerror or e}); pass -o a folder you may write to",
+                                 code="output_unwritable", path=str(e.filename or out)) from None
         if h.recovery.status != "clean":
             _torn_note(h, "drawn")
         return _status(h)
@@ -409,25 +473,61 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(args.rest)
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose error for a missing ``file`` argument ends with ``missing_file``: where to put it."""
+
+    def __init__(self, *args: Any, missing_file: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.missing_file = missing_file
+
+    def error(self, message: str) -> NoReturn:
+        """Exit 2 with the usage and ``message``, plus the hint for a missing ``file``."""
+        required = message.partition("the following arguments are required: ")[2]
+        if self.missing_file and "file" in required.split(", "):
+            message += f": {self.missing_file}"
+        super().error(message)
+
+
+#: the exit statuses a command's --help ends with (before "130 interrupted")
+_FILE = ("3 a torn tail (only the committed prefix was used); 1 the file missing, invalid or corrupt (the error code, "
+         "file and offset on stderr)")
+_READ = f"0 a clean file; {_FILE}; 2 bad usage"
+_TRIAGE = f"0 a clean file, whatever the triage finds; {_FILE}; 2 bad usage"
+_WRITE = f"0 a clean file; {_FILE}, or an output that cannot be written; 2 bad usage"
+_DERIVE = ("0 done; 3 an input had a torn tail (its committed prefix went in); 1 an input missing, invalid or corrupt "
+           "(the error code, file and offset on stderr), or the output cannot be written; 2 bad usage")
+_CONFORMANCE = "0 every case passed; 1 a case failed; 2 bad usage, or COMMAND cannot be run (no case ran)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trainhist", description="Read, check and convert trainhist history files.")
     p.add_argument("--version", action="version", version=f"trainhist {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("info", help="summary of a file: run, writers, segments, steps, sites (reads the framing "
-                       "and commits, not the chunk payloads: `verify` checks those)")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def command(name: str, summary: str, exits: str, **kwargs: Any) -> argparse.ArgumentParser:
+        """The subcommand ``name``, listed with ``summary``; its --help starts with it and ends with ``exits``."""
+        kwargs.setdefault("description", f"{summary[0].upper()}{summary[1:]}.")
+        kwargs.setdefault("missing_file", f"name the history FILE (a name that starts with - goes last, after --: "
+                          f"trainhist {name} -- -x.thist)")
+        return sub.add_parser(name, help=summary, epilog=f"exit status: {exits}; 130 interrupted", **kwargs)
+
+    c = command("info", "summary of a file: run, writers, segments, steps, sites (reads the framing and commits, not "
+                "the chunk payloads: `verify` checks those)", _READ)
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.add_argument("--sites", action="store_true", help="list every site")
     c.set_defaults(func=_cmd_info, subparser=c)
-    c = sub.add_parser("verify", help="check every committed byte; exit 0 clean, 3 torn tail, 1 corrupt")
+    c = command("verify", "check every committed byte; exit 0 clean, 3 torn tail, 1 corrupt", _READ)
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=_cmd_verify, subparser=c)
-    c = sub.add_parser("dump", help="canonical JSON of everything committed (spec section 10)")
+    c = command("dump", "canonical JSON of everything committed (spec section 10)", _READ)
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.set_defaults(func=_cmd_dump, subparser=c)
-    c = sub.add_parser("conformance", help="run an implementation against the conformance vectors (conformance/)")
-    c.add_argument("--impl", metavar="COMMAND", help="implementation command (default: the reference, as a subprocess)")
-    c.add_argument("--vectors", metavar="DIR", help="vector directory (default: conformance/vectors of this checkout)")
+    c = command("conformance", "run an implementation against the conformance vectors (conformance/)", _CONFORMANCE)
+    c.add_argument("--impl", metavar="COMMAND", type=_command,
+                   help="implementation command (default: the reference, as a subprocess)")
+    c.add_argument("--vectors", metavar="DIR", type=_folder,
+                   help="vector directory (default: conformance/vectors of this checkout)")
     c.add_argument("--strict", action="store_true", help="also require exact error codes and byte-exact outputs")
     c.add_argument("-k", metavar="PATTERN", help="only cases whose id matches (glob or substring)")
     c.add_argument("--timeout", type=_seconds, default=120.0,
@@ -439,7 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
                   "byte shuffle + zlib, smaller, inflated when read; raw, byte-exact for comparisons (default: packed)")
     workers_help = ("worker processes (default 0: one per CPU, up to 8, for inputs of 64 MiB or more; 1: none, "
                     "the merge runs in this process)")
-    c = sub.add_parser("merge", help="merge shards/ranks/runs into one canonical file (spec section 11)")
+    c = command("merge", "merge shards/ranks/runs into one canonical file (spec section 11)", _DERIVE)
     c.add_argument("inputs", nargs="+", metavar="IN", type=_path, help="histories to merge (any order)")
     c.add_argument("-o", "--output", required=True, metavar="OUT", type=_path,
                    help="the merged history (written beside it, then renamed over it; never one of the inputs)")
@@ -450,7 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--workers", type=_count, default=0, metavar="N", help=workers_help)
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=_cmd_merge, subparser=c)
-    c = sub.add_parser("coarsen", help="sum rows over step windows and/or halve sketch resolution (spec section 11)")
+    c = command("coarsen", "sum rows over step windows and/or halve sketch resolution (spec section 11)", _DERIVE)
     c.add_argument("input", metavar="IN", type=_path, help="the history to coarsen")
     c.add_argument("-o", "--output", required=True, metavar="OUT", type=_path,
                    help="the coarsened history (written beside it, then renamed over it; never the input)")
@@ -464,17 +564,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--workers", type=_count, default=0, metavar="N", help=workers_help)
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=_cmd_coarsen, subparser=c)
-    c = sub.add_parser("triage", help="where and when the history first went wrong (non-finite, failed, skipped)")
+    c = command("triage", "where and when the history first went wrong (non-finite, failed, skipped)", _TRIAGE)
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.add_argument("--limit", type=_count, default=12, help="most findings to print (default 12; 0: all)")
     c.add_argument("--json", action="store_true", help="print every finding as JSON (kind, step, site, text)")
     c.set_defaults(func=_cmd_triage, subparser=c)
-    c = sub.add_parser("export", help="the spines, step truth and scalars as Parquet or CSV tables for pandas "
-                       "(needs pip install 'trainhist[export]')",
-                       description="The spines, step truth and scalars as Parquet or CSV tables for pandas (needs "
-                       "pip install 'trainhist[export]'). Name FILE before the options, or after --: --streams, "
-                       "--sites and --phases take every word that follows them (trainhist export run.thist -o out "
-                       "--sites 'enc.*'; or trainhist export -o out --sites 'enc.*' -- run.thist).")
+    c = command("export", "the spines, step truth and scalars as Parquet or CSV tables for pandas (needs pip install "
+                "'trainhist[export]')", _WRITE,
+                description="The spines, step truth and scalars as Parquet or CSV tables for pandas (needs pip install "
+                "'trainhist[export]'). Name FILE before the options, or after --: --streams, --sites and --phases take "
+                "every word that follows them (trainhist export run.thist -o out --sites 'enc.*'; or trainhist export "
+                "-o out --sites 'enc.*' -- run.thist).",
+                missing_file="name FILE before the options, or after --: --streams, --sites and --phases take every "
+                "word that follows them (trainhist export run.thist -o out --sites 'enc.*')")
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.add_argument("-o", "--output", required=True, metavar="OUT", type=_path,
                    help="a directory for spines, steps and scalars (and manifests.json for csv), created if missing "
@@ -487,8 +589,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--phases", nargs="+", metavar="PHASE", help="only rows of these phases (default, pre_clip, "
                    "post_clip)")
     c.set_defaults(func=_cmd_export, subparser=c)
-    c = sub.add_parser("plot", help="figures as PNG files: a contact sheet of every site, or the quantile fan and "
-                       "the waterfall of named sites (needs pip install 'trainhist[viz]')")
+    c = command("plot", "figures as PNG files: a contact sheet of every site, or the quantile fan and the waterfall of "
+                "named sites (needs pip install 'trainhist[viz]')", _WRITE,
+                missing_file="name the history FILE (a name that starts with - goes last, after --: trainhist plot -o "
+                "DIR -- -x.thist)")
     c.add_argument("file", type=_path, help="a trainhist history (.thist)")
     c.add_argument("-o", "--output", required=True, metavar="DIR", type=_path,
                    help="folder for the PNG files (created if missing; files of the same names are replaced)")
@@ -576,14 +680,22 @@ def _main(argv: list[str] | None) -> int:
     except TrainhistError as e:
         print(f"trainhist: error {_said(e)}", file=sys.stderr)
         return EXIT_INVALID
+    except KeyboardInterrupt:
+        print("trainhist: interrupted (Ctrl-C)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # the reader of our output went away (`trainhist dump ... | head`): not an error
         return EXIT_OK
     except FileNotFoundError as e:
         print(f"trainhist: error [not_found] {_shown(e.filename)}: no such file", file=sys.stderr)
         return EXIT_INVALID
     except OSError as e:  # permission denied, a directory, disk full: say so, no traceback
-        print(f"trainhist: error [io_error] {_shown(e.filename or '')}: {printable(str(e.strerror or e))}",
-              file=sys.stderr)
+        said = printable(str(e.strerror or e))
+        if e.filename:
+            said = f"{_shown(e.filename)}: {said}"
+        elif e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # (no file named, no room: the command's output)
+            said = (f"standard output: {said}; the command's output could not be written: send it to a file or pipe "
+                    "with room")
+        print(f"trainhist: error [io_error] {said}", file=sys.stderr)
         return EXIT_INVALID
 
 

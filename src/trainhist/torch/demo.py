@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..cli import int_arg
-from ..errors import UsageError
+from ..cli import _path, _shown, int_arg
+from ..errors import TrainhistError, UsageError
 from .collector import Collector, StepTruth
 
 __all__ = ["main"]
@@ -42,15 +42,13 @@ MODEL = "gpt2-tiny"
 
 _positive = int_arg(1)  #: a whole number >= 1 (argparse type)
 _step = int_arg(0, what="a step, a whole number")  #: a step >= 0 (argparse type)
+_seed = int_arg(0, (1 << 64) - 1, "a seed, a whole number")  #: what torch.manual_seed takes (argparse type)
 
 
 def _demo_history(path: str) -> str | None:
     """Why ``path`` may not be replaced by the demo (None: it is a history an earlier demo wrote)."""
     from .. import open as open_history
-    from ..errors import TrainhistError
 
-    if not os.path.isfile(path):
-        return "it exists and is not a regular file"
     try:
         with open_history(path) as h:
             run = h.run or {}
@@ -64,6 +62,26 @@ def _demo_history(path: str) -> str | None:
     return None
 
 
+def _check_out(args: argparse.Namespace) -> None:
+    """Refuse (``bad_output``) an ``--out`` the demo could not write, before it trains: not a regular file, under a
+    file, or with a file where its figures/ folder goes."""
+    out = Path(args.out)
+    if out.exists() and not out.is_file():  # (a link to nothing is a file to be: the writer creates it)
+        what, e_g = (("a directory", f" (e.g. --out {out / 'demo.thist'})") if out.is_dir()
+                     else ("something that is not a regular file (a device, a pipe)", ""))
+        raise UsageError(f"{what} is there, where --out names the history file; pass a file path{e_g}",
+                         code="bad_output", path=str(out))
+    folder = out.absolute().parent
+    above = next(p for p in (folder, *folder.parents) if os.path.lexists(p))
+    if not above.is_dir():
+        raise UsageError(f"{above} is a file, not a folder, so --out cannot go there; pass a path in a folder",
+                         code="bad_output", path=str(out))
+    figures = folder / "figures"
+    if not args.no_figures and os.path.lexists(figures) and not figures.is_dir():
+        raise UsageError(f"{figures} is a file, where the demo draws its figures (a figures/ folder beside --out); "
+                         "move it, pass another --out, or --no-figures", code="bad_output", path=str(out))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the process exit status."""
     ap = argparse.ArgumentParser(
@@ -71,8 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         description="Train a tiny GPT-2 on the CPU for real, record its distribution history, then triage it and "
                     "draw its figures.",
         epilog="An existing --out file is replaced only when it is a history an earlier demo wrote (run "
-               f"'{RUN_NAME}', model '{MODEL}'); any other file is refused unless --force is given.")
-    ap.add_argument("--out", default=os.path.join("demo_out", "demo.thist"),
+               f"'{RUN_NAME}', model '{MODEL}'); any other file is refused unless --force is given. Exit status: 0 "
+               "trained, written and triaged; 1 the history or its figures could not be written; 2 bad usage (an "
+               "option, or an --out the demo may not replace or cannot place); 130 interrupted (Ctrl-C: the steps "
+               "recorded so far are kept)")
+    ap.add_argument("--out", type=_path, default=os.path.join("demo_out", "demo.thist"),
                     help="history file to write; the figures go to a figures/ folder beside it "
                          "(default: %(default)s)")
     ap.add_argument("--force", action="store_true",
@@ -84,13 +105,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="sequences of 64 tokens per micro-batch (default: %(default)s)")
     ap.add_argument("--inject-nan", type=_step, metavar="STEP",
                     help=f"make {FAULT_SITE} emit a NaN at STEP, 0 .. --steps - 1 (default: none)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the model and the data (default: %(default)s)")
+    ap.add_argument("--seed", type=_seed, default=0,
+                    help="seed of the model and the data, 0 .. 2^64 - 1 (default: %(default)s)")
     ap.add_argument("--no-figures", action="store_true",
                     help="skip the figures: the contact sheet, site.png and waterfall.png (they need matplotlib)")
     args = ap.parse_args(argv)
     if args.inject_nan is not None and args.inject_nan >= args.steps:
         ap.error(f"argument --inject-nan: step {args.inject_nan} is not among the {args.steps} steps trained "
                  f"(0 .. {args.steps - 1}): pass a smaller STEP or more --steps")
+    _check_out(args)
     if os.path.lexists(args.out) and not args.force:
         why = _demo_history(args.out)
         if why is not None:
@@ -128,7 +151,12 @@ def _run(args: argparse.Namespace) -> int:
         start = torch.randint(0, tokens.numel() - SEQ - 1, (args.batch,), generator=gen)
         return torch.stack([tokens[s : s + SEQ] for s in start.tolist()])
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    folder = Path(args.out).absolute().parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TrainhistError(f"cannot create the folder {folder} of --out ({e.strerror or e}); pass a path in a "
+                             "folder you may write to", code="output_unwritable", path=args.out) from None
     # spines every step (the default) let the triage name the faulty site at the very step it went wrong; a tiny
     # model affords sketches every 5 steps (the default is every 10) for denser figures
     col = Collector(model, args.out, mode="w", run_name=RUN_NAME, every=1, sketch_every=5,  # a fresh file (main()
@@ -138,6 +166,7 @@ def _run(args: argparse.Namespace) -> int:
     col.discover({"input_ids": first, "labels": first})
     plan = col.plan
     col.attach(optimizer=opt)
+    col.commit()  # (the run manifest on disk now: should the demo be killed, the next one knows the file is its own)
     current = {"step": -1}
 
     def inject(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -179,7 +208,7 @@ def _run(args: argparse.Namespace) -> int:
     micro = f"{args.micro_batches} micro-batch{'' if args.micro_batches == 1 else 'es'}"
     print(f"trained tiny GPT-2 for {steps} ({micro} each) in {elapsed:.1f}s")
     print(f"loss {float(losses[0]):.3f} -> {float(losses[-1]):.3f}")
-    print(f"history: {args.out} ({size / 1024:.0f} KiB, {tensors + scalars} sites: {tensors} tensor sites and "
+    print(f"history: {_shown(args.out)} ({size / 1024:.0f} KiB, {tensors + scalars} sites: {tensors} tensor sites and "
           f"{scalars} run-level scalars; {plan.elements_per_step():,.0f} elements reduced per step)")
     if col.first_nonfinite is not None:
         s, path, stream, facet = col.first_nonfinite
@@ -193,7 +222,7 @@ def _run(args: argparse.Namespace) -> int:
 def _follow_up(args: argparse.Namespace) -> None:
     """Triage the history and draw its figures (the figures need matplotlib, the ``viz`` extra)."""
     from .. import open as open_history
-    from ..triage import triage
+    from ..triage import printable, triage
 
     with open_history(args.out) as h:
         report = triage(h)
@@ -206,14 +235,19 @@ def _follow_up(args: argparse.Namespace) -> None:
             print("figures skipped: install the viz extra (matplotlib)")
             return
         out = Path(args.out).parent / "figures"
-        pages = contact_sheet(h, out)
         first = report.first_nonfinite
         site = next((s for s in h.sites if first is not None and s.path == first.site
                      and s.stream == "activation"), None) or h.site(FAULT_SITE, "activation")
-        site_figure(h, site.path, site.stream, site.facet, out=out / "site.png")
-        waterfall(h, site.path, site.stream, site.facet, out=out / "waterfall.png")
+        try:
+            pages = contact_sheet(h, out)
+            site_figure(h, site.path, site.stream, site.facet, out=out / "site.png")
+            waterfall(h, site.path, site.stream, site.facet, out=out / "waterfall.png")
+        except OSError as e:  # (a read-only figures/ folder, a full disk)
+            raise TrainhistError(f"cannot write the figures ({e.strerror or e}); the history is complete: pass an "
+                                 "--out in a folder you may write to, or --no-figures", code="output_unwritable",
+                                 path=str(e.filename or out)) from None
         n = f"{len(pages)} {'page' if len(pages) == 1 else 'pages'}"
-        print(f"figures: contact sheet ({n}), site.png and waterfall.png of {site.path} in {out}")
+        print(f"figures: contact sheet ({n}), site.png and waterfall.png of {printable(site.path)} in {_shown(out)}")
 
 
 if __name__ == "__main__":
