@@ -143,3 +143,14 @@ def test_damaged_input_chunk_named_with_path_offset_code(tmp_path: Path, damage:
         assert (ei.value.code, ei.value.offset, ei.value.path) == (want, target, str(q))
         # no output, no temporary file and no worker's spool file is left behind
         assert sorted(f.name for f in tmp_path.iterdir()) == ["a.thist", "b.thist"]
+
+
+def test_workers_asked_beyond_the_sites_are_capped_at_the_sites(shards: list[Path], tmp_path: Path) -> None:
+    """``workers=64`` for a file of a few sites forks one worker a site, not 64 (each idle worker cost a fork: a
+    thousand made a 1-second merge take 80); the bytes are those of the serial merge."""
+    rep = trainhist.merge(shards, tmp_path / "many.th", workers=64)
+    with trainhist.open(tmp_path / "many.th") as h:
+        sites = len(h.sites)
+    assert 1 < sites < 64 and rep.workers == sites
+    trainhist.merge(shards, tmp_path / "serial.th", workers=1)
+    assert (tmp_path / "many.th").read_bytes() == (tmp_path / "serial.th").read_bytes()

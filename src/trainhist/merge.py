@@ -1533,8 +1533,8 @@ class _Engine:
         # obs: site by site (sites are independent: with workers, each site is built in a worker process and its
         # records are written here in site order, so the bytes do not depend on the number of workers)
         sites = range(len(self.site_keys))
-        n = self._n_workers()
-        if n > 1 and len(sites) > 1:
+        n = min(self._n_workers(), len(sites))  # (no more workers than sites: an idle worker costs a fork)
+        if n > 1:
             self.report.workers = n
             global _ENGINE
             _ENGINE = self
