@@ -262,7 +262,7 @@ def test_cli_limit_refuses_a_negative_count(tmp_path, capsys) -> None:
     capsys.readouterr()
     assert main(["triage", str(p), "--limit", "0"]) == 0
     out = capsys.readouterr().out
-    assert "more findings" not in out and out.count("  - ") == len(triage(trainhist.open(p)).findings)
+    assert "more finding" not in out and out.count("  - ") == len(triage(trainhist.open(p)).findings)
 
 
 def test_a_coarsened_window_does_not_claim_an_order_inside_it(tmp_path) -> None:
@@ -648,3 +648,18 @@ def test_a_resume_of_runs_pooled_across_runs_is_a_resume_not_another_run(tmp_pat
     assert main(["info", str(tmp_path / "ABx")]) == 0
     [steps] = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("steps")]
     assert "again in a later segment" in steps and "different runs" not in steps
+
+
+def test_the_report_escapes_the_files_name_and_counts_one_more_finding_as_one(tmp_path) -> None:
+    """A newline in the file's name split the report's first line; one finding left out read '1 more findings'."""
+    p = tmp_path / "a\nb.thist"
+    with trainhist.HistoryWriter(p) as w:
+        a, b = w.site("a", "activation"), w.site("b", "activation")
+        w.observe(a, 0, np.array([np.nan], np.float32))
+        w.mark(b, 0, "failed")
+    with trainhist.open(p) as h:
+        report = triage(h)
+    assert len(report.findings) >= 2
+    text = report.format(limit=len(report.findings) - 1)
+    assert text.splitlines()[0] == f"triage of {tmp_path}/a\\nb.thist:"
+    assert text.splitlines()[-1] == "  ... 1 more finding"

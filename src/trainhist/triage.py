@@ -124,19 +124,20 @@ class Triage:
         torn = self.recovery is not None and self.recovery.status == "torn"
         note = (f"  note: {self.recovery.describe()}; only the committed prefix was triaged, so the dropped records "
                 "may hold what went wrong (run `trainhist verify` for the details)" if torn else None)
+        path = printable(str(self.path))  # (a newline in the name split the report's first line)
         if not self.findings:
             seen = "" if self.unobserved is None else f" ({self.unobserved})"
             if torn:
-                return (f"{self.path}: no non-finite values, failures, skipped steps, gaps or sites stuck at zero "
+                return (f"{path}: no non-finite values, failures, skipped steps, gaps or sites stuck at zero "
                         f"found in the committed prefix{seen}, but the file's tail was torn:\n{note}")
-            return (f"{self.path}: no non-finite values, failures, skipped steps, gaps or sites stuck at zero "
+            return (f"{path}: no non-finite values, failures, skipped steps, gaps or sites stuck at zero "
                     f"found{seen}")
         limit = len(self.findings) if limit <= 0 else limit
-        lines = [f"triage of {self.path}:"] + ([note] if torn else [])
+        lines = [f"triage of {path}:"] + ([note] if torn else [])
         for f in self.findings[:limit]:
             lines.append(f"  - {f.text}")
         if len(self.findings) > limit:
-            lines.append(f"  ... {len(self.findings) - limit} more findings")
+            lines.append(f"  ... {_n(len(self.findings) - limit, 'more finding', 'more findings')}")
         return "\n".join(lines)
 
 
