@@ -434,6 +434,7 @@ def test_steps_no_float_axis_can_hold_are_refused_and_every_later_segment_is_a_b
             with pytest.raises(UsageError) as e:
                 draw()
             assert e.value.code == "undrawable_steps"
+            assert f"steps from 0 to {2**63 - 1} cannot be drawn" in str(e.value)
         assert plt.get_fignums() == before  # (refused before a figure was made)
     with trainhist.HistoryWriter(p, mode="a") as w:  # another site, drawable: the contact sheet draws it
         w.observe(w.site("b", "activation"), 1, np.ones(3))
@@ -704,3 +705,15 @@ def test_site_figure_says_which_rows_with_values_hold_skipped_steps(tmp_path) ->
             ax = site_figure(h, "w", "param_delta").axes[0]
         legend = " ".join(" ".join(t.get_text().split()) for t in ax.get_legend().get_texts())
         assert ("2 rows with values also hold skipped steps or inputs (n_skipped)" in legend) is said, legend
+
+
+def test_a_single_undrawable_step_is_named_once(tmp_path):
+    """One row at step 2^62: the refusal said 'steps up to 4611686018427387904 and down to 4611686018427387904'."""
+    from trainhist.errors import UsageError
+
+    p = tmp_path / "one.thist"
+    with trainhist.HistoryWriter(p) as w:
+        w.observe(w.site("a", "activation"), 2**62, np.ones(3))
+    with trainhist.open(p) as h, pytest.raises(UsageError) as e:
+        site_figure(h, "a")
+    assert e.value.code == "undrawable_steps" and f"a: step {2**62} cannot be drawn" in str(e.value)

@@ -295,8 +295,10 @@ def _extent(s: SpineSeries) -> tuple[np.ndarray, np.ndarray]:
     2^52 have no place on a float axis a step apart (nor room for the arithmetic of drawing): refused."""
     start = s.step.astype(np.int64)
     if len(start) and (int(start.max()) > _DRAWABLE or int(start.min()) < -_DRAWABLE):
-        raise UsageError(f"{s.site.path}: steps up to {int(start.max())} and down to {int(start.min())} cannot be "
-                         f"drawn a step apart (figures take steps within +-2^52)", code="undrawable_steps")
+        hi, lo = int(start.max()), int(start.min())
+        steps = f"step {hi}" if hi == lo else f"steps from {lo} to {hi}"
+        raise UsageError(f"{s.site.path}: {steps} cannot be drawn a step apart (figures take steps within +-2^52; "
+                         "read its rows with trainhist.open, or trainhist export them)", code="undrawable_steps")
     return start, start + s.span.astype(np.int64)
 
 
