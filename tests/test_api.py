@@ -81,6 +81,13 @@ def test_path_problems_are_typed(tmp_path, opener):
     assert ei.value.code == "bad_path" and "NUL" in str(ei.value)
 
 
+@pytest.mark.parametrize("opener", [trainhist.HistoryWriter, trainhist.open, trainhist.History])
+@pytest.mark.parametrize("path", ["", b""])
+def test_an_empty_path_is_refused_as_such(opener, path):
+    """'' was taken by the OS as a missing file: 'the folder <the working folder's parent> exists, but ...'."""
+    _refused(lambda: opener(path), "bad_path", "empty path")
+
+
 def test_writer_refuses_a_device():
     with pytest.raises(errors.NotAFileError) as ei:
         trainhist.HistoryWriter("/dev/null")

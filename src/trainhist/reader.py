@@ -1421,6 +1421,8 @@ def _check_path(path: object) -> None:
     if not isinstance(path, (str, bytes, os.PathLike)):
         raise UsageError(f"open() takes a path (str or os.PathLike) of a history file, not {type(path).__name__} "
                          f"{path!r:.60}", code="bad_path")
+    if not os.fspath(path):
+        raise UsageError("open() takes the path of a history file, got an empty path ('')", code="bad_path")
 
 
 def open_history(path: str | os.PathLike, *, in_memory: bool = False) -> History:

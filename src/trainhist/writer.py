@@ -664,6 +664,9 @@ class HistoryWriter:
         if not isinstance(path, (str, bytes, os.PathLike)):
             raise UsageError(f"HistoryWriter() takes a path (str or os.PathLike) to write the history to, not "
                              f"{type(path).__name__} {_short(path)}", code="bad_path")
+        if not os.fspath(path):  # (the OS reads '' as no such file, which named the working folder's parent)
+            raise UsageError("HistoryWriter() takes the path of the history file to write, got an empty path ('')",
+                             code="bad_path")
         for name, value in (("codec", codec), ("fsync", fsync), ("mode", mode)):
             _text(name, value)
         for name, value in (("run_id", run_id), ("writer_id", writer_id), ("run_name", run_name), ("host", host),
