@@ -5,6 +5,7 @@ never records a wrong value silently."""
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -444,3 +445,13 @@ def test_a_summary_whose_sum_method_is_an_array_is_refused_typed(tmp_path) -> No
         w.observe(s, 0, values=np.ones(3))
     with trainhist.open(tmp_path / "x.thist") as h:
         assert h.spine("a").count.tolist() == [3]
+
+
+def test_a_directory_or_a_pipe_is_refused_with_what_to_read_instead(tmp_path):
+    with pytest.raises(errors.NotAFileError) as ei:
+        trainhist.open(tmp_path)
+    assert ei.value.code == "not_a_file" and "name a .thist file in it" in str(ei.value)
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(errors.NotAFileError) as ei:
+        trainhist.open(tmp_path / "pipe")
+    assert "copy what it holds to one" in str(ei.value)

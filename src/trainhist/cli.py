@@ -25,7 +25,7 @@ from . import __version__
 from .errors import TrainhistError, UsageError
 from .model import Phase
 from .reader import History, open_history
-from .triage import printable  # (names of the file, any Unicode, for a terminal line)
+from .triage import printable, printable_path as _shown  # (names of the file and paths, for a terminal line)
 
 __all__ = ["main", "EXIT_OK", "EXIT_INVALID", "EXIT_USAGE", "EXIT_TORN", "EXIT_INTERRUPTED"]
 
@@ -110,16 +110,6 @@ def _in_flags(e: TrainhistError) -> TrainhistError:
 def _n(n: int, one: str) -> str:
     """``n`` and its noun, singular for one."""
     return f"{n} {one}{'' if n == 1 else 's'}"
-
-
-def _shown(path: object) -> str:
-    """A path (the user's, or one derived from it) for a line of output: its control characters (a newline, ESC)
-    escaped, as in site names (:func:`~trainhist.triage.printable`). The bytes of a name the locale could not
-    decode (PEP 383's lone surrogates) are kept: the output writes them back as they were given."""
-    text = os.fsdecode(path) if isinstance(path, bytes) else str(path)
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() or "\udc80" <= c <= "\udcff" else printable(c) for c in text)
 
 
 def _torn_note(h: History, done: str) -> None:

@@ -513,7 +513,8 @@ def _open_regular(path: str) -> Any:
         raise NotFoundError(f"no such file: expected a trainhist history (.thist) here; {hint}",
                             path=path) from None
     except IsADirectoryError:  # (Windows: a directory cannot be opened)
-        raise not_a_file("a directory: a history is read from a regular file", path=path, directory=True) from None
+        raise not_a_file("a directory: a history is read from a regular file; name a .thist file in it", path=path,
+                         directory=True) from None
     except (OSError, ValueError) as e:
         problem = path_problem(path, e, "read the history")
         if problem is None:
@@ -522,9 +523,10 @@ def _open_regular(path: str) -> Any:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a pipe, socket or device)"
-            raise not_a_file(f"{kind}: a history is read from a regular file", path=path,
-                             directory=stat.S_ISDIR(mode))
+            kind = ("a directory: a history is read from a regular file; name a .thist file in it" if stat.S_ISDIR(mode)
+                    else "not a regular file (a pipe, socket or device): a history is read from a regular file; copy "
+                    "what it holds to one and read that")
+            raise not_a_file(kind, path=path, directory=stat.S_ISDIR(mode))
         if nonblock:
             os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
@@ -874,13 +876,15 @@ class History:
             raise _bad(f"chunk steps {cols['step'].min(initial=0)}..{cols['step'].max(initial=0)} ({e.rows} rows) "
                        f"disagree with the commit entry's step range {e.step_min}..{e.step_max}", "bad_chunk", path,
                        e.offset)
-        if (cols["phase"] >= len(Phase.NAMES)).any() or (cols["presence"] >= len(Presence.NAMES)).any():
-            raise UnsupportedError(
-                f"chunk uses phase codes {sorted(set(cols['phase'][cols['phase'] >= len(Phase.NAMES)].tolist()))} or "
-                f"presence codes {sorted(set(cols['presence'][cols['presence'] >= len(Presence.NAMES)].tolist()))} "
-                f"unknown to this reader (it knows phases 0..{len(Phase.NAMES) - 1} and presences "
-                f"0..{len(Presence.NAMES) - 1}): a newer writer wrote them; read the file with a newer trainhist",
-                code="unknown_code", path=path, offset=e.offset)
+        new_phases = sorted(set(cols["phase"][cols["phase"] >= len(Phase.NAMES)].tolist()))
+        new_presences = sorted(set(cols["presence"][cols["presence"] >= len(Presence.NAMES)].tolist()))
+        if new_phases or new_presences:
+            codes = " and ".join(w for w in (new_phases and f"phase codes {new_phases} (this reader knows 0.."
+                                             f"{len(Phase.NAMES) - 1})",
+                                             new_presences and f"presence codes {new_presences} (this reader knows "
+                                             f"0..{len(Presence.NAMES) - 1})") if w)
+            raise UnsupportedError(f"chunk uses {codes}: a newer writer wrote them; read the file with a newer "
+                                   "trainhist", code="unknown_code", path=path, offset=e.offset)
         if (cols["span"] == 0).any():
             raise _bad("obs row with span 0 (a row covers at least one step)", "bad_span", path, e.offset)
         tnames = [n for n in TALLY_COLUMNS if ch.has(n)]

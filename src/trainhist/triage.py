@@ -8,6 +8,7 @@ that a person can go straight to it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -124,7 +125,7 @@ class Triage:
         torn = self.recovery is not None and self.recovery.status == "torn"
         note = (f"  note: {self.recovery.describe()}; only the committed prefix was triaged, so the dropped records "
                 "may hold what went wrong (run `trainhist verify` for the details)" if torn else None)
-        path = printable(str(self.path))  # (a newline in the name split the report's first line)
+        path = printable_path(self.path)  # (a newline in the name split the report's first line)
         if not self.findings:
             seen = "" if self.unobserved is None else f" ({self.unobserved})"
             if torn:
@@ -148,6 +149,16 @@ def printable(name: str) -> str:
     if name.isprintable():
         return name
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
+
+
+def printable_path(path: object) -> str:
+    """A path (the user's, or one derived from it) for a line of output: its control characters (a newline, ESC)
+    escaped, as in site names (:func:`printable`). The bytes of a name the locale could not decode (PEP 383's lone
+    surrogates) are kept: the output writes them back as they were given."""
+    text = os.fsdecode(path) if isinstance(path, bytes) else str(path)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or "\udc80" <= c <= "\udcff" else printable(c) for c in text)
 
 
 def _label(site: object, phase: str) -> str:
