@@ -6,6 +6,7 @@ inputs that are each valid."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 import uuid
 from pathlib import Path
@@ -155,3 +156,15 @@ def test_an_input_with_two_damaged_sites_gets_the_error_of_verifys_site_order(tm
     for i, fn in enumerate((lambda o: trainhist.merge([p], o), lambda o: trainhist.coarsen(p, o, steps=2))):
         e = _refused(fn, tmp_path / f"o{i}.th")
         assert (e.code, e.offset) == ("bad_payload_crc", z_at), e
+
+
+def test_an_output_in_a_missing_folder_or_with_no_name_says_what_to_write(tmp_path: Path) -> None:
+    from trainhist.errors import UsageError
+
+    src = tmp_path / "a.thist"
+    with trainhist.HistoryWriter(src) as w:
+        w.observe(w.site("x", "activation"), 0, np.ones(2))
+    for out, words in ((tmp_path / "nodir" / "m.thist", "create it first"), (str(tmp_path) + os.sep, "name the file")):
+        with pytest.raises(UsageError) as e:
+            trainhist.merge([src], out)
+        assert e.value.code == "bad_output" and words in str(e.value), str(e.value)

@@ -524,10 +524,12 @@ def _check_output(output: str, inputs: list[str]) -> None:
     import stat
 
     if not output or output.endswith(os.sep):
-        raise UsageError(f"output {output!r} is not a file name", code="bad_output")
+        raise UsageError(f"output {output!r} is not a file name; name the file to write (e.g. merged.thist)",
+                         code="bad_output")
     parent = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(parent):
-        raise UsageError(f"output {output}: the folder {parent} does not exist (or is not a folder)", code="bad_output")
+        raise UsageError(f"output {output}: the folder {parent} does not exist (or is not a folder); create it "
+                         "first, or write to a path in an existing folder", code="bad_output")
     try:
         st = os.stat(output)
     except FileNotFoundError:
