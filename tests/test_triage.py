@@ -247,15 +247,20 @@ def test_a_site_without_a_position_ranks_after_those_with_one(tmp_path) -> None:
         assert triage(h).first_nonfinite.site == "h.0"
 
 
-def test_cli_limit_refuses_a_negative_count(tmp_path, capsys) -> None:
-    """--limit -1 printed one finding and '3 more' of two; it is refused, and 0 prints them all."""
-    import pytest
-
-    p = tmp_path / "n.thist"
+def _nan_and_failed(p):
+    """A file of two findings: site a holds a NaN at step 0, site b failed there."""
     with trainhist.HistoryWriter(p) as w:
         a, b = w.site("a", "activation"), w.site("b", "activation")
         w.observe(a, 0, np.array([np.nan], np.float32))
         w.mark(b, 0, "failed")
+    return p
+
+
+def test_cli_limit_refuses_a_negative_count(tmp_path, capsys) -> None:
+    """--limit -1 printed one finding and '3 more' of two; it is refused, and 0 prints them all."""
+    import pytest
+
+    p = _nan_and_failed(tmp_path / "n.thist")
     with pytest.raises(SystemExit) as e:
         main(["triage", str(p), "--limit", "-1"])
     assert e.value.code == 2
@@ -652,11 +657,7 @@ def test_a_resume_of_runs_pooled_across_runs_is_a_resume_not_another_run(tmp_pat
 
 def test_the_report_escapes_the_files_name_and_counts_one_more_finding_as_one(tmp_path) -> None:
     """A newline in the file's name split the report's first line; one finding left out read '1 more findings'."""
-    p = tmp_path / "a\nb.thist"
-    with trainhist.HistoryWriter(p) as w:
-        a, b = w.site("a", "activation"), w.site("b", "activation")
-        w.observe(a, 0, np.array([np.nan], np.float32))
-        w.mark(b, 0, "failed")
+    p = _nan_and_failed(tmp_path / "a\nb.thist")
     with trainhist.open(p) as h:
         report = triage(h)
     assert len(report.findings) >= 2
