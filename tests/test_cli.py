@@ -662,3 +662,26 @@ def test_conformance_refuses_an_empty_vectors_folder_name(capsys) -> None:
     err = capsys.readouterr()
     assert e.value.code == 2 and "argument --vectors: expected a folder path, got an empty string" in err.err, err
     assert "passed" not in err.out
+
+
+def test_plot_to_a_full_standard_output_says_it_was_the_output(tmp_path, monkeypatch, capsys) -> None:
+    """`trainhist plot FILE -o DIR > /dev/full`: the figures were written, the list of them could not be printed;
+    it said "[output_unwritable] DIR: cannot write the figure (No space left on device); pass -o a folder you may
+    write to", blaming the folder that holds them. It says standard output, as the other commands do."""
+    import errno
+    import io
+    import sys
+
+    pytest.importorskip("matplotlib")
+
+    class Full(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    p = _history(tmp_path / "f.thist")
+    for site in ([], ["--site", "h.0"]):
+        monkeypatch.setattr(sys, "stdout", Full())
+        assert main(["plot", str(p), "-o", str(tmp_path / "figs"), *site]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("trainhist: error [io_error] standard output: No space left on device; "), err
+        assert any((tmp_path / "figs").iterdir())  # (the figures were written)

@@ -417,6 +417,16 @@ def _figures_folder(out: Path) -> None:
                              "may write to", code="output_unwritable", path=str(out)) from None
 
 
+def _drawn(folder: Path, draw: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``draw(*args, **kwargs)``: a figure the -o ``folder`` refuses (read-only, full) is ``output_unwritable``,
+    saying what to pass (the figures printed before it were written; an error printing their list is not this)."""
+    try:
+        return draw(*args, **kwargs)
+    except OSError as e:
+        raise TrainhistError(f"cannot write the figure ({e.strerror or e}); pass -o a folder you may write to",
+                             code="output_unwritable", path=str(e.filename or folder)) from None
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     try:
         from .figures import contact_sheet, site_figure, waterfall
@@ -435,20 +445,14 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     with open_history(args.file) as h:
         targets = _plot_targets(h, args) if args.site else []  # (every name is checked before a figure is drawn)
         _figures_folder(out)
-        try:
-            if not args.site:
-                for page in contact_sheet(h, out, per_page=args.per_page):
-                    print(_shown(page))
-            for s, phase, named in targets:
-                stem = _file_stem([x for x in (s.path, s.stream, s.facet, phase if named else None) if x is not None])
-                for kind, draw in (("site", site_figure), ("waterfall", waterfall)):
-                    draw(h, s.path, s.stream, s.facet, phase=phase, out=out / f"{stem}.{kind}.png")
-                    print(_shown(out / f"{stem}.{kind}.png"))
-        except BrokenPipeError:  # (the reader of the list of files went away: main() says nothing)
-            raise
-        except OSError as e:  # (a read-only folder, a full disk: the figures printed above were written)
-            raise TrainhistError(f"cannot write the figure ({e.strerror or e}); pass -o a folder you may write to",
-                                 code="output_unwritable", path=str(e.filename or out)) from None
+        if not args.site:
+            for page in _drawn(out, contact_sheet, h, out, per_page=args.per_page):
+                print(_shown(page))
+        for s, phase, named in targets:
+            stem = _file_stem([x for x in (s.path, s.stream, s.facet, phase if named else None) if x is not None])
+            for kind, draw in (("site", site_figure), ("waterfall", waterfall)):
+                _drawn(out, draw, h, s.path, s.stream, s.facet, phase=phase, out=out / f"{stem}.{kind}.png")
+                print(_shown(out / f"{stem}.{kind}.png"))
         if h.recovery.status != "clean":
             _torn_note(h, "drawn")
         return _status(h)
