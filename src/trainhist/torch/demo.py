@@ -42,7 +42,8 @@ MODEL = "gpt2-tiny"
 
 _positive = int_arg(1)  #: a whole number >= 1 (argparse type)
 _step = int_arg(0, what="a step, a whole number")  #: a step >= 0 (argparse type)
-_seed = int_arg(0, (1 << 64) - 1, "a seed, a whole number")  #: what torch.manual_seed takes (argparse type)
+#: (argparse type) a seed as torch keeps it: torch.manual_seed maps -2^63 .. -1 onto this range too
+_seed = int_arg(0, (1 << 64) - 1, "a seed, a whole number")
 
 
 def _demo_history(path: str) -> str | None:
