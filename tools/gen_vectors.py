@@ -2202,9 +2202,9 @@ def gen_coarsen(s: Suite) -> dict[str, bytes]:
                                                                      struct.pack("<QQ", 2**63, 2**63)))
         return build(recs)[0]
 
-    _derived_case(s, c, "bins_overflow", "a row of 1.1 and 1.2, whose two quarter-octave bins count 2^63 each (5.5 allows a sketch "
-                  "to count more than its spine): at 2 bins per octave they add into one bin, 2^64, which a u64 "
-                  "cannot hold", ["11.7", "11.2", "6.3"], {"input.thist": two_bins(False)},
+    _derived_case(s, c, "bins_overflow", "a row of 1.1 and 1.2, whose two quarter-octave bins count 2^63 each (5.5 "
+                  "allows a sketch to count more than its spine): at 2 bins per octave they add into one bin, 2^64, "
+                  "which a u64 cannot hold", ["11.7", "11.2", "6.3"], {"input.thist": two_bins(False)},
                   {"input": "input.thist", "steps": 1, "bins_per_octave": 2}, error="count_overflow")
     _derived_case(s, c, "bins_overflow_not_kept", "the same row at step 0 and a failed row at step 1, in one 2-step "
                   "window at 2 bins per octave: the window is failed and keeps no numbers, so its bins do not "
