@@ -966,8 +966,8 @@ class Collector:
                 "close() (or make collectors with `with Collector(...) as col:`) before making another on this file",
                 code="file_in_use", path=self.path) from None
         _holders[os.path.realpath(self.path)] = self
-        # a collector never closed (the script raised, or dropped it with its model) closes its writer when it is
-        # collected or the interpreter exits, so its finished steps since the last commit are kept
+        # a collector never closed is closed as close() does when the interpreter exits (the script raised), and
+        # closes its writer when it is collected (dropped with its model): its finished steps are kept either way
         self._finalizer = weakref.finalize(self, _close_writer, w, os.getpid(), weakref.ref(self))
         if key is not None and self.rank == 0:
             run = w.run_manifest

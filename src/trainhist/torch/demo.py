@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from ..cli import _path, _shown, int_arg
+from ..cli import _path, int_arg
 from ..errors import TrainhistError, UsageError
+from ..triage import printable_path as _shown  # (paths, for a line of output)
 from .collector import Collector, StepTruth
 
 __all__ = ["main"]
