@@ -1,15 +1,20 @@
 """Overhead of recording a training loop: interleaved A/B against the uninstrumented loop, with an A/A noise band.
 
-    python tools/bench_overhead.py --out benchmarks/overhead.md            # the published table
     python tools/bench_overhead.py --reps 2 --steps 4 --quick              # a smoke run
-    python tools/bench_overhead.py --widths 256 512 768 --append --out benchmarks/overhead.md   # the width sweep
+    # the published file: whole runs in turn (the peers too), then step by step, then the width sweep
+    python tools/bench_overhead.py --out benchmarks/overhead.md
+    python tools/bench_overhead.py --lockstep --only spine sketches default params --steps 150 \
+        --append --out benchmarks/overhead.md
+    python tools/bench_overhead.py --widths 256 512 768 --reps 6 --steps 24 --append --out benchmarks/overhead.md
 
 Model: a HF transformers GPT-2 with random init sized for a 2-core CPU. Every configuration trains the same model
 from the same initial weights on the same synthetic tokens. Within one repetition every configuration runs once,
 in a rotated order; each configuration's step time (median over the timed steps; the mean over one whole cadence
 period for a configuration that records at a cadence) is divided by the baseline's of the same
 repetition, both in wall-clock and in process CPU time. The A/A row (the baseline run a second time) shows the
-noise band of the machine; the load average is reported because the machine may be shared.
+noise band of the machine; the load average is reported because the machine may be shared. ``--lockstep`` pairs
+finer: every configuration trains its own copy of the model in one process and they take turns step by step, so
+a slow spell of a shared machine (runs tens of seconds apart can differ by 10%) falls on all of them alike.
 """
 
 from __future__ import annotations
@@ -203,15 +208,45 @@ def _default_cadence() -> tuple[int, int]:
 
 #: configurations that record at a cadence: (spine every, sketch every)
 CADENCE = {"trainhist default": _default_cadence(), "trainhist cadence every=25, sketch_every=50": (25, 50)}
-#: --paired-period: every configuration (baselines included) timed over the longest period of the selected cadences
-PAIRED = {"period": 0}
 
 
 def period(name: str) -> int:
     """Timed steps a configuration needs: one whole cadence period where it records at a cadence (0: ``--steps``)."""
-    if PAIRED["period"]:
-        return PAIRED["period"]
     return math.lcm(*CADENCE[name]) if name in CADENCE else 0
+
+
+class Runner:
+    """One configuration's training run, a step at a time: the model from ``init_state``, AdamW, the
+    configuration's instrumentation around each step (``--lockstep`` runs several side by side)."""
+
+    def __init__(self, name: str, init_state: dict, args: argparse.Namespace, data: list[torch.Tensor],
+                 tmp: Path) -> None:
+        self.model = make_model(args)
+        self.model.load_state_dict(init_state)
+        self.model.to(args.device)
+        self.data = [x.to(args.device) for x in data]
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self._stack = contextlib.ExitStack()
+        self.wrap, self.log, self.settle = self._stack.enter_context(
+            instrument(name, self.model, self.opt, tmp, self.data[0]))
+
+    def step(self, step: int) -> tuple[float, float]:
+        """Train one step; its wall-clock and process-CPU seconds."""
+        x = self.data[step % len(self.data)]
+        t0, c0 = time.perf_counter(), time.process_time()
+        with self.wrap(step):
+            out = self.model(input_ids=x, labels=x)
+            out.loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        self.log(step, float(out.loss.detach()))  # the loop's own loss read (a sync on CUDA, in every configuration)
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    def close(self) -> tuple[float, float]:
+        """End the instrumentation (trainhist writes the rows it still holds and closes the file); its seconds."""
+        t0, c0 = time.perf_counter(), time.process_time()
+        self._stack.close()
+        return time.perf_counter() - t0, time.process_time() - c0
 
 
 def run_config(name: str, init_state: dict, args: argparse.Namespace, data: list[torch.Tensor],
@@ -225,35 +260,21 @@ def run_config(name: str, init_state: dict, args: argparse.Namespace, data: list
     steps' rows by ``close()``. Its time, spread over the timed steps, is added to each of them (``"deferred"``:
     seconds per step). ``kernels``: a :func:`kernel_timer` dict, reset when the timed steps start (``"steps"``: how
     many)."""
-    model = make_model(args)
-    model.load_state_dict(init_state)
-    model.to(args.device)
     per = period(name)
     n = args.warmup + (per or args.steps)
-    data = [data[i % len(data)].to(args.device) for i in range(n)]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run = Runner(name, init_state, args, [data[i % len(data)] for i in range(n)], tmp)
     times, cpu = [], []
-    with instrument(name, model, opt, tmp, data[0]) as (wrap, log, settle):
-        for step, x in enumerate(data):
-            if step == args.warmup:
-                settle()
-                if kernels is not None:
-                    kernels.update(s=0.0, elements=0.0, calls=0.0, steps=float(n - args.warmup))
-            t0, c0 = time.perf_counter(), time.process_time()
-            with wrap(step):
-                out = model(input_ids=x, labels=x)
-                out.loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            log(step, float(out.loss.detach()))  # the loop's own loss read (a sync on CUDA, in every configuration)
-            dt, dc = time.perf_counter() - t0, time.process_time() - c0
-            if step >= args.warmup:
-                times.append(dt)
-                cpu.append(dc)
-        t0, c0 = time.perf_counter(), time.process_time()
-    dw, dc = 0.0, 0.0
-    if name.startswith("trainhist"):
-        dw, dc = (time.perf_counter() - t0) / len(times), (time.process_time() - c0) / len(times)
+    for step in range(n):
+        if step == args.warmup:
+            run.settle()
+            if kernels is not None:
+                kernels.update(s=0.0, elements=0.0, calls=0.0, steps=float(n - args.warmup))
+        dt, dc = run.step(step)
+        if step >= args.warmup:
+            times.append(dt)
+            cpu.append(dc)
+    dw, dc = run.close()
+    dw, dc = (dw / len(times), dc / len(times)) if name.startswith("trainhist") else (0.0, 0.0)
     return {"median": (statistics.median(times) + dw, statistics.median(cpu) + dc),
             "mean": (statistics.fmean(times) + dw, statistics.fmean(cpu) + dc), "deferred": (dw, dc)}
 
@@ -275,54 +296,121 @@ def _provenance(args: argparse.Namespace, argv: list[str] | None, load_before: t
 
 
 def sweep(args: argparse.Namespace, argv: list[str] | None) -> str:
-    """The spine configuration against the baseline and its A/A run at each of ``args.widths``: what the cost is
-    made of (elements read a step, the kernels' time) and how the ratio follows the model's size."""
+    """The spine configuration against the baseline and its A/A run, taking turns step by step, at each of
+    ``args.widths``: what the cost is made of (elements read a step, the kernels' time) and how the ratio follows
+    the model's size. ``--reps`` blocks of ``--steps`` / ``--reps`` rounds each."""
     names = ["baseline", "baseline (A/A)", SPINE]
-    load_before, loads = os.getloadavg(), []
+    block = max(1, args.steps // args.reps)
+    load_before, loads = os.getloadavg(), [os.getloadavg()[0]]
     rows = []
-    with tempfile.TemporaryDirectory() as d:
-        for width in args.widths:
-            a = copy.copy(args)
-            a.width = width
-            model = make_model(a)
-            n_params = sum(p.numel() for p in model.parameters())
-            init_state = copy.deepcopy(model.state_dict())
-            data = batches(a, a.warmup + a.steps)
-            ratios: dict[str, list[float]] = {n: [] for n in names}
-            base_s: list[float] = []
-            for rep in range(a.reps):
-                got = {}
-                for name in names[rep % len(names):] + names[: rep % len(names)]:
-                    got[name] = run_config(name, init_state, a, data, Path(d))["median"][0]
-                    loads.append(os.getloadavg()[0])
-                    print(f"width {width} rep {rep} {name:40s} {got[name] * 1e3:8.1f} ms/step  "
-                          f"load {loads[-1]:.2f}", flush=True)
-                base_s.append(got["baseline"])
-                for name in names:
-                    ratios[name].append(got[name] / got["baseline"])
-            with kernel_timer() as acc:
-                run_config(SPINE, init_state, a, data, Path(d), kernels=acc)
-            base_ms = statistics.median(base_s) * 1e3
-            k_ms = acc["s"] / acc["steps"] * 1e3
-            r, aa = ratios[SPINE], ratios["baseline (A/A)"]
-            elements = acc["elements"] / acc["steps"] / 1e6
-            rows.append(f"| {width} | {n_params / 1e6:.1f} M | {base_ms:.1f} | {elements:.1f}"
-                        f" | {k_ms:.1f} ({k_ms / base_ms * 100:.1f}%) | {statistics.median(r):.3f} [{min(r):.3f}, "
-                        f"{max(r):.3f}] | {min(aa):.3f} to {max(aa):.3f} |")
+    for width in args.widths:
+        a = copy.copy(args)
+        a.width = width
+        n_params = sum(p.numel() for p in make_model(a).parameters())
+        wall, _, closing = _take_turns(a, names, block * args.reps, block, loads)
+        with tempfile.TemporaryDirectory() as d, kernel_timer() as acc:
+            run_config(SPINE, copy.deepcopy(make_model(a).state_dict()), a, batches(a, a.warmup + a.steps), Path(d),
+                       kernels=acc)
+        base_ms = statistics.fmean(wall["baseline"]) * 1e3
+        k_ms = acc["s"] / acc["steps"] * 1e3
+        r = _block_ratios(wall, closing[SPINE][0], SPINE, block)
+        aa = _block_ratios(wall, 0.0, "baseline (A/A)", block)
+        elements = acc["elements"] / acc["steps"] / 1e6
+        rows.append(f"| {width} | {n_params / 1e6:.1f} M | {base_ms:.1f} | {elements:.1f}"
+                    f" | {k_ms:.1f} ({k_ms / base_ms * 100:.1f}%) | {statistics.median(r):.3f} [{min(r):.3f}, "
+                    f"{max(r):.3f}] | {min(aa):.3f} to {max(aa):.3f} |")
     return "\n".join([
         "## How the spine's cost follows the model's width", "", _provenance(args, argv, load_before, loads), "",
         f"Model: transformers GPT-2, {args.layers} layers, sequence {args.seq}, batch {args.batch}, vocabulary "
-        f"{args.vocab}, random init, AdamW; device {args.device}; the width varies. At each width, {args.reps} "
-        f"repetitions, each running the baseline, its A/A run and the spine configuration (5 streams, every module "
-        f"and parameter, spine every step, no sketches) once in rotated order ({args.warmup} warm-up + {args.steps} "
-        "timed steps each); ratio = the spine's step time (median over the timed steps, the time written at close "
-        "included) / the baseline's in the same repetition, shown as median [min, max] over repetitions. The "
-        "kernels' time is from one more run of the spine configuration, its calls into the compiled kernels timed. "
-        "The elements a step reads grow with the width, the training's arithmetic faster (its matrix products with "
-        "the width's square): the kernels' share of the step falls as the model grows.", "",
-        "| width | parameters | baseline ms/step (median over reps) | elements reduced per step (M) | kernels ms/step "
-        "(share of the baseline step) | spine ratio to baseline (wall) | noise band (A/A) |",
+        f"{args.vocab}, random init, AdamW; device {args.device}; the width varies. At each width the baseline, its "
+        "A/A run and the spine configuration (5 streams, every module and parameter, spine every step, no sketches) "
+        "each train their own copy of the model in one process, taking turns step by step in an order rotated every "
+        f"round ({args.warmup} warm-up rounds, then {args.reps} blocks of {block} timed rounds); ratio = the spine's "
+        "time over a block (its close() spread over the timed rounds) / the baseline's over the same block, shown as "
+        "median [min, max] over the blocks. The kernels' time is from one more run of the spine configuration, its "
+        "calls into the compiled kernels timed. The elements a step reads grow with the width, the training's "
+        "arithmetic faster (its matrix products with the width's square): the kernels' share of the step falls as "
+        "the model grows.", "",
+        "| width | parameters | baseline ms/step (mean over the timed rounds) | elements reduced per step (M) | "
+        "kernels ms/step (share of the baseline step) | spine ratio to baseline (wall) | noise band (A/A) |",
         "|---|---|---|---|---|---|---|", *rows]) + "\n"
+
+
+def _take_turns(args: argparse.Namespace, names: list[str], timed: int, block: int, loads: list[float]
+                ) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, tuple[float, float]]]:
+    """Train every configuration of ``names`` on its own copy of the model, one step each per round in an order
+    rotated every round (``args.warmup`` rounds, then ``timed``): the timed steps' wall-clock and CPU seconds per
+    configuration, and each one's close() time. ``loads`` gets the load average after every ``block`` rounds."""
+    init_state = copy.deepcopy(make_model(args).state_dict())
+    data = batches(args, args.warmup + timed)
+    wall: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    with tempfile.TemporaryDirectory() as d:
+        runners = {n: Runner(n, init_state, args, data, Path(d)) for n in names}
+        for r in range(args.warmup + timed):
+            if r == args.warmup:
+                for run in runners.values():
+                    run.settle()
+            for n in names[r % len(names):] + names[: r % len(names)]:
+                dw, dc = runners[n].step(r)
+                if r >= args.warmup:
+                    wall[n].append(dw)
+                    cpu[n].append(dc)
+            if r % block == block - 1:
+                loads.append(os.getloadavg()[0])
+                print(f"width {args.width} round {r}: " + ", ".join(f"{n.split(',')[0]} {wall[n][-1] * 1e3:.0f}"
+                                                                    for n in names)
+                      if wall[names[0]] else f"round {r} (warm-up)", flush=True)
+        closing = {n: runners[n].close() for n in names}
+    return wall, cpu, closing
+
+
+def _block_ratios(times: dict[str, list[float]], closing: float, n: str, block: int) -> list[float]:
+    """Per block of rounds: ``n``'s time over the block (``closing``, its close() time, spread over the timed
+    rounds) / the baseline's over the same rounds."""
+    timed = len(times[n])
+    extra = closing / timed if n.startswith("trainhist") else 0.0
+    return [(sum(times[n][i:i + block]) + extra * block) / sum(times["baseline"][i:i + block])
+            for i in range(0, timed, block)]
+
+
+def lockstep(args: argparse.Namespace, argv: list[str] | None, configs: list[tuple[str, str]]) -> str:
+    """Every configuration trains its own copy of the model in this process, one step each per round in an order
+    rotated every round: a slow spell of the machine falls on all of them alike. Ratios per block of rounds (one
+    whole period of every selected cadence), median [min, max] over the blocks."""
+    names = [c[0] for c in configs]
+    block = math.lcm(*(period(n) or 1 for n in names))
+    timed = -(-args.steps // block) * block
+    load_before, loads = os.getloadavg(), [os.getloadavg()[0]]
+    wall, cpu, closing = _take_turns(args, names, timed, block, loads)
+
+    rows = []
+    for n, cov in configs:
+        r, c = _block_ratios(wall, closing[n][0], n, block), _block_ratios(cpu, closing[n][1], n, block)
+        close_ms = closing[n][0] / timed * 1e3 if n.startswith("trainhist") else 0.0
+        rows.append(f"| {n} | {cov} | {statistics.fmean(wall[n]) * 1e3 + close_ms:.1f} | {close_ms:.1f} | "
+                    f"{statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}] | "
+                    f"{statistics.median(c):.3f} [{min(c):.3f}, {max(c):.3f}] |")
+    aa, aac = _block_ratios(wall, 0.0, "baseline (A/A)", block), _block_ratios(cpu, 0.0, "baseline (A/A)", block)
+    return "\n".join([
+        "## Step by step, side by side", "", _provenance(args, argv, load_before, loads), "",
+        f"Model: transformers GPT-2, {args.layers} layers, width {args.width}, sequence {args.seq}, batch "
+        f"{args.batch}, vocabulary {args.vocab}, random init, AdamW; device {args.device}. Every configuration "
+        "trains its own copy of the model (the same initial weights, the same tokens) in this one process, and they "
+        "take turns step by step: each round runs one step of every configuration, in an order rotated every round "
+        f"({args.warmup} warm-up rounds, then {timed} timed rounds). A slow spell of the machine falls on every "
+        "configuration alike, where the table above compares whole runs made tens of seconds apart. The timed rounds "
+        f"are cut into {timed // block} blocks of {block} round(s) (one whole period of every cadence here: each "
+        "block holds the same recording steps); ratio = a configuration's time over a block / the baseline's over "
+        "the same block, shown as median [min, max] over the blocks. trainhist commits its rows every 30 s, inside "
+        "some step, as in a long run; `close()` writes the rest: its time, spread over the timed rounds, is added "
+        "(its own column). The peers are not in this table: their threads and processes would run during the "
+        "other configurations' steps.", "",
+        "| configuration | coverage | ms/step (wall, mean over the timed rounds) | of which close() | "
+        "ratio to baseline (wall) | ratio (CPU time) |",
+        "|---|---|---|---|---|---|", *rows, "",
+        f"Noise band (A/A, over the blocks): wall {min(aa):.3f} to {max(aa):.3f}, CPU time {min(aac):.3f} to "
+        f"{max(aac):.3f}."]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,9 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="substrings of configuration names to run (baselines always run)")
     ap.add_argument("--quick", action="store_true", help="skip the peers (wandb, TensorBoard)")
     ap.add_argument("--out", help="write the markdown table here")
-    ap.add_argument("--paired-period", action="store_true",
-                    help="time every configuration, the baselines included, over one whole period of the longest "
-                    "selected cadence (means): a paired measurement of the cadence configurations (use with --only)")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="instead of whole runs in turn: every configuration trains its own model in this process and "
+                    "they take turns step by step (--steps timed rounds; not the peers, whose background threads and "
+                    "processes would run during the others' steps)")
     ap.add_argument("--append", action="store_true", help="append the table to --out as a section")
     ap.add_argument("--widths", type=int, nargs="+",
                     help="instead of the configurations' table: the spine configuration against the baseline at each "
@@ -361,9 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         configs = [c for c in configs if c[0].startswith("baseline") or any(s in c[0] for s in args.only)]
     names = [c[0] for c in configs]
-    if args.paired_period:
-        PAIRED["period"] = max((period(n) for n in names), default=0)
     torch.set_num_threads(args.threads)
+    if args.lockstep:
+        return _emit(lockstep(args, argv, [c for c in configs if c[0].split()[0] in ("baseline", "trainhist")]), args)
     load_before = os.getloadavg()
     loads: list[float] = []
     init_state = copy.deepcopy(make_model(args).state_dict())
@@ -395,10 +484,7 @@ def main(argv: list[str] | None = None) -> int:
             with kernel_timer() as acc:  # one more run of the spine configuration, its kernel calls timed
                 run_config(SPINE, init_state, args, data, Path(d), kernels=acc)
             breakdown = dict(acc)
-    timed = (f"{PAIRED['period']} timed steps, one whole cadence period" if args.paired_period else
-             f"{args.steps} timed steps, or one whole cadence period where a configuration records at a cadence")
     lines = [
-        "## Paired measurement of the configurations that record at a cadence" if args.append else
         "# Overhead of recording a training loop",
         "",
         _provenance(args, argv, load_before, loads)
@@ -407,15 +493,13 @@ def main(argv: list[str] | None = None) -> int:
         f"Model: transformers GPT-2, {args.layers} layers, width {args.width}, sequence {args.seq}, "
         f"batch {args.batch}, vocabulary {args.vocab}, random init, AdamW; device {args.device}. "
         f"{args.reps} repetitions, each running every "
-        f"configuration once in rotated order ({args.warmup} warm-up + "
-        f"{timed} each). Ratio = a "
-        "configuration's step time / the baseline's in the same repetition ("
-        + ("the mean over the timed steps, for every configuration); " if args.paired_period else
-           "median over the timed steps; for the configurations that record at a cadence, the mean over one whole "
-           "cadence period, recording steps included, divided by the baseline's mean); ") + 
-        "shown as median [min, max] over repetitions. trainhist writes the rows it buffers at a commit: every 30 s by "
-        "default, so inside some step of a long run; here the warm-up steps' rows are committed before the timed "
-        "steps, and the timed steps' rows by `close()`, whose time, divided by the timed steps, is added to each "
+        f"configuration once in rotated order ({args.warmup} warm-up + {args.steps} timed steps, or one whole "
+        "cadence period where a configuration records at a cadence, each). Ratio = a configuration's step time / "
+        "the baseline's in the same repetition (median over the timed steps; for the configurations that record at "
+        "a cadence, the mean over one whole cadence period, recording steps included, divided by the baseline's "
+        "mean); shown as median [min, max] over repetitions. trainhist writes the rows it buffers at a commit: every "
+        "30 s by default, so inside some step of a long run; here the warm-up steps' rows are committed before the "
+        "timed steps, and the timed steps' rows by `close()`, whose time, divided by the timed steps, is added to each "
         "step of a trainhist configuration (a long run commits about 30 steps at a time here, these runs 10 to 12: "
         "the fixed cost of a commit and of closing the file weighs more; the 'written at close' column). The peers "
         "write from their own threads and processes during the steps; their shutdown is not counted. The CPU-time "
