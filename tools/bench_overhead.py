@@ -290,7 +290,7 @@ def _provenance(args: argparse.Namespace, argv: list[str] | None, load_before: t
             f"intra-op thread(s), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Load average (1/5/15 min) "
             f"before the run {'/'.join(f'{v:.2f}' for v in load_before)}, after "
             f"{'/'.join(f'{v:.2f}' for v in load_after)} (the measurement itself keeps one CPU busy: a load above 1 "
-            f"means other work shared the machine); 1-minute load sampled after each configuration: "
+            f"means other work shared the machine); 1-minute load sampled during the run: "
             f"{min(loads):.2f} to {max(loads):.2f}, median {statistics.median(loads):.2f}. CPU: {_cpu_info()}. "
             f"trainhist reduces with {_cpu_method(args.device)}.")
 

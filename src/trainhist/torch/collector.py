@@ -499,11 +499,12 @@ class Collector:
     non-finite value exactly. Every step the collector also records the run-level scalars: the global gradient norm
     (one batched reduction over all gradients), the learning rates, the loss scale and step time, and whatever the
     loop passes to :meth:`scalars` (the loss). The spine of every site every step is a full pass over every
-    activation, activation gradient, parameter and gradient: on a CPU a large share of the training step itself
-    (``benchmarks/overhead.md`` has the measured ratios). Where that is too much, record the per-site spines at a
-    cadence (e.g. ``every=25, sketch_every=50``, measured in the same table): the scalars still give the exact
-    *step* of the first non-finite gradient or loss, but the *site* is seen only at the next spine step, possibly
-    after the values spread downstream (the triage then brackets it), or narrow ``sites=`` / ``streams=``.
+    activation, activation gradient, parameter and gradient: on a CPU a measurable share of the training step
+    (``benchmarks/overhead.md`` has the measured ratios: they depend on the CPU, and the kernels' share falls as
+    the model grows wider). Where that is too much, record the per-site spines at a cadence (e.g. ``every=25,
+    sketch_every=50``, measured in the same table): the scalars still give the exact *step* of the first
+    non-finite gradient or loss, but the *site* is seen only at the next spine step, possibly after the values
+    spread downstream (the triage then brackets it), or narrow ``sites=`` / ``streams=``.
 
     The file is opened when the collector attaches (``writer_options`` go to :class:`~trainhist.HistoryWriter`): one
     that already holds a history is appended to, as a new segment (``mode="a"``, the default here; a warning says
