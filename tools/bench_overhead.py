@@ -317,8 +317,7 @@ def sweep(args: argparse.Namespace, argv: list[str] | None) -> str:
         aa = _block_ratios(wall, 0.0, "baseline (A/A)", block)
         elements = acc["elements"] / acc["steps"] / 1e6
         rows.append(f"| {width} | {n_params / 1e6:.1f} M | {base_ms:.1f} | {elements:.1f}"
-                    f" | {k_ms:.1f} ({k_ms / base_ms * 100:.1f}%) | {statistics.median(r):.3f} [{min(r):.3f}, "
-                    f"{max(r):.3f}] | {min(aa):.3f} to {max(aa):.3f} |")
+                    f" | {k_ms:.1f} ({k_ms / base_ms * 100:.1f}%) | {_spread(r)} | {min(aa):.3f} to {max(aa):.3f} |")
     return "\n".join([
         "## How the spine's cost follows the model's width", "", _provenance(args, argv, load_before, loads), "",
         f"Model: transformers GPT-2, {args.layers} layers, sequence {args.seq}, batch {args.batch}, vocabulary "
@@ -365,6 +364,11 @@ def _take_turns(args: argparse.Namespace, names: list[str], timed: int, block: i
     return wall, cpu, closing
 
 
+def _spread(xs: list[float]) -> str:
+    """Ratios as the tables show them: median [min, max]."""
+    return f"{statistics.median(xs):.3f} [{min(xs):.3f}, {max(xs):.3f}]"
+
+
 def _block_ratios(times: dict[str, list[float]], closing: float, n: str, block: int) -> list[float]:
     """Per block of rounds: ``n``'s time over the block (``closing``, its close() time, spread over the timed
     rounds) / the baseline's over the same rounds."""
@@ -389,8 +393,7 @@ def lockstep(args: argparse.Namespace, argv: list[str] | None, configs: list[tup
         r, c = _block_ratios(wall, closing[n][0], n, block), _block_ratios(cpu, closing[n][1], n, block)
         close_ms = closing[n][0] / timed * 1e3 if n.startswith("trainhist") else 0.0
         rows.append(f"| {n} | {cov} | {statistics.fmean(wall[n]) * 1e3 + close_ms:.1f} | {close_ms:.1f} | "
-                    f"{statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}] | "
-                    f"{statistics.median(c):.3f} [{min(c):.3f}, {max(c):.3f}] |")
+                    f"{_spread(r)} | {_spread(c)} |")
     aa, aac = _block_ratios(wall, 0.0, "baseline (A/A)", block), _block_ratios(cpu, 0.0, "baseline (A/A)", block)
     return "\n".join([
         "## Step by step, side by side", "", _provenance(args, argv, load_before, loads), "",
@@ -514,8 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         r, c = ratios[name], cpu_ratios[name]
         lines.append(f"| {name} | {cov} | {statistics.median(step_s[name]) * 1e3:.1f} | "
                      f"{statistics.median(deferred[name]) * 1e3:.1f} | "
-                     f"{statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}] | "
-                     f"{statistics.median(c):.3f} [{min(c):.3f}, {max(c):.3f}] |")
+                     f"{_spread(r)} | {_spread(c)} |")
     if breakdown is not None:
         per = breakdown["steps"]
         k_ms = breakdown["s"] / per * 1e3
