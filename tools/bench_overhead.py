@@ -56,6 +56,11 @@ CONFIGS = [
 PEER_PACKAGES = {"wandb": "wandb", "TensorBoard": "tensorboard"}
 
 
+def is_peer(name: str) -> bool:
+    """Whether configuration ``name`` is a peer's (wandb, TensorBoard), not trainhist's or a baseline."""
+    return any(name.startswith(peer) for peer in PEER_PACKAGES)
+
+
 def make_model(args: argparse.Namespace) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -306,11 +311,12 @@ def sweep(args: argparse.Namespace, argv: list[str] | None) -> str:
     for width in args.widths:
         a = copy.copy(args)
         a.width = width
-        n_params = sum(p.numel() for p in make_model(a).parameters())
-        wall, _, closing = _take_turns(a, names, block * args.reps, block, loads)
+        model = make_model(a)
+        n_params = sum(p.numel() for p in model.parameters())
+        init_state = copy.deepcopy(model.state_dict())
+        wall, _, closing = _take_turns(a, names, init_state, block * args.reps, block, loads)
         with tempfile.TemporaryDirectory() as d, kernel_timer() as acc:
-            run_config(SPINE, copy.deepcopy(make_model(a).state_dict()), a, batches(a, a.warmup + a.steps), Path(d),
-                       kernels=acc)
+            run_config(SPINE, init_state, a, batches(a, a.warmup + a.steps), Path(d), kernels=acc)
         base_ms = statistics.fmean(wall["baseline"]) * 1e3
         k_ms = acc["s"] / acc["steps"] * 1e3
         r = _block_ratios(wall, closing[SPINE][0], SPINE, block)
@@ -318,8 +324,8 @@ def sweep(args: argparse.Namespace, argv: list[str] | None) -> str:
         elements = acc["elements"] / acc["steps"] / 1e6
         rows.append(f"| {width} | {n_params / 1e6:.1f} M | {base_ms:.1f} | {elements:.1f}"
                     f" | {k_ms:.1f} ({k_ms / base_ms * 100:.1f}%) | {_spread(r)} | {min(aa):.3f} to {max(aa):.3f} |")
-    return "\n".join([
-        "## How the spine's cost follows the model's width", "", _provenance(args, argv, load_before, loads), "",
+    return _section("## How the spine's cost follows the model's width", [
+        _provenance(args, argv, load_before, loads),
         f"Model: transformers GPT-2, {args.layers} layers, sequence {args.seq}, batch {args.batch}, vocabulary "
         f"{args.vocab}, random init, AdamW; device {args.device}; the width varies. At each width the baseline, its "
         "A/A run and the spine configuration (5 streams, every module and parameter, spine every step, no sketches) "
@@ -329,18 +335,20 @@ def sweep(args: argparse.Namespace, argv: list[str] | None) -> str:
         "median [min, max] over the blocks. The kernels' time is from one more run of the spine configuration, its "
         "calls into the compiled kernels timed. The elements a step reads grow with the width, the training's "
         "arithmetic faster (its matrix products with the width's square): the kernels' share of the step falls as "
-        "the model grows.", "",
-        "| width | parameters | baseline ms/step (mean over the timed rounds) | elements reduced per step (M) | "
-        "kernels ms/step (share of the baseline step) | spine ratio to baseline (wall) | noise band (A/A) |",
-        "|---|---|---|---|---|---|---|", *rows]) + "\n"
+        "the model grows."],
+        ["width", "parameters", "baseline ms/step (mean over the timed rounds)", "elements reduced per step (M)",
+         "kernels ms/step (share of the baseline step)", "spine ratio to baseline (wall)", "noise band (A/A)"],
+        rows, [])
 
 
-def _take_turns(args: argparse.Namespace, names: list[str], timed: int, block: int, loads: list[float]
+def _take_turns(args: argparse.Namespace, names: list[str], init_state: dict, timed: int, block: int,
+                loads: list[float]
                 ) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, tuple[float, float]]]:
-    """Train every configuration of ``names`` on its own copy of the model, one step each per round in an order
-    rotated every round (``args.warmup`` rounds, then ``timed``): the timed steps' wall-clock and CPU seconds per
-    configuration, and each one's close() time. ``loads`` gets the load average after every ``block`` rounds."""
-    init_state = copy.deepcopy(make_model(args).state_dict())
+    """Train every configuration of ``names`` on its own copy of the model from ``init_state``, one step each per
+    round in an order rotated every round (``args.warmup`` rounds, then ``timed``): the timed steps' wall-clock and
+    CPU seconds per configuration, and a trainhist configuration's close() time (the rows it still held) spread
+    over the timed rounds, per step (0 for the others). ``loads`` gets the load average after every ``block``
+    rounds."""
     data = batches(args, args.warmup + timed)
     wall: dict[str, list[float]] = {n: [] for n in names}
     cpu: dict[str, list[float]] = {n: [] for n in names}
@@ -361,7 +369,15 @@ def _take_turns(args: argparse.Namespace, names: list[str], timed: int, block: i
                                                                     for n in names)
                       if wall[names[0]] else f"round {r} (warm-up)", flush=True)
         closing = {n: runners[n].close() for n in names}
-    return wall, cpu, closing
+    per_step = {n: (w / timed, c / timed) if n.startswith("trainhist") else (0.0, 0.0) for n, (w, c) in closing.items()}
+    return wall, cpu, per_step
+
+
+def _section(title: str, paragraphs: list[str], columns: list[str], rows: list[str], after: list[str]) -> str:
+    """A section of the published file: its title, its paragraphs, a table of ``columns`` and ``rows``, then the
+    lines ``after`` it."""
+    head = [title, ""] + [line for p in paragraphs for line in (p, "")]
+    return "\n".join([*head, "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *rows, *after]) + "\n"
 
 
 def _spread(xs: list[float]) -> str:
@@ -370,12 +386,10 @@ def _spread(xs: list[float]) -> str:
 
 
 def _block_ratios(times: dict[str, list[float]], closing: float, n: str, block: int) -> list[float]:
-    """Per block of rounds: ``n``'s time over the block (``closing``, its close() time, spread over the timed
-    rounds) / the baseline's over the same rounds."""
-    timed = len(times[n])
-    extra = closing / timed if n.startswith("trainhist") else 0.0
-    return [(sum(times[n][i:i + block]) + extra * block) / sum(times["baseline"][i:i + block])
-            for i in range(0, timed, block)]
+    """Per block of rounds: ``n``'s time over the block (``closing`` added to each step: its close() time per
+    step) / the baseline's over the same rounds."""
+    return [(sum(times[n][i:i + block]) + closing * block) / sum(times["baseline"][i:i + block])
+            for i in range(0, len(times[n]), block)]
 
 
 def lockstep(args: argparse.Namespace, argv: list[str] | None, configs: list[tuple[str, str]]) -> str:
@@ -386,17 +400,17 @@ def lockstep(args: argparse.Namespace, argv: list[str] | None, configs: list[tup
     block = math.lcm(*(period(n) or 1 for n in names))
     timed = -(-args.steps // block) * block
     load_before, loads = os.getloadavg(), [os.getloadavg()[0]]
-    wall, cpu, closing = _take_turns(args, names, timed, block, loads)
+    wall, cpu, closing = _take_turns(args, names, copy.deepcopy(make_model(args).state_dict()), timed, block, loads)
 
     rows = []
     for n, cov in configs:
         r, c = _block_ratios(wall, closing[n][0], n, block), _block_ratios(cpu, closing[n][1], n, block)
-        close_ms = closing[n][0] / timed * 1e3 if n.startswith("trainhist") else 0.0
+        close_ms = closing[n][0] * 1e3
         rows.append(f"| {n} | {cov} | {statistics.fmean(wall[n]) * 1e3 + close_ms:.1f} | {close_ms:.1f} | "
                     f"{_spread(r)} | {_spread(c)} |")
     aa, aac = _block_ratios(wall, 0.0, "baseline (A/A)", block), _block_ratios(cpu, 0.0, "baseline (A/A)", block)
-    return "\n".join([
-        "## Step by step, side by side", "", _provenance(args, argv, load_before, loads), "",
+    return _section("## Step by step, side by side", [
+        _provenance(args, argv, load_before, loads),
         f"Model: transformers GPT-2, {args.layers} layers, width {args.width}, sequence {args.seq}, batch "
         f"{args.batch}, vocabulary {args.vocab}, random init, AdamW; device {args.device}. Every configuration "
         "trains its own copy of the model (the same initial weights, the same tokens) in this one process, and they "
@@ -408,12 +422,11 @@ def lockstep(args: argparse.Namespace, argv: list[str] | None, configs: list[tup
         "the same block, shown as median [min, max] over the blocks. trainhist commits its rows every 30 s, inside "
         "some step, as in a long run; `close()` writes the rest: its time, spread over the timed rounds, is added "
         "(its own column). The peers are not in this table: their threads and processes would run during the "
-        "other configurations' steps.", "",
-        "| configuration | coverage | ms/step (wall, mean over the timed rounds) | of which close() | "
-        "ratio to baseline (wall) | ratio (CPU time) |",
-        "|---|---|---|---|---|---|", *rows, "",
-        f"Noise band (A/A, over the blocks): wall {min(aa):.3f} to {max(aa):.3f}, CPU time {min(aac):.3f} to "
-        f"{max(aac):.3f}."]) + "\n"
+        "other configurations' steps."],
+        ["configuration", "coverage", "ms/step (wall, mean over the timed rounds)", "of which close()",
+         "ratio to baseline (wall)", "ratio (CPU time)"],
+        rows, ["", f"Noise band (A/A, over the blocks): wall {min(aa):.3f} to {max(aa):.3f}, CPU time {min(aac):.3f} "
+               f"to {max(aac):.3f}."])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -446,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.widths:
         torch.set_num_threads(args.threads)
         return _emit(sweep(args, argv), args)
-    configs = [c for c in CONFIGS if not (args.quick and c[0].split()[0] in ("wandb.watch(log='all',", "TensorBoard"))]
+    configs = [c for c in CONFIGS if not (args.quick and is_peer(c[0]))]
     missing = [c[0] for c in configs if any(c[0].startswith(peer) and importlib.util.find_spec(pkg) is None
                                             for peer, pkg in PEER_PACKAGES.items())]
     configs = [c for c in configs if c[0] not in missing]
@@ -455,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [c[0] for c in configs]
     torch.set_num_threads(args.threads)
     if args.lockstep:
-        return _emit(lockstep(args, argv, [c for c in configs if c[0].split()[0] in ("baseline", "trainhist")]), args)
+        return _emit(lockstep(args, argv, [c for c in configs if not is_peer(c[0])]), args)
     load_before = os.getloadavg()
     loads: list[float] = []
     init_state = copy.deepcopy(make_model(args).state_dict())
@@ -487,12 +500,9 @@ def main(argv: list[str] | None = None) -> int:
             with kernel_timer() as acc:  # one more run of the spine configuration, its kernel calls timed
                 run_config(SPINE, init_state, args, data, Path(d), kernels=acc)
             breakdown = dict(acc)
-    lines = [
-        "# Overhead of recording a training loop",
-        "",
+    intro = [
         _provenance(args, argv, load_before, loads)
         + (f" Not run: {', '.join(missing)} (the package is not installed here)." if missing else ""),
-        "",
         f"Model: transformers GPT-2, {args.layers} layers, width {args.width}, sequence {args.seq}, "
         f"batch {args.batch}, vocabulary {args.vocab}, random init, AdamW; device {args.device}. "
         f"{args.reps} repetitions, each running every "
@@ -508,21 +518,18 @@ def main(argv: list[str] | None = None) -> int:
         "write from their own threads and processes during the steps; their shutdown is not counted. The CPU-time "
         "ratio uses the process CPU time of each step instead of wall-clock time: "
         "less sensitive to other jobs taking the CPUs, it is the cost of the work itself.",
-        "",
-        "| configuration | coverage | ms/step (wall, median over reps) | of which written at close | "
-        "ratio to baseline (wall) | ratio (CPU time) |",
-        "|---|---|---|---|---|---|",
     ]
+    rows, after = [], []
     for name, cov in configs:
         r, c = ratios[name], cpu_ratios[name]
-        lines.append(f"| {name} | {cov} | {statistics.median(step_s[name]) * 1e3:.1f} | "
+        rows.append(f"| {name} | {cov} | {statistics.median(step_s[name]) * 1e3:.1f} | "
                      f"{statistics.median(deferred[name]) * 1e3:.1f} | "
                      f"{_spread(r)} | {_spread(c)} |")
     if breakdown is not None:
         per = breakdown["steps"]
         k_ms = breakdown["s"] / per * 1e3
         extra = [(a - b) * 1e3 for a, b in zip(step_s[SPINE], step_s["baseline"])]
-        lines += ["", f"Where the spine configuration's time goes (one more run of it, its calls into the compiled "
+        after += ["", f"Where the spine configuration's time goes (one more run of it, its calls into the compiled "
                   f"kernels timed): {breakdown['calls'] / per:.0f} kernel calls a step read "
                   f"{breakdown['elements'] / per / 1e6:.1f} M elements in {k_ms:.1f} ms "
                   f"({breakdown['s'] / max(breakdown['elements'], 1) * 1e9:.3f} ns per element, the parameter updates' "
@@ -530,9 +537,11 @@ def main(argv: list[str] | None = None) -> int:
                   "(median over the repetitions, the time written at close included): what the kernels do not "
                   "account for is the Python of the hooks, decoding the rows and writing them."]
     aa, aac = ratios["baseline (A/A)"], cpu_ratios["baseline (A/A)"]
-    lines += ["", f"Noise band (A/A): wall {min(aa):.3f} to {max(aa):.3f}, CPU time {min(aac):.3f} to {max(aac):.3f}; "
+    after += ["", f"Noise band (A/A): wall {min(aa):.3f} to {max(aa):.3f}, CPU time {min(aac):.3f} to {max(aac):.3f}; "
               "a ratio inside it is not distinguishable from no overhead on this machine."]
-    return _emit("\n".join(lines) + "\n", args)
+    return _emit(_section("# Overhead of recording a training loop", intro,
+                          ["configuration", "coverage", "ms/step (wall, median over reps)", "of which written at close",
+                           "ratio to baseline (wall)", "ratio (CPU time)"], rows, after), args)
 
 
 def _emit(text: str, args: argparse.Namespace) -> int:
