@@ -446,12 +446,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="substrings of configuration names to run (baselines always run)")
     ap.add_argument("--quick", action="store_true", help="skip the peers (wandb, TensorBoard)")
     ap.add_argument("--out", help="write the markdown table here")
-    ap.add_argument("--lockstep", action="store_true",
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--lockstep", action="store_true",
                     help="instead of whole runs in turn: every configuration trains its own model in this process and "
                     "they take turns step by step (--steps timed rounds; not the peers, whose background threads and "
                     "processes would run during the others' steps)")
     ap.add_argument("--append", action="store_true", help="append the table to --out as a section")
-    ap.add_argument("--widths", type=int, nargs="+",
+    mode.add_argument("--widths", type=int, nargs="+",
                     help="instead of the configurations' table: the spine configuration against the baseline at each "
                     "of these model widths (--width is ignored)")
     args = ap.parse_args(argv)
