@@ -4,6 +4,7 @@ replaced between steps."""
 from __future__ import annotations
 
 import errno
+import threading
 import warnings
 
 import pytest
@@ -282,6 +283,160 @@ def test_a_collector_dropped_with_its_model_keeps_its_finished_steps_and_a_forke
     assert trainhist.open(tmp_path / "gc.thist").spine("0.weight", "param").step.tolist() == [0, 1, 2]
     col = Collector(mlp(), tmp_path / "gc.thist", mode="a").attach()  # (the file is not locked any more)
     col.close()
+
+
+class Gate(torch.nn.Module):
+    """Identity, whose forward waits for ``go`` once ``armed`` (after setting ``inside``): a training thread held
+    inside a step, its first layer's output already reduced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed, self.inside, self.go = False, threading.Event(), threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            self.inside.set()
+            self.go.wait()
+        return x
+
+
+def test_close_from_another_thread_leaves_out_the_step_that_thread_is_in(tmp_path):
+    """close() from another thread (the finalizer at interpreter exit, while a daemon thread trains) while a step
+    is open there: that step's hooks may be reducing into the ledger, so none of its rows is read (no row of it is
+    written, a warning says so); every finished step is written, with the tensor scalars given after it. The
+    training thread then finishes its step without error, and nothing more is written."""
+    torch.manual_seed(0)
+    gate = Gate()
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), gate, torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    path = tmp_path / "threads.thist"
+    col = Collector(m, path, mode="w").attach(optimizer=opt)
+    errors: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            for s in range(4):
+                gate.armed = s == 3
+                with col.step(s):
+                    loss = m(torch.randn(2, 4)).sum()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                if s < 3:
+                    col.scalars(s, loss=loss)  # (a tensor: read at the next step's transfer, or at close)
+        except BaseException as e:  # noqa: BLE001 -- reported by the test
+            errors.append(e)
+
+    t = threading.Thread(target=train)
+    t.start()
+    assert gate.inside.wait(60)
+    with pytest.warns(RuntimeWarning, match="close\\(\\) ran in another thread while step 3 was open"):
+        col.close()
+    size = path.stat().st_size
+    gate.go.set()
+    t.join(60)
+    assert not t.is_alive() and errors == []
+    assert path.stat().st_size == size  # (the step ended in the training thread wrote nothing)
+    h = trainhist.open(path)
+    assert h.recovery.status == "clean"
+    for site, stream in [("0", "activation"), ("0", "activation_grad"), ("0.weight", "param"),
+                         ("0.weight", "param_grad")]:
+        assert h.spine(site, stream).step.tolist() == [0, 1, 2], (site, stream)
+    assert h.spine("loss", "scalar").step.tolist() == [0, 1, 2]
+
+
+def test_close_from_another_thread_waits_for_a_step_that_thread_is_ending(tmp_path):
+    """close() from another thread while the training thread is ending a step (reducing its parameters, writing
+    its rows) waits for that to finish: the step is written whole, and nothing is written after the close."""
+    torch.manual_seed(0)
+    m = mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    path = tmp_path / "ending.thist"
+    col = Collector(m, path, mode="w").attach(optimizer=opt)
+    transfer, ending, go = col._transfer, threading.Event(), threading.Event()
+
+    def held(st: object) -> None:
+        if st.step == 2:  # type: ignore[attr-defined]
+            ending.set()
+            go.wait()
+        transfer(st)
+
+    col._transfer = held  # type: ignore[method-assign]
+
+    def train() -> None:
+        for s in range(3):
+            with col.step(s):
+                m(torch.randn(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+
+    t = threading.Thread(target=train)
+    t.start()
+    assert ending.wait(60)
+    closer = threading.Thread(target=col.close)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive()  # (waiting for step 2 to end: it cannot go on before go is set below)
+    go.set()
+    t.join(60)
+    closer.join(60)
+    assert not t.is_alive() and not closer.is_alive()
+    h = trainhist.open(path)
+    assert h.recovery.status == "clean"
+    for site, stream in [("0", "activation"), ("0.weight", "param"), ("0.weight", "param_grad")]:
+        assert h.spine(site, stream).step.tolist() == [0, 1, 2], (site, stream)
+    assert ("step_interrupted", "scalar", None) not in {x.key for x in h.sites}  # (step 2 ended whole)
+
+
+DAEMON_AT_EXIT = """
+import sys, threading, torch
+from trainhist.torch import Collector
+torch.manual_seed(0)
+inside = threading.Event()
+class Gate(torch.nn.Module):
+    armed = False
+    def forward(self, x):
+        if self.armed:
+            inside.set()
+            threading.Event().wait()  # (held inside step 3 until the interpreter ends)
+        return x
+gate = Gate()
+m = torch.nn.Sequential(torch.nn.Linear(4, 8), gate, torch.nn.Tanh(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+col = Collector(m, sys.argv[1], mode="w", commit_every=100).attach(optimizer=opt)
+def train():
+    for s in range(10):
+        gate.armed = s == 3
+        with col.step(s):
+            loss = m(torch.randn(2, 4)).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        col.scalars(s, loss=loss)
+threading.Thread(target=train, daemon=True).start()
+inside.wait(60)
+"""
+
+
+def test_an_interpreter_that_exits_while_a_daemon_thread_is_inside_a_step_keeps_the_finished_steps(tmp_path):
+    """The main thread ends while a daemon thread trains, inside step 3: the collector is closed at interpreter
+    exit from the main thread, keeping steps 0-2 (none committed before) and their scalars, leaving out step 3,
+    whose reductions the daemon thread may be making, and saying so."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "daemon.py"
+    script.write_text(DAEMON_AT_EXIT)
+    path = tmp_path / "daemon.thist"
+    r = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert r.returncode == 0, r.stderr
+    assert "close() ran in another thread while step 3 was open" in r.stderr
+    h = trainhist.open(path)
+    assert h.recovery.status == "clean"
+    assert h.spine("0", "activation").step.tolist() == [0, 1, 2]
+    assert h.spine("0.weight", "param").step.tolist() == [0, 1, 2]
+    assert h.spine("loss", "scalar").step.tolist() == [0, 1, 2]
 
 
 KILLED_IN_COMMIT = """

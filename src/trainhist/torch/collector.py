@@ -30,6 +30,7 @@ import json
 import math
 import os
 import re
+import threading
 import time
 import warnings
 import weakref
@@ -229,6 +230,7 @@ class _Step:
     interrupted: bool = False  # the loop's code raised inside the step (or close() came first)
     blind: bool = False  # a compiled model ran without calling the module hooks: unreached sites are unknown
     outer: int = 0  # calls of a compiled model's wrapper (whose own hook runs outside the compiled code)
+    thread: int = 0  # the thread that entered the step (close() from another one must not read it: see close)
 
 
 class _DeltaBatch:
@@ -681,6 +683,9 @@ class Collector:
         self._versions: list[tuple[str, str | None, torch.Tensor, int]] = []  # discover(): outputs, their versions
         self._since_commit = 0
         self._closed = False
+        # held while a step begins or ends, and by commit() and close(): those touch the writer and the ledger, and
+        # close() can come from another thread (at interpreter exit, while a daemon thread trains)
+        self._lock = threading.RLock()
         self._stopped = False  # the writer stopped for good (a failed write): see _writer_error
         self._finalizer: weakref.finalize | None = None  # (see _open)
         self.writer_errors = 0
@@ -1145,59 +1150,11 @@ class Collector:
     @contextlib.contextmanager
     def step(self, step: int, *, truth: StepTruth | None = None, new_segment: bool = False) -> Iterator["Collector"]:
         """Context of one training step: everything the model and optimizer do inside it is recorded."""
-        if self._closed:
-            raise UsageError("the collector is closed")
-        if self._state is not None:
-            raise UsageError(f"step {step} entered while step {self._state.step} is still open")
-        if self._stopped:  # the writer stopped (a full disk): nothing can be recorded, so nothing is reduced
-            self._drain()  # (a step still in flight: its rows are refused, as any write now is)
-            self._detach()
+        with self._lock:
+            st = self._begin(step, truth, new_segment)
+        if st is None:
             yield self
             return
-        if not self._fwd_handles:
-            self.attach()
-        last, self._last_step = self._last_step, int(step)
-        if not new_segment and last is not None and int(step) <= last:  # (rows of one step twice: a new segment)
-            new_segment = True
-            self._warn_once("step_order", f"trainhist: step {step} entered after step {last}: a new segment starts "
-                            "there (a rollback; pass new_segment=True to say so). Several forwards of one step are "
-                            "micro-batches inside one col.step(), not a col.step() each")
-        if new_segment:
-            self._write_late()  # (the scalars given after the last step belong to the segment it ended)
-            self._safe(self._writer.new_segment, int(step), "resume")
-            self._written.clear()
-            for steps in self._absent_steps.values():
-                steps.clear()
-        st = _Step(
-            step=int(step), truth=truth or StepTruth(), t0=time.perf_counter(),
-            due={s: s in self.streams and self.every[s] > 0 and step % self.every[s] == 0 for s in STREAMS},
-            sketch={s: self.sketch_every[s] > 0 and step % self.sketch_every[s] == 0 for s in STREAMS},
-            fused=self._ledger.device.type == "cpu" and _reduction.CPU_METHOD == "fused",
-        )
-        st.defer = (self.batch_outputs and not st.fused
-                    and _reduction.batch_method(self._ledger.device) is not None)
-        ftz, daz = _flush_mode()
-        st.flush = ftz and daz
-        if ftz != daz:
-            self._warn_once("flush", "trainhist: this thread's float arithmetic flushes subnormal numbers to zero "
-                            f"({'results' if ftz else 'inputs'} only: not torch.set_flush_denormal, which trainhist "
-                            "switches off while it reduces); sums over subnormal values may miss their stated bound")
-        self._ledger.reset(keys_clean=self._ledger_clean)
-        # (a step whose every reduction is the fused kernel's spine writes no key column)
-        self._ledger_clean = st.fused and not any(st.sketch.values())
-        if self._compiled:  # run last: see the module's final output (uncompiled: _keep_last's pre-hook, each call)
-            for m, hid in self._fwd_handles:
-                _keep_last(hid, m, ())
-        self._state = st
-        st.ran_before, self._ran_outside = self._ran_outside, False
-        self._place_completed()  # (a forward cut short in the previous step)
-        self._follow_params(st.step)
-        if not self._steps_entered:
-            self._steps_entered = True
-            self._check_params()
-        if st.due["param_delta"]:
-            with _no_flush():  # (float64 parameters are cast to float32: a flush would change subnormals)
-                self._snapshot(st)
         # clip_grad_norm_ computes the norm, then calls this module's _clip_grads_with_norm_ by its global name: a
         # loop that bound clip_grad_norm_ itself at import (from torch.nn.utils import ...) still goes through it
         clip_mod = torch.nn.utils.clip_grad
@@ -1233,12 +1190,69 @@ class Collector:
             torch.nn.utils.clip_grad_norm_, clip_mod.clip_grad_norm_ = orig_clip
             if fsdp_clip is not None:
                 fsdp.clip_grad_norm_ = fsdp_clip  # type: ignore[union-attr]
-            if self._state is st:  # (close() inside the step has finished it already)
-                try:
-                    with _no_flush():  # (the step's own reductions, decoding and writing: see _no_flush)
-                        self._exit(st)
-                finally:
-                    self._state = None
+            with self._lock:
+                if self._state is st:  # (close() inside the step, or from another thread, has ended it already)
+                    try:
+                        with _no_flush():  # (the step's own reductions, decoding and writing: see _no_flush)
+                            self._exit(st)
+                    finally:
+                        self._state = None
+
+    def _begin(self, step: int, truth: StepTruth | None, new_segment: bool) -> "_Step | None":
+        """Open step ``step`` (see :meth:`step`); None when the writer has stopped (nothing is recorded)."""
+        if self._closed:
+            raise UsageError("the collector is closed")
+        if self._state is not None:
+            raise UsageError(f"step {step} entered while step {self._state.step} is still open")
+        if self._stopped:  # the writer stopped (a full disk): nothing can be recorded, so nothing is reduced
+            self._drain()  # (a step still in flight: its rows are refused, as any write now is)
+            self._detach()
+            return None
+        if not self._fwd_handles:
+            self.attach()
+        last, self._last_step = self._last_step, int(step)
+        if not new_segment and last is not None and int(step) <= last:  # (rows of one step twice: a new segment)
+            new_segment = True
+            self._warn_once("step_order", f"trainhist: step {step} entered after step {last}: a new segment starts "
+                            "there (a rollback; pass new_segment=True to say so). Several forwards of one step are "
+                            "micro-batches inside one col.step(), not a col.step() each")
+        if new_segment:
+            self._write_late()  # (the scalars given after the last step belong to the segment it ended)
+            self._safe(self._writer.new_segment, int(step), "resume")
+            self._written.clear()
+            for steps in self._absent_steps.values():
+                steps.clear()
+        st = _Step(
+            step=int(step), truth=truth or StepTruth(), t0=time.perf_counter(), thread=threading.get_ident(),
+            due={s: s in self.streams and self.every[s] > 0 and step % self.every[s] == 0 for s in STREAMS},
+            sketch={s: self.sketch_every[s] > 0 and step % self.sketch_every[s] == 0 for s in STREAMS},
+            fused=self._ledger.device.type == "cpu" and _reduction.CPU_METHOD == "fused",
+        )
+        st.defer = (self.batch_outputs and not st.fused
+                    and _reduction.batch_method(self._ledger.device) is not None)
+        ftz, daz = _flush_mode()
+        st.flush = ftz and daz
+        if ftz != daz:
+            self._warn_once("flush", "trainhist: this thread's float arithmetic flushes subnormal numbers to zero "
+                            f"({'results' if ftz else 'inputs'} only: not torch.set_flush_denormal, which trainhist "
+                            "switches off while it reduces); sums over subnormal values may miss their stated bound")
+        self._ledger.reset(keys_clean=self._ledger_clean)
+        # (a step whose every reduction is the fused kernel's spine writes no key column)
+        self._ledger_clean = st.fused and not any(st.sketch.values())
+        if self._compiled:  # run last: see the module's final output (uncompiled: _keep_last's pre-hook, each call)
+            for m, hid in self._fwd_handles:
+                _keep_last(hid, m, ())
+        self._state = st
+        st.ran_before, self._ran_outside = self._ran_outside, False
+        self._place_completed()  # (a forward cut short in the previous step)
+        self._follow_params(st.step)
+        if not self._steps_entered:
+            self._steps_entered = True
+            self._check_params()
+        if st.due["param_delta"]:
+            with _no_flush():  # (float64 parameters are cast to float32: a flush would change subnormals)
+                self._snapshot(st)
+        return st
 
     def _exit(self, st: _Step) -> None:
         for h in st.leaf_hooks.values():
@@ -1735,6 +1749,8 @@ class Collector:
         """The gradient reaching an output that step ``st`` produced (``passes``: how often it has, this one
         included). One reaching it in a later step (a graph kept across steps) is not this step's: left out."""
         if self._state is not st:
+            if self._closed:  # (close() from another thread ended the step: see close)
+                return
             self._warn_once("late_grad", f"trainhist: a gradient reached the output of {key[1]!r} of step {st.step} "
                             "after that step ended (a graph kept across steps): it is not recorded; only gradients "
                             "reaching a step's own outputs during the step are")
@@ -2462,15 +2478,16 @@ class Collector:
     def commit(self) -> None:
         """Write every finished step now, durably (a commit of the writer), e.g. before saving a checkpoint; the
         collector otherwise commits every ``commit_every`` steps and every 30 s."""
-        if self._closed:
-            raise UsageError("the collector is closed")
-        if self._state is not None:
-            raise UsageError(f"commit() inside step {self._state.step}: call it between steps")
-        self._write_late()
-        self._since_commit = 0
-        if self._writer is not None:
-            self._safe(self._writer.commit)
-        self._check_params()
+        with self._lock:
+            if self._closed:
+                raise UsageError("the collector is closed")
+            if self._state is not None:
+                raise UsageError(f"commit() inside step {self._state.step}: call it between steps")
+            self._write_late()
+            self._since_commit = 0
+            if self._writer is not None:
+                self._safe(self._writer.commit)
+            self._check_params()
 
     def _write_late(self) -> None:
         """Write every finished step, and the tensor scalars given after the last one (otherwise read at the next
@@ -2479,36 +2496,53 @@ class Collector:
         if self._late or self._late_host:
             if self._writer is None:  # (scalars given before attach() and any step)
                 self._open()
-            self._ledger.reset(keys_clean=self._ledger_clean)  # (this transfer writes scalar slots alone)
+            if self._late:  # (this transfer writes scalar slots alone; plain numbers need none)
+                self._ledger.reset(keys_clean=self._ledger_clean)
             st = _Step(step=-1, truth=StepTruth(), due=dict.fromkeys(STREAMS, False), sketch={}, t0=0.0, late_only=True)
             self._transfer(st)
             self._drain()
 
     def close(self) -> None:
-        """Write what is pending, remove every hook, restore the scaler, and close the writer. Idempotent."""
-        if self._closed:
-            return
-        st = self._state
-        if st is not None:  # close() inside a step (an error handler, a signal): the step so far, as interrupted
-            st.interrupted = True
-            try:
-                with _no_flush():
-                    self._exit(st)
-            finally:
+        """Write what is pending, remove every hook, restore the scaler, and close the writer. Idempotent.
+
+        Called from another thread than the one inside a step (the finalizer at interpreter exit while a daemon
+        thread trains), it leaves that step out: the step's hooks may be reducing into the ledger at that moment,
+        so none of its rows can be read whole. Every finished step is written; the hooks stay in place, doing
+        nothing (the other thread may be running them)."""
+        with self._lock:
+            if self._closed:
+                return
+            st = self._state
+            foreign = st is not None and st.thread != threading.get_ident()
+            if foreign:
                 self._state = None
-        self._closed = True
-        self._write_late()
-        self._detach()
-        if self._writer is not None and self._plan is not None:
-            self._register_sites()  # (the planned sites no step recorded: declared, with no rows)
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        if self._writer is not None and (self.path is not None):
-            self._safe(self._writer.close)
-            if _holders.get(os.path.realpath(self.path)) is self:
-                del _holders[os.path.realpath(self.path)]
-        elif self._writer is not None:
-            self._safe(self._writer.commit)
+                self._warn_once("foreign_close", f"trainhist: close() ran in another thread while step {st.step} was "
+                                "open (at interpreter exit: a daemon thread still training): that step and the "
+                                "scalars given for it inside it are not recorded; every finished step is")
+                # (tensor scalars of finished steps: read here, not through the ledger the step's hooks write)
+                self._late_host += [(s, name, float(t)) for s, name, t in self._late]
+                self._late = []
+            elif st is not None:  # close() inside a step (an error handler, a signal): the step so far, interrupted
+                st.interrupted = True
+                try:
+                    with _no_flush():
+                        self._exit(st)
+                finally:
+                    self._state = None
+            self._closed = True
+            self._write_late()
+            if not foreign:
+                self._detach()
+            if self._writer is not None and self._plan is not None:
+                self._register_sites()  # (the planned sites no step recorded: declared, with no rows)
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            if self._writer is not None and (self.path is not None):
+                self._safe(self._writer.close)
+                if _holders.get(os.path.realpath(self.path)) is self:
+                    del _holders[os.path.realpath(self.path)]
+            elif self._writer is not None:
+                self._safe(self._writer.commit)
 
     def _detach(self) -> None:
         """Remove every hook and restore the scaler's methods (at close, and once the writer has stopped).
