@@ -125,15 +125,14 @@ def _write_two_commits(p: Path, at: int, partial: bool) -> tuple[HistoryWriter, 
     return w, f
 
 
-@pytest.mark.parametrize("partial", [False, True])
-@pytest.mark.parametrize("at", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize(("at", "partial"), [(5, False)] + [(at, True) for at in range(1, 6)])
 def test_an_exception_while_a_record_is_written_stops_the_writer_and_the_file_keeps_its_commits(
         tmp_path: Path, at: int, partial: bool) -> None:
-    """An interrupt (Ctrl-C) that came right after a record of a commit was written, before the writer counted it,
-    or a write that failed half way: close() (as ``with`` calls it) went on and wrote a commit that did not name that
+    """A write that failed half way, or an interrupt (Ctrl-C) that came right after the commit record was written,
+    before the writer counted it: close() (as ``with`` calls it) went on and wrote a commit that did not name that
     record, or named a record at an offset that was not where it was written; the file was corrupt (bad_commit,
     bad_record_header) and its commits readable only by cutting it. Now the writer stops writing: the file reads as
-    its last commit, and resumes."""
+    its last commit, and resumes. (An interrupt before the commit record: the next test.)"""
     p = tmp_path / "a.thist"
     w, f = _write_two_commits(p, at, partial)
     with pytest.raises(KeyboardInterrupt if not partial else OSError):
@@ -156,6 +155,80 @@ def test_an_exception_while_a_record_is_written_stops_the_writer_and_the_file_ke
         w2.step_truth(3, tokens=3)
     status, steps, sites = _read(p)
     assert status == "clean" and steps == committed + [3] and sites["s0"] == committed + [3]
+
+
+@pytest.mark.parametrize("close", [False, True])
+@pytest.mark.parametrize("at", [1, 2, 3, 4])
+def test_an_interrupt_before_the_commit_record_takes_the_commit_back_and_loses_nothing(
+        tmp_path: Path, at: int, close: bool) -> None:
+    """Ctrl-C while a commit wrote its rows (before its commit record) stopped the writer: every row since the
+    last commit was lost, those of a long run's last 30 s included, and when it came inside ``close()`` (a second
+    Ctrl-C while the run ends) the rest of the run too. Now the commit is taken back (spec/crash-safety.md: the
+    file cut to where the commit began, the rows buffered again) and the writer goes on; an interrupted
+    ``close()`` leaves it open, and ``close()`` again commits everything."""
+    p = tmp_path / "a.thist"
+    w, f = _write_two_commits(p, at, partial=False)
+    size = p.stat().st_size
+    with pytest.raises(KeyboardInterrupt):
+        w.close() if close else w.commit()
+    assert f.fired and p.stat().st_size == size  # (cut back: what the commit wrote is gone)
+    assert _read(p)[1] == [0, 1]
+    if not close:  # the writer goes on
+        for i in range(3):
+            w.observe(w.site(f"s{i}", "activation"), 3, _values(3))
+        w.step_truth(3, tokens=3)
+    w.close()
+    w.close()
+    want = [0, 1, 2] if close else [0, 1, 2, 3]
+    assert _read(p) == ("clean", want, {f"s{i}": want for i in range(3)})
+    with trainhist.open(p) as h:
+        assert h.spine("s1", "activation").columns["max"].tolist() == [7.0 + s for s in want]
+
+
+def _three_steps(p: Path) -> HistoryWriter:
+    """Steps 0 and 1 of three sites committed, step 2 buffered."""
+    w = HistoryWriter(p, **FIXED)
+    sites = [w.site(f"s{i}", "activation") for i in range(3)]
+    for step in range(3):
+        for s in sites:
+            w.observe(s, step, _values(step))
+        w.step_truth(step, tokens=step)
+        if step == 1:
+            w.commit()
+    return w
+
+
+@pytest.mark.parametrize("close", [False, True])
+def test_an_interrupt_anywhere_in_a_commit_loses_nothing_or_leaves_the_last_commit(tmp_path: Path,
+                                                                                    close: bool) -> None:
+    """Ctrl-C at every third point of ``commit()`` (``close()``) where a signal handler can run (tests/interrupts.py):
+    taken back, the writer goes on and ``close()`` commits steps 0-2 whole; stopped (an interrupt once the commit
+    record is written), the file holds that commit, and resumes. Never a corrupt file, never a row lost or twice."""
+    from interrupts import Interrupter, keyboard_interrupt
+
+    with Interrupter(10**9, keyboard_interrupt) as count:
+        w = _three_steps(tmp_path / "count.thist")
+        count.points = 0  # (the commit alone)
+        w.close() if close else w.commit()
+    assert count.where is None and count.points > 1000
+    outcomes: dict[str, int] = {}
+    for n in [*range(1, count.points + 1, 3), count.points]:
+        p = tmp_path / f"{n}.thist"
+        w = _three_steps(p)
+        with pytest.raises(KeyboardInterrupt), Interrupter(n, keyboard_interrupt) as at:
+            w.close() if close else w.commit()
+        assert at.where is not None
+        stopped = w._failed is not None
+        w.close()  # (taken back: commits now; stopped: only lets the file go)
+        assert _read(p) == ("clean", [0, 1, 2], {f"s{i}": [0, 1, 2] for i in range(3)}), at.where
+        outcomes["stopped" if stopped else "taken back"] = outcomes.get("stopped" if stopped else "taken back", 0) + 1
+        if stopped:
+            with HistoryWriter(p, mode="a", **FIXED) as w2:
+                w2.observe(w2.site("s0", "activation"), 3, _values(3))
+                w2.step_truth(3, tokens=3)
+            assert _read(p)[1] == [0, 1, 2, 3], at.where
+    # (an interrupt stops the writer only once the commit record is written: a few points of the whole commit)
+    assert 0 < outcomes.get("stopped", 0) < 0.01 * outcomes["taken back"], outcomes
 
 
 def test_an_exception_while_a_site_manifest_is_written_does_not_declare_the_site_twice(tmp_path: Path) -> None:

@@ -706,6 +706,9 @@ class HistoryWriter:
         self._closed = False
         #: why the writer stopped writing (an exception while it wrote a record or synced), or None: see _fail
         self._failed: str | None = None
+        # (where commit() began, to take it back when interrupted: offset, sequence, entries, buffers, tables, steps,
+        # segment manifest; see _take_back)
+        self._mark: tuple | None = None
         self._last_step: int | None = None
         self._steps_since_commit = 0
         self._last_commit_time = time.monotonic()
@@ -809,14 +812,18 @@ class HistoryWriter:
     def _record(self, rtype: int, payload: bytes, *, site: int = NO_ID, segment: int = NO_ID, rows: int = 0,
                 steps: tuple[int, int] = (0, 0)) -> None:
         hdr = RecordHeader(rtype, 0, len(payload), self._seq, self._salt, crc32c(payload)).pack()
+        data = hdr + payload + b"\0" * pad8(len(payload))
+        if rtype == RecordType.COMMIT:  # (from its write on, an interrupt stops the writer: a reader may find it)
+            self._mark = None
         try:
-            self._f.write(hdr + payload + b"\0" * pad8(len(payload)))
+            self._f.write(data)
             if rtype != RecordType.COMMIT:
                 self._entries.append((self._offset, rtype, site, segment, rows, steps[0], steps[1]))
             self._offset += len(hdr) + len(payload) + pad8(len(payload))
             self._seq += 1
         except BaseException as e:  # (part of the record may be in the file, and not in the offsets and entries)
-            self._fail(e)
+            if isinstance(e, Exception) or self._mark is None:  # (else: commit() takes the commit back)
+                self._fail(e)
             raise
 
     def _fail(self, e: BaseException) -> None:
@@ -1212,7 +1219,8 @@ class HistoryWriter:
         except Exception:  # (rows that cannot be encoded: refused, the file as it was)
             raise
         except BaseException as e:  # (an interrupt: the rows may be neither buffered nor written)
-            self._fail(e)
+            if self._mark is None:  # (else: commit() takes the commit back)
+                self._fail(e)
             raise
 
     def _write_rows(self, sid: int, segment: int, rows: list[tuple]) -> None:
@@ -1229,7 +1237,8 @@ class HistoryWriter:
                 self._record(RecordType.MANIFEST, payload)
                 self._segment_manifest = None
             except BaseException as e:
-                self._fail(e)
+                if isinstance(e, Exception) or self._mark is None:  # (else: commit() takes the commit back)
+                    self._fail(e)
                 raise
 
     def _flush_all(self) -> None:
@@ -1263,17 +1272,41 @@ class HistoryWriter:
             self._record(RecordType.OBS, payload, site=sid, segment=segment, rows=len(rows), steps=(lo, hi))
 
     def commit(self) -> None:
-        """Write every buffered row and a commit record; after it returns, a reader sees all of it."""
+        """Write every buffered row and a commit record; after it returns, a reader sees all of it. Interrupted
+        (Ctrl-C) before its commit record, it takes itself back (see :meth:`_take_back`): nothing is lost."""
         self._check_open()
+        mark = (self._offset, self._seq, len(self._entries), dict(self._buffers), self._tables, dict(self._steps),
+                self._segment_manifest)
         try:
+            self._mark = mark
             self._commit()
         except Exception:  # (rows that cannot be encoded: refused; an I/O error has stopped the writer already)
             raise
         except BaseException as e:  # (an interrupt: records may be written that the buffers and entries still hold)
-            self._fail(e)
+            if self._mark is None or not self._take_back():
+                self._fail(e)
             raise
+        finally:
+            self._mark = None
         self._steps_since_commit = 0
         self._last_commit_time = time.monotonic()
+
+    def _take_back(self) -> bool:
+        """Undo a commit interrupted before its commit record (spec/crash-safety.md, writer obligations): the file
+        cut to where it stood when the commit began (only records no commit names are dropped), and the rows, tables,
+        step rows and segment manifest it was writing buffered again. False when the file could not be cut."""
+        assert self._mark is not None
+        offset, seq, entries, buffers, tables, steps, manifest = self._mark
+        self._mark = None
+        try:
+            self._f.seek(offset)  # (a buffered file writes what it holds first)
+            self._f.truncate()
+        except BaseException:  # noqa: BLE001 -- commit() raises the interrupt it took back
+            return False
+        self._offset, self._seq = offset, seq
+        del self._entries[entries:]
+        self._buffers, self._tables, self._steps, self._segment_manifest = buffers, tables, steps, manifest
+        return True
 
     def _commit(self) -> None:
         self._flush_all()
@@ -1308,16 +1341,29 @@ class HistoryWriter:
             if self._failed is None:  # (a writer that stopped writes nothing more: see _fail)
                 self.commit()
                 self._sync(self._fsync != "never")
-        finally:
-            self._closed = True
-            _unlock(self._f)
-            if self._failed is None:
+        except BaseException as e:
+            if not isinstance(e, Exception) and self._failed is None:  # an interrupted commit taken back: still
+                raise  # open, holding its rows (close() again commits them)
+            self._release()
+            raise
+        self._release()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has finished (an interrupted one leaves the writer open: call it again)."""
+        return self._closed
+
+    def _release(self) -> None:
+        """Mark the writer closed, unlock the file and close it."""
+        self._closed = True
+        _unlock(self._f)
+        if self._failed is None:
+            self._f.close()
+        else:  # (the error that stopped it was raised already: closing raises no second one)
+            try:
                 self._f.close()
-            else:  # (the error that stopped it was raised already: closing raises no second one)
-                try:
-                    self._f.close()
-                except OSError:
-                    pass
+            except OSError:
+                pass
 
     def __enter__(self) -> "HistoryWriter":
         return self
