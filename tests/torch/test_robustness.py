@@ -388,6 +388,152 @@ def test_close_from_another_thread_waits_for_a_step_that_thread_is_ending(tmp_pa
     assert ("step_interrupted", "scalar", None) not in {x.key for x in h.sites}  # (step 2 ended whole)
 
 
+def _identities(path) -> list[tuple]:
+    """Every row's identity (spec 2.8) in the file at ``path``, one entry a row."""
+    from trainhist.dump import canonical
+
+    return [(x["path"], x["stream"], x["facet"], r["segment"], r["step"], r["span"], r["phase"], r["micro"])
+            for x in canonical(trainhist.open(path))["sites"] for r in x["rows"]]
+
+
+@pytest.mark.parametrize("then_exit", [False, True])
+def test_close_from_a_signal_handler_while_a_step_is_written_writes_it_once(tmp_path, then_exit):
+    """A signal handler calling close() (SIGTERM before a preemption) while the collector wrote the rows of the
+    step just ended (here: the writer had checked them, not yet buffered them) ended that step again and wrote its
+    rows, then the step's own writing went on: every row of the step was in the file twice, and a merge would have
+    counted it twice. Now close() waits for the step's writing, also when the handler then raises SystemExit."""
+    torch.manual_seed(0)
+    m = mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    path = tmp_path / "signal.thist"
+    col = Collector(m, path, mode="w").attach(optimizer=opt)
+    fired = []
+
+    def loop() -> None:
+        for s in range(4):
+            with col.step(s):
+                m(torch.randn(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            if s == 0:
+                w = col._writer
+                row_step = w._row_step
+
+                def handler_inside(step: int) -> int:  # (a signal handler runs between any two bytecodes)
+                    if step == 2 and not fired:
+                        fired.append(step)
+                        col.close()
+                        if then_exit:
+                            raise SystemExit(0)
+                    return row_step(step)
+
+                w._row_step = handler_inside
+            if col._closed:
+                break
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no writer error either)
+        if then_exit:
+            with pytest.raises(SystemExit):
+                loop()
+        else:
+            loop()
+    assert fired == [2] and col._closed
+    ids = _identities(path)
+    assert len(ids) == len(set(ids))  # (no row twice)
+    h = trainhist.open(path)
+    assert h.recovery.status == "clean"
+    assert h.spine("0", "activation").step.tolist()[:2] == [0, 1]
+    if not then_exit:  # the step whose rows were being written: whole
+        for site, stream in [("0", "activation"), ("0", "activation_grad"), ("0.weight", "param"),
+                             ("0.weight", "param_grad")]:
+            assert h.spine(site, stream).step.tolist() == [0, 1, 2], (site, stream)
+
+
+def _interrupted_run(path, n: int, action: str) -> tuple[object, str | None]:
+    """Train an MLP 4 steps with a collector (a commit after step 3, then close()), interrupted at the ``n``-th
+    point from step 2 on where a signal handler can run (tests/interrupts.py): Ctrl-C (``ki``), or a SIGTERM
+    handler that closes the collector and exits (``close_exit``). Then close() again, as the at-exit close does.
+    Returns the interrupter and the exception the loop ended with (its type's name)."""
+    from interrupts import Interrupter
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(inplace=True), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    col = Collector(m, path, mode="w").attach(optimizer=opt)
+
+    def act() -> None:
+        if action == "close_exit":
+            col.close()
+            raise SystemExit(0)
+        raise KeyboardInterrupt
+
+    at = Interrupter(n, act)
+    ended = None
+    try:
+        for s in range(4):
+            if s == 2:
+                at.__enter__()
+            with col.step(s):
+                loss = m(torch.randn(2, 4)).sum()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            col.scalars(s, loss=loss)
+            if s == 3:
+                col.commit()
+        col.close()
+    except (KeyboardInterrupt, SystemExit) as e:
+        ended = type(e).__name__
+    finally:
+        at.__exit__()
+    col.close()
+    return at, ended
+
+
+def _rows(path) -> dict[tuple, dict]:
+    """Each row of the file by its identity (spec 2.8); a row twice fails."""
+    from trainhist.dump import canonical
+
+    rows: dict[tuple, dict] = {}
+    for x in canonical(trainhist.open(path))["sites"]:
+        for r in x["rows"]:
+            ident = (x["path"], x["stream"], x["facet"], r["phase"], r["micro"], r["segment"], int(r["step"][2:]))
+            assert ident not in rows, f"a row twice: {ident}"
+            rows[ident] = r
+    return rows
+
+
+@pytest.mark.parametrize("action", ["ki", "close_exit"])
+def test_an_interrupt_anywhere_in_a_step_or_in_close_keeps_every_finished_step_and_writes_nothing_wrong(tmp_path,
+                                                                                                      action):
+    """Ctrl-C (or a SIGTERM handler that closes the collector and exits) at 80 points spread over step 2, step 3, a
+    commit and close(): the loop ends with that exception and no other; after the close at exit the file reads
+    clean, holds steps 0 and 1 whole and equal to an uninterrupted run's, never a row twice, and every observed
+    activation or activation_grad row of step 2 equals the uninterrupted run's (a row is whole or missing)."""
+    ref_at, ended = _interrupted_run(tmp_path / "ref.thist", 10**9, action)
+    assert ended is None and ref_at.where is None and ref_at.points > 5000
+    ref = _rows(tmp_path / "ref.thist")
+    wheres = set()
+    for n in range(1 + ref_at.points // 160, ref_at.points, ref_at.points // 80):
+        p = tmp_path / f"{n}.thist"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (a writer stopped by the interrupt says so)
+            at, ended = _interrupted_run(p, n, action)
+        assert ended == ("KeyboardInterrupt" if action == "ki" else "SystemExit"), (at.where, ended)
+        wheres.add(at.where)
+        assert trainhist.open(p).recovery.status == "clean", at.where
+        rows = _rows(p)
+        for ident, row in ref.items():
+            stream, step = ident[1], ident[-1]
+            if stream != "scalar" and step < 2:
+                assert rows.get(ident) == row, (at.where, ident)
+        for ident, row in rows.items():
+            if ident[1] in ("activation", "activation_grad") and ident[-1] == 2 and row["presence"] == "observed":
+                assert row == ref[ident], (at.where, ident)
+    assert len(wheres) > 40  # (the points are spread over the code)
+
+
 DAEMON_AT_EXIT = """
 import sys, threading, torch
 from trainhist.torch import Collector

@@ -684,8 +684,10 @@ class Collector:
         self._since_commit = 0
         self._closed = False
         # held while a step begins or ends, and by commit() and close(): those touch the writer and the ledger, and
-        # close() can come from another thread (at interpreter exit, while a daemon thread trains)
+        # close() can come from another thread (at interpreter exit, while a daemon thread trains), or from a signal
+        # handler in the thread that holds it (see close)
         self._lock = threading.RLock()
+        self._close_deferred = False
         self._stopped = False  # the writer stopped for good (a failed write): see _writer_error
         self._finalizer: weakref.finalize | None = None  # (see _open)
         self.writer_errors = 0
@@ -1150,8 +1152,11 @@ class Collector:
     @contextlib.contextmanager
     def step(self, step: int, *, truth: StepTruth | None = None, new_segment: bool = False) -> Iterator["Collector"]:
         """Context of one training step: everything the model and optimizer do inside it is recorded."""
-        with self._lock:
-            st = self._begin(step, truth, new_segment)
+        try:
+            with self._lock:
+                st = self._begin(step, truth, new_segment)
+        finally:
+            self._deferred_close()
         if st is None:
             yield self
             return
@@ -1190,13 +1195,22 @@ class Collector:
             torch.nn.utils.clip_grad_norm_, clip_mod.clip_grad_norm_ = orig_clip
             if fsdp_clip is not None:
                 fsdp.clip_grad_norm_ = fsdp_clip  # type: ignore[union-attr]
-            with self._lock:
-                if self._state is st:  # (close() inside the step, or from another thread, has ended it already)
-                    try:
-                        with _no_flush():  # (the step's own reductions, decoding and writing: see _no_flush)
-                            self._exit(st)
-                    finally:
-                        self._state = None
+            try:
+                with self._lock:
+                    if self._state is st:  # (close() inside the step, or from another thread, has ended it already)
+                        try:
+                            with _no_flush():  # (the step's own reductions, decoding and writing: see _no_flush)
+                                self._exit(st)
+                        finally:
+                            self._state = None
+            finally:
+                self._deferred_close()
+
+    def _deferred_close(self) -> None:
+        """The close() a signal handler asked for while this thread held the lock (see close), once it does not."""
+        if self._close_deferred and not self._lock._is_owned():  # type: ignore[attr-defined]
+            self._close_deferred = False
+            self.close()
 
     def _begin(self, step: int, truth: StepTruth | None, new_segment: bool) -> "_Step | None":
         """Open step ``step`` (see :meth:`step`); None when the writer has stopped (nothing is recorded)."""
@@ -2478,16 +2492,19 @@ class Collector:
     def commit(self) -> None:
         """Write every finished step now, durably (a commit of the writer), e.g. before saving a checkpoint; the
         collector otherwise commits every ``commit_every`` steps and every 30 s."""
-        with self._lock:
-            if self._closed:
-                raise UsageError("the collector is closed")
-            if self._state is not None:
-                raise UsageError(f"commit() inside step {self._state.step}: call it between steps")
-            self._write_late()
-            self._since_commit = 0
-            if self._writer is not None:
-                self._safe(self._writer.commit)
-            self._check_params()
+        try:
+            with self._lock:
+                if self._closed:
+                    raise UsageError("the collector is closed")
+                if self._state is not None:
+                    raise UsageError(f"commit() inside step {self._state.step}: call it between steps")
+                self._write_late()
+                self._since_commit = 0
+                if self._writer is not None:
+                    self._safe(self._writer.commit)
+                self._check_params()
+        finally:
+            self._deferred_close()
 
     def _write_late(self) -> None:
         """Write every finished step, and the tensor scalars given after the last one (otherwise read at the next
@@ -2508,9 +2525,16 @@ class Collector:
         Called from another thread than the one inside a step (the finalizer at interpreter exit while a daemon
         thread trains), it leaves that step out: the step's hooks may be reducing into the ledger at that moment,
         so none of its rows can be read whole. Every finished step is written; the hooks stay in place, doing
-        nothing (the other thread may be running them)."""
+        nothing (the other thread may be running them). Called while this thread begins or ends a step, commits or
+        closes (from a signal handler, whose code runs between any two of the thread's bytecodes), it closes once that
+        is done, also when the handler raises next: at once, it would write the step being written twice, or half."""
+        if self._lock._is_owned():  # type: ignore[attr-defined]  # (by this thread: the handler interrupted it)
+            self._close_deferred = not self._closed
+            return
         with self._lock:
             if self._closed:
+                if self._writer is not None and self.path is not None and not self._writer.closed:
+                    self._close_file()  # (the writer's close was interrupted, Ctrl-C, and taken back: again)
                 return
             st = self._state
             foreign = st is not None and st.thread != threading.get_ident()
@@ -2535,14 +2559,19 @@ class Collector:
                 self._detach()
             if self._writer is not None and self._plan is not None:
                 self._register_sites()  # (the planned sites no step recorded: declared, with no rows)
-            if self._finalizer is not None:
-                self._finalizer.detach()
             if self._writer is not None and (self.path is not None):
-                self._safe(self._writer.close)
-                if _holders.get(os.path.realpath(self.path)) is self:
-                    del _holders[os.path.realpath(self.path)]
+                self._close_file()
             elif self._writer is not None:
                 self._safe(self._writer.commit)
+            if self._finalizer is not None:
+                self._finalizer.detach()
+
+    def _close_file(self) -> None:
+        """Close the writer of the file this collector holds, and let go of the file."""
+        assert self._writer is not None and self.path is not None
+        self._safe(self._writer.close)
+        if _holders.get(os.path.realpath(self.path)) is self:
+            del _holders[os.path.realpath(self.path)]
 
     def _detach(self) -> None:
         """Remove every hook and restore the scaler's methods (at close, and once the writer has stopped).
