@@ -111,8 +111,8 @@ class _Interrupting:
         return getattr(self._f, name)
 
 
-def _write_two_commits(p: Path, at: int, partial: bool) -> tuple[HistoryWriter, _Interrupting]:
-    """Commit steps 0 and 1 of three sites, then break the ``at``-th write of the commit of step 2."""
+def _three_steps(p: Path) -> HistoryWriter:
+    """Steps 0 and 1 of three sites committed, step 2 buffered."""
     w = HistoryWriter(p, **FIXED)
     sites = [w.site(f"s{i}", "activation") for i in range(3)]
     for step in range(3):
@@ -121,6 +121,12 @@ def _write_two_commits(p: Path, at: int, partial: bool) -> tuple[HistoryWriter, 
         w.step_truth(step, tokens=step)
         if step == 1:
             w.commit()
+    return w
+
+
+def _write_two_commits(p: Path, at: int, partial: bool) -> tuple[HistoryWriter, _Interrupting]:
+    """Commit steps 0 and 1 of three sites, then break the ``at``-th write of the commit of step 2."""
+    w = _three_steps(p)
     w._f = f = _Interrupting(w._f, at, partial)
     return w, f
 
@@ -183,19 +189,6 @@ def test_an_interrupt_before_the_commit_record_takes_the_commit_back_and_loses_n
     assert _read(p) == ("clean", want, {f"s{i}": want for i in range(3)})
     with trainhist.open(p) as h:
         assert h.spine("s1", "activation").columns["max"].tolist() == [7.0 + s for s in want]
-
-
-def _three_steps(p: Path) -> HistoryWriter:
-    """Steps 0 and 1 of three sites committed, step 2 buffered."""
-    w = HistoryWriter(p, **FIXED)
-    sites = [w.site(f"s{i}", "activation") for i in range(3)]
-    for step in range(3):
-        for s in sites:
-            w.observe(s, step, _values(step))
-        w.step_truth(step, tokens=step)
-        if step == 1:
-            w.commit()
-    return w
 
 
 @pytest.mark.parametrize("close", [False, True])
