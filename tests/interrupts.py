@@ -20,11 +20,11 @@ _PACKAGE = os.path.dirname(trainhist.__file__)
 
 class Interrupter:
     """While active (``with``), call ``action`` at the ``n``-th point where a signal handler could run in the code
-    of the trainhist package (1-based; ``n`` past the last point: never), then stop tracing. ``points`` counts the
-    points passed, ``where`` names the one acted at."""
+    of the trainhist package (1-based; ``n`` past the last point: never), then stop tracing; ``function``: in the
+    functions of that name only. ``points`` counts the points passed, ``where`` names the one acted at."""
 
-    def __init__(self, n: int, action: Callable[[], None]) -> None:
-        self.n, self.action = n, action
+    def __init__(self, n: int, action: Callable[[], None], function: str | None = None) -> None:
+        self.n, self.action, self.function = n, action, function
         self.points = 0
         self.where: str | None = None
         self._last: dict[int, int] = {}  # the instruction each traced frame ran last
@@ -37,7 +37,8 @@ class Interrupter:
         sys.settrace(None)
 
     def _call(self, frame: FrameType, event: str, arg: object):  # noqa: ANN202 -- sys.settrace's protocol
-        if self.where is not None or not frame.f_code.co_filename.startswith(_PACKAGE):
+        if (self.where is not None or not frame.f_code.co_filename.startswith(_PACKAGE)
+                or self.function not in (None, frame.f_code.co_name)):
             return None
         frame.f_trace_opcodes = True
         self._point(frame)  # (a function's entry)

@@ -388,6 +388,49 @@ def test_close_from_another_thread_waits_for_a_step_that_thread_is_ending(tmp_pa
     assert ("step_interrupted", "scalar", None) not in {x.key for x in h.sites}  # (step 2 ended whole)
 
 
+def _close_in_step_1(path, n: int) -> tuple[Collector, object]:
+    """Steps 0 and 1 of an MLP, with a signal handler calling close() at the ``n``-th point where it can run inside
+    the collector's forward pre-hook (``_keep_last``) in step 1; the collector and the interrupter."""
+    from interrupts import Interrupter
+
+    torch.manual_seed(0)
+    m = mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    col = Collector(m, path, mode="w").attach(optimizer=opt)
+    at = Interrupter(n, col.close, function="_keep_last")
+    for s in range(2):
+        with col.step(s):
+            if s == 1:
+                with at:
+                    out = m(torch.randn(2, 4))
+                assert not at.where or (col._closed and m[0]._forward_hooks)  # (hooks removed when the step ends)
+            else:
+                out = m(torch.randn(2, 4))
+            out.sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert not at.where or not any(mod._forward_hooks or mod._forward_pre_hooks for mod in m.modules())
+    return col, at
+
+
+def test_close_from_a_signal_handler_inside_a_hook_leaves_the_forward_running(tmp_path):
+    """A signal handler calling close() while the collector's forward pre-hook ran (at any point of it where a
+    handler can run, in each module): close() removed the hooks there and then, and the pre-hook, iterating the
+    module's hooks, raised 'OrderedDict mutated during iteration' into the training loop. Now the step so far is
+    recorded, as interrupted, the forward goes on, and the hooks are removed when the step ends."""
+    col, count = _close_in_step_1(tmp_path / "count.thist", 10**9)
+    assert count.where is None and count.points >= 6
+    col.close()
+    for n in range(1, count.points + 1):
+        path = tmp_path / f"{n}.thist"
+        col, at = _close_in_step_1(path, n)
+        assert col._closed and at.where is not None
+        h = trainhist.open(path)
+        assert h.recovery.status == "clean"
+        assert h.spine("0", "activation").step.tolist() == [0, 1]  # (the first layer ran before any pre-hook)
+        assert h.spine("step_interrupted", "scalar").step.tolist() == [1]
+
+
 def _identities(path) -> list[tuple]:
     """Every row's identity (spec 2.8) in the file at ``path``, one entry a row."""
     from trainhist.dump import canonical

@@ -688,6 +688,7 @@ class Collector:
         # handler in the thread that holds it (see close)
         self._lock = threading.RLock()
         self._close_deferred = False
+        self._detach_later = False  # (close() inside a step: the hooks are removed when the step ends; see close)
         self._stopped = False  # the writer stopped for good (a failed write): see _writer_error
         self._finalizer: weakref.finalize | None = None  # (see _open)
         self.writer_errors = 0
@@ -1205,6 +1206,9 @@ class Collector:
                             self._state = None
             finally:
                 self._deferred_close()
+                if self._detach_later:
+                    self._detach_later = False
+                    self._detach()
 
     def _deferred_close(self) -> None:
         """The close() a signal handler asked for while this thread held the lock (see close), once it does not."""
@@ -2555,8 +2559,10 @@ class Collector:
                     self._state = None
             self._closed = True
             self._write_late()
-            if not foreign:
+            if st is None:
                 self._detach()
+            elif not foreign:  # (torch may be running the hooks now: close() from one, or from a signal handler
+                self._detach_later = True  # inside one; removed when the step ends, they do nothing till then)
             if self._writer is not None and self._plan is not None:
                 self._register_sites()  # (the planned sites no step recorded: declared, with no rows)
             if self._writer is not None and (self.path is not None):
