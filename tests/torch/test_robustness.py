@@ -431,12 +431,17 @@ def test_close_from_a_signal_handler_inside_a_hook_leaves_the_forward_running(tm
         assert h.spine("step_interrupted", "scalar").step.tolist() == [1]
 
 
-def _identities(path) -> list[tuple]:
-    """Every row's identity (spec 2.8) in the file at ``path``, one entry a row."""
+def _rows(path) -> dict[tuple, dict]:
+    """Each row of the file by its identity (spec 2.8); a row twice fails."""
     from trainhist.dump import canonical
 
-    return [(x["path"], x["stream"], x["facet"], r["segment"], r["step"], r["span"], r["phase"], r["micro"])
-            for x in canonical(trainhist.open(path))["sites"] for r in x["rows"]]
+    rows: dict[tuple, dict] = {}
+    for x in canonical(trainhist.open(path))["sites"]:
+        for r in x["rows"]:
+            ident = (x["path"], x["stream"], x["facet"], r["phase"], r["micro"], r["segment"], int(r["step"][2:]))
+            assert ident not in rows, f"a row twice: {ident}"
+            rows[ident] = r
+    return rows
 
 
 @pytest.mark.parametrize("then_exit", [False, True])
@@ -482,8 +487,7 @@ def test_close_from_a_signal_handler_while_a_step_is_written_writes_it_once(tmp_
         else:
             loop()
     assert fired == [2] and col._closed
-    ids = _identities(path)
-    assert len(ids) == len(set(ids))  # (no row twice)
+    _rows(path)  # (no row twice)
     h = trainhist.open(path)
     assert h.recovery.status == "clean"
     assert h.spine("0", "activation").step.tolist()[:2] == [0, 1]
@@ -532,19 +536,6 @@ def _interrupted_run(path, n: int, action: str) -> tuple[object, str | None]:
         at.__exit__()
     col.close()
     return at, ended
-
-
-def _rows(path) -> dict[tuple, dict]:
-    """Each row of the file by its identity (spec 2.8); a row twice fails."""
-    from trainhist.dump import canonical
-
-    rows: dict[tuple, dict] = {}
-    for x in canonical(trainhist.open(path))["sites"]:
-        for r in x["rows"]:
-            ident = (x["path"], x["stream"], x["facet"], r["phase"], r["micro"], r["segment"], int(r["step"][2:]))
-            assert ident not in rows, f"a row twice: {ident}"
-            rows[ident] = r
-    return rows
 
 
 @pytest.mark.parametrize("action", ["ki", "close_exit"])
