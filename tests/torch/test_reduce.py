@@ -466,7 +466,7 @@ def test_fused_refuses_what_it_cannot_read_by_address():
         check(run([neg], method=method), ref_summary([neg.resolve_neg()]))
 
 
-def test_without_numba_the_cpu_uses_torch_ops_and_says_so():
+def test_without_numba_the_cpu_uses_torch_ops_and_says_so(tmp_path):
     """numba is optional at run time: without it (missing, or not yet built for a new Python) importing the collector
     warns once, the CPU falls back to the torch operations, and a whole training step is still recorded."""
     import subprocess
@@ -481,9 +481,9 @@ def test_without_numba_the_cpu_uses_torch_ops_and_says_so():
         "    from trainhist.torch import Collector, reduce\n"
         "assert reduce.CPU_METHOD == 'bincount', reduce.CPU_METHOD\n"
         "assert any('fused CPU reduction is unavailable' in str(x.message) for x in w), [str(x.message) for x in w]\n"
-        "import tempfile, os, trainhist\n"
+        "import trainhist\n"
         "model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())\n"
-        "path = os.path.join(tempfile.mkdtemp(), 'h.thist')\n"
+        "path = sys.argv[1]\n"
         "col = Collector(model, path, every=1, sketch_every=1)\n"
         "with col.step(0):\n"
         "    model(torch.randn(2, 4)).sum().backward()\n"
@@ -496,7 +496,7 @@ def test_without_numba_the_cpu_uses_torch_ops_and_says_so():
         "else:\n"
         "    raise AssertionError('fused without numba')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "h.thist")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
 
