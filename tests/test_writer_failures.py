@@ -224,20 +224,62 @@ def test_an_interrupt_anywhere_in_a_commit_loses_nothing_or_leaves_the_last_comm
     assert 0 < outcomes.get("stopped", 0) < 0.01 * outcomes["taken back"], outcomes
 
 
-def test_an_exception_while_a_site_manifest_is_written_does_not_declare_the_site_twice(tmp_path: Path) -> None:
+@pytest.mark.parametrize("partial", [False, True])
+def test_an_exception_while_a_site_manifest_is_written_does_not_declare_the_site_twice(tmp_path: Path,
+                                                                                      partial: bool) -> None:
+    """A write of a site's manifest that failed half way stops the writer (the file reads as its last commit, and
+    resumes); an interrupt right after it was written is taken back (the manifest cut off, the site not declared),
+    and the writer goes on: declared again, the site is in the file once."""
     p = tmp_path / "a.thist"
     w = HistoryWriter(p, **FIXED)
     a = w.site("a", "activation")
     w.observe(a, 0, _values(0))
     w.commit()
-    w._f = _Interrupting(w._f, 1)
-    with pytest.raises(KeyboardInterrupt):
+    size = p.stat().st_size
+    w._f = _Interrupting(w._f, 1, partial)
+    with pytest.raises(OSError if partial else KeyboardInterrupt):
         w.site("b", "activation")
-    w.close()
-    assert _read(p)[0:2] == ("torn", [])
-    with HistoryWriter(p, mode="a", **FIXED) as w2:
-        w2.observe(w2.site("b", "activation"), 1, _values(1))
+    if partial:
+        w.close()
+        assert _read(p)[0:2] == ("torn", [])
+        with HistoryWriter(p, mode="a", **FIXED) as w2:
+            w2.observe(w2.site("b", "activation"), 1, _values(1))
+    else:
+        assert p.stat().st_size == size
+        w.observe(w.site("b", "activation"), 1, _values(1))
+        w.close()
     assert _read(p) == ("clean", [], {"a": [0], "b": [1]})
+
+
+def test_an_interrupt_anywhere_in_declaring_a_site_declares_it_once_or_not_at_all(tmp_path: Path) -> None:
+    """Ctrl-C at every point of ``site()`` where a signal handler can run (tests/interrupts.py): the site is not
+    declared and the writer goes on (declared again, it is in the file once); never a file that declares a site
+    twice, never a writer stopped."""
+    from interrupts import Interrupter, keyboard_interrupt
+
+    def declare(w: HistoryWriter, at: Interrupter) -> None:
+        with at:
+            w.site("b", "activation", shape=(8,), dtype="float32")
+
+    def writer(p: Path) -> HistoryWriter:
+        w = HistoryWriter(p, **FIXED)
+        w.observe(w.site("a", "activation"), 0, _values(0))
+        w.commit()
+        return w
+
+    count = Interrupter(10**9, keyboard_interrupt)
+    declare(writer(tmp_path / "count.thist"), count)
+    assert count.where is None and count.points > 50
+    for n in range(1, count.points + 1):
+        p = tmp_path / f"{n}.thist"
+        w = writer(p)
+        at = Interrupter(n, keyboard_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            declare(w, at)
+        assert at.where is not None and w._failed is None, at.where
+        w.observe(w.site("b", "activation", shape=(8,), dtype="float32"), 1, _values(1))
+        w.close()
+        assert _read(p) == ("clean", [], {"a": [0], "b": [1]}), at.where
 
 
 def test_a_failed_fsync_stops_the_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

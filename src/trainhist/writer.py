@@ -706,8 +706,7 @@ class HistoryWriter:
         self._closed = False
         #: why the writer stopped writing (an exception while it wrote a record or synced), or None: see _fail
         self._failed: str | None = None
-        # (where commit() began, to take it back when interrupted: offset, sequence, entries, buffers, tables, steps,
-        # segment manifest; see _take_back)
+        # (where commit() or site() began, to take it back when interrupted: see _marked, _take_back)
         self._mark: tuple | None = None
         self._last_step: int | None = None
         self._steps_since_commit = 0
@@ -927,14 +926,23 @@ class HistoryWriter:
             doc["order"] = _whole("order", order, 0, NO_ID)
         payload = _encode_manifest(doc)
         handle = SiteHandle(sid, path, stream, facet)
+        mark = self._marked(rows=False)
         try:  # (a manifest written and its site not known would be declared twice by the next call)
+            self._mark = mark
             self._record(RecordType.MANIFEST, payload)
             self._sites[key] = handle
             self._handles[sid] = handle
             self._site_meta[sid] = doc
-        except BaseException as e:
-            self._fail(e)
+        except BaseException as e:  # (an interrupt: the manifest taken back, the site not declared)
+            if isinstance(e, Exception) or self._mark is None or not self._take_back():
+                self._fail(e)
+            else:
+                self._sites.pop(key, None)
+                self._handles.pop(sid, None)
+                self._site_meta.pop(sid, None)
             raise
+        finally:
+            self._mark = None
         return handle
 
     def _at_step(self, step: int) -> None:
@@ -1275,8 +1283,7 @@ class HistoryWriter:
         """Write every buffered row and a commit record; after it returns, a reader sees all of it. Interrupted
         (Ctrl-C) before its commit record, it takes itself back (see :meth:`_take_back`): nothing is lost."""
         self._check_open()
-        mark = (self._offset, self._seq, len(self._entries), dict(self._buffers), self._tables, dict(self._steps),
-                self._segment_manifest)
+        mark = self._marked()
         try:
             self._mark = mark
             self._commit()
@@ -1291,10 +1298,20 @@ class HistoryWriter:
         self._steps_since_commit = 0
         self._last_commit_time = time.monotonic()
 
+    def _marked(self, rows: bool = True) -> tuple:
+        """What :meth:`_take_back` restores: the file's end, the sequence, the entries, the buffers, tables and step
+        rows (``rows``: copies, as a commit empties them), the segment manifest still to write."""
+        if rows:
+            return (self._offset, self._seq, len(self._entries), dict(self._buffers), self._tables, dict(self._steps),
+                    self._segment_manifest)
+        return (self._offset, self._seq, len(self._entries), self._buffers, self._tables, self._steps,
+                self._segment_manifest)
+
     def _take_back(self) -> bool:
-        """Undo a commit interrupted before its commit record (spec/crash-safety.md, writer obligations): the file
-        cut to where it stood when the commit began (only records no commit names are dropped), and the rows, tables,
-        step rows and segment manifest it was writing buffered again. False when the file could not be cut."""
+        """Undo a commit interrupted before its commit record, or a site's manifest (spec/crash-safety.md, writer
+        obligations): the file cut to where it stood at :meth:`_marked` (only records no commit names are dropped),
+        and the rows, tables, step rows and segment manifest being written buffered again. False when the file could
+        not be cut."""
         assert self._mark is not None
         offset, seq, entries, buffers, tables, steps, manifest = self._mark
         self._mark = None
