@@ -1318,7 +1318,7 @@ class HistoryWriter:
         try:
             self._f.seek(offset)  # (a buffered file writes what it holds first)
             self._f.truncate()
-        except BaseException:  # noqa: BLE001 -- commit() raises the interrupt it took back
+        except BaseException:  # noqa: BLE001 -- the caller raises the interrupt it was taking back
             return False
         self._offset, self._seq = offset, seq
         del self._entries[entries:]
