@@ -818,10 +818,10 @@ class HistoryWriter:
             self._f.write(data)
             if rtype != RecordType.COMMIT:
                 self._entries.append((self._offset, rtype, site, segment, rows, steps[0], steps[1]))
-            self._offset += len(hdr) + len(payload) + pad8(len(payload))
+            self._offset += len(data)
             self._seq += 1
         except BaseException as e:  # (part of the record may be in the file, and not in the offsets and entries)
-            if isinstance(e, Exception) or self._mark is None:  # (else: commit() takes the commit back)
+            if isinstance(e, Exception) or self._mark is None:  # (else: commit() or site() takes it back)
                 self._fail(e)
             raise
 
