@@ -324,6 +324,39 @@ def test_decode_rows_equals_decode_row_and_isolates_bad_rows():
         decode_row(p.row(data, ("sp", 0)), counts[1], sketch=True)
 
 
+@pytest.mark.parametrize("sketch", [False, True])
+def test_a_row_whose_extremes_a_writer_would_refuse_is_not_decoded(sketch):
+    """A row whose counts say it holds finite values but whose min and max were never written (a kernel that
+    wrote nothing), or are out of order, fails its decode on both paths, naming the failure: the collector records
+    that site 'failed' (not a SpineTable the writer refuses whole, losing every site's row of the step)."""
+    from trainhist.torch.reduce import COL_MIN, decode_arrays, decode_rows
+
+    led = Ledger("cpu")
+    x = torch.tensor([1.0, -2.0, 0.0, 3.0])
+    for k in ("good", "unwritten", "reversed"):
+        led.row(k)
+    for k in ("good", "reversed"):
+        reduce_into(x, led.row(k), sketch=sketch)
+    data = led.transfer().wait().copy()
+    # "unwritten": an untouched row read as 4 values (its counts: four zeros); "reversed": min 3, max -2
+    rev = data[led.rows["reversed"] + COL_MIN: led.rows["reversed"] + COL_MIN + 2].view(np.float64)
+    rev[:] = [3.0, 2.0]  # (the row stores min and -max)
+    keys = ["good", "unwritten", "reversed"]
+    offsets = [led.rows[k] for k in keys]
+    arrays = decode_arrays(data, offsets, [4, 4, 4], [sketch] * 3)
+    assert arrays.ok.tolist() == [True, False, False]
+    assert arrays.has.tolist() == [True, False, False]
+    good, unwritten, reversed_ = decode_rows(data, offsets, [4, 4, 4], [sketch] * 3)
+    assert (good.min, good.max, good.count) == (-2.0, 3.0, 4)
+    # (an unwritten sketch row holds no key counts either: that is named first)
+    said = "a sketch was asked of a spine-only ledger row" if sketch else "finite values but not their min <= max"
+    assert isinstance(unwritten, RuntimeError) and said in str(unwritten), unwritten
+    assert isinstance(reversed_, RuntimeError), reversed_
+    assert "finite values but not their min <= max (min 3.0, max -2.0)" in str(reversed_)
+    assert _per_row(data, offsets[1], 4, sketch)[0] == "error"
+    assert _per_row(data, offsets[2], 4, sketch)[0] == "error"
+
+
 def _strict(s: object) -> tuple:
     """A summary (or error) as a tuple in which -0.0 and 0.0 differ."""
     if isinstance(s, Exception):

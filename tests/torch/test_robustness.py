@@ -215,6 +215,42 @@ def test_a_batched_reduction_that_raises_fails_its_sites_and_training_goes_on(tm
     assert h.spine("0", "activation").presence_names == ["observed"] * 3
 
 
+def test_a_kernel_that_writes_nothing_for_one_site_fails_that_site_alone(tmp_path, monkeypatch):
+    """A reduction that returns without writing its row (a kernel bug: the row's counts then say zeros, its min and
+    max are unset) is caught when the step's rows are decoded: that site records 'failed' at that step, with a
+    warning naming it, and every other site's row of the step is written (the writer, which refuses a row no
+    tensor could give, never sees it: it would refuse the step's whole table)."""
+    import trainhist.torch.collector as cm
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "k.thist"
+    col = Collector(model, path, mode="w").attach(optimizer=opt)
+    if col._ledger.device.type != "cpu" or cm._reduction.CPU_METHOD != "fused":
+        pytest.skip("the CPU kernel's path")
+    real = cm.fused_at
+    target = ("activation", "1", None, "default")
+
+    def writes_nothing_for_target(address, n, dt, row_address, sketch):
+        if target in col._ledger.rows and row_address == col._ledger.address(target):
+            return
+        real(address, n, dt, row_address, sketch)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(col, model, opt, range(3), {1: lambda: monkeypatch.setattr(cm, "fused_at", writes_nothing_for_target),
+                                          2: lambda: monkeypatch.setattr(cm, "fused_at", real)})
+        col.close()
+    said = [str(w.message) for w in caught]
+    assert any("decoding '1' (activation) failed" in m and "min <= max" in m for m in said), said
+    assert not any("writing" in m for m in said), said
+    h = trainhist.open(path)
+    assert h.spine("1", "activation").presence_names == ["observed", "failed", "observed"]
+    for name, stream in [("0", "activation"), ("2", "activation"), ("1", "activation_grad"),
+                         ("0.weight", "param"), ("0.weight", "param_grad"), ("2.bias", "param_delta")]:
+        assert h.spine(name, stream).presence_names == ["observed"] * 3, (name, stream)
+
+
 NOT_CLOSED = """
 import sys, torch
 from trainhist.torch import Collector

@@ -652,10 +652,14 @@ def _decode_arrays(data: np.ndarray, offsets: list[int], counts: list[int], sket
         keys[:, grid.KEY_ZERO] += tail[keyrows, 0]
         nan[keyrows], pinf[keyrows] = keys[:, grid.KEY_NAN], keys[:, grid.KEY_PINF]
         ninf[keyrows] = keys[:, grid.KEY_NINF]
-    has = ok & (cnt - nan - pinf - ninf > 0)  # rows with a finite value: min, max and sums
     mn, mx = f[:, 0], -f[:, 1]
     mn = np.where(mn == 0, np.where(negz != 0, -0.0, 0.0), mn)  # the sign of a zero extreme, from the zero counts
     mx = np.where(mx == 0, np.where(posz != 0, 0.0, -0.0), mx)
+    finite = cnt - nan - pinf - ninf > 0
+    with np.errstate(invalid="ignore"):  # (a corrupted row may hold NaN there)
+        ordered = (mn < mx) | ((mn == mx) & ~(~np.signbit(mn) & np.signbit(mx)))
+    ok &= ~finite | (np.isfinite(mn) & np.isfinite(mx) & ordered)  # (spec 5.5: what a writer refuses, not decoded)
+    has = ok & finite  # rows with a finite value: min, max and sums
     sums_ok = has & np.isfinite(f[:, 2:4]).all(axis=1)
     return DecodedRows(ok=ok, has=has, sums_ok=sums_ok, count=cnt, nan=nan, pinf=pinf, ninf=ninf, zero=posz + negz,
                        min=mn, max=mx, sums=f[:, 2:4], keyrows=keyrows, keys=keys, keyed=keyed)
@@ -748,6 +752,10 @@ def _decode(row: np.ndarray, count: int, sketch: bool, keyed: int, raw: list[int
         mx = -nmx
         s.min = (-0.0 if negzero else 0.0) if mn == 0 else mn  # -0.0 < +0.0 (IEEE totalOrder)
         s.max = (0.0 if poszero else -0.0) if mx == 0 else mx
+        if not (math.isfinite(s.min) and math.isfinite(s.max)
+                and (s.min < s.max or (s.min == s.max and not math.copysign(1, s.min) > 0 > math.copysign(1, s.max)))):
+            raise RuntimeError(f"ledger row holds {count - nan - pinf - ninf} finite values but not their min <= max "
+                               f"(min {s.min!r}, max {s.max!r})")
         if math.isfinite(floats[2]) and math.isfinite(floats[3]):
             s.sum, s.sumsq = Dyadic.from_float(floats[2]), Dyadic.from_float(floats[3])
         else:  # float64 accumulation overflowed: the sums are unknown, both (spec 5.4: no state per sum), stored 0
