@@ -515,13 +515,15 @@ def test_the_writer_refuses_rows_the_reader_would_refuse(tmp_path):
     with trainhist.HistoryWriter(tmp_path / "w.thist", fsync="never") as w:
         s = w.site("x", "activation")
         for summ in bad:
-            with pytest.raises(UsageError):
+            with pytest.raises(UsageError) as e:
                 w.observe(s, 0, summary=summ)
+            assert e.value.code == "bad_summary" and "no tensor could give (spec 5.5)" in str(e.value)
         w.observe(s, 0, summary=Summary(count=2, zero=2, min=-0.0, max=0.0))  # (total order: fine)
         one = dict(count=np.array([2]), nan=np.array([0]), pinf=np.array([0]), ninf=np.array([0]),
                    zero=np.array([2]), sum=np.array([0.0]), sumsq=np.array([0.0]), method=np.array([1]))
-        with pytest.raises(UsageError):
+        with pytest.raises(UsageError) as e:
             w.observe_spines([s], 1, SpineTable(min=np.array([0.0]), max=np.array([-0.0]), **one))
+        assert e.value.code == "bad_table" and "SpineTable (row 0) that no tensor could give" in str(e.value)
         w.observe_spines([s], 1, SpineTable(min=np.array([-0.0]), max=np.array([0.0]), **one))
     h = trainhist.open(tmp_path / "w.thist")
     assert h.spine("x").step.tolist() == [0, 1] and h.verify()["rows"] == 2

@@ -259,19 +259,19 @@ def _check_summary(s: Summary) -> None:
     elif not (math.isnan(mn) and math.isnan(mx) and sums_zero):
         msg = "an observed row without finite values has NaN min and max and zero sums"
     if msg is not None:
-        raise UsageError(_impossible("Summary", msg))
+        raise UsageError(_impossible("Summary", msg), code="bad_summary")
 
 
 def _refuse_impossible(what: str, counts: np.ndarray, ranges: np.ndarray) -> None:
     """Refuse rows (``counts``: count, NaN, +inf, -inf, zero; ``ranges``: min, max) that break spec 5.5's rules
-    for an observed row, with readers' own test (:func:`~trainhist.model.row_problem`)."""
+    for an observed row, with readers' own test (:func:`~trainhist.model.row_problem`): ``bad_table``."""
     n = counts.shape[1]
     cols = dict(zip(("count", "nan", "pinf", "ninf", "zero"), counts), min=ranges[0], max=ranges[1],
                 presence=np.full(n, Presence.OBSERVED, np.uint8), sum=np.zeros(n), sumsq=np.zeros(n))
     problem = row_problem(cols)
     if problem is not None:
         row, msg = problem
-        raise UsageError(_impossible(f"{what} (row {row})", msg.removeprefix("row {row}: ")))
+        raise UsageError(_impossible(f"{what} (row {row})", msg.removeprefix("row {row}: ")), code="bad_table")
 
 
 def _impossible(what: str, rule: str) -> str:

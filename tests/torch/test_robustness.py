@@ -3,10 +3,12 @@ replaced between steps."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import threading
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -248,6 +250,55 @@ def test_a_kernel_that_writes_nothing_for_one_site_fails_that_site_alone(tmp_pat
     assert h.spine("1", "activation").presence_names == ["observed", "failed", "observed"]
     for name, stream in [("0", "activation"), ("2", "activation"), ("1", "activation_grad"),
                          ("0.weight", "param"), ("0.weight", "param_grad"), ("2.bias", "param_delta")]:
+        assert h.spine(name, stream).presence_names == ["observed"] * 3, (name, stream)
+
+
+@pytest.mark.parametrize("path", ["table", "summary"])
+def test_a_row_the_writer_refuses_fails_its_site_alone(tmp_path, monkeypatch, path):
+    """Should a decoded row still break spec 5.5 (the decode checks the writer's rules first, so it should not),
+    the writer refuses it (``bad_table`` for the step's spine table, ``bad_summary`` for one Summary): that site
+    records 'failed' at that step with a warning naming it, every other site its row, and no writer error is
+    reported. Here 0.weight's rows (the only ones of 32 values) come out of the decode with min = +inf."""
+    import trainhist.torch.collector as cm
+    from trainhist.summary import Summary
+    from trainhist.torch.reduce import DecodedRows
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    file = tmp_path / "r.thist"
+    col = Collector(model, file, mode="w").attach(optimizer=opt)
+    real_table, real_rows = DecodedRows.spine_table, cm.decode_rows
+
+    def bad_table(self, rows, sketch=False):
+        t = real_table(self, rows, sketch)
+        return dataclasses.replace(t, min=np.where(np.asarray(t.count) == 32, np.inf, t.min))
+
+    def no_arrays(*a, **k):
+        raise RuntimeError("every row by the per-row path")
+
+    def bad_rows(data, offsets, counts, sketches):
+        return [Summary(count=32, min=np.inf, max=1.0) if n == 32 else s
+                for n, s in zip(counts, real_rows(data, offsets, counts, sketches))]
+
+    def spoil() -> None:
+        if path == "table":
+            monkeypatch.setattr(DecodedRows, "spine_table", bad_table)
+        else:
+            monkeypatch.setattr(cm, "decode_arrays", no_arrays)
+            monkeypatch.setattr(cm, "decode_rows", bad_rows)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(col, model, opt, range(3), {1: spoil, 2: monkeypatch.undo})
+        col.close()
+    said = [str(w.message) for w in caught]
+    assert any("refused the row of '0.weight'" in m and "recorded as 'failed'" in m for m in said), said
+    assert not any("writing" in m for m in said), said
+    assert col.writer_errors == 0
+    h = trainhist.open(file)
+    for stream in ("param", "param_grad", "param_delta"):
+        assert h.spine("0.weight", stream).presence_names == ["observed", "failed", "observed"], stream
+    for name, stream in [("0", "activation"), ("1", "activation_grad"), ("0.bias", "param"), ("2.weight", "param")]:
         assert h.spine(name, stream).presence_names == ["observed"] * 3, (name, stream)
 
 

@@ -45,7 +45,7 @@ import torch
 from ..errors import UsageError
 from ..model import Applied, Clipped
 from ..summary import SumMethod
-from ..writer import _real, _whole
+from ..writer import SiteHandle, _real, _whole
 from .plan import (
     ROOT,
     STREAMS,
@@ -2464,12 +2464,32 @@ class Collector:
         self._emit_batch(st, list(zip(handles, phases, rows)))
 
     def _observe_spines(self, st: _Step, handles: object, phases: object, idx: object, sketch: bool) -> None:
-        """One writer call: rows ``idx`` of ``st.spines`` as the observations of ``handles`` in ``phases``."""
+        """One writer call: rows ``idx`` of ``st.spines`` as the observations of ``handles`` in ``phases``. A table
+        the writer refuses for a row no tensor could give (``bad_table``; the decode checks the same rules first,
+        so none should) is written row by row: the refused row's site records 'failed', the others their rows."""
         try:
             table = st.spines.spine_table(np.array(idx, dtype=np.int64), sketch)  # type: ignore[union-attr]
             self._writer.observe_spines(handles, st.step, table, phases=phases)
         except Exception as e:  # noqa: BLE001 -- a broken disk must not kill the training run
-            self._writer_error(e)
+            if not (isinstance(e, UsageError) and e.code == "bad_table"):
+                self._writer_error(e)
+                return
+            for h, phase, i in zip(handles, phases, idx):  # type: ignore[call-overload]
+                try:
+                    row = st.spines.spine_table(np.array([i], dtype=np.int64), sketch)  # type: ignore[union-attr]
+                    self._writer.observe_spines([h], st.step, row, phases=[phase])
+                except Exception as e1:  # noqa: BLE001
+                    if not (isinstance(e1, UsageError) and e1.code == "bad_table"):
+                        self._writer_error(e1)
+                        return
+                    self._refused_row(h, st.step, phase, e1)
+
+    def _refused_row(self, h: SiteHandle, step: int, phase: str, e: Exception) -> None:
+        """The writer refused a reduced row as one no tensor could give (a reduction's fault, not the disk's): its
+        site records 'failed' at that step."""
+        self._warn_once(("refused_row", h.stream, h.path), f"trainhist: the history refused the row of {h.path!r} "
+                        f"({h.stream}) at step {step} ({e}): recorded as 'failed'")
+        self._safe(self._writer.mark, h, step, "failed", phase=phase)
 
     def _emit(self, st: _Step, s: PlannedSite, phase: str, key: tuple, summ: object, held: str | None) -> None:
         h = self._handle(s.path, s.stream, s.facet)
@@ -2481,7 +2501,10 @@ class Collector:
             try:  # (the common case, without _safe's extra call)
                 self._writer.observe(h, st.step, summary=summ, phase=phase)
             except Exception as e:  # noqa: BLE001 -- a broken disk must not kill the training run
-                self._writer_error(e)
+                if not (isinstance(e, UsageError) and e.code == "bad_summary"):
+                    self._writer_error(e)
+                    return
+                self._refused_row(h, st.step, phase, e)
         else:
             state = ("failed" if key in st.failed
                      else "unknown" if key in st.unknown or st.interrupted or (st.blind and key[1] != ROOT
