@@ -770,6 +770,36 @@ def test_killed_inside_a_commit_then_resumed_keeps_every_committed_step_and_star
     assert h.steps["step"].tolist() == [0, 1, 2, 3, 4, 5]
 
 
+def test_writer_errors_said_once_are_tallied_at_close(tmp_path, monkeypatch):
+    """Writer calls that raise without stopping the writer are said once, when the first happens; close() then
+    says how many failed in all (with the first), so no later loss goes unreported; training and the other rows
+    are unaffected."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "tally.thist"
+    col = Collector(model, path, mode="w").attach(optimizer=opt)
+    real = col._writer.step_truth
+
+    def odd_steps_fail(step, *a, **k):
+        if step % 2:
+            raise ValueError(f"step truth of step {step} refused")
+        return real(step, *a, **k)
+
+    monkeypatch.setattr(col._writer, "step_truth", odd_steps_fail)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(col, model, opt, range(6))
+        first = [str(w.message) for w in caught if "trainhist:" in str(w.message)]
+        col.close()
+    said = [str(w.message) for w in caught if "trainhist:" in str(w.message)]
+    assert len(first) == 1 and "step truth of step 1 refused" in first[0], first
+    assert col.writer_errors == 3
+    tally = said[len(first):]
+    assert len(tally) == 1 and "3 writer calls failed" in tally[0] and "step truth of step 1 refused" in tally[0]
+    assert trainhist.open(path).steps["step"].tolist() == [0, 2, 4]
+    assert trainhist.open(path).spine("0.weight", "param").step.tolist() == [0, 1, 2, 3, 4, 5]
+
+
 def test_a_writer_that_stops_after_another_write_error_is_still_said(tmp_path, monkeypatch):
     """One writer call that raises (not an I/O error: the writer goes on) warns once; a full disk later, which stops
     the writer, is said too, once."""

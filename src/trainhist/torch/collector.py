@@ -692,6 +692,7 @@ class Collector:
         self._stopped = False  # the writer stopped for good (a failed write): see _writer_error
         self._finalizer: weakref.finalize | None = None  # (see _open)
         self.writer_errors = 0
+        self._first_writer_error = ""
         self.first_nonfinite: tuple[int, str, str, str | None] | None = None
         if any(getattr(p, "_is_flat_param", False) for p in self._params.values()):
             self._warn_once("flat_param", "trainhist: FSDP with use_orig_params=False: the model's parameters are "
@@ -1126,6 +1127,8 @@ class Collector:
 
     def _writer_error(self, e: Exception) -> None:
         self.writer_errors += 1
+        if self.writer_errors == 1:
+            self._first_writer_error = repr(e)[:300]
         if "writer_stopped" in self._warned:
             return
         stopped = (isinstance(e, OSError) or getattr(e, "code", None) == "writer_failed"
@@ -2594,6 +2597,10 @@ class Collector:
                 self._safe(self._writer.commit)
             if self._finalizer is not None:
                 self._finalizer.detach()
+            if self.writer_errors > 1 and not self._stopped:  # (only the first was said when it happened)
+                self._warn_once("writer_tally", f"trainhist: {self.writer_errors} writer calls failed in this "
+                                f"collector's run, the first {self._first_writer_error}; what each held (rows, "
+                                "scalars, marks) is not in the history, the rest is")
 
     def _close_file(self) -> None:
         """Close the writer of the file this collector holds, and let go of the file."""
