@@ -1143,7 +1143,8 @@ class Collector:
                     f"col.close(), then make a new Collector on {self.path or 'the file'}: it appends a new segment "
                     f"(mode='a', its default)")
         else:
-            what = "training continues; further write errors are not reported, unless the writer stops"
+            what = ("training continues; further write errors are not reported, unless the writer stops: "
+                    "close() says how many there were")
         self._warn_once("writer_stopped" if stopped else "writer",
                         f"trainhist: writing {self.path or 'the history'} failed ({e!r}): {what}")
 
