@@ -2491,8 +2491,8 @@ class Collector:
     def _refused_row(self, h: SiteHandle, step: int, phase: str, e: Exception) -> None:
         """The writer refused a reduced row as one no tensor could give (a reduction's fault, not the disk's): its
         site records 'failed' at that step."""
-        self._warn_once(("refused_row", h.stream, h.path), f"trainhist: the history refused the row of {h.path!r} "
-                        f"({h.stream}) at step {step} ({e}): recorded as 'failed'")
+        self._warn_once("refused_row", f"trainhist: the history refused the row of {h.path!r} ({h.stream}) at step "
+                        f"{step} ({e}): recorded as 'failed' (as is any other row refused so, without a warning)")
         self._safe(self._writer.mark, h, step, "failed", phase=phase)
 
     def _emit(self, st: _Step, s: PlannedSite, phase: str, key: tuple, summ: object, held: str | None) -> None:
