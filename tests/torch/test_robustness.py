@@ -253,6 +253,39 @@ def test_a_kernel_that_writes_nothing_for_one_site_fails_that_site_alone(tmp_pat
         assert h.spine(name, stream).presence_names == ["observed"] * 3, (name, stream)
 
 
+def test_a_fault_shared_by_every_site_warns_a_few_times_not_once_a_site(tmp_path, monkeypatch):
+    """Every activation of a 40-layer model fails to reduce (a fault they share): the first five sites are named
+    in a warning each, one more says the others are recorded 'failed' too; every one of them is 'failed' in the
+    file, and the parameters' rows (another path) are not."""
+    import trainhist.torch.collector as cm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(40)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    path = tmp_path / "many.thist"
+    col = Collector(model, path, mode="w", streams=("activation", "param")).attach(optimizer=opt)
+
+    def broken(*a, **k):
+        raise RuntimeError("a fault every site shares")
+
+    monkeypatch.setattr(cm, "fused_at", broken)
+    monkeypatch.setattr(cm, "fused_into", broken)
+    monkeypatch.setattr(cm, "reduce_into", broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(col, model, opt, range(2))
+        col.close()
+    said = [str(w.message) for w in caught if "trainhist:" in str(w.message)]
+    named = [m for m in said if m.startswith("trainhist: reducing")]
+    assert len(named) == 5 and all("a fault every site shares" in m for m in named), said
+    assert sum("more than 5 sites failed this way (reduce)" in m for m in said) == 1, said
+    assert len(said) == 6, said
+    h = trainhist.open(path)
+    for i in range(40):
+        assert h.spine(str(i), "activation").presence_names == ["failed", "failed"], i
+    assert h.spine("39.weight", "param").presence_names == ["observed", "observed"]
+
+
 @pytest.mark.parametrize("path", ["table", "summary"])
 def test_a_row_the_writer_refuses_fails_its_site_alone(tmp_path, monkeypatch, path):
     """Should a decoded row still break spec 5.5 (the decode checks the writer's rules first, so it should not),

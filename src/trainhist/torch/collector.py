@@ -454,6 +454,9 @@ def _keep_last(hid: int, module: torch.nn.Module, args: tuple) -> None:
         hooks.move_to_end(hid)
 
 
+#: sites whose failing one kind of warning names (the rest of that kind are counted in one more warning)
+_SITE_WARNINGS = 5
+
 #: the writer's codes for a value it refuses (the rest of the call's rows are written): not a failing writer
 _REFUSED_VALUES = frozenset({"bad_value", "duplicate_row", "bad_summary", "bad_manifest_value", "unknown_name"})
 
@@ -674,6 +677,7 @@ class Collector:
         # found unchanged at the end of a step with no optimizer step is the earlier step's, not this one's
         self._grads_left: dict[str, tuple[weakref.ref, int]] = {}
         self._warned: set[object] = set()
+        self._site_warnings: dict[str, int] = {}  # (by kind: the sites _warn_site has counted)
         self._dtypes: dict[tuple, str] = {}  # (path, stream, facet) -> dtype name, as first seen
         self._typed: set[tuple] = set()  # keys whose site has its dtype in _dtypes
         self._wide_ints: set[tuple] = set()  # sites of 64-bit integers: their extremes may not be binary64 values
@@ -1152,6 +1156,20 @@ class Collector:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    def _warn_site(self, kind: str, key: tuple, msg: str) -> None:
+        """A warning about site ``key``'s failing (``kind``: how), once a site; after :data:`_SITE_WARNINGS` sites
+        of one kind, one more saying that further ones are recorded without a warning (a fault shared by every site
+        would otherwise warn once for each of hundreds)."""
+        if (kind, key[:2]) in self._warned:
+            return
+        n = self._site_warnings.get(kind, 0)
+        self._site_warnings[kind] = n + 1
+        if n < _SITE_WARNINGS:
+            self._warn_once((kind, key[:2]), msg)
+        elif n == _SITE_WARNINGS:
+            self._warn_once((kind, "more"), f"trainhist: more than {_SITE_WARNINGS} sites failed this way ({kind}); "
+                            "the others are recorded as 'failed' too, without a warning each")
 
     # -- the step -------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -1730,8 +1748,8 @@ class Collector:
         if st is not None:
             st.failed.add(key)
             st.counts.pop(key, None)
-        self._warn_once(("reduce", key[:2]), f"trainhist: reducing {key[1]!r} ({key[0]}) failed: {e!r}; "
-                        "recorded as 'failed'")
+        self._warn_site("reduce", key, f"trainhist: reducing {key[1]!r} ({key[0]}) failed: {e!r}; recorded as "
+                        "'failed'")
 
     def _on_forward(self, path: str, module: torch.nn.Module, args: tuple, output: object) -> None:
         st = self._state
@@ -2434,7 +2452,8 @@ class Collector:
     def _decoded(self, st: _Step, key: tuple, summ: object) -> object:
         if isinstance(summ, Exception):  # a row that cannot have come from its count: the site failed this step
             st.failed.add(key)
-            self._warn_once(("decode", key[:2]), f"trainhist: decoding {key[1]!r} ({key[0]}) failed: {summ!r}")
+            self._warn_site("decode", key, f"trainhist: decoding {key[1]!r} ({key[0]}) failed: {summ!r}; recorded as "
+                            "'failed'")
             return None
         return summ
 
