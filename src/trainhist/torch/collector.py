@@ -2431,7 +2431,7 @@ class Collector:
             if d.has[i] and max(abs(float(d.min[i])), abs(float(d.max[i]))) >= 2.0 ** 53:
                 del st.spine_rows[k]  # (an integer of 2^53 or more may have been rounded on its way to binary64)
                 st.failed.add(k)
-                self._warn_once(("wide_int", k[:2]), f"trainhist: {k[1]!r} ({k[0]}) holds "
+                self._warn_site("wide_int", k, f"trainhist: {k[1]!r} ({k[0]}) holds "
                                 f"{self._dtypes[(k[1], k[0], k[2])]} values of magnitude 2^53 or more, which min and "
                                 "max (binary64 values, spec 5.1) cannot hold exactly: recorded as 'failed'")
 
