@@ -159,6 +159,19 @@ def test_attach_after_load_state_dict_assign_does_not_warn_that_followed_paramet
     assert h.spine("0.weight", "param").max[1] == model[0].weight.max().item()
 
 
+def _on_cpu_kernel(path):
+    """An MLP, its SGD and a collector writing ``path``, on the CPU kernel's path (else the test is skipped)."""
+    import trainhist.torch.collector as cm
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    col = Collector(model, path, mode="w").attach(optimizer=opt)
+    if col._ledger.device.type != "cpu" or cm._reduction.CPU_METHOD != "fused":
+        col.close()
+        pytest.skip("the CPU kernel's path")
+    return model, opt, path, col
+
+
 @pytest.mark.parametrize("breaks", ["batch", "one"])
 def test_a_batched_reduction_that_raises_fails_its_sites_and_training_goes_on(tmp_path, monkeypatch, breaks):
     """Parameters, gradients and updates are reduced by one compiled call per stream on the CPU: when that call
@@ -168,12 +181,7 @@ def test_a_batched_reduction_that_raises_fails_its_sites_and_training_goes_on(tm
 
     ref_model = mlp()
     ref = train(None, ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1), range(3))
-    model = mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    path = tmp_path / "r.thist"
-    col = Collector(model, path, mode="w").attach(optimizer=opt)
-    if col._ledger.device.type != "cpu" or cm._reduction.CPU_METHOD != "fused":
-        pytest.skip("the CPU kernel's path")
+    model, opt, path, col = _on_cpu_kernel(tmp_path / "r.thist")
     bias = model[0].bias
     real_many, real_ats, real_at = cm.fused_many_at, cm.fusable_ats, cm.fusable_at
 
@@ -224,12 +232,7 @@ def test_a_kernel_that_writes_nothing_for_one_site_fails_that_site_alone(tmp_pat
     tensor could give, never sees it: it would refuse the step's whole table)."""
     import trainhist.torch.collector as cm
 
-    model = mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    path = tmp_path / "k.thist"
-    col = Collector(model, path, mode="w").attach(optimizer=opt)
-    if col._ledger.device.type != "cpu" or cm._reduction.CPU_METHOD != "fused":
-        pytest.skip("the CPU kernel's path")
+    model, opt, path, col = _on_cpu_kernel(tmp_path / "k.thist")
     real = cm.fused_at
     target = ("activation", "1", None, "default")
 
