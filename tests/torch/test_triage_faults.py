@@ -123,8 +123,22 @@ class _Frozen(nn.Module):
         return self.lin(x) + 0 * self.idle.sum()
 
 
-@pytest.mark.parametrize("case", ["forward_nan", "forward_inf", "backward_only", "second_micro_batch",
-                                  "poisoned_gradient", "adam_eps0"])
+def _poison_input_grad(m, now):
+    """A tensor hook, registered on ``3``'s input (``2``'s output) in the forward, after the collector's, that puts a
+    NaN into the gradient reaching ``2``'s output at step K: ``2``'s backward receives it."""
+
+    def poison(g):
+        if now["step"] != K:
+            return None
+        g = g.clone()
+        g.view(-1)[0] = float("nan")
+        return g
+
+    m[3].register_forward_pre_hook(lambda mod, inputs: inputs[0].register_hook(poison) and None)
+
+
+@pytest.mark.parametrize("case", ["forward_nan", "forward_inf", "backward_only", "backward_hook",
+                                  "second_micro_batch", "poisoned_gradient", "adam_eps0"])
 def test_an_injected_fault_is_named_at_its_site_pass_and_step(tmp_path, case) -> None:
     if case == "forward_nan":
         h = _train(tmp_path, setup=lambda m, now: _nan_at(m[2], now))
@@ -137,6 +151,9 @@ def test_an_injected_fault_is_named_at_its_site_pass_and_step(tmp_path, case) ->
         m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), BadBackward(), nn.ReLU(), nn.Linear(16, 2))
         h = _train(tmp_path, model=m, setup=lambda m, now: m[3].register_forward_pre_hook(
             lambda mod, i: setattr(mod, "on", now["step"] == K)))
+        want = (K, "2", "`2` backward (activation_grad: the gradient reaching its output) at step 3 (1 NaN)")
+    elif case == "backward_hook":  # (recorded with a tensor hook of its own, it was named at `1`: too late)
+        h = _train(tmp_path, setup=_poison_input_grad)
         want = (K, "2", "`2` backward (activation_grad: the gradient reaching its output) at step 3 (1 NaN)")
     elif case == "second_micro_batch":
         h = _train(tmp_path, micro=2, setup=lambda m, now: _nan_at(m[2], now, micro=1))

@@ -1774,8 +1774,8 @@ class Collector:
                     self._reduce_alias(st, ("activation", path, facet, "default"), t)
                 if grad and t.requires_grad:
                     key = ("activation_grad", path, facet, "default")
-                    if not t.is_leaf:  # (its hooks go with the graph)
-                        t.register_hook(partial(self._on_grad, key, st, [0]))
+                    if not t.is_leaf:  # (on the node that made it, going with the graph: see _on_grad_in)
+                        t.grad_fn.register_prehook(partial(self._on_grad_in, key, st, [0], t.output_nr))
                     elif (key, id(t)) not in st.leaf_hooks:  # (a leaf's hook sees its whole gradient: once a step)
                         st.leaf_hooks[(key, id(t))] = t.register_hook(partial(self._on_grad, key, st, [0]))
         if path == ROOT and self._deferred:  # the forward is over: reduce what it held
@@ -1784,6 +1784,15 @@ class Collector:
     def _on_outer(self, module: torch.nn.Module, args: tuple, output: object) -> None:
         if self._state is not None:
             self._state.outer += 1
+
+    def _on_grad_in(self, key: tuple, st: _Step, passes: list[int], nr: int, grads: tuple) -> None:
+        """The pre-hook of the node that made an output (its output ``nr``): the gradient reaching that output as the
+        node receives it, after every hook of the tensor itself ran, also one registered after this one (a fault
+        injected into the gradient is seen at the module whose backward receives it). Cheaper than a tensor hook,
+        too. A pass that does not run the node (``torch.autograd.grad`` with the output itself among ``inputs``)
+        does not give it."""
+        if nr < len(grads) and grads[nr] is not None:
+            self._on_grad(key, st, passes, grads[nr])
 
     def _on_grad(self, key: tuple, st: _Step, passes: list[int], grad: torch.Tensor) -> None:
         """The gradient reaching an output that step ``st`` produced (``passes``: how often it has, this one
