@@ -95,7 +95,7 @@ DELEGATE = """
         import json, tempfile
         doc = json.load(open(cmd[1]))
         doc["codec"] = "shuffle"
-        fd, tmp = tempfile.mkstemp(suffix=".json")
+        fd, tmp = tempfile.mkstemp(suffix=".json", dir=os.path.dirname(os.path.abspath(__file__)))  # (tmp_path)
         os.write(fd, json.dumps(doc).encode()); os.close(fd)
         cmd = ["write", tmp, cmd[2]]
     p = subprocess.run([sys.executable, "-m", "trainhist.conformance_impl", *cmd], capture_output=True)
@@ -399,7 +399,7 @@ NO_COMMITS = """
         sys.exit(4)
     doc = json.load(open(cmd[1]))
     doc["ops"] = [op for op in doc["ops"] if op["op"] != "commit"]   # commits once, when it closes
-    fd, tmp = tempfile.mkstemp(suffix=".json")
+    fd, tmp = tempfile.mkstemp(suffix=".json", dir=os.path.dirname(os.path.abspath(__file__)))  # (tmp_path)
     os.write(fd, json.dumps(doc).encode()); os.close(fd)
     sys.exit(subprocess.run([sys.executable, "-m", "trainhist.conformance_impl", "write", tmp, cmd[2]]).returncode)
 """
