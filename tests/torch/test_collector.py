@@ -586,6 +586,41 @@ def test_aliased_outputs_are_reduced_once_and_recorded_for_every_site(tmp_path, 
         assert_row(h, name, "activation_grad", s, ref_summary(gs), facet=facet, sketch=s % 2 == 0)
 
 
+class _Halves(torch.nn.Module):
+    """Returns the two halves of its input's last dimension: two outputs of one autograd node (``chunk``)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.chunk(2, dim=-1)
+
+
+def test_outputs_of_one_autograd_node_get_their_own_gradients(tmp_path):
+    """The facets of a module output made by one autograd node (its outputs 0 and 1; the gradient of each is read
+    on that node, at its own position) each get their own gradient, equal to a tensor hook's reference; a half that
+    no gradient reaches in a step (its consumer skipped) reads absent there, not the other half's."""
+    torch.manual_seed(0)
+    lin, halves = torch.nn.Linear(8, 8), _Halves()
+    model = torch.nn.Sequential(lin, halves)
+    path = tmp_path / "halves.thist"
+    col = Collector(model, path, streams=("activation", "activation_grad"), every=1, sketch_every=1)
+    col.discover(torch.randn(2, 8))
+    col.attach()
+    spy = Spy({"1": halves})
+    for step in range(3):
+        spy.step = step
+        with col.step(step):
+            a, b = model(torch.randn(4, 8))
+            loss = (a * 3).sum() + b.square().sum() if step != 1 else (a * 3).sum()
+            loss.backward()
+    spy.remove()
+    col.close()
+    h = trainhist.open(path)
+    assert set(spy.grads) == {(0, "1", "0"), (0, "1", "1"), (1, "1", "0"), (2, "1", "0"), (2, "1", "1")}
+    for (s, name, facet), gs in spy.grads.items():
+        assert_row(h, name, "activation_grad", s, ref_summary(gs), facet=facet)
+    assert presence(h, "1", "activation_grad", 1, facet="1") == "absent"
+    assert presence(h, "1", "activation_grad", 1, facet="0") == "observed"
+
+
 def test_defaults_are_spine_every_step_and_sparser_sketches(tmp_path):
     """Issue 4: the spine every step by default, sketches sparser."""
     col = Collector(mlp(), tmp_path / "d.thist")

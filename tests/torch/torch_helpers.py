@@ -90,7 +90,8 @@ class Spy:
                 self.acts.setdefault((self.step, name, facet), []).append(t.detach().clone())
                 if t.requires_grad:
                     key = (self.step, name, facet)
-                    t.register_hook(lambda g, key=key: self.grads.setdefault(key, []).append(g.detach().clone()))
+                    t.register_hook(lambda g, key=key: None if g is None  # (an output of a node whose other
+                                    else self.grads.setdefault(key, []).append(g.detach().clone()))  # output got one)
         return hook
 
     def remove(self) -> None:
