@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .errors import UsageError
@@ -176,6 +178,20 @@ def derive_presence(tally: np.ndarray) -> np.ndarray:
     return out
 
 
+def extremes_ok(mn: np.ndarray, mx: np.ndarray) -> np.ndarray:
+    """Per row, whether ``mn`` and ``mx`` are finite with ``mn <= mx`` in IEEE total order (-0.0 before +0.0): spec
+    5.5's rule for the extremes of a row with finite values."""
+    with np.errstate(invalid="ignore"):  # (NaN compares false: not ordered)
+        ordered = (mn < mx) | ((mn == mx) & ~(~np.signbit(mn) & np.signbit(mx)))
+    return np.isfinite(mn) & np.isfinite(mx) & ordered
+
+
+def extreme_pair_ok(mn: float, mx: float) -> bool:
+    """:func:`extremes_ok` of one row, in plain Python (numpy's per-call cost on one row is many times the test)."""
+    return (math.isfinite(mn) and math.isfinite(mx)
+            and (mn < mx or (mn == mx and not math.copysign(1, mn) > 0 > math.copysign(1, mx))))
+
+
 def row_problem(cols: dict[str, np.ndarray]) -> tuple[int, str] | None:
     """The first row (index, and the message of spec 5.5's rule it breaks, with ``{row}`` for its place) of obs
     columns ``cols`` (with ``sk`` when the rows may have sketches) that no tensor could have given, or None."""
@@ -190,9 +206,8 @@ def row_problem(cols: dict[str, np.ndarray]) -> tuple[int, str] | None:
                                                              + cols["pinf"].astype(np.uint64)
                                                              + cols["ninf"].astype(np.uint64)))
     mn, mx = cols["min"], cols["max"]
+    extremes = extremes_ok(mn, mx)
     with np.errstate(invalid="ignore"):
-        ordered = (mn < mx) | ((mn == mx) & ~(~np.signbit(mn) & np.signbit(mx)))
-        extremes = np.isfinite(mn) & np.isfinite(mx) & ordered
         numbers = ((count != 0) | (cols["nan"] != 0) | (cols["pinf"] != 0) | (cols["ninf"] != 0)
                    | (cols["zero"] != 0) | (cols["sum"] != 0) | (cols["sumsq"] != 0) | ~np.isnan(mn) | ~np.isnan(mx))
     if "sk" in cols:

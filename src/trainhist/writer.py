@@ -52,6 +52,7 @@ from .model import (
     GradBasis,
     Phase,
     Presence,
+    extreme_pair_ok,
     row_problem,
 )
 from .schemas import integers, lone_surrogate, validate_manifest
@@ -253,8 +254,7 @@ def _check_summary(s: Summary) -> None:
     if nan + pinf + ninf + zero > count:
         msg = "nan + pinf + ninf + zero exceed count"
     elif count - nan - pinf - ninf > 0:
-        ordered = mn < mx or (mn == mx and not (math.copysign(1, mn) > 0 > math.copysign(1, mx)))
-        if not (math.isfinite(mn) and math.isfinite(mx) and ordered):
+        if not extreme_pair_ok(mn, mx):
             msg = "an observed row with finite values needs finite min <= max"
     elif not (math.isnan(mn) and math.isnan(mx) and sums_zero):
         msg = "an observed row without finite values has NaN min and max and zero sums"

@@ -33,6 +33,7 @@ import torch
 
 from .. import grid
 from ..dyadic import ZERO, Dyadic, dyadics_of
+from ..model import extreme_pair_ok, extremes_ok
 from ..summary import Sketch, SpineTable, SumMethod, Summary
 try:  # the compiled CPU kernel needs numba (the torch extra installs it); without it the torch ops serve the CPU too
     from . import cpukernel
@@ -656,9 +657,7 @@ def _decode_arrays(data: np.ndarray, offsets: list[int], counts: list[int], sket
     mn = np.where(mn == 0, np.where(negz != 0, -0.0, 0.0), mn)  # the sign of a zero extreme, from the zero counts
     mx = np.where(mx == 0, np.where(posz != 0, 0.0, -0.0), mx)
     finite = cnt - nan - pinf - ninf > 0
-    with np.errstate(invalid="ignore"):  # (a corrupted row may hold NaN there)
-        ordered = (mn < mx) | ((mn == mx) & ~(~np.signbit(mn) & np.signbit(mx)))
-    ok &= ~finite | (np.isfinite(mn) & np.isfinite(mx) & ordered)  # (spec 5.5: what a writer refuses, not decoded)
+    ok &= ~finite | extremes_ok(mn, mx)  # (spec 5.5: what a writer refuses, not decoded)
     has = ok & finite  # rows with a finite value: min, max and sums
     sums_ok = has & np.isfinite(f[:, 2:4]).all(axis=1)
     return DecodedRows(ok=ok, has=has, sums_ok=sums_ok, count=cnt, nan=nan, pinf=pinf, ninf=ninf, zero=posz + negz,
@@ -752,8 +751,7 @@ def _decode(row: np.ndarray, count: int, sketch: bool, keyed: int, raw: list[int
         mx = -nmx
         s.min = (-0.0 if negzero else 0.0) if mn == 0 else mn  # -0.0 < +0.0 (IEEE totalOrder)
         s.max = (0.0 if poszero else -0.0) if mx == 0 else mx
-        if not (math.isfinite(s.min) and math.isfinite(s.max)
-                and (s.min < s.max or (s.min == s.max and not math.copysign(1, s.min) > 0 > math.copysign(1, s.max)))):
+        if not extreme_pair_ok(s.min, s.max):
             raise RuntimeError(f"ledger row holds {count - nan - pinf - ninf} finite values but not their min <= max "
                                f"(min {s.min!r}, max {s.max!r})")
         if math.isfinite(floats[2]) and math.isfinite(floats[3]):
